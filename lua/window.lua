@@ -1,0 +1,166 @@
+-- callguard window script: decides one call of one caller atomically.
+--
+-- A line-by-line port of CallerState::apply (src/window.rs), which defines
+-- the semantics; the conformance tests demand identical records. Event time
+-- comes from ARGV; the Redis clock is never read. Every key written gets a
+-- TTL in the same call.
+--
+-- KEYS (all share the caller's hash tag, so they live in one Cluster slot):
+--   KEYS[1]      meta hash: L = latest event time; a:<rule>:<W>:{b,c,p} =
+--                sliding-approx bucket, current and previous counters
+--   KEYS[2]      sliding log: sorted set, member call_id, score event time
+--   KEYS[3]      idempotency index: sorted set, member call_id, score event time
+--   KEYS[4]      idempotency records: hash call_id -> encoded record
+--   KEYS[4+i]    rule i's fixed-window counter for the event's bucket
+--                (any caller key for other kinds; it is not touched)
+-- ARGV:
+--   1 t (event time, ms)        2 call_id           3 listed: 0 no, 1 allow, 2 deny
+--   4 policy: 0 attempts, 1 admitted               5 grace (ms)
+--   6 retention = longest window + grace (ms)      7 shadow: 0/1
+--   8 idempotency: 0/1          9 rules version     10 any sliding rule: 0/1
+--   11 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   2 sliding-approx), window (ms), limit, name
+-- Returns: { duplicate (0/1), record } where record is
+--   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|c1,c2,..."
+--   (prev_ts empty when the caller has no state within the retention).
+-- Numbers travel through Lua doubles: exact for times below 1e14 ms.
+
+local t = tonumber(ARGV[1])
+local id = ARGV[2]
+local listed = tonumber(ARGV[3])
+local admitted = ARGV[4] == '1'
+local grace = tonumber(ARGV[5])
+local retention = tonumber(ARGV[6])
+local shadow_mode = ARGV[7] == '1'
+local idem = ARGV[8] == '1'
+local version = ARGV[9]
+local has_sliding = ARGV[10] == '1'
+local n = tonumber(ARGV[11])
+local meta, log, ids, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+
+local latest = tonumber(redis.call('HGET', meta, 'L'))
+local lnew = t
+if latest and latest > t then lnew = latest end
+local horizon = lnew - retention
+
+if idem then
+  local stored = redis.call('HGET', rec, id)
+  if stored then
+    local sts = tonumber(string.match(stored, '^(-?%d+)|'))
+    if sts > horizon then return {1, stored} end
+  end
+end
+
+local prev = nil
+if latest and latest > horizon then prev = latest end
+
+-- Trim everything at or below the horizon.
+if has_sliding then redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon) end
+if idem then
+  local old = redis.call('ZRANGEBYSCORE', ids, '-inf', horizon)
+  for s = 1, #old, 1000 do
+    redis.call('HDEL', rec, unpack(old, s, math.min(s + 999, #old)))
+  end
+  if #old > 0 then redis.call('ZREMRANGEBYSCORE', ids, '-inf', horizon) end
+end
+
+local counts, approx = {}, {}
+for i = 1, n do
+  local base = 11 + (i - 1) * 4
+  local kind = tonumber(ARGV[base + 1])
+  local w = tonumber(ARGV[base + 2])
+  local b = math.floor(t / w)
+  if kind == 1 then
+    counts[i] = 1 + redis.call('ZCOUNT', log, '(' .. (t - w), t)
+  elseif kind == 0 then
+    if (b + 1) * w + grace <= lnew then
+      counts[i] = 1
+    else
+      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[4 + i])) or 0)
+    end
+  else
+    local f = 'a:' .. ARGV[base + 4] .. ':' .. w .. ':'
+    local cb, cur, pv = nil, 0, 0
+    if prev then
+      local v = redis.call('HMGET', meta, f .. 'b', f .. 'c', f .. 'p')
+      cb, cur, pv = tonumber(v[1]), tonumber(v[2]) or 0, tonumber(v[3]) or 0
+    end
+    if not cb then
+      cb, cur, pv = b, 0, 0
+    elseif b > cb then
+      if b == cb + 1 then pv = cur else pv = 0 end
+      cur, cb = 0, b
+    end
+    if b == cb then
+      local a = pv * math.max(w - (t - b * w) - 1, 0)
+      counts[i] = (a - a % w) / w + cur + 1
+    elseif b == cb - 1 then
+      counts[i] = pv + 1
+    else
+      counts[i] = 1
+    end
+    approx[i] = {f, cb, cur, pv, b}
+  end
+end
+
+local would, reason = 0, 'ok'
+if listed == 2 then
+  would, reason = 1, 'denylist'
+elseif listed == 1 then
+  reason = 'allowlist'
+else
+  for i = 1, n do
+    local base = 11 + (i - 1) * 4
+    if counts[i] > tonumber(ARGV[base + 3]) then
+      would, reason = 1, ARGV[base + 4]
+      break
+    end
+  end
+end
+
+if (not admitted) or would == 0 then
+  if has_sliding then
+    redis.call('ZADD', log, t, id)
+    redis.call('PEXPIRE', log, retention)
+  end
+  for i = 1, n do
+    local base = 11 + (i - 1) * 4
+    local kind = tonumber(ARGV[base + 1])
+    local w = tonumber(ARGV[base + 2])
+    if kind == 0 then
+      local b = math.floor(t / w)
+      if (b + 1) * w + grace > lnew then
+        if redis.call('INCR', KEYS[4 + i]) == 1 then
+          redis.call('PEXPIRE', KEYS[4 + i], w + grace)
+        end
+      end
+    elseif kind == 2 then
+      local a = approx[i]
+      if a[5] == a[2] then a[3] = a[3] + 1 elseif a[5] == a[2] - 1 then a[4] = a[4] + 1 end
+    end
+  end
+end
+for i = 1, n do
+  local a = approx[i]
+  if a then redis.call('HSET', meta, a[1] .. 'b', a[2], a[1] .. 'c', a[3], a[1] .. 'p', a[4]) end
+end
+redis.call('HSET', meta, 'L', lnew)
+redis.call('PEXPIRE', meta, retention)
+
+local late = 0
+if prev and t < prev - grace then late = 1 end
+local shadow = 0
+if shadow_mode and would == 1 then shadow = 1 end
+local decision = would
+if shadow == 1 then decision = 0 end
+local parts = {}
+for i = 1, n do parts[i] = string.format('%d', counts[i]) end
+local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. late
+  .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. table.concat(parts, ',')
+if idem then
+  redis.call('HSET', rec, id, encoded)
+  redis.call('PEXPIRE', rec, retention)
+  redis.call('ZADD', ids, t, id)
+  redis.call('PEXPIRE', ids, retention)
+end
+return {0, encoded}

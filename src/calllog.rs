@@ -1,0 +1,350 @@
+//! Call logs on disk: reading CSV, Parquet and Asterisk CDR files into
+//! [`CallEvent`]s, and writing tables as CSV or Parquet.
+//!
+//! Every row becomes either an event or an [`InvalidRow`]: nothing is
+//! dropped silently. CSV cells are read as text (no type inference, so a
+//! `+34...` or `0034...` number keeps its digits) and decoded by the same
+//! [`Decoder`] as Kafka payloads.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use chrono::{NaiveDateTime, TimeZone};
+use chrono_tz::Tz;
+use indicatif::{ProgressBar, ProgressStyle};
+use polars::prelude::*;
+
+use crate::error::{EventError, IoError};
+use crate::event::{CallEvent, Decoder, FieldMap, RawValue, FIELDS};
+
+/// Column names of an Asterisk `Master.csv` (cdr_csv), in file order.
+pub const ASTERISK_COLUMNS: [&str; 18] = [
+    "accountcode",
+    "src",
+    "dst",
+    "dcontext",
+    "clid",
+    "channel",
+    "dstchannel",
+    "lastapp",
+    "lastdata",
+    "start",
+    "answer",
+    "end",
+    "duration",
+    "billsec",
+    "disposition",
+    "amaflags",
+    "uniqueid",
+    "userfield",
+];
+
+/// The layout of an input file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InputFormat {
+    /// By file extension: `.parquet` is Parquet, anything else CSV.
+    Auto,
+    /// CSV with a header row.
+    Csv,
+    /// Parquet.
+    Parquet,
+    /// Asterisk `Master.csv`: no header; `src` is the caller, `uniqueid` the
+    /// call id, `start` the time (local time, see `--timezone`).
+    Asterisk,
+}
+
+/// How to read a call log.
+#[derive(Debug, Clone)]
+pub struct ReadOptions {
+    /// File layout.
+    pub format: InputFormat,
+    /// Field mapping and number normalisation.
+    pub decoder: Decoder,
+    /// Time zone of naive `YYYY-MM-DD HH:MM:SS` times (Asterisk); UTC if unset.
+    pub timezone: Option<Tz>,
+    /// Show a progress bar (only drawn on a terminal).
+    pub progress: bool,
+}
+
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions { format: InputFormat::Auto, decoder: Decoder::default(), timezone: None, progress: false }
+    }
+}
+
+/// A row that is not a valid call event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidRow {
+    /// 1-based data row number (the header is not counted).
+    pub row: u64,
+    /// Why.
+    pub error: EventError,
+}
+
+/// A decoded call log.
+#[derive(Debug, Default)]
+pub struct CallLog {
+    /// Valid events with their 1-based row numbers, in file order.
+    pub events: Vec<(u64, CallEvent)>,
+    /// Rows that are not valid events.
+    pub invalid: Vec<InvalidRow>,
+}
+
+impl CallLog {
+    /// Sorts events stably by event time (ties keep file order): the offline processing order.
+    pub fn sort_by_time(&mut self) {
+        self.events.sort_by_key(|(_, e)| e.ts_ms);
+    }
+}
+
+fn polars_err(context: impl Into<String>) -> impl FnOnce(PolarsError) -> IoError {
+    let context = context.into();
+    move |source| IoError::Polars { context, source }
+}
+
+/// Reads a whole file into a data frame of text columns.
+pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError> {
+    let ctx = format!("reading {}", path.display());
+    if !path.exists() {
+        return Err(IoError::Input(format!("{}: no such file", path.display())));
+    }
+    let format = resolve_format(path, format);
+    let df = match format {
+        InputFormat::Parquet => {
+            let file = File::open(path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
+            let df = ParquetReader::new(file).finish().map_err(polars_err(ctx.clone()))?;
+            to_text_columns(df).map_err(polars_err(ctx))?
+        }
+        InputFormat::Asterisk => {
+            let mut df = CsvReadOptions::default()
+                .with_has_header(false)
+                .with_infer_schema_length(Some(0))
+                .try_into_reader_with_file_path(Some(path.into()))
+                .map_err(polars_err(ctx.clone()))?
+                .finish()
+                .map_err(polars_err(ctx.clone()))?;
+            let width = df.width();
+            if width < ASTERISK_COLUMNS.len() {
+                return Err(IoError::Input(format!(
+                    "{}: {width} columns, an Asterisk Master.csv has {}",
+                    path.display(),
+                    ASTERISK_COLUMNS.len()
+                )));
+            }
+            let names: Vec<PlSmallStr> = (0..width)
+                .map(|i| ASTERISK_COLUMNS.get(i).map_or_else(|| format!("extra_{i}").into(), |n| (*n).into()))
+                .collect();
+            df.set_column_names(&names).map_err(polars_err(ctx))?;
+            df
+        }
+        _ => CsvReadOptions::default()
+            .with_has_header(true)
+            .with_infer_schema_length(Some(0))
+            .try_into_reader_with_file_path(Some(path.into()))
+            .map_err(polars_err(ctx.clone()))?
+            .finish()
+            .map_err(polars_err(ctx))?,
+    };
+    Ok(df)
+}
+
+fn resolve_format(path: &Path, format: InputFormat) -> InputFormat {
+    match format {
+        InputFormat::Auto if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")) => {
+            InputFormat::Parquet
+        }
+        InputFormat::Auto => InputFormat::Csv,
+        f => f,
+    }
+}
+
+/// Casts every column to text; datetimes become epoch milliseconds.
+fn to_text_columns(df: DataFrame) -> PolarsResult<DataFrame> {
+    let cols = df
+        .columns()
+        .iter()
+        .map(|c| {
+            let c = match c.dtype() {
+                DataType::Datetime(_, _) => {
+                    c.cast(&DataType::Datetime(TimeUnit::Milliseconds, None))?.cast(&DataType::Int64)?
+                }
+                _ => c.clone(),
+            };
+            c.cast(&DataType::String)
+        })
+        .collect::<PolarsResult<Vec<_>>>()?;
+    DataFrame::new(df.height(), cols)
+}
+
+/// The field mapping implied by a format (Asterisk's fixed columns), merged with the user's.
+pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
+    if format != InputFormat::Asterisk {
+        return user.clone();
+    }
+    let mut entries = vec!["call_id=uniqueid,caller=src,ts=start,callee=dst".to_string()];
+    for f in FIELDS {
+        let s = user.source(f);
+        if s != f {
+            entries.push(format!("{f}={s}"));
+        }
+    }
+    FieldMap::parse(&entries).unwrap_or_else(|_| user.clone())
+}
+
+/// Index of `ts` in [`FIELDS`].
+const TS_FIELD: usize = 2;
+
+/// Reads and decodes a call log.
+pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError> {
+    let df = read_frame(path, opts.format)?;
+    let mut decoder = opts.decoder.clone();
+    decoder.map = effective_map(opts.format, &opts.decoder.map);
+    decode_frame(&df, &decoder, opts.timezone, opts.progress)
+}
+
+/// Decodes a frame of text columns into events (row numbers start at 1).
+pub fn decode_frame(df: &DataFrame, decoder: &Decoder, tz: Option<Tz>, progress: bool) -> Result<CallLog, IoError> {
+    let names: Vec<String> = df.get_column_names().iter().map(|s| s.to_string()).collect();
+    for required in ["call_id", "caller", "ts"] {
+        let src = decoder.map.source(required);
+        if !names.iter().any(|n| n == src) {
+            return Err(IoError::Input(format!(
+                "column `{src}` (for `{required}`) not found; columns are: {} (map with --map {required}=COLUMN)",
+                names.join(", ")
+            )));
+        }
+    }
+    let mut columns: Vec<(String, Option<StringChunked>)> = Vec::new();
+    for f in FIELDS {
+        let src = decoder.map.source(f);
+        let col = match df.column(src) {
+            Ok(c) => Some(c.cast(&DataType::String).and_then(|c| Ok(c.str()?.clone())).map_err(polars_err(
+                format!("reading column `{src}`"),
+            ))?),
+            Err(_) => None,
+        };
+        columns.push((src.to_string(), col));
+    }
+    let n = df.height();
+    let bar = progress_bar(n as u64, progress, "decoding");
+    let mut iters: Vec<Option<Box<dyn Iterator<Item = Option<&str>> + '_>>> = columns
+        .iter()
+        .map(|(_, c)| c.as_ref().map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>))
+        .collect();
+    let mut log = CallLog { events: Vec::with_capacity(n), invalid: Vec::new() };
+    let mut values: Vec<Option<&str>> = vec![None; FIELDS.len()];
+    let mut ts_buf = String::new();
+    for row in 1..=n as u64 {
+        for (slot, it) in values.iter_mut().zip(iters.iter_mut()) {
+            *slot = it.as_mut().and_then(|i| i.next()).flatten();
+        }
+        // Naive local times (Asterisk's `YYYY-MM-DD HH:MM:SS`) become epoch milliseconds first.
+        ts_buf.clear();
+        if let Some(ms) = values[TS_FIELD].and_then(|raw| naive_to_ms(raw, tz)) {
+            ts_buf.push_str(&ms.to_string());
+        }
+        let ts_value = if ts_buf.is_empty() { values[TS_FIELD] } else { Some(ts_buf.as_str()) };
+        let result = decoder.decode(|name| match columns.iter().position(|(src, _)| src == name) {
+            Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
+            Some(i) => values[i].map_or(RawValue::Null, RawValue::Str),
+            None => RawValue::Null,
+        });
+        match result {
+            Ok(ev) => log.events.push((row, ev)),
+            Err(error) => log.invalid.push(InvalidRow { row, error }),
+        }
+        if row % 65_536 == 0 {
+            bar.set_position(row);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(log)
+}
+
+/// Parses `YYYY-MM-DD HH:MM:SS[.fff]` in a time zone (UTC if none).
+fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
+    let raw = raw.trim();
+    if raw.len() < 19 || raw.as_bytes().get(10) != Some(&b' ') {
+        return None;
+    }
+    let naive = NaiveDateTime::parse_from_str(raw, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+    let tz = tz.unwrap_or(chrono_tz::UTC);
+    // In a DST fold take the earlier instant; in a gap, fall back to UTC offset of the zone's standard time.
+    tz.from_local_datetime(&naive)
+        .earliest()
+        .or_else(|| tz.from_local_datetime(&(naive + chrono::Duration::hours(1))).earliest())
+        .map(|d| d.timestamp_millis())
+}
+
+/// A progress bar on stderr, drawn only on a terminal and only if wanted.
+pub fn progress_bar(len: u64, wanted: bool, what: &str) -> ProgressBar {
+    if !wanted {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    let style = ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} ({per_sec}, {eta})")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Output formats of tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFormat {
+    /// CSV with a header.
+    Csv,
+    /// Parquet (zstd).
+    Parquet,
+}
+
+impl TableFormat {
+    /// By extension: `.parquet` is Parquet, anything else CSV.
+    pub fn from_path(path: &Path) -> Self {
+        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")) {
+            TableFormat::Parquet
+        } else {
+            TableFormat::Csv
+        }
+    }
+}
+
+/// Writes a frame as CSV or Parquet, chosen by the file extension.
+pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
+    let ctx = format!("writing {}", path.display());
+    let file = File::create(path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
+    match TableFormat::from_path(path) {
+        TableFormat::Csv => CsvWriter::new(file).include_header(true).finish(df).map_err(polars_err(ctx))?,
+        TableFormat::Parquet => {
+            ParquetWriter::new(file)
+                .with_compression(ParquetCompression::Zstd(None))
+                .finish(df)
+                .map_err(polars_err(ctx))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file
+/// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
+pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
+    if invalid.is_empty() {
+        return Ok(None);
+    }
+    let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+    let path = output.with_file_name(format!("{stem}.invalid.csv"));
+    let mut df = DataFrame::new(
+        invalid.len(),
+        vec![
+            Column::new("row".into(), invalid.iter().map(|r| r.row).collect::<Vec<u64>>()),
+            Column::new("error_kind".into(), invalid.iter().map(|r| r.error.kind()).collect::<Vec<&str>>()),
+            Column::new("error".into(), invalid.iter().map(|r| r.error.to_string()).collect::<Vec<String>>()),
+        ],
+    )
+    .map_err(polars_err("building the invalid-rows table"))?;
+    let ctx = format!("writing {}", path.display());
+    let file = File::create(&path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
+    CsvWriter::new(file).include_header(true).finish(&mut df).map_err(polars_err(ctx))?;
+    Ok(Some(path))
+}

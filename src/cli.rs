@@ -1,0 +1,209 @@
+//! Command-line arguments shared by the subcommands.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::calllog::{InputFormat, ReadOptions};
+use crate::error::{EventError, RulesError};
+use crate::event::{Decoder, FieldMap};
+use crate::rules::{parse_duration_ms, CountPolicy, RuleSet};
+use crate::store::redis::RedisConfig;
+
+/// callguard: per-number call-rate windows that reject fraud bursts
+/// (robocalls, wangiri, SIP floods), online from Kafka with Redis and offline
+/// from call logs, with identical decisions.
+#[derive(Debug, Parser)]
+#[command(name = "callguard", version, about, long_about = None)]
+pub struct Cli {
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "CALLGUARD_LOG_FORMAT")]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Log formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Decide every call of a historical call log, offline, with the same
+    /// window semantics as the online consumer.
+    Replay(ReplayArgs),
+    /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
+    /// centres, robocallers, wangiri bursts) for trying and testing callguard.
+    Generate(GenerateArgs),
+}
+
+/// `callguard generate`.
+#[derive(Debug, Clone, Args)]
+pub struct GenerateArgs {
+    /// Number of calls.
+    #[arg(long, default_value_t = 20_000)]
+    pub rows: usize,
+    /// Random seed (the same seed gives the same log).
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Output CSV.
+    #[arg(long, short)]
+    pub output: PathBuf,
+}
+
+/// Where call events come from on disk and how to read them.
+#[derive(Debug, Clone, Args)]
+pub struct InputArgs {
+    /// Call log: CSV (header row), Parquet, or an Asterisk Master.csv.
+    #[arg(long, short)]
+    pub input: PathBuf,
+    /// Input layout; `auto` picks Parquet for `.parquet`, else CSV.
+    #[arg(long, value_enum, default_value_t = InputFormat::Auto)]
+    pub format: InputFormat,
+    /// Field mapping, FIELD=COLUMN[,...], e.g. `caller=src,ts=start_time`.
+    /// Fields: call_id, caller, ts, callee, duration_ms, label.
+    #[arg(long = "map", value_name = "FIELD=COLUMN")]
+    pub map: Vec<String>,
+    /// Country code for national numbers (leading 0 or no prefix), e.g. 34.
+    #[arg(long, env = "CALLGUARD_DEFAULT_COUNTRY_CODE")]
+    pub default_country_code: Option<String>,
+    /// Time zone of naive local times (Asterisk `start`), e.g. Europe/Madrid; default UTC.
+    #[arg(long)]
+    pub timezone: Option<chrono_tz::Tz>,
+}
+
+impl InputArgs {
+    /// Read options from the arguments.
+    pub fn read_options(&self, progress: bool) -> Result<ReadOptions, EventError> {
+        Ok(ReadOptions {
+            format: self.format,
+            decoder: Decoder::new(FieldMap::parse(&self.map)?, self.default_country_code.clone())?,
+            timezone: self.timezone,
+            progress,
+        })
+    }
+}
+
+/// The rule set: a file, shorthands, and overrides.
+#[derive(Debug, Clone, Args)]
+pub struct RuleArgs {
+    /// Rule set file (TOML); see data/rules.toml.
+    #[arg(long, env = "CALLGUARD_RULES")]
+    pub rules: Option<PathBuf>,
+    /// A rule NAME:KIND:WINDOW:LIMIT (KIND: fixed, sliding, sliding-approx),
+    /// e.g. `minute:sliding:60s:20`; repeatable, appended to --rules.
+    #[arg(long = "rule", value_name = "NAME:KIND:WINDOW:LIMIT")]
+    pub rule: Vec<String>,
+    /// Override the counting policy: `attempts` (every call counts) or
+    /// `admitted` (only allowed calls count).
+    #[arg(long, value_enum)]
+    pub count: Option<CountArg>,
+    /// Override the allowed lateness (e.g. 5s).
+    #[arg(long)]
+    pub grace: Option<String>,
+    /// Shadow mode: decide and report, but allow every call.
+    #[arg(long)]
+    pub shadow: bool,
+}
+
+/// `--count` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CountArg {
+    /// Every call attempt counts.
+    Attempts,
+    /// Only allowed calls count.
+    Admitted,
+}
+
+impl RuleArgs {
+    /// Builds the rule set.
+    pub fn rule_set(&self) -> Result<RuleSet, RulesError> {
+        let base = RuleSet::from_args(self.rules.as_deref(), &self.rule)?;
+        let count = match self.count {
+            Some(CountArg::Attempts) => CountPolicy::Attempts,
+            Some(CountArg::Admitted) => CountPolicy::Admitted,
+            None => base.count,
+        };
+        let grace = match &self.grace {
+            Some(g) => parse_duration_ms(g)?,
+            None => base.grace_ms,
+        };
+        if count == base.count && grace == base.grace_ms && (!self.shadow || base.shadow) {
+            return Ok(base);
+        }
+        base.with_options(count, grace, self.shadow || base.shadow)
+    }
+}
+
+/// Which window store to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// In process (no server; state is lost on exit).
+    Memory,
+    /// Redis, shared by every instance.
+    Redis,
+}
+
+/// Window store options.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Window store.
+    #[arg(long, value_enum, default_value_t = StoreKind::Memory, env = "CALLGUARD_STORE")]
+    pub store: StoreKind,
+    /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for TLS);
+    /// repeat, or separate with commas, to give Cluster seed nodes.
+    #[arg(long, env = "CALLGUARD_REDIS_URL", value_delimiter = ',', default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: Vec<String>,
+    /// Use the Redis Cluster client (implied by several URLs).
+    #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]
+    pub redis_cluster: bool,
+    /// Prefix of every Redis key, to separate environments.
+    #[arg(long, env = "CALLGUARD_KEY_PREFIX", default_value = "cg:")]
+    pub key_prefix: String,
+    /// Do not keep per-call records in Redis: faster, but a redelivered call
+    /// counts again and may get another decision.
+    #[arg(long, env = "CALLGUARD_NO_IDEMPOTENCY")]
+    pub no_idempotency: bool,
+    /// Timeout of every Redis call, in milliseconds.
+    #[arg(long, env = "CALLGUARD_REDIS_TIMEOUT_MS", default_value_t = 2000)]
+    pub redis_timeout_ms: u64,
+}
+
+impl StoreArgs {
+    /// The Redis configuration.
+    pub fn redis_config(&self) -> RedisConfig {
+        RedisConfig {
+            urls: self.redis_url.clone(),
+            cluster: self.redis_cluster,
+            key_prefix: self.key_prefix.clone(),
+            idempotency: !self.no_idempotency,
+            timeout: Duration::from_millis(self.redis_timeout_ms),
+        }
+    }
+}
+
+/// `callguard replay`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Rule options.
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Store options.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Decision records: `.csv` or `.parquet`. Invalid rows go to
+    /// `<name>.invalid.csv` beside it.
+    #[arg(long, short)]
+    pub output: PathBuf,
+}

@@ -1,0 +1,337 @@
+//! Call events: the one input record every part of callguard consumes.
+//!
+//! A call event is decoded from a Kafka JSON payload or a call-log row by the
+//! same [`Decoder`], so online and offline see exactly the same values. The
+//! calling number is normalised to E.164 (`+` and 6 to 15 digits) before it
+//! becomes part of any key; anything that cannot be normalised is an
+//! [`EventError`], never a malformed key.
+
+use std::collections::HashMap;
+
+use chrono::DateTime;
+
+use crate::error::EventError;
+
+/// Longest accepted `call_id`, in bytes.
+pub const MAX_CALL_ID_LEN: usize = 256;
+
+/// One call attempt, decoded and normalised.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallEvent {
+    /// Unique id of the call attempt (the idempotency key).
+    pub call_id: String,
+    /// The calling number, normalised to E.164 (`+` followed by 6 to 15 digits).
+    pub caller: String,
+    /// Event time, epoch milliseconds.
+    pub ts_ms: i64,
+    /// The called number as given (trimmed), if present.
+    pub callee: Option<String>,
+    /// Call duration in milliseconds, if present.
+    pub duration_ms: Option<i64>,
+    /// Ground truth for tuning: `true` for fraud, if present.
+    pub label: Option<bool>,
+}
+
+/// A field value as found in the input, before decoding.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RawValue<'a> {
+    /// Missing or null.
+    Null,
+    /// A string (CSV cells are always strings).
+    Str(&'a str),
+    /// An integer (JSON number without fraction, Parquet integer).
+    Int(i64),
+    /// A floating point number (JSON number with a fraction or exponent).
+    Float(f64),
+    /// A boolean.
+    Bool(bool),
+}
+
+impl<'a> RawValue<'a> {
+    /// Borrows a JSON value as a raw value; arrays and objects become `None`.
+    pub fn from_json(v: &'a serde_json::Value) -> Option<Self> {
+        Some(match v {
+            serde_json::Value::Null => RawValue::Null,
+            serde_json::Value::Bool(b) => RawValue::Bool(*b),
+            serde_json::Value::Number(n) => match n.as_i64() {
+                Some(i) => RawValue::Int(i),
+                None => RawValue::Float(n.as_f64().unwrap_or(f64::NAN)),
+            },
+            serde_json::Value::String(s) => RawValue::Str(s),
+            _ => return None,
+        })
+    }
+
+    fn is_null(&self) -> bool {
+        match self {
+            RawValue::Null => true,
+            RawValue::Str(s) => s.trim().is_empty(),
+            _ => false,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            RawValue::Null => "null",
+            RawValue::Str(_) => "string",
+            RawValue::Int(_) => "integer",
+            RawValue::Float(_) => "float",
+            RawValue::Bool(_) => "boolean",
+        }
+    }
+}
+
+/// The canonical field names of a call event.
+pub const FIELDS: [&str; 6] = ["call_id", "caller", "ts", "callee", "duration_ms", "label"];
+
+/// Maps canonical field names to the names used by an input (`--map caller=src`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FieldMap {
+    names: HashMap<String, String>,
+}
+
+impl FieldMap {
+    /// Parses `caller=src,ts=start_time` (entries may also be given one by one).
+    pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, EventError> {
+        let mut names = HashMap::new();
+        for entry in entries {
+            for pair in entry.as_ref().split(',').filter(|p| !p.trim().is_empty()) {
+                let (canon, source) = pair
+                    .split_once('=')
+                    .ok_or_else(|| EventError::BadMapping(pair.to_string()))?;
+                let canon = canon.trim();
+                if !FIELDS.contains(&canon) {
+                    return Err(EventError::BadMapping(format!(
+                        "{pair}: unknown field `{canon}` (known: {})",
+                        FIELDS.join(", ")
+                    )));
+                }
+                names.insert(canon.to_string(), source.trim().to_string());
+            }
+        }
+        Ok(FieldMap { names })
+    }
+
+    /// The input's name for a canonical field.
+    pub fn source<'a>(&'a self, canonical: &'a str) -> &'a str {
+        self.names.get(canonical).map(String::as_str).unwrap_or(canonical)
+    }
+}
+
+/// Decodes raw fields into [`CallEvent`]s; shared by the Kafka and call-log paths.
+#[derive(Debug, Clone, Default)]
+pub struct Decoder {
+    /// Input field names.
+    pub map: FieldMap,
+    /// Country code (digits, no `+`) for national numbers, e.g. `34`.
+    pub default_country_code: Option<String>,
+}
+
+impl Decoder {
+    /// A decoder with a field mapping and an optional default country code.
+    pub fn new(map: FieldMap, default_country_code: Option<String>) -> Result<Self, EventError> {
+        if let Some(cc) = &default_country_code {
+            let cc = cc.trim_start_matches('+');
+            if cc.is_empty() || cc.len() > 3 || !cc.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(EventError::BadCountryCode(cc.to_string()));
+            }
+        }
+        Ok(Decoder {
+            map,
+            default_country_code: default_country_code.map(|c| c.trim_start_matches('+').to_string()),
+        })
+    }
+
+    /// Decodes one event from a field lookup (`get(name)` returns the raw value of an input field).
+    pub fn decode<'a, F>(&self, get: F) -> Result<CallEvent, EventError>
+    where
+        F: Fn(&str) -> RawValue<'a>,
+    {
+        let field = |canon: &'static str| get(self.map.source(canon));
+        let call_id = decode_call_id(field("call_id"))?;
+        let caller = match field("caller") {
+            RawValue::Str(s) if !s.trim().is_empty() => {
+                normalize_number(s, self.default_country_code.as_deref())?
+            }
+            RawValue::Int(i) => normalize_number(&i.to_string(), self.default_country_code.as_deref())?,
+            v if v.is_null() => return Err(EventError::Missing("caller")),
+            v => return Err(EventError::WrongType { field: "caller", found: v.kind() }),
+        };
+        let ts_ms = parse_ts(field("ts"))?;
+        let callee = match field("callee") {
+            v if v.is_null() => None,
+            RawValue::Str(s) => Some(s.trim().to_string()),
+            RawValue::Int(i) => Some(i.to_string()),
+            v => return Err(EventError::WrongType { field: "callee", found: v.kind() }),
+        };
+        let duration_ms = match field("duration_ms") {
+            v if v.is_null() => None,
+            RawValue::Int(i) if i >= 0 => Some(i),
+            RawValue::Str(s) => match s.trim().parse::<i64>() {
+                Ok(i) if i >= 0 => Some(i),
+                _ => return Err(EventError::BadNumber { field: "duration_ms", value: s.to_string() }),
+            },
+            v => return Err(EventError::BadNumber { field: "duration_ms", value: format!("{v:?}") }),
+        };
+        let label = parse_label(field("label"))?;
+        Ok(CallEvent { call_id, caller, ts_ms, callee, duration_ms, label })
+    }
+
+    /// Decodes a JSON payload (a Kafka message value).
+    pub fn decode_json(&self, payload: &[u8]) -> Result<CallEvent, EventError> {
+        let text = std::str::from_utf8(payload).map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| EventError::Json(e.to_string()))?;
+        let obj = value.as_object().ok_or_else(|| EventError::Json("payload is not a JSON object".into()))?;
+        for canon in FIELDS {
+            let name = self.map.source(canon);
+            if let Some(v) = obj.get(name) {
+                if RawValue::from_json(v).is_none() {
+                    return Err(EventError::WrongType { field: canon, found: "array or object" });
+                }
+            }
+        }
+        self.decode(|name| obj.get(name).and_then(RawValue::from_json).unwrap_or(RawValue::Null))
+    }
+}
+
+fn decode_call_id(v: RawValue<'_>) -> Result<String, EventError> {
+    let id = match v {
+        RawValue::Str(s) => s.trim().to_string(),
+        RawValue::Int(i) => i.to_string(),
+        v if v.is_null() => return Err(EventError::Missing("call_id")),
+        v => return Err(EventError::WrongType { field: "call_id", found: v.kind() }),
+    };
+    if id.is_empty() {
+        return Err(EventError::Missing("call_id"));
+    }
+    if id.len() > MAX_CALL_ID_LEN || id.chars().any(char::is_control) {
+        return Err(EventError::BadCallId(id.chars().take(40).collect()));
+    }
+    Ok(id)
+}
+
+/// Normalises a telephone number to E.164.
+///
+/// Spaces, dashes, dots and parentheses are stripped and a leading `00`
+/// becomes `+`. With a default country code, national numbers (leading `0`,
+/// or no prefix at all) get it prepended. The result must be `+` followed by
+/// 6 to 15 digits.
+pub fn normalize_number(raw: &str, default_country_code: Option<&str>) -> Result<String, EventError> {
+    let bad = |why: &str| EventError::BadNumber { field: "caller", value: format!("{} ({why})", printable(raw)) };
+    let stripped: String = raw.chars().filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')' | '\t')).collect();
+    let e164 = if let Some(rest) = stripped.strip_prefix('+') {
+        format!("+{rest}")
+    } else if let Some(rest) = stripped.strip_prefix("00") {
+        format!("+{rest}")
+    } else if let Some(cc) = default_country_code {
+        let national = stripped.strip_prefix('0').unwrap_or(&stripped);
+        format!("+{cc}{national}")
+    } else if stripped.bytes().all(|b| b.is_ascii_digit()) && !stripped.is_empty() {
+        return Err(bad("national number: pass --default-country-code"));
+    } else {
+        format!("+{stripped}")
+    };
+    let digits = &e164[1..];
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad("only digits, +, spaces, dashes, dots and parentheses are allowed"));
+    }
+    if !(6..=15).contains(&digits.len()) {
+        return Err(bad("E.164 numbers have 6 to 15 digits"));
+    }
+    Ok(e164)
+}
+
+fn printable(s: &str) -> String {
+    let mut out: String = s.chars().take(40).flat_map(char::escape_default).collect();
+    if s.chars().count() > 40 {
+        out.push('…');
+    }
+    out
+}
+
+/// Parses an event time: integer epoch milliseconds or an RFC 3339 string.
+pub fn parse_ts(v: RawValue<'_>) -> Result<i64, EventError> {
+    match v {
+        RawValue::Int(i) => Ok(i),
+        RawValue::Str(s) => {
+            let s = s.trim();
+            if s.is_empty() {
+                return Err(EventError::Missing("ts"));
+            }
+            if let Ok(i) = s.parse::<i64>() {
+                return Ok(i);
+            }
+            DateTime::parse_from_rfc3339(s)
+                .map(|d| d.timestamp_millis())
+                .map_err(|_| EventError::BadTimestamp(printable(s)))
+        }
+        RawValue::Null => Err(EventError::Missing("ts")),
+        other => Err(EventError::BadTimestamp(format!("{other:?}"))),
+    }
+}
+
+/// Parses a label: `1`/`0`, `true`/`false`, `fraud`/`legit`; empty means unknown.
+pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
+    match v {
+        v if v.is_null() => Ok(None),
+        RawValue::Bool(b) => Ok(Some(b)),
+        RawValue::Int(1) => Ok(Some(true)),
+        RawValue::Int(0) => Ok(Some(false)),
+        RawValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "1" | "true" | "fraud" => Ok(Some(true)),
+            "0" | "false" | "legit" => Ok(Some(false)),
+            _ => Err(EventError::BadLabel(printable(s))),
+        },
+        other => Err(EventError::BadLabel(format!("{other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalises_numbers() {
+        assert_eq!(normalize_number("+34 911-23.45(67)", None).unwrap(), "+34911234567");
+        assert_eq!(normalize_number("0034911234567", None).unwrap(), "+34911234567");
+        assert_eq!(normalize_number("0911234567", Some("34")).unwrap(), "+34911234567");
+        assert_eq!(normalize_number("911234567", Some("34")).unwrap(), "+34911234567");
+        for bad in ["", "+", "abc", "+34{91}", "+34\n911", "+12345", "+1234567890123456", "911234567"] {
+            assert!(normalize_number(bad, None).is_err(), "{bad:?} must be rejected");
+        }
+    }
+
+    #[test]
+    fn parses_timestamps() {
+        assert_eq!(parse_ts(RawValue::Int(1_700_000_000_000)).unwrap(), 1_700_000_000_000);
+        assert_eq!(parse_ts(RawValue::Str("1700000000000")).unwrap(), 1_700_000_000_000);
+        assert_eq!(parse_ts(RawValue::Str("2025-12-01T00:00:00.250Z")).unwrap(), 1_764_547_200_250);
+        assert_eq!(parse_ts(RawValue::Str("2025-12-01T01:00:00.250+01:00")).unwrap(), 1_764_547_200_250);
+        assert!(parse_ts(RawValue::Str("yesterday")).is_err());
+        assert!(parse_ts(RawValue::Float(1.5)).is_err());
+        assert!(parse_ts(RawValue::Null).is_err());
+    }
+
+    #[test]
+    fn decodes_json_with_mapping() {
+        let d = Decoder::new(FieldMap::parse(&["caller=src,ts=start"]).unwrap(), None).unwrap();
+        let e = d
+            .decode_json(br#"{"call_id":"a1","src":"+34911234567","start":"2025-12-01T00:00:00Z","label":"fraud"}"#)
+            .unwrap();
+        assert_eq!(e.caller, "+34911234567");
+        assert_eq!(e.ts_ms, 1_764_547_200_000);
+        assert_eq!(e.label, Some(true));
+        assert!(d.decode_json(br#"{"call_id":"a1","src":"+34911234567"}"#).is_err());
+        assert!(d.decode_json(b"{\"call_id\":").is_err());
+        assert!(d.decode_json(b"\xff\xfe").is_err());
+        assert!(d.decode_json(br#"{"call_id":["x"],"src":"+34911234567","start":1}"#).is_err());
+    }
+
+    #[test]
+    fn rejects_bad_mapping_and_labels() {
+        assert!(FieldMap::parse(&["nope=src"]).is_err());
+        assert!(FieldMap::parse(&["caller"]).is_err());
+        assert!(parse_label(RawValue::Str("maybe")).is_err());
+        assert_eq!(parse_label(RawValue::Str(" ")).unwrap(), None);
+    }
+}

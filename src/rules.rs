@@ -1,0 +1,456 @@
+//! Rule sets: which windows to count and when to reject.
+//!
+//! A rule set comes from a TOML file or from `--rule NAME:KIND:WINDOW:LIMIT`
+//! shorthands. Its version is a hash of its canonical form and is carried on
+//! every decision, so a record always says which rules produced it.
+//!
+//! ```toml
+//! count = "attempts"   # or "admitted"
+//! grace = "5s"         # allowed lateness
+//! shadow = false       # true: decide, report, but always allow
+//! allow = ["+34910000000"]   # numbers or number prefixes
+//! deny  = ["+882"]
+//!
+//! [[rule]]
+//! name = "minute"
+//! kind = "sliding"     # fixed | sliding | sliding-approx
+//! window = "60s"
+//! limit = 10
+//! ```
+
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::RulesError;
+
+/// Names a rule may not take: they are decision reasons of their own.
+pub const RESERVED_NAMES: [&str; 3] = ["ok", "allowlist", "denylist"];
+
+/// Default allowed lateness.
+pub const DEFAULT_GRACE_MS: i64 = 5_000;
+
+/// How a rule counts calls in its window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WindowKind {
+    /// Buckets aligned to epoch multiples of the window: bucket = floor(ts / W).
+    Fixed,
+    /// The exact sliding log: calls with ts in (t - W, t].
+    Sliding,
+    /// Two-bucket weighted counter: O(1) memory, an estimate of the sliding count.
+    SlidingApprox,
+}
+
+impl WindowKind {
+    /// The name used in rule files and shorthands.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WindowKind::Fixed => "fixed",
+            WindowKind::Sliding => "sliding",
+            WindowKind::SlidingApprox => "sliding-approx",
+        }
+    }
+
+    /// The numeric code passed to the Redis script.
+    pub fn code(self) -> u8 {
+        match self {
+            WindowKind::Fixed => 0,
+            WindowKind::Sliding => 1,
+            WindowKind::SlidingApprox => 2,
+        }
+    }
+
+    fn parse(s: &str) -> Result<Self, RulesError> {
+        match s {
+            "fixed" => Ok(WindowKind::Fixed),
+            "sliding" => Ok(WindowKind::Sliding),
+            "sliding-approx" | "sliding_approx" | "approx" => Ok(WindowKind::SlidingApprox),
+            other => Err(RulesError::Invalid(format!(
+                "unknown window kind `{other}` (fixed, sliding, sliding-approx)"
+            ))),
+        }
+    }
+}
+
+/// Which calls are recorded in the windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CountPolicy {
+    /// Every call attempt counts: a caller who keeps calling stays blocked.
+    #[default]
+    Attempts,
+    /// Only allowed calls count: the classic rate limiter.
+    Admitted,
+}
+
+/// One rule: reject when the count in the window exceeds the limit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Rule {
+    /// Name: lowercase letters, digits and `_`; used in column names (`count_<name>`).
+    pub name: String,
+    /// How the window counts.
+    pub kind: WindowKind,
+    /// Window length in milliseconds.
+    pub window_ms: i64,
+    /// Largest allowed count; a call whose count exceeds it is rejected.
+    pub limit: u64,
+}
+
+impl Rule {
+    /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`.
+    pub fn parse_shorthand(s: &str) -> Result<Self, RulesError> {
+        let parts: Vec<&str> = s.split(':').collect();
+        let [name, kind, window, limit] = parts[..] else {
+            return Err(RulesError::Invalid(format!("rule `{s}`: expected NAME:KIND:WINDOW:LIMIT")));
+        };
+        let limit = limit
+            .trim()
+            .parse::<u64>()
+            .map_err(|_| RulesError::Invalid(format!("rule `{s}`: limit `{limit}` is not a whole number")))?;
+        Ok(Rule {
+            name: name.trim().to_string(),
+            kind: WindowKind::parse(kind.trim())?,
+            window_ms: parse_duration_ms(window.trim())?,
+            limit,
+        })
+    }
+}
+
+impl fmt::Display for Rule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}:{}", self.name, self.kind.as_str(), format_duration(self.window_ms), self.limit)
+    }
+}
+
+/// Parses `500ms`, `10s`, `1m`, `1h` or `1d` into milliseconds.
+pub fn parse_duration_ms(s: &str) -> Result<i64, RulesError> {
+    let bad = || RulesError::Invalid(format!("duration `{s}`: expected e.g. 500ms, 10s, 1m, 1h, 1d"));
+    let split = s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+    let (num, unit) = s.split_at(split);
+    let n: i64 = num.parse().map_err(|_| bad())?;
+    let mult = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" | "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(mult).ok_or_else(bad)
+}
+
+/// Formats milliseconds in the largest exact unit (`60000` → `1m`).
+pub fn format_duration(ms: i64) -> String {
+    for (unit, m) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+        if ms != 0 && ms % m == 0 {
+            return format!("{}{unit}", ms / m);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// A complete, validated rule set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSet {
+    /// The rules, in evaluation order (the first exceeded rule is the reason).
+    pub rules: Vec<Rule>,
+    /// Which calls are recorded.
+    pub count: CountPolicy,
+    /// Allowed lateness in milliseconds.
+    pub grace_ms: i64,
+    /// Numbers or prefixes that are always allowed.
+    pub allow: Vec<String>,
+    /// Numbers or prefixes that are always rejected (checked before `allow`).
+    pub deny: Vec<String>,
+    /// Decide and report, but always emit `allow`.
+    pub shadow: bool,
+    version: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    #[serde(default)]
+    count: CountPolicy,
+    grace: Option<String>,
+    #[serde(default)]
+    shadow: bool,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
+    #[serde(default, rename = "rule")]
+    rules: Vec<RuleEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleEntry {
+    name: String,
+    kind: String,
+    window: String,
+    limit: u64,
+}
+
+/// Which list, if any, a caller is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    /// On neither list.
+    No,
+    /// On the allowlist.
+    Allow,
+    /// On the denylist.
+    Deny,
+}
+
+impl RuleSet {
+    /// Builds and validates a rule set, computing its version.
+    pub fn new(
+        rules: Vec<Rule>,
+        count: CountPolicy,
+        grace_ms: i64,
+        allow: Vec<String>,
+        deny: Vec<String>,
+        shadow: bool,
+    ) -> Result<Self, RulesError> {
+        if rules.is_empty() {
+            return Err(RulesError::Invalid("a rule set needs at least one rule".into()));
+        }
+        for (i, r) in rules.iter().enumerate() {
+            let valid_name = !r.name.is_empty()
+                && r.name.len() <= 32
+                && r.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !valid_name {
+                return Err(RulesError::Invalid(format!(
+                    "rule name `{}`: 1 to 32 lowercase letters, digits or _",
+                    r.name
+                )));
+            }
+            if RESERVED_NAMES.contains(&r.name.as_str()) {
+                return Err(RulesError::Invalid(format!("rule name `{}` is reserved", r.name)));
+            }
+            if rules[..i].iter().any(|o| o.name == r.name) {
+                return Err(RulesError::Invalid(format!("rule name `{}` is used twice", r.name)));
+            }
+            if r.window_ms < 1 || r.window_ms > 31 * 86_400_000 {
+                return Err(RulesError::Invalid(format!("rule `{}`: window must be 1ms to 31d", r.name)));
+            }
+            if r.limit == 0 {
+                return Err(RulesError::Invalid(format!("rule `{}`: limit must be at least 1", r.name)));
+            }
+        }
+        if !(0..=3_600_000).contains(&grace_ms) {
+            return Err(RulesError::Invalid("grace must be 0 to 1h".into()));
+        }
+        let allow = normalize_prefixes(allow, "allow")?;
+        let deny = normalize_prefixes(deny, "deny")?;
+        let mut set = RuleSet { rules, count, grace_ms, allow, deny, shadow, version: String::new() };
+        set.version = set.compute_version();
+        Ok(set)
+    }
+
+    /// Parses a TOML rule set.
+    pub fn from_toml(text: &str) -> Result<Self, RulesError> {
+        let file: RuleFile = toml::from_str(text).map_err(|e| RulesError::Toml(e.to_string()))?;
+        let rules = file
+            .rules
+            .into_iter()
+            .map(|e| {
+                Ok(Rule {
+                    kind: WindowKind::parse(&e.kind)?,
+                    window_ms: parse_duration_ms(&e.window)?,
+                    name: e.name,
+                    limit: e.limit,
+                })
+            })
+            .collect::<Result<Vec<_>, RulesError>>()?;
+        let grace_ms = match file.grace {
+            Some(g) => parse_duration_ms(&g)?,
+            None => DEFAULT_GRACE_MS,
+        };
+        RuleSet::new(rules, file.count, grace_ms, file.allow, file.deny, file.shadow)
+    }
+
+    /// Reads a TOML rule set from a file.
+    pub fn from_file(path: &Path) -> Result<Self, RulesError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| RulesError::Read { path: path.display().to_string(), source })?;
+        Self::from_toml(&text)
+    }
+
+    /// Builds the rule set from CLI arguments: a file, shorthands, or both (shorthands are appended).
+    pub fn from_args(file: Option<&Path>, shorthands: &[String]) -> Result<Self, RulesError> {
+        let extra = shorthands.iter().map(|s| Rule::parse_shorthand(s)).collect::<Result<Vec<_>, _>>()?;
+        match file {
+            Some(path) => {
+                let base = Self::from_file(path)?;
+                if extra.is_empty() {
+                    return Ok(base);
+                }
+                let mut rules = base.rules.clone();
+                rules.extend(extra);
+                RuleSet::new(rules, base.count, base.grace_ms, base.allow, base.deny, base.shadow)
+            }
+            None if extra.is_empty() => {
+                Err(RulesError::Invalid("no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into()))
+            }
+            None => RuleSet::new(extra, CountPolicy::Attempts, DEFAULT_GRACE_MS, vec![], vec![], false),
+        }
+    }
+
+    /// A copy with other set-wide options (used by `tune` and the CLI overrides).
+    pub fn with_options(&self, count: CountPolicy, grace_ms: i64, shadow: bool) -> Result<Self, RulesError> {
+        RuleSet::new(self.rules.clone(), count, grace_ms, self.allow.clone(), self.deny.clone(), shadow)
+    }
+
+    /// A copy where rule `index` has another limit (used by `tune`).
+    pub fn with_limit(&self, index: usize, limit: u64) -> Result<Self, RulesError> {
+        let mut rules = self.rules.clone();
+        rules[index].limit = limit;
+        RuleSet::new(rules, self.count, self.grace_ms, self.allow.clone(), self.deny.clone(), self.shadow)
+    }
+
+    /// The version: the first 12 hex digits of the SHA-256 of the canonical form.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The longest window of any rule, in milliseconds.
+    pub fn max_window_ms(&self) -> i64 {
+        self.rules.iter().map(|r| r.window_ms).max().unwrap_or(0)
+    }
+
+    /// How long state must be kept after a caller's latest call: longest window + grace.
+    pub fn retention_ms(&self) -> i64 {
+        self.max_window_ms() + self.grace_ms
+    }
+
+    /// Whether any rule keeps a sliding log.
+    pub fn has_sliding(&self) -> bool {
+        self.rules.iter().any(|r| r.kind == WindowKind::Sliding)
+    }
+
+    /// Which list the (normalised) caller is on; the denylist wins.
+    pub fn listed(&self, caller: &str) -> Listed {
+        if self.deny.iter().any(|p| caller.starts_with(p.as_str())) {
+            Listed::Deny
+        } else if self.allow.iter().any(|p| caller.starts_with(p.as_str())) {
+            Listed::Allow
+        } else {
+            Listed::No
+        }
+    }
+
+    /// Index of a rule by name.
+    pub fn rule_index(&self, name: &str) -> Option<usize> {
+        self.rules.iter().position(|r| r.name == name)
+    }
+
+    fn compute_version(&self) -> String {
+        let mut allow = self.allow.clone();
+        allow.sort();
+        let mut deny = self.deny.clone();
+        deny.sort();
+        let canonical = serde_json::json!({
+            "rules": self.rules,
+            "count": self.count,
+            "grace_ms": self.grace_ms,
+            "allow": allow,
+            "deny": deny,
+            "shadow": self.shadow,
+        });
+        let digest = Sha256::digest(canonical.to_string().as_bytes());
+        digest.iter().take(6).map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, RulesError> {
+    list.into_iter()
+        .map(|raw| {
+            let s: String = raw.chars().filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')')).collect();
+            let s = match s.strip_prefix("00") {
+                Some(rest) => format!("+{rest}"),
+                None => s,
+            };
+            let digits = s.strip_prefix('+').unwrap_or("");
+            if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return Err(RulesError::Invalid(format!(
+                    "{which} entry `{raw}`: expected + followed by 1 to 15 digits"
+                )));
+            }
+            Ok(s)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_durations() {
+        assert_eq!(parse_duration_ms("500ms").unwrap(), 500);
+        assert_eq!(parse_duration_ms("10s").unwrap(), 10_000);
+        assert_eq!(parse_duration_ms("1m").unwrap(), 60_000);
+        assert_eq!(parse_duration_ms("1h").unwrap(), 3_600_000);
+        assert!(parse_duration_ms("1").is_err());
+        assert!(parse_duration_ms("s").is_err());
+        assert!(parse_duration_ms("1w").is_err());
+        assert_eq!(format_duration(60_000), "1m");
+        assert_eq!(format_duration(1_500), "1500ms");
+    }
+
+    #[test]
+    fn parses_toml_and_shorthand() {
+        let set = RuleSet::from_toml(
+            r#"
+            count = "admitted"
+            grace = "2s"
+            deny = ["00882"]
+            [[rule]]
+            name = "minute"
+            kind = "sliding"
+            window = "1m"
+            limit = 10
+            [[rule]]
+            name = "burst"
+            kind = "fixed"
+            window = "1s"
+            limit = 3
+        "#,
+        )
+        .unwrap();
+        assert_eq!(set.rules.len(), 2);
+        assert_eq!(set.count, CountPolicy::Admitted);
+        assert_eq!(set.grace_ms, 2_000);
+        assert_eq!(set.deny, vec!["+882".to_string()]);
+        assert_eq!(set.listed("+88212345678"), Listed::Deny);
+        assert_eq!(set.retention_ms(), 62_000);
+        let r = Rule::parse_shorthand("minute:sliding-approx:60s:20").unwrap();
+        assert_eq!(r.kind, WindowKind::SlidingApprox);
+        assert_eq!(r.to_string(), "minute:sliding-approx:1m:20");
+    }
+
+    #[test]
+    fn version_tracks_content() {
+        let a = RuleSet::from_args(None, &["m:sliding:60s:20".into()]).unwrap();
+        let b = RuleSet::from_args(None, &["m:sliding:60s:21".into()]).unwrap();
+        let a2 = RuleSet::from_args(None, &["m:sliding:1m:20".into()]).unwrap();
+        assert_ne!(a.version(), b.version());
+        assert_eq!(a.version(), a2.version());
+        assert_eq!(a.version().len(), 12);
+    }
+
+    #[test]
+    fn rejects_bad_sets() {
+        for bad in ["m:sliding:60s", "m:nope:60s:1", "m:sliding:0s:1", "m:sliding:1s:0", "OK:fixed:1s:1", "ok:fixed:1s:1"] {
+            assert!(RuleSet::from_args(None, &[bad.into()]).is_err(), "{bad}");
+        }
+        assert!(RuleSet::from_args(None, &["a:fixed:1s:1".into(), "a:fixed:2s:1".into()]).is_err());
+        assert!(RuleSet::from_toml("bogus = 1\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1").is_err());
+        assert!(RuleSet::from_toml("allow=['+34x']\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1").is_err());
+    }
+}

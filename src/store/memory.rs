@@ -1,0 +1,70 @@
+//! The in-memory store: the reference semantics, in process.
+
+use std::collections::HashMap;
+
+use crate::decision::Verdict;
+use crate::error::StoreError;
+use crate::event::CallEvent;
+use crate::rules::RuleSet;
+use crate::store::WindowStore;
+use crate::window::CallerState;
+
+/// How many events between sweeps of idle callers.
+const SWEEP_EVERY: u64 = 16_384;
+
+/// Window state of all callers in a hash map.
+///
+/// Memory stays bounded: a caller whose latest event is more than twice the
+/// retention (longest window + grace) behind the newest event time seen is
+/// dropped. Dropping never changes a result while a caller's events arrive
+/// in time order, since state older than the retention counts as no state.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    callers: HashMap<String, CallerState>,
+    watermark: Option<i64>,
+    applied: u64,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies one event.
+    pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
+        self.watermark = Some(self.watermark.map_or(ev.ts_ms, |w| w.max(ev.ts_ms)));
+        self.applied += 1;
+        if self.applied % SWEEP_EVERY == 0 {
+            self.sweep(rules);
+        }
+        match self.callers.get_mut(ev.caller.as_str()) {
+            Some(state) => state.apply(rules, ev),
+            None => {
+                let mut state = CallerState::default();
+                let v = state.apply(rules, ev);
+                self.callers.insert(ev.caller.clone(), state);
+                v
+            }
+        }
+    }
+
+    /// Number of callers with state.
+    pub fn callers(&self) -> usize {
+        self.callers.len()
+    }
+
+    /// Drops callers idle for more than twice the retention.
+    pub fn sweep(&mut self, rules: &RuleSet) {
+        if let Some(w) = self.watermark {
+            let cutoff = w - 2 * rules.retention_ms();
+            self.callers.retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
+        }
+    }
+}
+
+impl WindowStore for MemoryStore {
+    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+        Ok(events.iter().map(|e| self.apply(rules, e)).collect())
+    }
+}

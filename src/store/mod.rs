@@ -1,0 +1,48 @@
+//! Window stores: where per-caller window state lives.
+//!
+//! One algorithm, two stores: [`memory::MemoryStore`] runs the reference
+//! algorithm of [`crate::window`] in process; [`redis::RedisStore`] runs the
+//! same algorithm as one atomic Lua call per event. The conformance suite in
+//! `tests/` runs the same scenarios against both and demands identical records.
+
+pub mod memory;
+pub mod redis;
+
+use std::future::Future;
+
+use crate::decision::Verdict;
+use crate::error::StoreError;
+use crate::event::CallEvent;
+use crate::rules::RuleSet;
+
+/// A place that keeps window state and decides calls atomically.
+pub trait WindowStore: Send {
+    /// Applies `events` in order (per caller, the order given) and returns one
+    /// verdict per event, in the same order.
+    ///
+    /// On error no verdict is returned; events of the batch may or may not have
+    /// been applied, so callers retry the whole batch, which per-call
+    /// idempotency makes safe.
+    fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send;
+}
+
+/// The store chosen at run time.
+pub enum AnyStore {
+    /// In process.
+    Memory(memory::MemoryStore),
+    /// Redis (standalone or Cluster).
+    Redis(Box<redis::RedisStore>),
+}
+
+impl WindowStore for AnyStore {
+    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.apply_batch(rules, events).await,
+            AnyStore::Redis(s) => s.apply_batch(rules, events).await,
+        }
+    }
+}

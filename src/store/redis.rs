@@ -1,0 +1,287 @@
+//! The Redis store: the window algorithm as one atomic Lua call per event.
+//!
+//! Every key of a caller carries the caller in a hash tag
+//! (`<prefix>{+34911234567}:m`), so all of a caller's state lives in one
+//! Redis Cluster slot and one script call can touch all of it. Event time is
+//! passed in; the script never reads the Redis clock. Batches go through one
+//! pipelined round trip of `EVALSHA` calls; a `NOSCRIPT` reply (a restarted or
+//! flushed server) loads the script and retries the batch, which per-call
+//! idempotency makes safe.
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Value};
+
+use crate::decision::{Decision, DecisionRecord, Verdict};
+use crate::error::StoreError;
+use crate::event::CallEvent;
+use crate::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+use crate::store::WindowStore;
+
+/// The window script (see its header for KEYS, ARGV and the reply).
+pub const WINDOW_LUA: &str = include_str!("../../lua/window.lua");
+
+/// How to reach Redis and how to use it.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// One `redis://` or `rediss://` URL (user and password in the URL for
+    /// ACL), or several seed URLs of a Cluster.
+    pub urls: Vec<String>,
+    /// Use the Cluster client (implied by more than one URL).
+    pub cluster: bool,
+    /// Prefix of every key, to separate environments (`cg:`).
+    pub key_prefix: String,
+    /// Keep each call's record so a redelivered call id counts once and gets
+    /// the same record back. Off: redeliveries count again.
+    pub idempotency: bool,
+    /// Timeout of connecting and of every call.
+    pub timeout: Duration,
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            urls: vec!["redis://127.0.0.1:6379".into()],
+            cluster: false,
+            key_prefix: "cg:".into(),
+            idempotency: true,
+            timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+/// Window state in Redis (standalone or Cluster).
+pub struct RedisStore {
+    conn: Conn,
+    sha: String,
+    config: RedisConfig,
+}
+
+/// Classifies a Redis error as transient (retry) or fatal.
+pub fn classify(e: RedisError) -> StoreError {
+    let transient_codes = ["LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "MOVED", "ASK"];
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || e.code().is_some_and(|c| transient_codes.contains(&c))
+    {
+        StoreError::Transient(e.to_string())
+    } else {
+        StoreError::Fatal(e.to_string())
+    }
+}
+
+fn is_noscript(e: &RedisError) -> bool {
+    e.code() == Some("NOSCRIPT")
+}
+
+impl RedisStore {
+    /// Connects and loads the script.
+    pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
+        if config.urls.is_empty() {
+            return Err(StoreError::Fatal("no Redis URL given".into()));
+        }
+        let conn = if config.cluster || config.urls.len() > 1 {
+            let client = ClusterClientBuilder::new(config.urls.clone())
+                .connection_timeout(config.timeout)
+                .response_timeout(config.timeout)
+                .build()
+                .map_err(|e| StoreError::Fatal(format!("bad Redis Cluster URLs: {e}")))?;
+            let conn = tokio::time::timeout(config.timeout * 2, client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::Transient("timed out connecting to Redis Cluster".into()))?
+                .map_err(classify)?;
+            Conn::Cluster(conn)
+        } else {
+            let client = redis::Client::open(config.urls[0].as_str())
+                .map_err(|e| StoreError::Fatal(format!("bad Redis URL: {e}")))?;
+            let mgr_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.timeout))
+                .set_response_timeout(Some(config.timeout))
+                .set_number_of_retries(2);
+            let conn = tokio::time::timeout(config.timeout * 2, ConnectionManager::new_with_config(client, mgr_config))
+                .await
+                .map_err(|_| StoreError::Transient("timed out connecting to Redis".into()))?
+                .map_err(classify)?;
+            Conn::Single(conn)
+        };
+        let mut store = RedisStore { conn, sha: String::new(), config };
+        store.load_script().await?;
+        Ok(store)
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
+    async fn query(&mut self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+        let fut = async {
+            match &mut self.conn {
+                Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
+                Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
+            }
+        };
+        match tokio::time::timeout(self.config.timeout * 2, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "Redis call timed out"))),
+        }
+    }
+
+    async fn load_script(&mut self) -> Result<(), StoreError> {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(WINDOW_LUA);
+        let sha: String = match &mut self.conn {
+            Conn::Single(c) => cmd.query_async(c).await.map_err(classify)?,
+            Conn::Cluster(c) => {
+                // Load on every primary, so EVALSHA works whatever slot a caller is in.
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+                let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(ResponsePolicy::AllSucceeded)));
+                let v = c.route_command(cmd, route).await.map_err(classify)?;
+                match v {
+                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Value::SimpleString(s) => s,
+                    Value::Array(items) => match items.into_iter().next() {
+                        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                        other => return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}"))),
+                    },
+                    other => return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}"))),
+                }
+            }
+        };
+        self.sha = sha;
+        Ok(())
+    }
+
+    /// The key of a caller's key `suffix`: `<prefix>{<caller>}:<suffix>`.
+    pub fn key(&self, caller: &str, suffix: &str) -> String {
+        format!("{}{{{}}}:{}", self.config.key_prefix, caller, suffix)
+    }
+
+    fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.sha).arg(4 + rules.rules.len());
+        cmd.arg(self.key(&ev.caller, "m"))
+            .arg(self.key(&ev.caller, "l"))
+            .arg(self.key(&ev.caller, "i"))
+            .arg(self.key(&ev.caller, "r"));
+        for rule in &rules.rules {
+            if rule.kind == WindowKind::Fixed {
+                let b = crate::window::bucket_of(ev.ts_ms, rule.window_ms);
+                cmd.arg(self.key(&ev.caller, &format!("f:{}:{}:{}", rule.name, rule.window_ms, b)));
+            } else {
+                cmd.arg(self.key(&ev.caller, "m"));
+            }
+        }
+        let listed = match rules.listed(&ev.caller) {
+            Listed::No => 0,
+            Listed::Allow => 1,
+            Listed::Deny => 2,
+        };
+        cmd.arg(ev.ts_ms)
+            .arg(&ev.call_id)
+            .arg(listed)
+            .arg(u8::from(rules.count == CountPolicy::Admitted))
+            .arg(rules.grace_ms)
+            .arg(rules.retention_ms())
+            .arg(u8::from(rules.shadow))
+            .arg(u8::from(self.config.idempotency))
+            .arg(rules.version())
+            .arg(u8::from(rules.has_sliding()))
+            .arg(rules.rules.len());
+        for rule in &rules.rules {
+            cmd.arg(rule.kind.code()).arg(rule.window_ms).arg(rule.limit).arg(&rule.name);
+        }
+        cmd
+    }
+
+    /// Applies events through one pipelined round trip.
+    pub async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut pipe = redis::pipe();
+        for ev in events {
+            pipe.add_command(self.invocation(rules, ev));
+        }
+        let replies = match self.query(&pipe).await {
+            Err(e) if is_noscript(&e) => {
+                self.load_script().await?;
+                let mut pipe = redis::pipe();
+                for ev in events {
+                    pipe.add_command(self.invocation(rules, ev));
+                }
+                self.query(&pipe).await.map_err(classify)?
+            }
+            other => other.map_err(classify)?,
+        };
+        if replies.len() != events.len() {
+            return Err(StoreError::Fatal(format!("{} replies for {} events", replies.len(), events.len())));
+        }
+        replies.into_iter().zip(events).map(|(v, ev)| parse_reply(v, ev)).collect()
+    }
+}
+
+impl WindowStore for RedisStore {
+    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+        RedisStore::apply_batch(self, rules, events).await
+    }
+}
+
+fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
+    let bad = |what: &str| StoreError::Fatal(format!("unexpected script reply for call {}: {what}", ev.call_id));
+    let Value::Array(items) = v else {
+        return Err(bad(&format!("{v:?}")));
+    };
+    let (dup, encoded) = match items.as_slice() {
+        [Value::Int(d), Value::BulkString(s)] => (*d == 1, String::from_utf8_lossy(s).into_owned()),
+        other => return Err(bad(&format!("{other:?}"))),
+    };
+    decode_record(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
+}
+
+/// Rebuilds a verdict from the script's encoded record.
+fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdict> {
+    let mut parts = encoded.split('|');
+    let ts_ms = parts.next()?.parse().ok()?;
+    let decision = match parts.next()? {
+        "0" => Decision::Allow,
+        "1" => Decision::Reject,
+        _ => return None,
+    };
+    let reason = parts.next()?.to_string();
+    let shadow = parts.next()? == "1";
+    let late = parts.next()? == "1";
+    let rules_version = parts.next()?.to_string();
+    let prev_ts_ms = match parts.next()? {
+        "" => None,
+        p => Some(p.parse().ok()?),
+    };
+    let counts = parts.next()?.split(',').filter(|c| !c.is_empty()).map(|c| c.parse().ok()).collect::<Option<Vec<u64>>>()?;
+    Some(Verdict {
+        record: DecisionRecord {
+            call_id: ev.call_id.clone(),
+            caller: ev.caller.clone(),
+            ts_ms,
+            decision,
+            reason,
+            counts,
+            shadow,
+            late,
+            degraded: false,
+            rules_version,
+        },
+        prev_ts_ms,
+        duplicate,
+    })
+}
