@@ -7,8 +7,8 @@
 //! | subscriber | legit | a few calls a day, daytime-heavy; redials in 2-3 call bursts 10-60 s apart |
 //! | pbx | legit | business number: 0.5-5 calls/min in business hours, steady |
 //! | dialer | legit | call centre on one caller ID: ~8 calls/min in shifts (allowlist candidate) |
-//! | robocaller | fraud | one number at 5-10 calls/min for 20-120 min, short calls |
-//! | wangiri | fraud | one-ring bursts at 3-5 calls/s for 1-5 min, at night, every callee distinct, some calls in the same millisecond |
+//! | robocaller | fraud | one number at 5-10 calls/min for 10-60 min, short calls |
+//! | wangiri | fraud | one-ring bursts at 3-5 calls/s for 30 s to 3 min, at night, every callee distinct, some calls in the same millisecond |
 //!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
 //! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms`, `label`
@@ -175,7 +175,7 @@ fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
 fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let caller = if rng.random_bool(0.5) { number(rng, "+1", 10) } else { number(rng, "+3461", 7) };
     let start = daytime_ts(rng);
-    let end = start + rng.random_range(20..120) * 60_000;
+    let end = start + rng.random_range(10..60) * 60_000;
     let mean_gap = 60_000.0 / rng.random_range(5.0..10.0);
     let mut t = start;
     while t < end {
@@ -197,7 +197,7 @@ fn wangiri(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let caller = number(rng, prefix, 8);
     // At night: 22:00 to 04:00.
     let start = DAY_START_MS + (22 * 3_600_000 + rng.random_range(0..6 * 3_600_000)) % DAY_MS;
-    let end = start + rng.random_range(60_000..300_000);
+    let end = start + rng.random_range(30_000..180_000);
     let mean_gap = 1_000.0 / rng.random_range(3.0..5.0);
     let mut t = start;
     while t < end {

@@ -1,0 +1,185 @@
+//! Test harness: real redis-server processes on free loopback ports, and
+//! helpers shared by the test suites.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub mod random;
+pub mod reference;
+pub mod scenarios;
+
+use callguard::event::CallEvent;
+
+/// A free loopback port whose cluster bus port (+10000) is free as well.
+pub fn free_port() -> u16 {
+    for _ in 0..200 {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+        let port = l.local_addr().unwrap().port();
+        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port pair found");
+}
+
+fn require(binary: &str) {
+    let found = Command::new(binary).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    if found.is_err() {
+        panic!(
+            "`{binary}` is not installed: these tests need a real Redis (Debian: apt-get install redis-server). \
+             The README's test command installs it."
+        );
+    }
+}
+
+/// Sends one inline command and returns the raw reply.
+pub fn raw_command(port: u16, cmd: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(format!("{cmd}\r\n").as_bytes()).ok()?;
+    let mut buf = vec![0u8; 65_536];
+    let n = s.read(&mut buf).ok()?;
+    Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// A redis-server child process, killed on drop.
+pub struct RedisServer {
+    child: Child,
+    /// Its port.
+    pub port: u16,
+    /// Its working directory (AOF, cluster config).
+    pub dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts a standalone server with extra `--option value` arguments.
+    pub fn start(extra: &[&str]) -> Self {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        Self::start_in(port, dir, extra)
+    }
+
+    /// Starts (or restarts) a server on a given port and directory.
+    pub fn start_in(port: u16, dir: tempfile::TempDir, extra: &[&str]) -> Self {
+        require("redis-server");
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--save".into(),
+            "".into(),
+            "--dir".into(),
+            dir.path().display().to_string(),
+        ];
+        if !extra.contains(&"--appendonly") {
+            args.extend(["--appendonly".into(), "no".into()]);
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let child = Command::new("redis-server")
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server");
+        let server = RedisServer { child, port, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if raw_command(port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+                return server;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server on port {port} did not answer PING within 10 s");
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGKILL) and hands back its directory for a restart.
+    pub fn stop(mut self) -> (u16, tempfile::TempDir) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let port = self.port;
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("temp dir"));
+        (port, dir)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A 3-master Redis Cluster on loopback ports.
+pub struct RedisCluster {
+    /// The nodes.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled servers and joins them.
+    pub fn start() -> Self {
+        require("redis-cli");
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let port = free_port();
+            let conf = format!("nodes-{port}.conf");
+            nodes.push(RedisServer::start_in(
+                port,
+                tempfile::tempdir().expect("temp dir"),
+                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "2000"],
+            ));
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let ok = nodes
+                .iter()
+                .all(|n| raw_command(n.port, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok")));
+            if ok {
+                return RedisCluster { nodes };
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the Redis Cluster did not reach cluster_state:ok within 20 s");
+    }
+
+    /// Seed URLs of all nodes.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+}
+
+/// An event with the given caller, id and time.
+pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
+    CallEvent {
+        call_id: id.to_string(),
+        caller: caller.to_string(),
+        ts_ms: ts,
+        callee: None,
+        duration_ms: None,
+        label: None,
+    }
+}
+
+/// Path of the built `callguard` binary.
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_callguard"))
+}

@@ -1,0 +1,72 @@
+//! Random rule sets and event sequences: same-millisecond ties, events out
+//! of order within grace, late events, idle gaps, duplicate call ids, every
+//! rule kind and policy, allow and deny lists, shadow mode.
+#![allow(dead_code)]
+
+use callguard::event::CallEvent;
+use callguard::rules::{CountPolicy, Rule, RuleSet, WindowKind};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::scenarios::T0;
+
+/// A random rule set.
+pub fn random_rules(rng: &mut StdRng) -> RuleSet {
+    let n = rng.random_range(1..=3);
+    let windows = [500, 1_000, 2_000, 5_000, 10_000];
+    let kinds = [WindowKind::Fixed, WindowKind::Sliding, WindowKind::SlidingApprox];
+    let rules = (0..n)
+        .map(|i| Rule {
+            name: format!("r{i}"),
+            kind: kinds[rng.random_range(0..3)],
+            window_ms: windows[rng.random_range(0..windows.len())],
+            limit: rng.random_range(1..=6),
+        })
+        .collect();
+    let count = if rng.random_bool(0.5) { CountPolicy::Attempts } else { CountPolicy::Admitted };
+    let grace = [0, 1_000, 3_000][rng.random_range(0..3)];
+    let allow = if rng.random_bool(0.3) { vec!["+3460000001".to_string()] } else { vec![] };
+    let deny = if rng.random_bool(0.3) { vec!["+3460000002".to_string()] } else { vec![] };
+    RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2)).unwrap()
+}
+
+/// A random event sequence over `callers` callers.
+pub fn random_events(rng: &mut StdRng, n: usize, callers: usize) -> Vec<CallEvent> {
+    let mut t = T0 + rng.random_range(0..1_000);
+    let mut out: Vec<CallEvent> = Vec::with_capacity(n);
+    for i in 0..n {
+        let roll: f64 = rng.random();
+        if roll < 0.06 && !out.is_empty() {
+            // Redelivery of an earlier event.
+            let j = rng.random_range(0..out.len());
+            out.push(out[j].clone());
+            continue;
+        }
+        if roll < 0.10 {
+            t += rng.random_range(10_000..40_000); // idle gap
+        } else if roll < 0.45 {
+            // same millisecond
+        } else {
+            t += rng.random_range(0..400);
+        }
+        let jitter = if rng.random_bool(0.15) { rng.random_range(0..6_000) } else { 0 };
+        let caller = format!("+346000000{:02}", rng.random_range(0..callers));
+        out.push(CallEvent {
+            call_id: format!("c{i}"),
+            caller,
+            ts_ms: t - jitter,
+            callee: None,
+            duration_ms: None,
+            label: None,
+        });
+    }
+    out
+}
+
+/// A random case from a seed.
+pub fn case(seed: u64, n: usize, callers: usize) -> (RuleSet, Vec<CallEvent>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let rules = random_rules(&mut rng);
+    let events = random_events(&mut rng, n, callers);
+    (rules, events)
+}

@@ -1,0 +1,122 @@
+//! A brute-force reference of the window contract: every decision is
+//! recomputed from the full history, with no incremental state. The random
+//! tests compare the stores with it.
+#![allow(dead_code)]
+
+use callguard::decision::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
+use callguard::event::CallEvent;
+use callguard::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+
+/// What the reference says of one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    pub ts_ms: i64,
+    pub decision: Decision,
+    pub reason: String,
+    pub counts: Vec<u64>,
+    pub shadow: bool,
+    pub late: bool,
+    pub prev_ts_ms: Option<i64>,
+    pub duplicate: bool,
+}
+
+struct Past {
+    caller: String,
+    call_id: String,
+    ts: i64,
+    recorded: bool,
+    expected: Expected,
+}
+
+/// Decides `events` in order by brute force.
+pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
+    let mut history: Vec<Past> = Vec::new();
+    let mut out = Vec::new();
+    let retention = rules.retention_ms();
+    for e in events {
+        let t = e.ts_ms;
+        let prior: Vec<&Past> = history.iter().filter(|p| p.caller == e.caller).collect();
+        let latest = prior.iter().map(|p| p.ts).max();
+        let l_new = latest.map_or(t, |l| l.max(t));
+        let h = l_new - retention;
+        if let Some(p) = prior.iter().rev().find(|p| p.call_id == e.call_id && p.ts > h) {
+            let mut x = p.expected.clone();
+            x.duplicate = true;
+            out.push(x);
+            continue;
+        }
+        let prev = latest.filter(|&l| l > h);
+        // Events since the caller's state last started afresh.
+        let mut epoch_start = 0;
+        {
+            let mut l: Option<i64> = None;
+            for (i, p) in prior.iter().enumerate() {
+                let ln = l.map_or(p.ts, |l| l.max(p.ts));
+                if l.is_none_or(|l| l <= ln - retention) {
+                    epoch_start = i;
+                }
+                l = Some(ln);
+            }
+        }
+        let live: Vec<&&Past> =
+            if prev.is_some() { prior[epoch_start..].iter().collect() } else { Vec::new() };
+        let mut counts = Vec::new();
+        for rule in &rules.rules {
+            let w = rule.window_ms;
+            let b = t.div_euclid(w);
+            let rec_in = |bucket: i64| live.iter().filter(|p| p.recorded && p.ts.div_euclid(w) == bucket).count() as u64;
+            let c = match rule.kind {
+                WindowKind::Sliding => {
+                    1 + live.iter().filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t).count() as u64
+                }
+                WindowKind::Fixed => {
+                    if (b + 1) * w + rules.grace_ms <= l_new {
+                        1
+                    } else {
+                        1 + rec_in(b)
+                    }
+                }
+                WindowKind::SlidingApprox => {
+                    let bmax = live.iter().map(|p| p.ts.div_euclid(w)).max().map_or(b, |m| m.max(b));
+                    if b == bmax {
+                        let r = t - b * w;
+                        rec_in(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + rec_in(b) + 1
+                    } else if b == bmax - 1 {
+                        rec_in(b) + 1
+                    } else {
+                        1
+                    }
+                }
+            };
+            counts.push(c);
+        }
+        let (would, reason) = match rules.listed(&e.caller) {
+            Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string()),
+            Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string()),
+            Listed::No => match rules.rules.iter().zip(&counts).find(|(r, &c)| c > r.limit) {
+                Some((r, _)) => (Decision::Reject, r.name.clone()),
+                None => (Decision::Allow, REASON_OK.to_string()),
+            },
+        };
+        let shadow = rules.shadow && would == Decision::Reject;
+        let expected = Expected {
+            ts_ms: t,
+            decision: if shadow { Decision::Allow } else { would },
+            reason,
+            counts,
+            shadow,
+            late: prev.is_some_and(|l| t < l - rules.grace_ms),
+            prev_ts_ms: prev,
+            duplicate: false,
+        };
+        out.push(expected.clone());
+        history.push(Past {
+            caller: e.caller.clone(),
+            call_id: e.call_id.clone(),
+            ts: t,
+            recorded: rules.count == CountPolicy::Attempts || would == Decision::Allow,
+            expected,
+        });
+    }
+    out
+}

@@ -1,0 +1,109 @@
+//! The window contract on the in-memory store: hand-written scenarios with
+//! expected records, and random sequences against a brute-force reference.
+
+mod common;
+
+use callguard::decision::{Decision, Verdict};
+use callguard::store::memory::MemoryStore;
+use common::scenarios::{self, T0};
+use common::{ev, random, reference};
+use proptest::prelude::*;
+
+/// Renders a verdict like the scenario expectations.
+pub fn render(v: &Verdict) -> String {
+    let r = &v.record;
+    let mut s = format!(
+        "{} {} {}",
+        r.decision.as_str(),
+        r.reason,
+        r.counts.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+    );
+    for (flag, name) in [(r.late, "late"), (r.shadow, "shadow"), (v.duplicate, "dup")] {
+        if flag {
+            s.push(' ');
+            s.push_str(name);
+        }
+    }
+    s
+}
+
+#[test]
+fn scenarios_match_expectations() {
+    for sc in scenarios::all() {
+        let mut store = MemoryStore::new();
+        for (i, (caller, id, dt, expected)) in sc.events.iter().enumerate() {
+            let v = store.apply(&sc.rules, &ev(caller, id, T0 + dt));
+            assert_eq!(render(&v), *expected, "scenario `{}`, event #{i} ({id} at +{dt})", sc.name);
+            assert_eq!(v.record.rules_version, sc.rules.version());
+        }
+    }
+}
+
+#[test]
+fn previous_call_time_is_kept_within_retention_only() {
+    let sc = scenarios::all().into_iter().find(|s| s.name.starts_with("state idle")).unwrap();
+    let mut store = MemoryStore::new();
+    let prevs: Vec<Option<i64>> = sc
+        .events
+        .iter()
+        .map(|(c, id, dt, _)| store.apply(&sc.rules, &ev(c, id, T0 + dt)).prev_ts_ms)
+        .collect();
+    assert_eq!(prevs, vec![None, Some(T0 + 100), None, Some(T0 + 65_300)]);
+}
+
+#[test]
+fn idle_callers_are_swept() {
+    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
+    let mut store = MemoryStore::new();
+    for i in 0..50_000i64 {
+        store.apply(&rules, &ev(&format!("+34600{:06}", i), &i.to_string(), T0 + i * 10));
+    }
+    // Retention is 6 s = 600 events here; callers more than 2 retentions behind are dropped.
+    assert!(store.callers() < 20_000, "{} callers kept", store.callers());
+}
+
+fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), TestCaseError> {
+    let (rules, events) = random::case(seed, n, callers);
+    let expected = reference::decide_all(&rules, &events);
+    let mut store = MemoryStore::new();
+    for (i, (e, x)) in events.iter().zip(&expected).enumerate() {
+        let v = store.apply(&rules, e);
+        let got = reference::Expected {
+            ts_ms: v.record.ts_ms,
+            decision: v.record.decision,
+            reason: v.record.reason.clone(),
+            counts: v.record.counts.clone(),
+            shadow: v.record.shadow,
+            late: v.record.late,
+            prev_ts_ms: v.prev_ts_ms,
+            duplicate: v.duplicate,
+        };
+        prop_assert_eq!(&got, x, "seed {} event #{} {:?} rules {:?}", seed, i, e, rules);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+    #[test]
+    fn engine_matches_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
+        check_against_reference(seed, n, callers)?;
+    }
+}
+
+#[test]
+fn random_sequences_reject_something() {
+    // Guard against a generator that never exercises rejections or late events.
+    let (mut rejects, mut late, mut dups) = (0, 0, 0);
+    for seed in 0..50 {
+        let (rules, events) = random::case(seed, 200, 3);
+        let mut store = MemoryStore::new();
+        for e in &events {
+            let v = store.apply(&rules, e);
+            rejects += usize::from(v.record.decision == Decision::Reject);
+            late += usize::from(v.record.late);
+            dups += usize::from(v.duplicate);
+        }
+    }
+    assert!(rejects > 100 && late > 10 && dups > 50, "rejects {rejects}, late {late}, dups {dups}");
+}
