@@ -8,11 +8,13 @@
 //! flushed server) loads the script and retries the batch, which per-call
 //! idempotency makes safe.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
 use redis::{RedisError, Value};
 
 use crate::decision::{Decision, DecisionRecord, Verdict};
@@ -125,17 +127,41 @@ impl RedisStore {
         &self.config
     }
 
-    async fn query(&mut self, pipe: &redis::Pipeline) -> Result<Vec<Value>, RedisError> {
+    /// Runs one pipeline (all commands in one slot, for a Cluster).
+    async fn query(conn: &mut Conn, pipe: &redis::Pipeline, timeout: Duration) -> Result<Vec<Value>, RedisError> {
         let fut = async {
-            match &mut self.conn {
+            match conn {
                 Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
                 Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
             }
         };
-        match tokio::time::timeout(self.config.timeout * 2, fut).await {
+        match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "Redis call timed out"))),
         }
+    }
+
+    /// Runs the groups (indices into `events`) as pipelines, concurrently,
+    /// and returns each group's outcome.
+    async fn run_groups(
+        &self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        groups: &[Vec<usize>],
+    ) -> Vec<Result<Vec<Value>, RedisError>> {
+        let timeout = self.config.timeout * 2;
+        let calls = groups.iter().map(|g| {
+            let mut pipe = redis::pipe();
+            for &i in g {
+                pipe.add_command(self.invocation(rules, &events[i]));
+            }
+            let mut conn = match &self.conn {
+                Conn::Single(c) => Conn::Single(c.clone()),
+                Conn::Cluster(c) => Conn::Cluster(c.clone()),
+            };
+            async move { Self::query(&mut conn, &pipe, timeout).await }
+        });
+        futures::future::join_all(calls).await
     }
 
     async fn load_script(&mut self) -> Result<(), StoreError> {
@@ -205,30 +231,61 @@ impl RedisStore {
         cmd
     }
 
-    /// Applies events through one pipelined round trip.
+    /// Applies events through pipelined round trips: one pipeline for a
+    /// standalone server; one per hash slot, sent concurrently, for a Cluster
+    /// (a caller's events share a slot, so their order is kept).
     pub async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        let mut pipe = redis::pipe();
-        for ev in events {
-            pipe.add_command(self.invocation(rules, ev));
-        }
-        let replies = match self.query(&pipe).await {
-            Err(e) if is_noscript(&e) => {
-                self.load_script().await?;
-                let mut pipe = redis::pipe();
-                for ev in events {
-                    pipe.add_command(self.invocation(rules, ev));
+        let groups: Vec<Vec<usize>> = match self.conn {
+            Conn::Single(_) => vec![(0..events.len()).collect()],
+            Conn::Cluster(_) => {
+                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
+                for (i, ev) in events.iter().enumerate() {
+                    by_slot.entry(Slot::for_key(self.key(&ev.caller, "m"))).or_default().push(i);
                 }
-                self.query(&pipe).await.map_err(classify)?
+                by_slot.into_values().collect()
             }
-            other => other.map_err(classify)?,
         };
-        if replies.len() != events.len() {
-            return Err(StoreError::Fatal(format!("{} replies for {} events", replies.len(), events.len())));
+        let mut replies: Vec<Option<Value>> = vec![None; events.len()];
+        let mut pending = groups;
+        for attempt in 0..2 {
+            let outcomes = self.run_groups(rules, events, &pending).await;
+            let mut retry = Vec::new();
+            let mut noscript = false;
+            for (group, outcome) in pending.into_iter().zip(outcomes) {
+                match outcome {
+                    Ok(values) if values.len() == group.len() => {
+                        for (i, v) in group.into_iter().zip(values) {
+                            replies[i] = Some(v);
+                        }
+                    }
+                    Ok(values) => {
+                        return Err(StoreError::Fatal(format!("{} replies for {} calls", values.len(), group.len())))
+                    }
+                    // Only groups that failed as a whole with NOSCRIPT ran nothing: retry just those.
+                    Err(e) if is_noscript(&e) && attempt == 0 => {
+                        noscript = true;
+                        retry.push(group);
+                    }
+                    Err(e) => return Err(classify(e)),
+                }
+            }
+            if !noscript {
+                break;
+            }
+            self.load_script().await?;
+            pending = retry;
         }
-        replies.into_iter().zip(events).map(|(v, ev)| parse_reply(v, ev)).collect()
+        replies
+            .into_iter()
+            .zip(events)
+            .map(|(v, ev)| match v {
+                Some(v) => parse_reply(v, ev),
+                None => Err(StoreError::Transient(format!("no reply for call {}", ev.call_id))),
+            })
+            .collect()
     }
 }
 
