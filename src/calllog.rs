@@ -68,7 +68,12 @@ pub struct ReadOptions {
 
 impl Default for ReadOptions {
     fn default() -> Self {
-        ReadOptions { format: InputFormat::Auto, decoder: Decoder::default(), timezone: None, progress: false }
+        ReadOptions {
+            format: InputFormat::Auto,
+            decoder: Decoder::default(),
+            timezone: None,
+            progress: false,
+        }
     }
 }
 
@@ -111,8 +116,13 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
     let format = resolve_format(path, format);
     let df = match format {
         InputFormat::Parquet => {
-            let file = File::open(path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
-            let df = ParquetReader::new(file).finish().map_err(polars_err(ctx.clone()))?;
+            let file = File::open(path).map_err(|source| IoError::Io {
+                context: ctx.clone(),
+                source,
+            })?;
+            let df = ParquetReader::new(file)
+                .finish()
+                .map_err(polars_err(ctx.clone()))?;
             to_text_columns(df).map_err(polars_err(ctx))?
         }
         InputFormat::Asterisk => {
@@ -132,7 +142,11 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
                 )));
             }
             let names: Vec<PlSmallStr> = (0..width)
-                .map(|i| ASTERISK_COLUMNS.get(i).map_or_else(|| format!("extra_{i}").into(), |n| (*n).into()))
+                .map(|i| {
+                    ASTERISK_COLUMNS
+                        .get(i)
+                        .map_or_else(|| format!("extra_{i}").into(), |n| (*n).into())
+                })
                 .collect();
             df.set_column_names(&names).map_err(polars_err(ctx))?;
             df
@@ -150,7 +164,11 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
 
 fn resolve_format(path: &Path, format: InputFormat) -> InputFormat {
     match format {
-        InputFormat::Auto if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")) => {
+        InputFormat::Auto
+            if path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("parquet")) =>
+        {
             InputFormat::Parquet
         }
         InputFormat::Auto => InputFormat::Csv,
@@ -165,9 +183,9 @@ fn to_text_columns(df: DataFrame) -> PolarsResult<DataFrame> {
         .iter()
         .map(|c| {
             let c = match c.dtype() {
-                DataType::Datetime(_, _) => {
-                    c.cast(&DataType::Datetime(TimeUnit::Milliseconds, None))?.cast(&DataType::Int64)?
-                }
+                DataType::Datetime(_, _) => c
+                    .cast(&DataType::Datetime(TimeUnit::Milliseconds, None))?
+                    .cast(&DataType::Int64)?,
                 _ => c.clone(),
             };
             c.cast(&DataType::String)
@@ -203,8 +221,17 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
 }
 
 /// Decodes a frame of text columns into events (row numbers start at 1).
-pub fn decode_frame(df: &DataFrame, decoder: &Decoder, tz: Option<Tz>, progress: bool) -> Result<CallLog, IoError> {
-    let names: Vec<String> = df.get_column_names().iter().map(|s| s.to_string()).collect();
+pub fn decode_frame(
+    df: &DataFrame,
+    decoder: &Decoder,
+    tz: Option<Tz>,
+    progress: bool,
+) -> Result<CallLog, IoError> {
+    let names: Vec<String> = df
+        .get_column_names()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     for required in ["call_id", "caller", "ts"] {
         let src = decoder.map.source(required);
         if !names.iter().any(|n| n == src) {
@@ -218,9 +245,11 @@ pub fn decode_frame(df: &DataFrame, decoder: &Decoder, tz: Option<Tz>, progress:
     for f in FIELDS {
         let src = decoder.map.source(f);
         let col = match df.column(src) {
-            Ok(c) => Some(c.cast(&DataType::String).and_then(|c| Ok(c.str()?.clone())).map_err(polars_err(
-                format!("reading column `{src}`"),
-            ))?),
+            Ok(c) => Some(
+                c.cast(&DataType::String)
+                    .and_then(|c| Ok(c.str()?.clone()))
+                    .map_err(polars_err(format!("reading column `{src}`")))?,
+            ),
             Err(_) => None,
         };
         columns.push((src.to_string(), col));
@@ -229,9 +258,15 @@ pub fn decode_frame(df: &DataFrame, decoder: &Decoder, tz: Option<Tz>, progress:
     let bar = progress_bar(n as u64, progress, "decoding");
     let mut iters: Vec<Option<Box<dyn Iterator<Item = Option<&str>> + '_>>> = columns
         .iter()
-        .map(|(_, c)| c.as_ref().map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>))
+        .map(|(_, c)| {
+            c.as_ref()
+                .map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>)
+        })
         .collect();
-    let mut log = CallLog { events: Vec::with_capacity(n), invalid: Vec::new() };
+    let mut log = CallLog {
+        events: Vec::with_capacity(n),
+        invalid: Vec::new(),
+    };
     let mut values: Vec<Option<&str>> = vec![None; FIELDS.len()];
     let mut ts_buf = String::new();
     for row in 1..=n as u64 {
@@ -243,17 +278,23 @@ pub fn decode_frame(df: &DataFrame, decoder: &Decoder, tz: Option<Tz>, progress:
         if let Some(ms) = values[TS_FIELD].and_then(|raw| naive_to_ms(raw, tz)) {
             ts_buf.push_str(&ms.to_string());
         }
-        let ts_value = if ts_buf.is_empty() { values[TS_FIELD] } else { Some(ts_buf.as_str()) };
-        let result = decoder.decode(|name| match columns.iter().position(|(src, _)| src == name) {
-            Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
-            Some(i) => values[i].map_or(RawValue::Null, RawValue::Str),
-            None => RawValue::Null,
-        });
+        let ts_value = if ts_buf.is_empty() {
+            values[TS_FIELD]
+        } else {
+            Some(ts_buf.as_str())
+        };
+        let result = decoder.decode(
+            |name| match columns.iter().position(|(src, _)| src == name) {
+                Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
+                Some(i) => values[i].map_or(RawValue::Null, RawValue::Str),
+                None => RawValue::Null,
+            },
+        );
         match result {
             Ok(ev) => log.events.push((row, ev)),
             Err(error) => log.invalid.push(InvalidRow { row, error }),
         }
-        if row % 65_536 == 0 {
+        if row.is_multiple_of(65_536) {
             bar.set_position(row);
         }
     }
@@ -272,7 +313,10 @@ fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
     // In a DST fold take the earlier instant; in a gap, fall back to UTC offset of the zone's standard time.
     tz.from_local_datetime(&naive)
         .earliest()
-        .or_else(|| tz.from_local_datetime(&(naive + chrono::Duration::hours(1))).earliest())
+        .or_else(|| {
+            tz.from_local_datetime(&(naive + chrono::Duration::hours(1)))
+                .earliest()
+        })
         .map(|d| d.timestamp_millis())
 }
 
@@ -302,7 +346,10 @@ pub enum TableFormat {
 impl TableFormat {
     /// By extension: `.parquet` is Parquet, anything else CSV.
     pub fn from_path(path: &Path) -> Self {
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("parquet")) {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+        {
             TableFormat::Parquet
         } else {
             TableFormat::Csv
@@ -313,9 +360,15 @@ impl TableFormat {
 /// Writes a frame as CSV or Parquet, chosen by the file extension.
 pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
     let ctx = format!("writing {}", path.display());
-    let file = File::create(path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
+    let file = File::create(path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
     match TableFormat::from_path(path) {
-        TableFormat::Csv => CsvWriter::new(file).include_header(true).finish(df).map_err(polars_err(ctx))?,
+        TableFormat::Csv => CsvWriter::new(file)
+            .include_header(true)
+            .finish(df)
+            .map_err(polars_err(ctx))?,
         TableFormat::Parquet => {
             ParquetWriter::new(file)
                 .with_compression(ParquetCompression::Zstd(None))
@@ -332,19 +385,43 @@ pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<Pat
     if invalid.is_empty() {
         return Ok(None);
     }
-    let stem = output.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "output".into());
+    let stem = output
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
     let path = output.with_file_name(format!("{stem}.invalid.csv"));
     let mut df = DataFrame::new(
         invalid.len(),
         vec![
-            Column::new("row".into(), invalid.iter().map(|r| r.row).collect::<Vec<u64>>()),
-            Column::new("error_kind".into(), invalid.iter().map(|r| r.error.kind()).collect::<Vec<&str>>()),
-            Column::new("error".into(), invalid.iter().map(|r| r.error.to_string()).collect::<Vec<String>>()),
+            Column::new(
+                "row".into(),
+                invalid.iter().map(|r| r.row).collect::<Vec<u64>>(),
+            ),
+            Column::new(
+                "error_kind".into(),
+                invalid
+                    .iter()
+                    .map(|r| r.error.kind())
+                    .collect::<Vec<&str>>(),
+            ),
+            Column::new(
+                "error".into(),
+                invalid
+                    .iter()
+                    .map(|r| r.error.to_string())
+                    .collect::<Vec<String>>(),
+            ),
         ],
     )
     .map_err(polars_err("building the invalid-rows table"))?;
     let ctx = format!("writing {}", path.display());
-    let file = File::create(&path).map_err(|source| IoError::Io { context: ctx.clone(), source })?;
-    CsvWriter::new(file).include_header(true).finish(&mut df).map_err(polars_err(ctx))?;
+    let file = File::create(&path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    CsvWriter::new(file)
+        .include_header(true)
+        .finish(&mut df)
+        .map_err(polars_err(ctx))?;
     Ok(Some(path))
 }

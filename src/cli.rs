@@ -39,7 +39,7 @@ pub enum LogFormat {
 pub enum Command {
     /// Decide every call of a historical call log, offline, with the same
     /// window semantics as the online consumer.
-    Replay(ReplayArgs),
+    Replay(Box<ReplayArgs>),
     /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
     /// centres, robocallers, wangiri bursts) for trying and testing callguard.
     Generate(GenerateArgs),
@@ -85,7 +85,10 @@ impl InputArgs {
     pub fn read_options(&self, progress: bool) -> Result<ReadOptions, EventError> {
         Ok(ReadOptions {
             format: self.format,
-            decoder: Decoder::new(FieldMap::parse(&self.map)?, self.default_country_code.clone())?,
+            decoder: Decoder::new(
+                FieldMap::parse(&self.map)?,
+                self.default_country_code.clone(),
+            )?,
             timezone: self.timezone,
             progress,
         })
@@ -160,7 +163,12 @@ pub struct StoreArgs {
     pub store: StoreKind,
     /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for TLS);
     /// repeat, or separate with commas, to give Cluster seed nodes.
-    #[arg(long, env = "CALLGUARD_REDIS_URL", value_delimiter = ',', default_value = "redis://127.0.0.1:6379")]
+    #[arg(
+        long,
+        env = "CALLGUARD_REDIS_URL",
+        value_delimiter = ',',
+        default_value = "redis://127.0.0.1:6379"
+    )]
     pub redis_url: Vec<String>,
     /// Use the Redis Cluster client (implied by several URLs).
     #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]

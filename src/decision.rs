@@ -75,7 +75,10 @@ impl DecisionRecord {
         m.insert("decision".into(), json!(self.decision.as_str()));
         m.insert("reason".into(), json!(self.reason));
         for (i, r) in rules.rules.iter().enumerate() {
-            m.insert(format!("count_{}", r.name), json!(self.counts.get(i).copied().unwrap_or(0)));
+            m.insert(
+                format!("count_{}", r.name),
+                json!(self.counts.get(i).copied().unwrap_or(0)),
+            );
         }
         m.insert("shadow".into(), json!(self.shadow));
         m.insert("late".into(), json!(self.late));

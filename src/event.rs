@@ -114,7 +114,10 @@ impl FieldMap {
 
     /// The input's name for a canonical field.
     pub fn source<'a>(&'a self, canonical: &'a str) -> &'a str {
-        self.names.get(canonical).map(String::as_str).unwrap_or(canonical)
+        self.names
+            .get(canonical)
+            .map(String::as_str)
+            .unwrap_or(canonical)
     }
 }
 
@@ -138,7 +141,8 @@ impl Decoder {
         }
         Ok(Decoder {
             map,
-            default_country_code: default_country_code.map(|c| c.trim_start_matches('+').to_string()),
+            default_country_code: default_country_code
+                .map(|c| c.trim_start_matches('+').to_string()),
         })
     }
 
@@ -153,44 +157,84 @@ impl Decoder {
             RawValue::Str(s) if !s.trim().is_empty() => {
                 normalize_number(s, self.default_country_code.as_deref())?
             }
-            RawValue::Int(i) => normalize_number(&i.to_string(), self.default_country_code.as_deref())?,
+            RawValue::Int(i) => {
+                normalize_number(&i.to_string(), self.default_country_code.as_deref())?
+            }
             v if v.is_null() => return Err(EventError::Missing("caller")),
-            v => return Err(EventError::WrongType { field: "caller", found: v.kind() }),
+            v => {
+                return Err(EventError::WrongType {
+                    field: "caller",
+                    found: v.kind(),
+                })
+            }
         };
         let ts_ms = parse_ts(field("ts"))?;
         let callee = match field("callee") {
             v if v.is_null() => None,
             RawValue::Str(s) => Some(s.trim().to_string()),
             RawValue::Int(i) => Some(i.to_string()),
-            v => return Err(EventError::WrongType { field: "callee", found: v.kind() }),
+            v => {
+                return Err(EventError::WrongType {
+                    field: "callee",
+                    found: v.kind(),
+                })
+            }
         };
         let duration_ms = match field("duration_ms") {
             v if v.is_null() => None,
             RawValue::Int(i) if i >= 0 => Some(i),
             RawValue::Str(s) => match s.trim().parse::<i64>() {
                 Ok(i) if i >= 0 => Some(i),
-                _ => return Err(EventError::BadNumber { field: "duration_ms", value: s.to_string() }),
+                _ => {
+                    return Err(EventError::BadNumber {
+                        field: "duration_ms",
+                        value: s.to_string(),
+                    })
+                }
             },
-            v => return Err(EventError::BadNumber { field: "duration_ms", value: format!("{v:?}") }),
+            v => {
+                return Err(EventError::BadNumber {
+                    field: "duration_ms",
+                    value: format!("{v:?}"),
+                })
+            }
         };
         let label = parse_label(field("label"))?;
-        Ok(CallEvent { call_id, caller, ts_ms, callee, duration_ms, label })
+        Ok(CallEvent {
+            call_id,
+            caller,
+            ts_ms,
+            callee,
+            duration_ms,
+            label,
+        })
     }
 
     /// Decodes a JSON payload (a Kafka message value).
     pub fn decode_json(&self, payload: &[u8]) -> Result<CallEvent, EventError> {
-        let text = std::str::from_utf8(payload).map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
-        let value: serde_json::Value = serde_json::from_str(text).map_err(|e| EventError::Json(e.to_string()))?;
-        let obj = value.as_object().ok_or_else(|| EventError::Json("payload is not a JSON object".into()))?;
+        let text = std::str::from_utf8(payload)
+            .map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| EventError::Json(e.to_string()))?;
+        let obj = value
+            .as_object()
+            .ok_or_else(|| EventError::Json("payload is not a JSON object".into()))?;
         for canon in FIELDS {
             let name = self.map.source(canon);
             if let Some(v) = obj.get(name) {
                 if RawValue::from_json(v).is_none() {
-                    return Err(EventError::WrongType { field: canon, found: "array or object" });
+                    return Err(EventError::WrongType {
+                        field: canon,
+                        found: "array or object",
+                    });
                 }
             }
         }
-        self.decode(|name| obj.get(name).and_then(RawValue::from_json).unwrap_or(RawValue::Null))
+        self.decode(|name| {
+            obj.get(name)
+                .and_then(RawValue::from_json)
+                .unwrap_or(RawValue::Null)
+        })
     }
 }
 
@@ -199,7 +243,12 @@ fn decode_call_id(v: RawValue<'_>) -> Result<String, EventError> {
         RawValue::Str(s) => s.trim().to_string(),
         RawValue::Int(i) => i.to_string(),
         v if v.is_null() => return Err(EventError::Missing("call_id")),
-        v => return Err(EventError::WrongType { field: "call_id", found: v.kind() }),
+        v => {
+            return Err(EventError::WrongType {
+                field: "call_id",
+                found: v.kind(),
+            })
+        }
     };
     if id.is_empty() {
         return Err(EventError::Missing("call_id"));
@@ -216,9 +265,18 @@ fn decode_call_id(v: RawValue<'_>) -> Result<String, EventError> {
 /// becomes `+`. With a default country code, national numbers (leading `0`,
 /// or no prefix at all) get it prepended. The result must be `+` followed by
 /// 6 to 15 digits.
-pub fn normalize_number(raw: &str, default_country_code: Option<&str>) -> Result<String, EventError> {
-    let bad = |why: &str| EventError::BadNumber { field: "caller", value: format!("{} ({why})", printable(raw)) };
-    let stripped: String = raw.chars().filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')' | '\t')).collect();
+pub fn normalize_number(
+    raw: &str,
+    default_country_code: Option<&str>,
+) -> Result<String, EventError> {
+    let bad = |why: &str| EventError::BadNumber {
+        field: "caller",
+        value: format!("{} ({why})", printable(raw)),
+    };
+    let stripped: String = raw
+        .chars()
+        .filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')' | '\t'))
+        .collect();
     let e164 = if let Some(rest) = stripped.strip_prefix('+') {
         format!("+{rest}")
     } else if let Some(rest) = stripped.strip_prefix("00") {
@@ -233,7 +291,9 @@ pub fn normalize_number(raw: &str, default_country_code: Option<&str>) -> Result
     };
     let digits = &e164[1..];
     if !digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad("only digits, +, spaces, dashes, dots and parentheses are allowed"));
+        return Err(bad(
+            "only digits, +, spaces, dashes, dots and parentheses are allowed",
+        ));
     }
     if !(6..=15).contains(&digits.len()) {
         return Err(bad("E.164 numbers have 6 to 15 digits"));
@@ -292,21 +352,57 @@ mod tests {
 
     #[test]
     fn normalises_numbers() {
-        assert_eq!(normalize_number("+34 911-23.45(67)", None).unwrap(), "+34911234567");
-        assert_eq!(normalize_number("0034911234567", None).unwrap(), "+34911234567");
-        assert_eq!(normalize_number("0911234567", Some("34")).unwrap(), "+34911234567");
-        assert_eq!(normalize_number("911234567", Some("34")).unwrap(), "+34911234567");
-        for bad in ["", "+", "abc", "+34{91}", "+34\n911", "+12345", "+1234567890123456", "911234567"] {
-            assert!(normalize_number(bad, None).is_err(), "{bad:?} must be rejected");
+        assert_eq!(
+            normalize_number("+34 911-23.45(67)", None).unwrap(),
+            "+34911234567"
+        );
+        assert_eq!(
+            normalize_number("0034911234567", None).unwrap(),
+            "+34911234567"
+        );
+        assert_eq!(
+            normalize_number("0911234567", Some("34")).unwrap(),
+            "+34911234567"
+        );
+        assert_eq!(
+            normalize_number("911234567", Some("34")).unwrap(),
+            "+34911234567"
+        );
+        for bad in [
+            "",
+            "+",
+            "abc",
+            "+34{91}",
+            "+34\n911",
+            "+12345",
+            "+1234567890123456",
+            "911234567",
+        ] {
+            assert!(
+                normalize_number(bad, None).is_err(),
+                "{bad:?} must be rejected"
+            );
         }
     }
 
     #[test]
     fn parses_timestamps() {
-        assert_eq!(parse_ts(RawValue::Int(1_700_000_000_000)).unwrap(), 1_700_000_000_000);
-        assert_eq!(parse_ts(RawValue::Str("1700000000000")).unwrap(), 1_700_000_000_000);
-        assert_eq!(parse_ts(RawValue::Str("2025-12-01T00:00:00.250Z")).unwrap(), 1_764_547_200_250);
-        assert_eq!(parse_ts(RawValue::Str("2025-12-01T01:00:00.250+01:00")).unwrap(), 1_764_547_200_250);
+        assert_eq!(
+            parse_ts(RawValue::Int(1_700_000_000_000)).unwrap(),
+            1_700_000_000_000
+        );
+        assert_eq!(
+            parse_ts(RawValue::Str("1700000000000")).unwrap(),
+            1_700_000_000_000
+        );
+        assert_eq!(
+            parse_ts(RawValue::Str("2025-12-01T00:00:00.250Z")).unwrap(),
+            1_764_547_200_250
+        );
+        assert_eq!(
+            parse_ts(RawValue::Str("2025-12-01T01:00:00.250+01:00")).unwrap(),
+            1_764_547_200_250
+        );
         assert!(parse_ts(RawValue::Str("yesterday")).is_err());
         assert!(parse_ts(RawValue::Float(1.5)).is_err());
         assert!(parse_ts(RawValue::Null).is_err());
@@ -321,10 +417,14 @@ mod tests {
         assert_eq!(e.caller, "+34911234567");
         assert_eq!(e.ts_ms, 1_764_547_200_000);
         assert_eq!(e.label, Some(true));
-        assert!(d.decode_json(br#"{"call_id":"a1","src":"+34911234567"}"#).is_err());
+        assert!(d
+            .decode_json(br#"{"call_id":"a1","src":"+34911234567"}"#)
+            .is_err());
         assert!(d.decode_json(b"{\"call_id\":").is_err());
         assert!(d.decode_json(b"\xff\xfe").is_err());
-        assert!(d.decode_json(br#"{"call_id":["x"],"src":"+34911234567","start":1}"#).is_err());
+        assert!(d
+            .decode_json(br#"{"call_id":["x"],"src":"+34911234567","start":1}"#)
+            .is_err());
     }
 
     #[test]

@@ -48,7 +48,13 @@ pub struct GenCall {
 pub fn generate(rows: usize, seed: u64) -> Vec<GenCall> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut calls = Vec::with_capacity(rows + 1024);
-    let shares = [("subscriber", 0.55), ("pbx", 0.18), ("dialer", 0.10), ("robocaller", 0.11), ("wangiri", 0.06)];
+    let shares = [
+        ("subscriber", 0.55),
+        ("pbx", 0.18),
+        ("dialer", 0.10),
+        ("robocaller", 0.11),
+        ("wangiri", 0.06),
+    ];
     let mut id = 0u64;
     for (pop, share) in shares {
         let target = ((rows as f64) * share).round() as usize;
@@ -88,8 +94,8 @@ fn subscriber_number(rng: &mut StdRng) -> String {
 /// Hour-of-day weight for ordinary callers (quiet at night, peaks late morning and evening).
 fn hour_weight(hour: i64) -> f64 {
     const W: [f64; 24] = [
-        0.1, 0.05, 0.03, 0.03, 0.05, 0.1, 0.3, 0.6, 0.9, 1.0, 1.0, 1.0, 0.9, 0.8, 0.8, 0.9, 1.0, 1.0, 1.0, 0.9,
-        0.8, 0.6, 0.4, 0.2,
+        0.1, 0.05, 0.03, 0.03, 0.05, 0.1, 0.3, 0.6, 0.9, 1.0, 1.0, 1.0, 0.9, 0.8, 0.8, 0.9, 1.0,
+        1.0, 1.0, 0.9, 0.8, 0.6, 0.4, 0.2,
     ];
     W[(hour.rem_euclid(24)) as usize]
 }
@@ -118,7 +124,11 @@ fn subscriber(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     for _ in 0..n {
         let mut t = daytime_ts(rng);
         let callee = subscriber_number(rng);
-        let redials = if rng.random_bool(0.2) { rng.random_range(1..=2) } else { 0 };
+        let redials = if rng.random_bool(0.2) {
+            rng.random_range(1..=2)
+        } else {
+            0
+        };
         for _ in 0..=redials {
             out.push(GenCall {
                 caller: caller.clone(),
@@ -164,7 +174,11 @@ fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             caller: caller.clone(),
             callee: subscriber_number(rng),
             ts_ms: t,
-            duration_ms: if answered { rng.random_range(10_000..300_000) } else { 0 },
+            duration_ms: if answered {
+                rng.random_range(10_000..300_000)
+            } else {
+                0
+            },
             fraud: false,
             population: "dialer",
         });
@@ -173,7 +187,11 @@ fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
 }
 
 fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = if rng.random_bool(0.5) { number(rng, "+1", 10) } else { number(rng, "+3461", 7) };
+    let caller = if rng.random_bool(0.5) {
+        number(rng, "+1", 10)
+    } else {
+        number(rng, "+3461", 7)
+    };
     let start = daytime_ts(rng);
     let end = start + rng.random_range(10..60) * 60_000;
     let mean_gap = 60_000.0 / rng.random_range(5.0..10.0);
@@ -184,7 +202,11 @@ fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             caller: caller.clone(),
             callee: subscriber_number(rng),
             ts_ms: t,
-            duration_ms: if answered { rng.random_range(3_000..40_000) } else { 0 },
+            duration_ms: if answered {
+                rng.random_range(3_000..40_000)
+            } else {
+                0
+            },
             fraud: true,
             population: "robocaller",
         });
@@ -225,17 +247,33 @@ fn exp_gap(rng: &mut StdRng, mean_ms: f64) -> i64 {
 /// Writes calls as CSV; call ids are `c<row>` in time order.
 pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
     let ctx = || format!("writing {}", path.display());
-    let file = std::fs::File::create(path).map_err(|source| IoError::Io { context: ctx(), source })?;
+    let file = std::fs::File::create(path).map_err(|source| IoError::Io {
+        context: ctx(),
+        source,
+    })?;
     let mut w = std::io::BufWriter::new(file);
-    let io = |source| IoError::Io { context: ctx(), source };
+    let io = |source| IoError::Io {
+        context: ctx(),
+        source,
+    };
     writeln!(w, "call_id,caller,callee,ts,duration_ms,label,population").map_err(io)?;
     for (i, c) in calls.iter().enumerate() {
         let ts = DateTime::from_timestamp_millis(c.ts_ms)
             .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))
             .unwrap_or_else(|| c.ts_ms.to_string());
         let label = if c.fraud { "fraud" } else { "legit" };
-        writeln!(w, "c{},{},{},{},{},{},{}", i + 1, c.caller, c.callee, ts, c.duration_ms, label, c.population)
-            .map_err(io)?;
+        writeln!(
+            w,
+            "c{},{},{},{},{},{},{}",
+            i + 1,
+            c.caller,
+            c.callee,
+            ts,
+            c.duration_ms,
+            label,
+            c.population
+        )
+        .map_err(io)?;
     }
     w.flush().map_err(io)
 }
@@ -253,7 +291,9 @@ mod tests {
         assert!(a.windows(2).all(|w| w[0].ts_ms <= w[1].ts_ms));
         let fraud = a.iter().filter(|c| c.fraud).count();
         assert!(fraud > 500 && fraud < 1_500, "fraud share off: {fraud}");
-        assert!(a.windows(2).any(|w| w[0].ts_ms == w[1].ts_ms && w[0].caller == w[1].caller));
+        assert!(a
+            .windows(2)
+            .any(|w| w[0].ts_ms == w[1].ts_ms && w[0].caller == w[1].caller));
         assert_ne!(generate(5_000, 8), a);
     }
 }

@@ -16,7 +16,10 @@ use callguard::store::AnyStore;
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
@@ -33,8 +36,11 @@ fn main() -> std::process::ExitCode {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_env("CALLGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter =
+        EnvFilter::try_from_env("CALLGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
@@ -43,12 +49,17 @@ fn init_logging(format: LogFormat) {
 
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Replay(args) => replay_cmd(args).await,
+        Command::Replay(args) => replay_cmd(*args).await,
         Command::Generate(args) => {
             let calls = callguard::generate::generate(args.rows, args.seed);
             callguard::generate::write_csv(&args.output, &calls)?;
             let fraud = calls.iter().filter(|c| c.fraud).count();
-            println!("wrote {} calls ({} labelled fraud) to {}", calls.len(), fraud, args.output.display());
+            println!(
+                "wrote {} calls ({} labelled fraud) to {}",
+                calls.len(),
+                fraud,
+                args.output.display()
+            );
             Ok(())
         }
     }
@@ -81,7 +92,16 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     }
     write_frame(&args.output, &mut df)?;
     let summary = ReplaySummary::new(&verdicts, log.invalid.len());
-    println!("rules            {} (version {})", rules.rules.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "), rules.version());
+    println!(
+        "rules            {} (version {})",
+        rules
+            .rules
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        rules.version()
+    );
     println!("{summary}");
     println!("decisions        {}", args.output.display());
     if let Some(path) = write_invalid(&args.output, &log.invalid)? {

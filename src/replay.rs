@@ -40,7 +40,11 @@ pub struct ReplaySummary {
 impl ReplaySummary {
     /// Summarises verdicts.
     pub fn new(verdicts: &[Verdict], invalid: usize) -> Self {
-        let mut s = ReplaySummary { events: verdicts.len() as u64, invalid: invalid as u64, ..Default::default() };
+        let mut s = ReplaySummary {
+            events: verdicts.len() as u64,
+            invalid: invalid as u64,
+            ..Default::default()
+        };
         let mut callers = HashSet::new();
         for v in verdicts {
             let r = &v.record;
@@ -59,11 +63,27 @@ impl ReplaySummary {
 
 impl fmt::Display for ReplaySummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let pct = |n: u64| if self.events == 0 { 0.0 } else { 100.0 * n as f64 / self.events as f64 };
+        let pct = |n: u64| {
+            if self.events == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / self.events as f64
+            }
+        };
         writeln!(f, "events           {}", self.events)?;
-        writeln!(f, "rejected         {} ({:.3}%)", self.rejected, pct(self.rejected))?;
+        writeln!(
+            f,
+            "rejected         {} ({:.3}%)",
+            self.rejected,
+            pct(self.rejected)
+        )?;
         if self.would_reject > 0 {
-            writeln!(f, "would reject     {} ({:.3}%, shadow mode)", self.would_reject, pct(self.would_reject))?;
+            writeln!(
+                f,
+                "would reject     {} ({:.3}%, shadow mode)",
+                self.would_reject,
+                pct(self.would_reject)
+            )?;
         }
         writeln!(f, "rejected callers {}", self.rejected_callers)?;
         writeln!(f, "duplicates       {}", self.duplicates)?;
@@ -97,22 +117,50 @@ pub async fn run<S: WindowStore>(
 pub fn records_frame(verdicts: &[Verdict], rules: &RuleSet) -> Result<DataFrame, IoError> {
     let recs = || verdicts.iter().map(|v| &v.record);
     let mut cols = vec![
-        Column::new("call_id".into(), recs().map(|r| r.call_id.as_str()).collect::<Vec<_>>()),
-        Column::new("caller".into(), recs().map(|r| r.caller.as_str()).collect::<Vec<_>>()),
+        Column::new(
+            "call_id".into(),
+            recs().map(|r| r.call_id.as_str()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "caller".into(),
+            recs().map(|r| r.caller.as_str()).collect::<Vec<_>>(),
+        ),
         Column::new("ts_ms".into(), recs().map(|r| r.ts_ms).collect::<Vec<_>>()),
-        Column::new("decision".into(), recs().map(|r| r.decision.as_str()).collect::<Vec<_>>()),
-        Column::new("reason".into(), recs().map(|r| r.reason.as_str()).collect::<Vec<_>>()),
+        Column::new(
+            "decision".into(),
+            recs().map(|r| r.decision.as_str()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "reason".into(),
+            recs().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
+        ),
     ];
     for (i, rule) in rules.rules.iter().enumerate() {
         cols.push(Column::new(
             format!("count_{}", rule.name).into(),
-            recs().map(|r| r.counts.get(i).copied().unwrap_or(0)).collect::<Vec<u64>>(),
+            recs()
+                .map(|r| r.counts.get(i).copied().unwrap_or(0))
+                .collect::<Vec<u64>>(),
         ));
     }
-    cols.push(Column::new("shadow".into(), recs().map(|r| r.shadow).collect::<Vec<_>>()));
-    cols.push(Column::new("late".into(), recs().map(|r| r.late).collect::<Vec<_>>()));
-    cols.push(Column::new("degraded".into(), recs().map(|r| r.degraded).collect::<Vec<_>>()));
-    cols.push(Column::new("rules_version".into(), recs().map(|r| r.rules_version.as_str()).collect::<Vec<_>>()));
-    DataFrame::new(verdicts.len(), cols)
-        .map_err(|source| IoError::Polars { context: "building the decisions table".into(), source })
+    cols.push(Column::new(
+        "shadow".into(),
+        recs().map(|r| r.shadow).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "late".into(),
+        recs().map(|r| r.late).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "degraded".into(),
+        recs().map(|r| r.degraded).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "rules_version".into(),
+        recs().map(|r| r.rules_version.as_str()).collect::<Vec<_>>(),
+    ));
+    DataFrame::new(verdicts.len(), cols).map_err(|source| IoError::Polars {
+        context: "building the decisions table".into(),
+        source,
+    })
 }

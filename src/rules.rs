@@ -104,12 +104,13 @@ impl Rule {
     pub fn parse_shorthand(s: &str) -> Result<Self, RulesError> {
         let parts: Vec<&str> = s.split(':').collect();
         let [name, kind, window, limit] = parts[..] else {
-            return Err(RulesError::Invalid(format!("rule `{s}`: expected NAME:KIND:WINDOW:LIMIT")));
+            return Err(RulesError::Invalid(format!(
+                "rule `{s}`: expected NAME:KIND:WINDOW:LIMIT"
+            )));
         };
-        let limit = limit
-            .trim()
-            .parse::<u64>()
-            .map_err(|_| RulesError::Invalid(format!("rule `{s}`: limit `{limit}` is not a whole number")))?;
+        let limit = limit.trim().parse::<u64>().map_err(|_| {
+            RulesError::Invalid(format!("rule `{s}`: limit `{limit}` is not a whole number"))
+        })?;
         Ok(Rule {
             name: name.trim().to_string(),
             kind: WindowKind::parse(kind.trim())?,
@@ -121,13 +122,24 @@ impl Rule {
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}:{}:{}", self.name, self.kind.as_str(), format_duration(self.window_ms), self.limit)
+        write!(
+            f,
+            "{}:{}:{}:{}",
+            self.name,
+            self.kind.as_str(),
+            format_duration(self.window_ms),
+            self.limit
+        )
     }
 }
 
 /// Parses `500ms`, `10s`, `1m`, `1h` or `1d` into milliseconds.
 pub fn parse_duration_ms(s: &str) -> Result<i64, RulesError> {
-    let bad = || RulesError::Invalid(format!("duration `{s}`: expected e.g. 500ms, 10s, 1m, 1h, 1d"));
+    let bad = || {
+        RulesError::Invalid(format!(
+            "duration `{s}`: expected e.g. 500ms, 10s, 1m, 1h, 1d"
+        ))
+    };
     let split = s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
     let (num, unit) = s.split_at(split);
     let n: i64 = num.parse().map_err(|_| bad())?;
@@ -144,7 +156,12 @@ pub fn parse_duration_ms(s: &str) -> Result<i64, RulesError> {
 
 /// Formats milliseconds in the largest exact unit (`60000` → `1m`).
 pub fn format_duration(ms: i64) -> String {
-    for (unit, m) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000)] {
+    for (unit, m) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
         if ms != 0 && ms % m == 0 {
             return format!("{}{unit}", ms / m);
         }
@@ -217,12 +234,16 @@ impl RuleSet {
         shadow: bool,
     ) -> Result<Self, RulesError> {
         if rules.is_empty() {
-            return Err(RulesError::Invalid("a rule set needs at least one rule".into()));
+            return Err(RulesError::Invalid(
+                "a rule set needs at least one rule".into(),
+            ));
         }
         for (i, r) in rules.iter().enumerate() {
             let valid_name = !r.name.is_empty()
                 && r.name.len() <= 32
-                && r.name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+                && r.name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
             if !valid_name {
                 return Err(RulesError::Invalid(format!(
                     "rule name `{}`: 1 to 32 lowercase letters, digits or _",
@@ -230,16 +251,28 @@ impl RuleSet {
                 )));
             }
             if RESERVED_NAMES.contains(&r.name.as_str()) {
-                return Err(RulesError::Invalid(format!("rule name `{}` is reserved", r.name)));
+                return Err(RulesError::Invalid(format!(
+                    "rule name `{}` is reserved",
+                    r.name
+                )));
             }
             if rules[..i].iter().any(|o| o.name == r.name) {
-                return Err(RulesError::Invalid(format!("rule name `{}` is used twice", r.name)));
+                return Err(RulesError::Invalid(format!(
+                    "rule name `{}` is used twice",
+                    r.name
+                )));
             }
             if r.window_ms < 1 || r.window_ms > 31 * 86_400_000 {
-                return Err(RulesError::Invalid(format!("rule `{}`: window must be 1ms to 31d", r.name)));
+                return Err(RulesError::Invalid(format!(
+                    "rule `{}`: window must be 1ms to 31d",
+                    r.name
+                )));
             }
             if r.limit == 0 {
-                return Err(RulesError::Invalid(format!("rule `{}`: limit must be at least 1", r.name)));
+                return Err(RulesError::Invalid(format!(
+                    "rule `{}`: limit must be at least 1",
+                    r.name
+                )));
             }
         }
         if !(0..=3_600_000).contains(&grace_ms) {
@@ -247,7 +280,15 @@ impl RuleSet {
         }
         let allow = normalize_prefixes(allow, "allow")?;
         let deny = normalize_prefixes(deny, "deny")?;
-        let mut set = RuleSet { rules, count, grace_ms, allow, deny, shadow, version: String::new() };
+        let mut set = RuleSet {
+            rules,
+            count,
+            grace_ms,
+            allow,
+            deny,
+            shadow,
+            version: String::new(),
+        };
         set.version = set.compute_version();
         Ok(set)
     }
@@ -271,19 +312,31 @@ impl RuleSet {
             Some(g) => parse_duration_ms(&g)?,
             None => DEFAULT_GRACE_MS,
         };
-        RuleSet::new(rules, file.count, grace_ms, file.allow, file.deny, file.shadow)
+        RuleSet::new(
+            rules,
+            file.count,
+            grace_ms,
+            file.allow,
+            file.deny,
+            file.shadow,
+        )
     }
 
     /// Reads a TOML rule set from a file.
     pub fn from_file(path: &Path) -> Result<Self, RulesError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|source| RulesError::Read { path: path.display().to_string(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
         Self::from_toml(&text)
     }
 
     /// Builds the rule set from CLI arguments: a file, shorthands, or both (shorthands are appended).
     pub fn from_args(file: Option<&Path>, shorthands: &[String]) -> Result<Self, RulesError> {
-        let extra = shorthands.iter().map(|s| Rule::parse_shorthand(s)).collect::<Result<Vec<_>, _>>()?;
+        let extra = shorthands
+            .iter()
+            .map(|s| Rule::parse_shorthand(s))
+            .collect::<Result<Vec<_>, _>>()?;
         match file {
             Some(path) => {
                 let base = Self::from_file(path)?;
@@ -292,25 +345,58 @@ impl RuleSet {
                 }
                 let mut rules = base.rules.clone();
                 rules.extend(extra);
-                RuleSet::new(rules, base.count, base.grace_ms, base.allow, base.deny, base.shadow)
+                RuleSet::new(
+                    rules,
+                    base.count,
+                    base.grace_ms,
+                    base.allow,
+                    base.deny,
+                    base.shadow,
+                )
             }
-            None if extra.is_empty() => {
-                Err(RulesError::Invalid("no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into()))
-            }
-            None => RuleSet::new(extra, CountPolicy::Attempts, DEFAULT_GRACE_MS, vec![], vec![], false),
+            None if extra.is_empty() => Err(RulesError::Invalid(
+                "no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into(),
+            )),
+            None => RuleSet::new(
+                extra,
+                CountPolicy::Attempts,
+                DEFAULT_GRACE_MS,
+                vec![],
+                vec![],
+                false,
+            ),
         }
     }
 
     /// A copy with other set-wide options (used by `tune` and the CLI overrides).
-    pub fn with_options(&self, count: CountPolicy, grace_ms: i64, shadow: bool) -> Result<Self, RulesError> {
-        RuleSet::new(self.rules.clone(), count, grace_ms, self.allow.clone(), self.deny.clone(), shadow)
+    pub fn with_options(
+        &self,
+        count: CountPolicy,
+        grace_ms: i64,
+        shadow: bool,
+    ) -> Result<Self, RulesError> {
+        RuleSet::new(
+            self.rules.clone(),
+            count,
+            grace_ms,
+            self.allow.clone(),
+            self.deny.clone(),
+            shadow,
+        )
     }
 
     /// A copy where rule `index` has another limit (used by `tune`).
     pub fn with_limit(&self, index: usize, limit: u64) -> Result<Self, RulesError> {
         let mut rules = self.rules.clone();
         rules[index].limit = limit;
-        RuleSet::new(rules, self.count, self.grace_ms, self.allow.clone(), self.deny.clone(), self.shadow)
+        RuleSet::new(
+            rules,
+            self.count,
+            self.grace_ms,
+            self.allow.clone(),
+            self.deny.clone(),
+            self.shadow,
+        )
     }
 
     /// The version: the first 12 hex digits of the SHA-256 of the canonical form.
@@ -370,13 +456,17 @@ impl RuleSet {
 fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, RulesError> {
     list.into_iter()
         .map(|raw| {
-            let s: String = raw.chars().filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')')).collect();
+            let s: String = raw
+                .chars()
+                .filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')'))
+                .collect();
             let s = match s.strip_prefix("00") {
                 Some(rest) => format!("+{rest}"),
                 None => s,
             };
             let digits = s.strip_prefix('+').unwrap_or("");
-            if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_digit())
+            {
                 return Err(RulesError::Invalid(format!(
                     "{which} entry `{raw}`: expected + followed by 1 to 15 digits"
                 )));
@@ -446,11 +536,24 @@ mod tests {
 
     #[test]
     fn rejects_bad_sets() {
-        for bad in ["m:sliding:60s", "m:nope:60s:1", "m:sliding:0s:1", "m:sliding:1s:0", "OK:fixed:1s:1", "ok:fixed:1s:1"] {
+        for bad in [
+            "m:sliding:60s",
+            "m:nope:60s:1",
+            "m:sliding:0s:1",
+            "m:sliding:1s:0",
+            "OK:fixed:1s:1",
+            "ok:fixed:1s:1",
+        ] {
             assert!(RuleSet::from_args(None, &[bad.into()]).is_err(), "{bad}");
         }
         assert!(RuleSet::from_args(None, &["a:fixed:1s:1".into(), "a:fixed:2s:1".into()]).is_err());
-        assert!(RuleSet::from_toml("bogus = 1\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1").is_err());
-        assert!(RuleSet::from_toml("allow=['+34x']\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1").is_err());
+        assert!(RuleSet::from_toml(
+            "bogus = 1\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1"
+        )
+        .is_err());
+        assert!(RuleSet::from_toml(
+            "allow=['+34x']\n[[rule]]\nname='a'\nkind='fixed'\nwindow='1s'\nlimit=1"
+        )
+        .is_err());
     }
 }

@@ -27,7 +27,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::decision::{Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
+use crate::decision::{
+    Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
+};
 use crate::event::CallEvent;
 use crate::rules::{CountPolicy, Listed, RuleSet, WindowKind};
 
@@ -92,7 +94,10 @@ impl CallerState {
         if prev.is_none() {
             // Nothing older than the horizon can matter: start afresh.
             let seq = self.seq;
-            *self = CallerState { seq, ..CallerState::default() };
+            *self = CallerState {
+                seq,
+                ..CallerState::default()
+            };
         }
         self.trim(rules, horizon, l_new);
         if self.fixed.len() != rules.rules.len() {
@@ -122,10 +127,20 @@ impl CallerState {
                     let b = bucket_of(t, w);
                     let a = &mut self.approx[i];
                     match a.bucket {
-                        None => *a = Approx { bucket: Some(b), cur: 0, prev: 0 },
+                        None => {
+                            *a = Approx {
+                                bucket: Some(b),
+                                cur: 0,
+                                prev: 0,
+                            }
+                        }
                         Some(cb) if b > cb => {
                             let prev = if b == cb + 1 { a.cur } else { 0 };
-                            *a = Approx { bucket: Some(b), cur: 0, prev };
+                            *a = Approx {
+                                bucket: Some(b),
+                                cur: 0,
+                                prev,
+                            };
                         }
                         _ => {}
                     }
@@ -220,7 +235,11 @@ impl CallerState {
                 break;
             }
             let id = entry.remove();
-            if self.seen.get(&id).is_some_and(|v| v.record.ts_ms <= horizon) {
+            if self
+                .seen
+                .get(&id)
+                .is_some_and(|v| v.record.ts_ms <= horizon)
+            {
                 self.seen.remove(&id);
             }
         }

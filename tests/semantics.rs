@@ -16,7 +16,11 @@ pub fn render(v: &Verdict) -> String {
         "{} {} {}",
         r.decision.as_str(),
         r.reason,
-        r.counts.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+        r.counts
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
     );
     for (flag, name) in [(r.late, "late"), (r.shadow, "shadow"), (v.duplicate, "dup")] {
         if flag {
@@ -33,7 +37,12 @@ fn scenarios_match_expectations() {
         let mut store = MemoryStore::new();
         for (i, (caller, id, dt, expected)) in sc.events.iter().enumerate() {
             let v = store.apply(&sc.rules, &ev(caller, id, T0 + dt));
-            assert_eq!(render(&v), *expected, "scenario `{}`, event #{i} ({id} at +{dt})", sc.name);
+            assert_eq!(
+                render(&v),
+                *expected,
+                "scenario `{}`, event #{i} ({id} at +{dt})",
+                sc.name
+            );
             assert_eq!(v.record.rules_version, sc.rules.version());
         }
     }
@@ -41,7 +50,10 @@ fn scenarios_match_expectations() {
 
 #[test]
 fn previous_call_time_is_kept_within_retention_only() {
-    let sc = scenarios::all().into_iter().find(|s| s.name.starts_with("state idle")).unwrap();
+    let sc = scenarios::all()
+        .into_iter()
+        .find(|s| s.name.starts_with("state idle"))
+        .unwrap();
     let mut store = MemoryStore::new();
     let prevs: Vec<Option<i64>> = sc
         .events
@@ -56,7 +68,10 @@ fn idle_callers_are_swept() {
     let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
     let mut store = MemoryStore::new();
     for i in 0..50_000i64 {
-        store.apply(&rules, &ev(&format!("+34600{:06}", i), &i.to_string(), T0 + i * 10));
+        store.apply(
+            &rules,
+            &ev(&format!("+34600{:06}", i), &i.to_string(), T0 + i * 10),
+        );
     }
     // Retention is 6 s = 600 events here; callers more than 2 retentions behind are dropped.
     assert!(store.callers() < 20_000, "{} callers kept", store.callers());
@@ -78,7 +93,15 @@ fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), Te
             prev_ts_ms: v.prev_ts_ms,
             duplicate: v.duplicate,
         };
-        prop_assert_eq!(&got, x, "seed {} event #{} {:?} rules {:?}", seed, i, e, rules);
+        prop_assert_eq!(
+            &got,
+            x,
+            "seed {} event #{} {:?} rules {:?}",
+            seed,
+            i,
+            e,
+            rules
+        );
     }
     Ok(())
 }
@@ -105,5 +128,8 @@ fn random_sequences_reject_something() {
             dups += usize::from(v.duplicate);
         }
     }
-    assert!(rejects > 100 && late > 10 && dups > 50, "rejects {rejects}, late {late}, dups {dups}");
+    assert!(
+        rejects > 100 && late > 10 && dups > 50,
+        "rejects {rejects}, late {late}, dups {dups}"
+    );
 }

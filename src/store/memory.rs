@@ -35,7 +35,7 @@ impl MemoryStore {
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
         self.watermark = Some(self.watermark.map_or(ev.ts_ms, |w| w.max(ev.ts_ms)));
         self.applied += 1;
-        if self.applied % SWEEP_EVERY == 0 {
+        if self.applied.is_multiple_of(SWEEP_EVERY) {
             self.sweep(rules);
         }
         match self.callers.get_mut(ev.caller.as_str()) {
@@ -58,13 +58,18 @@ impl MemoryStore {
     pub fn sweep(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
             let cutoff = w - 2 * rules.retention_ms();
-            self.callers.retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
+            self.callers
+                .retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
         }
     }
 }
 
 impl WindowStore for MemoryStore {
-    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+    async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
         Ok(events.iter().map(|e| self.apply(rules, e)).collect())
     }
 }

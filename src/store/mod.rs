@@ -39,7 +39,11 @@ pub enum AnyStore {
 }
 
 impl WindowStore for AnyStore {
-    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+    async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,

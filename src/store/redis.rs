@@ -69,7 +69,16 @@ pub struct RedisStore {
 
 /// Classifies a Redis error as transient (retry) or fatal.
 pub fn classify(e: RedisError) -> StoreError {
-    let transient_codes = ["LOADING", "BUSY", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "READONLY", "MOVED", "ASK"];
+    let transient_codes = [
+        "LOADING",
+        "BUSY",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "MASTERDOWN",
+        "READONLY",
+        "MOVED",
+        "ASK",
+    ];
     if e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
@@ -111,13 +120,20 @@ impl RedisStore {
                 .set_connection_timeout(Some(config.timeout))
                 .set_response_timeout(Some(config.timeout))
                 .set_number_of_retries(2);
-            let conn = tokio::time::timeout(config.timeout * 2, ConnectionManager::new_with_config(client, mgr_config))
-                .await
-                .map_err(|_| StoreError::Transient("timed out connecting to Redis".into()))?
-                .map_err(classify)?;
+            let conn = tokio::time::timeout(
+                config.timeout * 2,
+                ConnectionManager::new_with_config(client, mgr_config),
+            )
+            .await
+            .map_err(|_| StoreError::Transient("timed out connecting to Redis".into()))?
+            .map_err(classify)?;
             Conn::Single(conn)
         };
-        let mut store = RedisStore { conn, sha: String::new(), config };
+        let mut store = RedisStore {
+            conn,
+            sha: String::new(),
+            config,
+        };
         store.load_script().await?;
         Ok(store)
     }
@@ -128,7 +144,11 @@ impl RedisStore {
     }
 
     /// Runs one pipeline (all commands in one slot, for a Cluster).
-    async fn query(conn: &mut Conn, pipe: &redis::Pipeline, timeout: Duration) -> Result<Vec<Value>, RedisError> {
+    async fn query(
+        conn: &mut Conn,
+        pipe: &redis::Pipeline,
+        timeout: Duration,
+    ) -> Result<Vec<Value>, RedisError> {
         let fut = async {
             match conn {
                 Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
@@ -137,7 +157,10 @@ impl RedisStore {
         };
         match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
-            Err(_) => Err(RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "Redis call timed out"))),
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "Redis call timed out",
+            ))),
         }
     }
 
@@ -171,17 +194,28 @@ impl RedisStore {
             Conn::Single(c) => cmd.query_async(c).await.map_err(classify)?,
             Conn::Cluster(c) => {
                 // Load on every primary, so EVALSHA works whatever slot a caller is in.
-                use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-                let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(ResponsePolicy::AllSucceeded)));
+                use redis::cluster_routing::{
+                    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo,
+                };
+                let route = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
                 let v = c.route_command(cmd, route).await.map_err(classify)?;
                 match v {
                     Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
                     Value::SimpleString(s) => s,
                     Value::Array(items) => match items.into_iter().next() {
                         Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-                        other => return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}"))),
+                        other => {
+                            return Err(StoreError::Fatal(format!(
+                                "SCRIPT LOAD answered {other:?}"
+                            )))
+                        }
                     },
-                    other => return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}"))),
+                    other => {
+                        return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}")))
+                    }
                 }
             }
         };
@@ -204,7 +238,10 @@ impl RedisStore {
         for rule in &rules.rules {
             if rule.kind == WindowKind::Fixed {
                 let b = crate::window::bucket_of(ev.ts_ms, rule.window_ms);
-                cmd.arg(self.key(&ev.caller, &format!("f:{}:{}:{}", rule.name, rule.window_ms, b)));
+                cmd.arg(self.key(
+                    &ev.caller,
+                    &format!("f:{}:{}:{}", rule.name, rule.window_ms, b),
+                ));
             } else {
                 cmd.arg(self.key(&ev.caller, "m"));
             }
@@ -226,7 +263,10 @@ impl RedisStore {
             .arg(u8::from(rules.has_sliding()))
             .arg(rules.rules.len());
         for rule in &rules.rules {
-            cmd.arg(rule.kind.code()).arg(rule.window_ms).arg(rule.limit).arg(&rule.name);
+            cmd.arg(rule.kind.code())
+                .arg(rule.window_ms)
+                .arg(rule.limit)
+                .arg(&rule.name);
         }
         cmd
     }
@@ -234,7 +274,11 @@ impl RedisStore {
     /// Applies events through pipelined round trips: one pipeline for a
     /// standalone server; one per hash slot, sent concurrently, for a Cluster
     /// (a caller's events share a slot, so their order is kept).
-    pub async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+    pub async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
@@ -243,7 +287,10 @@ impl RedisStore {
             Conn::Cluster(_) => {
                 let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
                 for (i, ev) in events.iter().enumerate() {
-                    by_slot.entry(Slot::for_key(self.key(&ev.caller, "m"))).or_default().push(i);
+                    by_slot
+                        .entry(Slot::for_key(self.key(&ev.caller, "m")))
+                        .or_default()
+                        .push(i);
                 }
                 by_slot.into_values().collect()
             }
@@ -262,7 +309,11 @@ impl RedisStore {
                         }
                     }
                     Ok(values) => {
-                        return Err(StoreError::Fatal(format!("{} replies for {} calls", values.len(), group.len())))
+                        return Err(StoreError::Fatal(format!(
+                            "{} replies for {} calls",
+                            values.len(),
+                            group.len()
+                        )))
                     }
                     // Only groups that failed as a whole with NOSCRIPT ran nothing: retry just those.
                     Err(e) if is_noscript(&e) && attempt == 0 => {
@@ -283,20 +334,32 @@ impl RedisStore {
             .zip(events)
             .map(|(v, ev)| match v {
                 Some(v) => parse_reply(v, ev),
-                None => Err(StoreError::Transient(format!("no reply for call {}", ev.call_id))),
+                None => Err(StoreError::Transient(format!(
+                    "no reply for call {}",
+                    ev.call_id
+                ))),
             })
             .collect()
     }
 }
 
 impl WindowStore for RedisStore {
-    async fn apply_batch(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Result<Vec<Verdict>, StoreError> {
+    async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
         RedisStore::apply_batch(self, rules, events).await
     }
 }
 
 fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
-    let bad = |what: &str| StoreError::Fatal(format!("unexpected script reply for call {}: {what}", ev.call_id));
+    let bad = |what: &str| {
+        StoreError::Fatal(format!(
+            "unexpected script reply for call {}: {what}",
+            ev.call_id
+        ))
+    };
     let Value::Array(items) = v else {
         return Err(bad(&format!("{v:?}")));
     };
@@ -324,7 +387,12 @@ fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdi
         "" => None,
         p => Some(p.parse().ok()?),
     };
-    let counts = parts.next()?.split(',').filter(|c| !c.is_empty()).map(|c| c.parse().ok()).collect::<Option<Vec<u64>>>()?;
+    let counts = parts
+        .next()?
+        .split(',')
+        .filter(|c| !c.is_empty())
+        .map(|c| c.parse().ok())
+        .collect::<Option<Vec<u64>>>()?;
     Some(Verdict {
         record: DecisionRecord {
             call_id: ev.call_id.clone(),

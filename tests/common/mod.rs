@@ -27,7 +27,11 @@ pub fn free_port() -> u16 {
 }
 
 fn require(binary: &str) {
-    let found = Command::new(binary).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
+    let found = Command::new(binary)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
     if found.is_err() {
         panic!(
             "`{binary}` is not installed: these tests need a real Redis (Debian: apt-get install redis-server). \
@@ -136,10 +140,20 @@ impl RedisCluster {
             nodes.push(RedisServer::start_in(
                 port,
                 tempfile::tempdir().expect("temp dir"),
-                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "2000"],
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "2000",
+                ],
             ));
         }
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
         let out = Command::new("redis-cli")
             .arg("--cluster")
             .arg("create")
@@ -147,12 +161,16 @@ impl RedisCluster {
             .args(["--cluster-replicas", "0", "--cluster-yes"])
             .output()
             .expect("run redis-cli --cluster create");
-        assert!(out.status.success(), "cluster create failed: {}", String::from_utf8_lossy(&out.stdout));
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            let ok = nodes
-                .iter()
-                .all(|n| raw_command(n.port, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok")));
+            let ok = nodes.iter().all(|n| {
+                raw_command(n.port, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
+            });
             if ok {
                 return RedisCluster { nodes };
             }

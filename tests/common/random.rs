@@ -14,7 +14,11 @@ use super::scenarios::T0;
 pub fn random_rules(rng: &mut StdRng) -> RuleSet {
     let n = rng.random_range(1..=3);
     let windows = [500, 1_000, 2_000, 5_000, 10_000];
-    let kinds = [WindowKind::Fixed, WindowKind::Sliding, WindowKind::SlidingApprox];
+    let kinds = [
+        WindowKind::Fixed,
+        WindowKind::Sliding,
+        WindowKind::SlidingApprox,
+    ];
     let rules = (0..n)
         .map(|i| Rule {
             name: format!("r{i}"),
@@ -23,10 +27,22 @@ pub fn random_rules(rng: &mut StdRng) -> RuleSet {
             limit: rng.random_range(1..=6),
         })
         .collect();
-    let count = if rng.random_bool(0.5) { CountPolicy::Attempts } else { CountPolicy::Admitted };
+    let count = if rng.random_bool(0.5) {
+        CountPolicy::Attempts
+    } else {
+        CountPolicy::Admitted
+    };
     let grace = [0, 1_000, 3_000][rng.random_range(0..3)];
-    let allow = if rng.random_bool(0.3) { vec!["+3460000001".to_string()] } else { vec![] };
-    let deny = if rng.random_bool(0.3) { vec!["+3460000002".to_string()] } else { vec![] };
+    let allow = if rng.random_bool(0.3) {
+        vec!["+3460000001".to_string()]
+    } else {
+        vec![]
+    };
+    let deny = if rng.random_bool(0.3) {
+        vec!["+3460000002".to_string()]
+    } else {
+        vec![]
+    };
     RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2)).unwrap()
 }
 
@@ -49,7 +65,11 @@ pub fn random_events(rng: &mut StdRng, n: usize, callers: usize) -> Vec<CallEven
         } else {
             t += rng.random_range(0..400);
         }
-        let jitter = if rng.random_bool(0.15) { rng.random_range(0..6_000) } else { 0 };
+        let jitter = if rng.random_bool(0.15) {
+            rng.random_range(0..6_000)
+        } else {
+            0
+        };
         let caller = format!("+346000000{:02}", rng.random_range(0..callers));
         out.push(CallEvent {
             call_id: format!("c{i}"),

@@ -39,7 +39,11 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
         let latest = prior.iter().map(|p| p.ts).max();
         let l_new = latest.map_or(t, |l| l.max(t));
         let h = l_new - retention;
-        if let Some(p) = prior.iter().rev().find(|p| p.call_id == e.call_id && p.ts > h) {
+        if let Some(p) = prior
+            .iter()
+            .rev()
+            .find(|p| p.call_id == e.call_id && p.ts > h)
+        {
             let mut x = p.expected.clone();
             x.duplicate = true;
             out.push(x);
@@ -58,16 +62,26 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
                 l = Some(ln);
             }
         }
-        let live: Vec<&&Past> =
-            if prev.is_some() { prior[epoch_start..].iter().collect() } else { Vec::new() };
+        let live: Vec<&&Past> = if prev.is_some() {
+            prior[epoch_start..].iter().collect()
+        } else {
+            Vec::new()
+        };
         let mut counts = Vec::new();
         for rule in &rules.rules {
             let w = rule.window_ms;
             let b = t.div_euclid(w);
-            let rec_in = |bucket: i64| live.iter().filter(|p| p.recorded && p.ts.div_euclid(w) == bucket).count() as u64;
+            let rec_in = |bucket: i64| {
+                live.iter()
+                    .filter(|p| p.recorded && p.ts.div_euclid(w) == bucket)
+                    .count() as u64
+            };
             let c = match rule.kind {
                 WindowKind::Sliding => {
-                    1 + live.iter().filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t).count() as u64
+                    1 + live
+                        .iter()
+                        .filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t)
+                        .count() as u64
                 }
                 WindowKind::Fixed => {
                     if (b + 1) * w + rules.grace_ms <= l_new {
@@ -77,7 +91,11 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
                     }
                 }
                 WindowKind::SlidingApprox => {
-                    let bmax = live.iter().map(|p| p.ts.div_euclid(w)).max().map_or(b, |m| m.max(b));
+                    let bmax = live
+                        .iter()
+                        .map(|p| p.ts.div_euclid(w))
+                        .max()
+                        .map_or(b, |m| m.max(b));
                     if b == bmax {
                         let r = t - b * w;
                         rec_in(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + rec_in(b) + 1

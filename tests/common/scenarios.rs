@@ -19,9 +19,19 @@ pub struct Scenario {
     pub events: Vec<(&'static str, &'static str, i64, &'static str)>,
 }
 
-fn set(rules: &[&str], count: CountPolicy, grace_ms: i64, allow: &[&str], deny: &[&str], shadow: bool) -> RuleSet {
+fn set(
+    rules: &[&str],
+    count: CountPolicy,
+    grace_ms: i64,
+    allow: &[&str],
+    deny: &[&str],
+    shadow: bool,
+) -> RuleSet {
     RuleSet::new(
-        rules.iter().map(|r| Rule::parse_shorthand(r).unwrap()).collect(),
+        rules
+            .iter()
+            .map(|r| Rule::parse_shorthand(r).unwrap())
+            .collect(),
         count,
         grace_ms,
         allow.iter().map(|s| s.to_string()).collect(),
@@ -62,7 +72,14 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "same-millisecond ties count in processing order",
-            rules: set(&["s:sliding:1m:3", "f:fixed:1m:3"], Attempts, 5_000, &[], &[], false),
+            rules: set(
+                &["s:sliding:1m:3", "f:fixed:1m:3"],
+                Attempts,
+                5_000,
+                &[],
+                &[],
+                false,
+            ),
             events: vec![
                 (A, "1", 7, "allow ok 1,1"),
                 (A, "2", 7, "allow ok 2,2"),
@@ -117,7 +134,14 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "allow and deny lists take precedence; deny wins",
-            rules: set(&["s:sliding:1m:1"], Attempts, 5_000, &["+3491100", "+4477"], &["+447700"], false),
+            rules: set(
+                &["s:sliding:1m:1"],
+                Attempts,
+                5_000,
+                &["+3491100", "+4477"],
+                &["+447700"],
+                false,
+            ),
             events: vec![
                 ("+447700900123", "1", 0, "reject denylist 1"),
                 ("+447700900123", "2", 1, "reject denylist 2"),
@@ -139,7 +163,14 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "a redelivered call id gets its first record back and counts once",
-            rules: set(&["s:sliding:1m:2", "f:fixed:1m:5"], Attempts, 5_000, &[], &[], false),
+            rules: set(
+                &["s:sliding:1m:2", "f:fixed:1m:5"],
+                Attempts,
+                5_000,
+                &[],
+                &[],
+                false,
+            ),
             events: vec![
                 (A, "1", 0, "allow ok 1,1"),
                 (A, "2", 1, "allow ok 2,2"),
@@ -152,7 +183,14 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "sliding-approx: weighted previous bucket, integer arithmetic",
-            rules: set(&["a:sliding-approx:10s:100"], Attempts, 10_000, &[], &[], false),
+            rules: set(
+                &["a:sliding-approx:10s:100"],
+                Attempts,
+                10_000,
+                &[],
+                &[],
+                false,
+            ),
             events: vec![
                 (A, "1", 1_000, "allow ok 1"),
                 (A, "2", 2_000, "allow ok 2"),
@@ -168,7 +206,14 @@ pub fn all() -> Vec<Scenario> {
         },
         Scenario {
             name: "state idle longer than window + grace counts as none",
-            rules: set(&["s:sliding:1m:5", "a:sliding-approx:1m:5", "f:fixed:1m:5"], Attempts, 5_000, &[], &[], false),
+            rules: set(
+                &["s:sliding:1m:5", "a:sliding-approx:1m:5", "f:fixed:1m:5"],
+                Attempts,
+                5_000,
+                &[],
+                &[],
+                false,
+            ),
             events: vec![
                 (A, "1", 100, "allow ok 1,1,1"),
                 (A, "2", 200, "allow ok 2,2,2"),

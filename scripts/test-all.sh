@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs every test of callguard on a Debian machine, installing what the tests
+# need first: redis-server (Debian package) and tansu (a Kafka-protocol
+# broker, from crates.io). Safe to run again: installed tools are skipped and
+# the build directory is reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
+export PATH="$HOME/.cargo/bin:$PATH"
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+  echo "== installing redis-server"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+fi
+
+if ! command -v tansu >/dev/null; then
+  echo "== installing tansu (Kafka-protocol broker for the consumer tests; ~11 min once)"
+  cargo install tansu --locked --features dynostore,libsql
+fi
+
+echo "== cargo test"
+cargo test --all-targets --no-fail-fast

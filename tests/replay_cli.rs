@@ -1,0 +1,158 @@
+//! `callguard replay` end to end: golden files, output formats, the Redis
+//! store producing the same records as the in-memory one, and clear errors.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{bin, RedisServer};
+
+fn replay(args: &[&str]) -> std::process::Output {
+    Command::new(bin())
+        .arg("replay")
+        .args(args)
+        .output()
+        .expect("run callguard")
+}
+
+fn golden(name: &str) -> String {
+    std::fs::read_to_string(Path::new("tests/golden").join(name)).unwrap()
+}
+
+#[test]
+fn golden_replay_matches() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("decisions.csv");
+    let o = replay(&[
+        "-i",
+        "tests/golden/calls.csv",
+        "--rules",
+        "tests/golden/rules.toml",
+        "--default-country-code",
+        "34",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(&out).unwrap(),
+        golden("decisions.csv")
+    );
+    let invalid = dir.path().join("decisions.invalid.csv");
+    assert_eq!(
+        std::fs::read_to_string(invalid).unwrap(),
+        golden("decisions.invalid.csv")
+    );
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for line in [
+        "events           13",
+        "rejected         4",
+        "rejected callers 1",
+        "duplicates       1",
+        "invalid rows     4",
+    ] {
+        assert!(stdout.contains(line), "summary lacks `{line}`:\n{stdout}");
+    }
+}
+
+#[test]
+fn parquet_output_holds_the_same_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let pq = dir.path().join("d.parquet");
+    let csv = dir.path().join("d.csv");
+    for out in [&pq, &csv] {
+        let o = replay(&[
+            "-i",
+            "data/calls.csv",
+            "--rules",
+            "data/rules.toml",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let a = callguard::calllog::read_frame(&pq, callguard::calllog::InputFormat::Parquet).unwrap();
+    let b = callguard::calllog::read_frame(&csv, callguard::calllog::InputFormat::Csv).unwrap();
+    assert_eq!(a.height(), 20_000);
+    assert!(a.equals(&b), "parquet and csv outputs differ");
+}
+
+#[test]
+fn redis_replay_writes_the_same_records_as_memory() {
+    let server = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let mem = dir.path().join("mem.csv");
+    let red = dir.path().join("redis.csv");
+    let base = [
+        "-i",
+        "data/calls.csv",
+        "--rules",
+        "data/rules.toml",
+        "--count",
+        "admitted",
+    ];
+    let o = replay(&[&base[..], &["-o", mem.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let url = server.url();
+    let o = replay(
+        &[
+            &base[..],
+            &[
+                "--store",
+                "redis",
+                "--redis-url",
+                &url,
+                "-o",
+                red.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = std::fs::read_to_string(&mem).unwrap();
+    assert!(m.contains(",reject,"), "the sample should reject something");
+    assert_eq!(m, std::fs::read_to_string(&red).unwrap());
+}
+
+#[test]
+fn clear_errors_for_bad_inputs() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("o.csv");
+    let o = replay(&[
+        "-i",
+        "tests/golden/calls.csv",
+        "--rule",
+        "m:sliding:1m:5",
+        "--map",
+        "caller=src",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("column `src` (for `caller`) not found"),
+        "{err}"
+    );
+    let o = replay(&[
+        "-i",
+        "nope.csv",
+        "--rule",
+        "m:sliding:1m:5",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no such file"));
+    let o = replay(&["-i", "data/calls.csv", "-o", out.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no rules"));
+    let o = replay(&[
+        "-i",
+        "data/calls.csv",
+        "--rule",
+        "m:sliding:1m:0",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("limit must be at least 1"));
+}
