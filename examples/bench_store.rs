@@ -21,7 +21,11 @@ const T0: i64 = 1_764_547_200_000;
 const PIPELINE: usize = 256;
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 fn used_memory(con: &mut redis::Connection) -> i64 {
@@ -45,11 +49,23 @@ fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
-    let total: usize = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(200_000);
+    let total: usize = std::env::args()
+        .nth(1)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(200_000);
     let port = free_port();
     let dir = tempfile::tempdir().expect("tempdir");
     let mut server = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
         .arg("--dir")
         .arg(dir.path())
         .stdout(Stdio::null())
@@ -108,11 +124,15 @@ async fn main() {
     println!("\n## Throughput, {total} events, pipeline depth {PIPELINE}\n");
     let rules = RuleSet::from_toml(include_str!("../data/rules.toml")).expect("rules");
     let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flush");
-    let mut store = RedisStore::connect(RedisConfig { urls: vec![url.clone()], ..RedisConfig::default() })
-        .await
-        .expect("connect");
-    let events: Vec<CallEvent> =
-        (0..total).map(|i| event(i % 50_000, i, T0 + (i as i64) * 2)).collect();
+    let mut store = RedisStore::connect(RedisConfig {
+        urls: vec![url.clone()],
+        ..RedisConfig::default()
+    })
+    .await
+    .expect("connect");
+    let events: Vec<CallEvent> = (0..total)
+        .map(|i| event(i % 50_000, i, T0 + (i as i64) * 2))
+        .collect();
     let start = Instant::now();
     for chunk in events.chunks(PIPELINE) {
         store.apply_batch(&rules, chunk).await.expect("apply");
@@ -120,9 +140,17 @@ async fn main() {
     let ours = total as f64 / start.elapsed().as_secs_f64();
 
     // The same script, keys and argument shapes through redis-benchmark.
-    let sha: String = redis::cmd("SCRIPT").arg("LOAD").arg(WINDOW_LUA).query(&mut con).expect("load");
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(WINDOW_LUA)
+        .query(&mut con)
+        .expect("load");
     let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flush");
-    let _: String = redis::cmd("SCRIPT").arg("LOAD").arg(WINDOW_LUA).query(&mut con).expect("load");
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(WINDOW_LUA)
+        .query(&mut con)
+        .expect("load");
     let tag = "cg:{+3460__rand_int__}";
     let mut args: Vec<String> = vec![
         "EVALSHA".into(),
@@ -166,7 +194,14 @@ async fn main() {
         .map(|s| s.to_string()),
     );
     let out = Command::new("redis-benchmark")
-        .args(["-p", &port.to_string(), "-n", &total.to_string(), "-P", &PIPELINE.to_string()])
+        .args([
+            "-p",
+            &port.to_string(),
+            "-n",
+            &total.to_string(),
+            "-P",
+            &PIPELINE.to_string(),
+        ])
         .args(["-c", "1", "-r", "50000", "-q"])
         .args(&args)
         .output()
@@ -178,7 +213,10 @@ async fn main() {
         .find(|(_, b)| *b == "requests")
         .and_then(|(a, _)| a.parse().ok())
         .unwrap_or_else(|| panic!("cannot read redis-benchmark output: {text}"));
-    println!("redis-benchmark said: {}", text.rsplit('\r').next().unwrap_or("").trim());
+    println!(
+        "redis-benchmark said: {}",
+        text.rsplit('\r').next().unwrap_or("").trim()
+    );
     println!("| client | events/s |");
     println!("|---|---|");
     println!("| callguard batch API (1 connection) | {ours:.0} |");

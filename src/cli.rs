@@ -180,6 +180,9 @@ pub struct StoreArgs {
     /// counts again and may get another decision.
     #[arg(long, env = "CALLGUARD_NO_IDEMPOTENCY")]
     pub no_idempotency: bool,
+    /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
+    #[arg(long, env = "CALLGUARD_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
     /// Timeout of every Redis call, in milliseconds.
     #[arg(long, env = "CALLGUARD_REDIS_TIMEOUT_MS", default_value_t = 2000)]
     pub redis_timeout_ms: u64,
@@ -194,6 +197,7 @@ impl StoreArgs {
             key_prefix: self.key_prefix.clone(),
             idempotency: !self.no_idempotency,
             timeout: Duration::from_millis(self.redis_timeout_ms),
+            tls_ca: self.redis_ca.clone(),
         }
     }
 }

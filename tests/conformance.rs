@@ -22,6 +22,7 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
         key_prefix: prefix.to_string(),
         idempotency: true,
         timeout: Duration::from_secs(5),
+        tls_ca: None,
     }
 }
 
@@ -197,4 +198,148 @@ async fn every_key_has_a_ttl_and_all_expire() {
         }
     }
     assert_eq!(left, 0, "keys left after the windows passed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acl_user_in_url_and_typed_errors() {
+    let server = RedisServer::start(&[
+        "--user", "cg", "on", ">s3cret", "~cg:*", "+@all", "--user", "default", "off",
+    ]);
+    let rules = RuleSet::from_args(None, &["m:sliding:1m:2".into()]).unwrap();
+    let url = format!("redis://cg:s3cret@127.0.0.1:{}", server.port);
+    let mut redis = RedisStore::connect(config(vec![url], "cg:")).await.unwrap();
+    let v = redis
+        .apply_batch(&rules, &[ev("+34911000001", "1", T0)])
+        .await
+        .unwrap();
+    assert_eq!(v[0].record.counts, vec![1]);
+    // Wrong password: a fatal error, not retried forever.
+    let bad = format!("redis://cg:wrong@127.0.0.1:{}", server.port);
+    let err = RedisStore::connect(config(vec![bad], "cg:"))
+        .await
+        .err()
+        .expect("must fail");
+    assert!(!err.is_transient(), "{err}");
+    // Keys outside the user's pattern are refused by Redis: fatal too.
+    let mut other = RedisStore::connect(config(
+        vec![format!("redis://cg:s3cret@127.0.0.1:{}", server.port)],
+        "prod:",
+    ))
+    .await
+    .unwrap();
+    let err = other
+        .apply_batch(&rules, &[ev("+34911000001", "2", T0)])
+        .await
+        .err()
+        .expect("must fail");
+    assert!(!err.is_transient(), "{err}");
+    // A server that is gone: transient.
+    drop(server);
+    let err = redis
+        .apply_batch(&rules, &[ev("+34911000001", "3", T0 + 1)])
+        .await
+        .err()
+        .expect("must fail");
+    assert!(err.is_transient(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_private_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(d)
+            .output()
+            .expect("openssl");
+        assert!(
+            o.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=callguard test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        d.join("ext.cnf"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+    ]);
+    let tls_port = common::free_port();
+    let p = |f: &str| d.join(f).display().to_string();
+    let server = RedisServer::start(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &p("server.pem"),
+        "--tls-key-file",
+        &p("server.key"),
+        "--tls-ca-cert-file",
+        &p("ca.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let rules = RuleSet::from_args(None, &["m:fixed:1m:1".into()]).unwrap();
+    let mut cfg = config(vec![format!("rediss://localhost:{tls_port}")], "cg:");
+    cfg.tls_ca = Some(d.join("ca.pem"));
+    let mut redis = RedisStore::connect(cfg).await.unwrap();
+    let v = redis
+        .apply_batch(
+            &rules,
+            &[ev("+34911000001", "1", T0), ev("+34911000001", "2", T0 + 1)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(v[1].record.reason, "m");
+    // Without the CA the server certificate is not trusted.
+    let untrusted = RedisStore::connect(config(
+        vec![format!("rediss://localhost:{tls_port}")],
+        "cg:",
+    ))
+    .await;
+    assert!(untrusted.is_err());
+    drop(server);
 }

@@ -41,6 +41,9 @@ pub struct RedisConfig {
     pub idempotency: bool,
     /// Timeout of connecting and of every call.
     pub timeout: Duration,
+    /// PEM file of the CA that signed the server certificate (`rediss://`
+    /// with a private CA); the system trust store otherwise.
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 impl Default for RedisConfig {
@@ -51,6 +54,7 @@ impl Default for RedisConfig {
             key_prefix: "cg:".into(),
             idempotency: true,
             timeout: Duration::from_secs(2),
+            tls_ca: None,
         }
     }
 }
@@ -102,7 +106,24 @@ impl RedisStore {
         if config.urls.is_empty() {
             return Err(StoreError::Fatal("no Redis URL given".into()));
         }
+        let certs = match &config.tls_ca {
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(path).map_err(|e| {
+                    StoreError::Fatal(format!(
+                        "cannot read the Redis CA file {}: {e}",
+                        path.display()
+                    ))
+                })?),
+            }),
+            None => None,
+        };
         let conn = if config.cluster || config.urls.len() > 1 {
+            if certs.is_some() {
+                return Err(StoreError::Fatal(
+                    "a CA file is not supported with Redis Cluster: add the CA to the system trust store".into(),
+                ));
+            }
             let client = ClusterClientBuilder::new(config.urls.clone())
                 .connection_timeout(config.timeout)
                 .response_timeout(config.timeout)
@@ -114,8 +135,11 @@ impl RedisStore {
                 .map_err(classify)?;
             Conn::Cluster(conn)
         } else {
-            let client = redis::Client::open(config.urls[0].as_str())
-                .map_err(|e| StoreError::Fatal(format!("bad Redis URL: {e}")))?;
+            let client = match certs {
+                Some(certs) => redis::Client::build_with_tls(config.urls[0].as_str(), certs),
+                None => redis::Client::open(config.urls[0].as_str()),
+            }
+            .map_err(|e| StoreError::Fatal(format!("bad Redis URL: {e}")))?;
             let mgr_config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(config.timeout))
                 .set_response_timeout(Some(config.timeout))

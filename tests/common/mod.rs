@@ -93,7 +93,9 @@ impl RedisServer {
         let server = RedisServer { child, port, dir };
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if raw_command(port, "PING").is_some_and(|r| r.starts_with("+PONG")) {
+            if raw_command(port, "PING")
+                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
+            {
                 return server;
             }
             std::thread::sleep(Duration::from_millis(20));
