@@ -217,8 +217,7 @@ async fn acl_user_in_url_and_typed_errors() {
     let bad = format!("redis://cg:wrong@127.0.0.1:{}", server.port);
     let err = RedisStore::connect(config(vec![bad], "cg:"))
         .await
-        .err()
-        .expect("must fail");
+        .expect_err("must fail");
     assert!(!err.is_transient(), "{err}");
     // Keys outside the user's pattern are refused by Redis: fatal too.
     let mut other = RedisStore::connect(config(
@@ -230,16 +229,14 @@ async fn acl_user_in_url_and_typed_errors() {
     let err = other
         .apply_batch(&rules, &[ev("+34911000001", "2", T0)])
         .await
-        .err()
-        .expect("must fail");
+        .expect_err("must fail");
     assert!(!err.is_transient(), "{err}");
     // A server that is gone: transient.
     drop(server);
     let err = redis
         .apply_batch(&rules, &[ev("+34911000001", "3", T0 + 1)])
         .await
-        .err()
-        .expect("must fail");
+        .expect_err("must fail");
     assert!(err.is_transient(), "{err}");
 }
 
