@@ -100,6 +100,15 @@ fn is_noscript(e: &RedisError) -> bool {
     e.code() == Some("NOSCRIPT")
 }
 
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.config)
+            .field("sha", &self.sha)
+            .finish_non_exhaustive()
+    }
+}
+
 impl RedisStore {
     /// Connects and loads the script.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
