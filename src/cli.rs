@@ -40,9 +40,136 @@ pub enum Command {
     /// Decide every call of a historical call log, offline, with the same
     /// window semantics as the online consumer.
     Replay(Box<ReplayArgs>),
+    /// Run the stream processor: consume call events from Kafka, decide
+    /// them against per-caller windows (Redis by default), and produce
+    /// decisions, features and dead letters.
+    Consume(Box<ConsumeArgs>),
+    /// Load a call log into a Kafka topic, keyed by caller, in the replay's
+    /// processing order (stable by event time).
+    Produce(Box<ProduceArgs>),
+    /// The whole pipeline in one process with no servers: embedded Kafka
+    /// (librdkafka mock cluster), in-memory windows, the sample call log,
+    /// a live summary, and a parity check against `replay`.
+    Demo(Box<DemoArgs>),
     /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
     /// centres, robocallers, wangiri bursts) for trying and testing callguard.
     Generate(GenerateArgs),
+}
+
+/// Kafka connection options.
+#[derive(Debug, Clone, Args)]
+pub struct KafkaArgs {
+    /// Bootstrap servers (HOST:PORT,...), or `mock` for an embedded
+    /// in-process mock cluster (topics are created on it).
+    #[arg(long, env = "CALLGUARD_BROKERS", default_value = "localhost:9092")]
+    pub brokers: String,
+    /// Any librdkafka setting, KEY=VALUE (SASL, SSL, client.id, ...); repeatable.
+    #[arg(
+        short = 'X',
+        value_name = "KEY=VALUE",
+        env = "CALLGUARD_KAFKA_SETTINGS",
+        value_delimiter = ';'
+    )]
+    pub settings: Vec<String>,
+}
+
+/// `callguard consume`.
+#[derive(Debug, Clone, Args)]
+pub struct ConsumeArgs {
+    /// Kafka options.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Consumer group.
+    #[arg(long, env = "CALLGUARD_GROUP", default_value = "callguard")]
+    pub group: String,
+    /// Topic of call events (JSON, keyed by caller).
+    #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = "calls")]
+    pub input_topic: String,
+    /// Topic of decision records.
+    #[arg(
+        long,
+        env = "CALLGUARD_DECISIONS_TOPIC",
+        default_value = "call-decisions"
+    )]
+    pub decisions_topic: String,
+    /// Topic of feature records.
+    #[arg(
+        long,
+        env = "CALLGUARD_FEATURES_TOPIC",
+        default_value = "call-features"
+    )]
+    pub features_topic: String,
+    /// Dead-letter topic (original bytes, error in headers).
+    #[arg(long, env = "CALLGUARD_DLQ_TOPIC", default_value = "calls-dlq")]
+    pub dlq_topic: String,
+    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Store options.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Field mapping of the JSON payload, FIELD=NAME[,...].
+    #[arg(
+        long = "map",
+        value_name = "FIELD=NAME",
+        env = "CALLGUARD_MAP",
+        value_delimiter = ';'
+    )]
+    pub map: Vec<String>,
+    /// Country code for national numbers, e.g. 34.
+    #[arg(long, env = "CALLGUARD_DEFAULT_COUNTRY_CODE")]
+    pub default_country_code: Option<String>,
+    /// What to do when the window store fails: `block` (stop and retry,
+    /// commit nothing: nothing is lost), `allow` or `reject` (decide
+    /// `degraded = true` and keep going).
+    #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = crate::consumer::StoreErrorPolicy::Block)]
+    pub on_store_error: crate::consumer::StoreErrorPolicy,
+    /// Largest batch of events per store round trip.
+    #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = 500)]
+    pub batch_size: usize,
+    /// Batches that may await broker acknowledgement at once.
+    #[arg(long, env = "CALLGUARD_MAX_IN_FLIGHT", default_value_t = 4)]
+    pub max_in_flight: usize,
+    /// Largest accepted message, bytes; larger ones are dead letters.
+    #[arg(long, env = "CALLGUARD_MAX_PAYLOAD_BYTES", default_value_t = 65_536)]
+    pub max_payload_bytes: usize,
+    /// Prometheus metrics, /healthz and /readyz on this address.
+    #[arg(long, env = "CALLGUARD_METRICS_ADDR", default_value = "127.0.0.1:9898")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Deadline for draining in-flight work on shutdown, seconds.
+    #[arg(long, env = "CALLGUARD_DRAIN_TIMEOUT_S", default_value_t = 10)]
+    pub drain_timeout_s: u64,
+}
+
+/// `callguard produce`.
+#[derive(Debug, Clone, Args)]
+pub struct ProduceArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Kafka options.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Topic to write.
+    #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = "calls")]
+    pub topic: String,
+}
+
+/// `callguard demo`.
+#[derive(Debug, Clone, Args)]
+pub struct DemoArgs {
+    /// Call log to play.
+    #[arg(long, short, default_value = "data/calls.csv")]
+    pub input: PathBuf,
+    /// Rule set file.
+    #[arg(long, default_value = "data/rules.toml")]
+    pub rules: PathBuf,
+    /// Partitions of the calls topic.
+    #[arg(long, default_value_t = 4)]
+    pub partitions: i32,
+    /// Give up after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
 }
 
 /// `callguard generate`.

@@ -16,10 +16,17 @@
 
 pub mod calllog;
 pub mod cli;
+pub mod consumer;
 pub mod decision;
+pub mod demo;
 pub mod error;
 pub mod event;
+pub mod features;
 pub mod generate;
+pub mod kafka;
+pub mod metrics;
+pub mod produce;
+pub mod reload;
 pub mod replay;
 pub mod rules;
 pub mod store;

@@ -7,7 +7,9 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 use callguard::calllog::{read_call_log, write_frame, write_invalid};
-use callguard::cli::{Cli, Command, LogFormat, ReplayArgs, StoreKind};
+use callguard::cli::{
+    Cli, Command, ConsumeArgs, DemoArgs, LogFormat, ProduceArgs, ReplayArgs, StoreKind,
+};
 use callguard::replay::{self, ReplaySummary};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::RedisStore;
@@ -50,6 +52,9 @@ fn init_logging(format: LogFormat) {
 async fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Replay(args) => replay_cmd(*args).await,
+        Command::Consume(args) => consume_cmd(*args).await,
+        Command::Produce(args) => produce_cmd(*args).await,
+        Command::Demo(args) => demo_cmd(*args).await,
         Command::Generate(args) => {
             let calls = callguard::generate::generate(args.rows, args.seed);
             callguard::generate::write_csv(&args.output, &calls)?;
@@ -111,4 +116,160 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
         println!("invalid rows at  {}", path.display());
     }
     Ok(())
+}
+
+/// Resolves when SIGINT or SIGTERM arrives.
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = term => {},
+    }
+    tracing::info!("shutdown requested");
+}
+
+async fn consume_cmd(args: ConsumeArgs) -> Result<()> {
+    use callguard::consumer::{self, ConsumeConfig};
+    use callguard::event::{Decoder, FieldMap};
+    use callguard::metrics::{self, Health, Metrics};
+    use std::sync::Arc;
+
+    let rules = args.rules.rule_set()?;
+    let settings = callguard::kafka::parse_settings(&args.kafka.settings)?;
+    let mut _embedded = None;
+    let brokers = if args.kafka.brokers == "mock" {
+        let k = callguard::kafka::EmbeddedKafka::start()?;
+        for t in [
+            &args.input_topic,
+            &args.decisions_topic,
+            &args.features_topic,
+        ] {
+            k.create_topic(t, 4)?;
+        }
+        k.create_topic(&args.dlq_topic, 1)?;
+        let b = k.bootstrap();
+        println!("embedded Kafka (librdkafka mock cluster) at {b}");
+        _embedded = Some(k);
+        b
+    } else {
+        args.kafka.brokers.clone()
+    };
+    let mut config = ConsumeConfig::new(
+        &brokers,
+        &args.group,
+        &args.input_topic,
+        &args.decisions_topic,
+        &args.features_topic,
+        &args.dlq_topic,
+    );
+    config.kafka_settings = settings;
+    config.batch_size = args.batch_size.max(1);
+    config.max_in_flight = args.max_in_flight.max(1);
+    config.on_store_error = args.on_store_error;
+    config.max_payload_bytes = args.max_payload_bytes;
+    config.decoder = Decoder::new(
+        FieldMap::parse(&args.map)?,
+        args.default_country_code.clone(),
+    )?;
+    config.drain_timeout = std::time::Duration::from_secs(args.drain_timeout_s);
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let server_stop = {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let bound = metrics::serve(
+        args.metrics_addr,
+        metrics.clone(),
+        health.clone(),
+        server_stop,
+    )
+    .await
+    .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
+    tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
+    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
+    callguard::reload::spawn(args.rules.clone(), rules_tx, metrics.clone())?;
+    let store = open_store(&args.store).await?;
+    let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
+    let _ = stop_tx.send(true);
+    let stats = stats?;
+    tracing::info!(
+        decided = stats.decided,
+        rejected = stats.rejected,
+        dead_letters = stats.dead_letters,
+        "stopped"
+    );
+    Ok(())
+}
+
+async fn produce_cmd(args: ProduceArgs) -> Result<()> {
+    let progress = std::io::stderr().is_terminal();
+    let read = args.input.read_options(progress)?;
+    let mut log = read_call_log(&args.input.input, &read)?;
+    log.sort_by_time();
+    let settings = callguard::kafka::parse_settings(&args.kafka.settings)?;
+    let n =
+        callguard::produce::produce(&log, &args.kafka.brokers, &settings, &args.topic, progress)
+            .await?;
+    println!(
+        "produced {n} events to {} ({} invalid rows skipped)",
+        args.topic,
+        log.invalid.len()
+    );
+    for bad in log.invalid.iter().take(10) {
+        println!("  row {}: {}", bad.row, bad.error);
+    }
+    Ok(())
+}
+
+async fn demo_cmd(args: DemoArgs) -> Result<()> {
+    let rules = callguard::rules::RuleSet::from_file(&args.rules)?;
+    let config = callguard::demo::DemoConfig {
+        input: args.input,
+        read: callguard::calllog::ReadOptions::default(),
+        rules,
+        partitions: args.partitions,
+        timeout: std::time::Duration::from_secs(args.timeout_s),
+    };
+    let report = callguard::demo::run(config)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    println!();
+    println!(
+        "decided          {} of {} events ({:.0} events/s)",
+        report.decided, report.produced, report.events_per_sec
+    );
+    println!("rejected         {}", report.rejected);
+    println!("dead letters     {}", report.dead_letters);
+    println!(
+        "top rejected     {}",
+        report
+            .top_rejected
+            .iter()
+            .map(|(c, n)| format!("{c} ({n})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if report.mismatches == 0 && report.decided == report.produced {
+        println!("parity           every decision equals `callguard replay` on the same file");
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "{} decisions differ from the replay ({} of {} decided)",
+            report.mismatches,
+            report.decided,
+            report.produced
+        )
+    }
 }

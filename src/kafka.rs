@@ -1,0 +1,128 @@
+//! Kafka plumbing shared by `consume`, `produce` and `demo`: client
+//! settings, the embedded mock cluster and topic creation.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::mocking::MockCluster;
+use thiserror::Error;
+
+/// Kafka failures.
+#[derive(Debug, Error)]
+pub enum KafkaError {
+    /// A `-X key=value` setting is malformed.
+    #[error("bad Kafka setting `{0}`: expected key=value")]
+    BadSetting(String),
+    /// librdkafka refused or failed.
+    #[error("{context}: {source}")]
+    Client {
+        /// What was being done.
+        context: String,
+        /// The librdkafka error.
+        source: rdkafka::error::KafkaError,
+    },
+    /// A produced message was not acknowledged.
+    #[error("delivery failed: {0}")]
+    Delivery(String),
+}
+
+/// Wraps a librdkafka error with context.
+pub fn client_err(
+    context: impl Into<String>,
+) -> impl FnOnce(rdkafka::error::KafkaError) -> KafkaError {
+    let context = context.into();
+    move |source| KafkaError::Client { context, source }
+}
+
+/// Parses `-X key=value` settings.
+pub fn parse_settings(settings: &[String]) -> Result<Vec<(String, String)>, KafkaError> {
+    settings
+        .iter()
+        .map(|s| {
+            s.split_once('=')
+                .filter(|(k, _)| !k.trim().is_empty())
+                .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+                .ok_or_else(|| KafkaError::BadSetting(s.clone()))
+        })
+        .collect()
+}
+
+/// A client configuration for `brokers` with extra settings applied last.
+pub fn client_config(brokers: &str, settings: &[(String, String)]) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", brokers);
+    for (k, v) in settings {
+        c.set(k, v);
+    }
+    c
+}
+
+/// A producer configuration: [`client_config`] with the Java client's
+/// partitioner (murmur2), so a caller's events land in the same partition
+/// whichever client produced them.
+pub fn producer_config(brokers: &str, settings: &[(String, String)]) -> ClientConfig {
+    let mut c = client_config(brokers, &[]);
+    c.set("partitioner", "murmur2_random");
+    for (k, v) in settings {
+        c.set(k, v);
+    }
+    c
+}
+
+/// librdkafka's in-process mock cluster: the embedded default broker.
+pub struct EmbeddedKafka {
+    cluster: MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+}
+
+impl EmbeddedKafka {
+    /// Starts a one-broker mock cluster.
+    pub fn start() -> Result<Self, KafkaError> {
+        let cluster =
+            MockCluster::new(1).map_err(client_err("starting the embedded Kafka mock cluster"))?;
+        Ok(EmbeddedKafka { cluster })
+    }
+
+    /// Its bootstrap servers.
+    pub fn bootstrap(&self) -> String {
+        self.cluster.bootstrap_servers()
+    }
+
+    /// Creates a topic.
+    pub fn create_topic(&self, name: &str, partitions: i32) -> Result<(), KafkaError> {
+        self.cluster
+            .create_topic(name, partitions, 1)
+            .map_err(client_err(format!("creating topic {name}")))
+    }
+}
+
+/// Creates topics through the admin API (ignores "already exists").
+pub async fn create_topics(
+    brokers: &str,
+    settings: &[(String, String)],
+    topics: &[(&str, i32)],
+) -> Result<(), KafkaError> {
+    let admin: AdminClient<DefaultClientContext> = client_config(brokers, settings)
+        .create()
+        .map_err(client_err("creating the admin client"))?;
+    let new: Vec<NewTopic<'_>> = topics
+        .iter()
+        .map(|(name, p)| NewTopic::new(name, *p, TopicReplication::Fixed(1)))
+        .collect();
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let results = admin
+        .create_topics(&new, &opts)
+        .await
+        .map_err(client_err("creating topics"))?;
+    for r in results {
+        if let Err((name, code)) = r {
+            if code != rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists {
+                return Err(KafkaError::Delivery(format!(
+                    "cannot create topic {name}: {code}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! Prometheus metrics, `/healthz` and `/readyz` of the stream processor.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of decided events.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `allow` or `reject`.
+    pub decision: String,
+    /// The record's reason.
+    pub reason: String,
+}
+
+/// A single `kind` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// What kind.
+    pub kind: String,
+}
+
+/// Labels of a partition.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PartitionLabels {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: String,
+}
+
+/// All metrics of the consumer.
+pub struct Metrics {
+    registry: Registry,
+    /// Decided events by decision and reason.
+    pub events: Family<DecisionLabels, Counter>,
+    /// Events sent to the dead-letter topic, by error kind.
+    pub dlq: Family<KindLabel, Counter>,
+    /// Redelivered call ids answered from the store.
+    pub duplicates: Counter,
+    /// Events later than the grace period.
+    pub late: Counter,
+    /// Events decided by the fallback policy while the store failed.
+    pub degraded: Counter,
+    /// Latency of one store batch call, seconds.
+    pub store_latency: Histogram,
+    /// Store errors by kind (`transient`, `fatal`).
+    pub store_errors: Family<KindLabel, Counter>,
+    /// Events per batch.
+    pub batch_size: Histogram,
+    /// Batches produced but not yet acknowledged by the broker.
+    pub in_flight: Gauge,
+    /// Consumer lag per partition (from librdkafka statistics).
+    pub lag: Family<PartitionLabels, Gauge>,
+    /// Rebalances by kind (`assign`, `revoke`, `error`).
+    pub rebalances: Family<KindLabel, Counter>,
+    /// Rule reloads by result (`ok`, `error`).
+    pub rule_reloads: Family<KindLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("callguard");
+        let events = Family::<DecisionLabels, Counter>::default();
+        let dlq = Family::<KindLabel, Counter>::default();
+        let duplicates = Counter::default();
+        let late = Counter::default();
+        let degraded = Counter::default();
+        let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
+        let store_errors = Family::<KindLabel, Counter>::default();
+        let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
+        let in_flight = Gauge::default();
+        let lag = Family::<PartitionLabels, Gauge>::default();
+        let rebalances = Family::<KindLabel, Counter>::default();
+        let rule_reloads = Family::<KindLabel, Counter>::default();
+        registry.register("events", "Decided call events", events.clone());
+        registry.register("dlq", "Events sent to the dead-letter topic", dlq.clone());
+        registry.register(
+            "duplicates",
+            "Redelivered call ids answered from the store",
+            duplicates.clone(),
+        );
+        registry.register("late", "Events later than the grace period", late.clone());
+        registry.register(
+            "degraded",
+            "Events decided by the fallback policy while the store failed",
+            degraded.clone(),
+        );
+        registry.register(
+            "store_latency_seconds",
+            "Latency of one store batch call",
+            store_latency.clone(),
+        );
+        registry.register("store_errors", "Window store errors", store_errors.clone());
+        registry.register("batch_size", "Events per batch", batch_size.clone());
+        registry.register(
+            "in_flight_batches",
+            "Batches awaiting broker acknowledgement",
+            in_flight.clone(),
+        );
+        registry.register("consumer_lag", "Consumer lag per partition", lag.clone());
+        registry.register(
+            "rebalances",
+            "Consumer group rebalances",
+            rebalances.clone(),
+        );
+        registry.register("rule_reloads", "Rule set reloads", rule_reloads.clone());
+        Metrics {
+            registry,
+            events,
+            dlq,
+            duplicates,
+            late,
+            degraded,
+            store_latency,
+            store_errors,
+            batch_size,
+            in_flight,
+            lag,
+            rebalances,
+            rule_reloads,
+        }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Adds one to a labelled counter.
+    pub fn inc(family: &Family<KindLabel, Counter>, kind: &str) {
+        family
+            .get_or_create(&KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc();
+    }
+}
+
+/// Liveness and readiness flags.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// The consumer has partitions assigned (or is otherwise able to work).
+    pub assigned: AtomicBool,
+    /// The window store answers.
+    pub store_ok: AtomicBool,
+    /// Why not ready, if known.
+    pub detail: Mutex<String>,
+}
+
+impl Health {
+    /// Ready: partitions assigned and the store answering.
+    pub fn ready(&self) -> bool {
+        self.assigned.load(Ordering::Relaxed) && self.store_ok.load(Ordering::Relaxed)
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+}
+
+async fn metrics_handler(State(s): State<AppState>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+}
+
+async fn ready_handler(State(s): State<AppState>) -> impl IntoResponse {
+    if s.health.ready() {
+        (StatusCode::OK, "ready\n".to_string())
+    } else {
+        let detail = s
+            .health
+            .detail
+            .lock()
+            .map(|d| d.clone())
+            .unwrap_or_default();
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {detail}\n"),
+        )
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<SocketAddr> {
+    let app = Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_handler))
+        .with_state(AppState { metrics, health });
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+        {
+            tracing::error!(error = %e, "metrics server failed");
+        }
+    });
+    Ok(bound)
+}
