@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod kafka;
 pub mod random;
 pub mod reference;
 pub mod scenarios;
@@ -202,4 +203,89 @@ pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
 /// Path of the built `callguard` binary.
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_callguard"))
+}
+
+/// A tansu broker process (a real Kafka-protocol broker), killed on drop.
+pub struct Tansu {
+    child: Child,
+    /// Its port.
+    pub port: u16,
+    /// Storage directory (for `sqlite://`).
+    pub dir: tempfile::TempDir,
+}
+
+impl Tansu {
+    /// Starts tansu with in-memory storage on a free loopback port.
+    pub fn start() -> Self {
+        let found = Command::new("tansu")
+            .arg("--help")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if found.is_err() {
+            panic!(
+                "`tansu` is not installed: the consumer tests need a real Kafka-protocol broker \
+                 (cargo install tansu --locked --features dynostore,libsql). The README's test command installs it."
+            );
+        }
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("temp dir");
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new("tansu")
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args(["--storage-engine", "memory://tansu/"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tansu");
+        let t = Tansu { child, port, dir };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return t;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("tansu did not listen on port {port} within 20 s");
+    }
+
+    /// `127.0.0.1:<port>`.
+    pub fn bootstrap(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Creates a topic.
+    pub fn create_topic(&self, name: &str, partitions: u32) {
+        let out = Command::new("tansu")
+            .args([
+                "topic",
+                "create",
+                name,
+                "--partitions",
+                &partitions.to_string(),
+            ])
+            .args(["--broker", &format!("tcp://127.0.0.1:{}", self.port)])
+            .output()
+            .expect("run tansu topic create");
+        assert!(
+            out.status.success(),
+            "tansu topic create {name} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -1,0 +1,172 @@
+//! Kafka helpers for the consumer tests: reading topics back, producing raw
+//! messages, and running `callguard consume` as a child process.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::Value;
+
+/// One message read back.
+#[derive(Debug, Clone)]
+pub struct Read {
+    pub key: Option<Vec<u8>>,
+    pub payload: Vec<u8>,
+    pub headers: HashMap<String, String>,
+    pub partition: i32,
+    pub offset: i64,
+}
+
+/// Reads `topic` from the beginning until `done(message)` says so (it sees
+/// each new message once) or the timeout.
+pub async fn read_topic(
+    brokers: &str,
+    topic: &str,
+    timeout: Duration,
+    mut done: impl FnMut(&Read) -> bool,
+) -> Vec<Read> {
+    let c: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set(
+            "group.id",
+            format!("reader-{}-{}", topic, std::process::id()),
+        )
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("reader");
+    c.subscribe(&[topic]).expect("subscribe");
+    let mut out = Vec::new();
+    let deadline = Instant::now() + timeout;
+    let mut finished = false;
+    while !finished && Instant::now() < deadline {
+        if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(300), c.recv()).await {
+            let mut headers = HashMap::new();
+            if let Some(h) = m.headers() {
+                for i in 0..h.count() {
+                    let hd = h.get(i);
+                    headers.insert(
+                        hd.key.to_string(),
+                        hd.value
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                            .unwrap_or_default(),
+                    );
+                }
+            }
+            let r = Read {
+                key: m.key().map(<[u8]>::to_vec),
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers,
+                partition: m.partition(),
+                offset: m.offset(),
+            };
+            finished = done(&r);
+            out.push(r);
+        }
+    }
+    out
+}
+
+/// Reads decision records until `expected` distinct call ids were seen.
+/// Returns every record (duplicates included) as JSON.
+pub async fn read_decisions(
+    brokers: &str,
+    topic: &str,
+    expected: usize,
+    timeout: Duration,
+) -> Vec<Value> {
+    let mut ids = std::collections::HashSet::new();
+    let msgs = read_topic(brokers, topic, timeout, |m| {
+        if let Ok(v) = serde_json::from_slice::<Value>(&m.payload) {
+            if let Some(id) = v["call_id"].as_str() {
+                ids.insert(id.to_string());
+            }
+        }
+        ids.len() >= expected
+    })
+    .await;
+    msgs.iter()
+        .map(|m| serde_json::from_slice(&m.payload).expect("decision JSON"))
+        .collect()
+}
+
+/// Groups records by call id: every id must have one distinct record.
+pub fn by_call_id(records: &[Value]) -> HashMap<String, Value> {
+    let mut map: HashMap<String, Value> = HashMap::new();
+    for r in records {
+        let id = r["call_id"].as_str().expect("call_id").to_string();
+        if let Some(prev) = map.get(&id) {
+            assert_eq!(prev, r, "call {id} was decided twice differently");
+        } else {
+            map.insert(id, r.clone());
+        }
+    }
+    map
+}
+
+/// Produces raw messages (key, payload).
+pub async fn produce_raw(brokers: &str, topic: &str, msgs: &[(Option<&[u8]>, &[u8])]) {
+    let p: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("partitioner", "murmur2_random")
+        .set("message.max.bytes", "10000000")
+        .create()
+        .expect("producer");
+    for (k, v) in msgs {
+        let mut r = FutureRecord::<[u8], [u8]>::to(topic).payload(v);
+        if let Some(k) = k {
+            r = r.key(k);
+        }
+        p.send(r, Duration::from_secs(10)).await.expect("produce");
+    }
+}
+
+/// Starts `callguard consume` as a child process.
+pub fn spawn_consumer(
+    brokers: &str,
+    redis_url: &str,
+    group: &str,
+    rules: &Path,
+    extra: &[&str],
+) -> Child {
+    let metrics: &[&str] = if extra.contains(&"--metrics-addr") {
+        &[]
+    } else {
+        &["--metrics-addr", "127.0.0.1:0"]
+    };
+    Command::new(super::bin())
+        .args([
+            "consume",
+            "--brokers",
+            brokers,
+            "--group",
+            group,
+            "--store",
+            "redis",
+            "--redis-url",
+            redis_url,
+        ])
+        .arg("--rules")
+        .arg(rules)
+        .args(metrics)
+        .args(["--log-format", "json"])
+        .args(extra)
+        .env("CALLGUARD_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start callguard consume")
+}
+
+/// Sends a signal to a child.
+pub fn signal(child: &Child, sig: &str) {
+    let _ = Command::new("kill")
+        .args([&format!("-{sig}"), &child.id().to_string()])
+        .status();
+}

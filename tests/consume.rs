@@ -1,0 +1,556 @@
+//! The stream processor end to end, against librdkafka's mock cluster and a
+//! real Kafka-protocol broker (tansu), with a real redis-server.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use callguard::calllog::{read_call_log, CallLog, ReadOptions};
+use callguard::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
+use callguard::kafka::EmbeddedKafka;
+use callguard::metrics::{Health, Metrics};
+use callguard::rules::RuleSet;
+use callguard::store::memory::MemoryStore;
+use callguard::store::redis::{RedisConfig, RedisStore};
+use common::kafka::{by_call_id, produce_raw, read_decisions, read_topic, signal, spawn_consumer};
+use common::{RedisServer, Tansu};
+use rand::{Rng, SeedableRng};
+use serde_json::Value;
+use tokio::sync::watch;
+
+const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
+
+/// A generated call log on disk, its time-sorted events and the replay's records.
+struct Sample {
+    _dir: tempfile::TempDir,
+
+    log: CallLog,
+    expected: HashMap<String, Value>,
+    rules: RuleSet,
+}
+
+async fn sample(rows: usize, seed: u64) -> Sample {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    callguard::generate::write_csv(&path, &callguard::generate::generate(rows, seed)).unwrap();
+    let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
+    log.sort_by_time();
+    let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
+    let verdicts = callguard::replay::run(&log, &rules, &mut MemoryStore::new(), false)
+        .await
+        .unwrap();
+    let expected = verdicts
+        .iter()
+        .map(|v| (v.record.call_id.clone(), v.record.to_json(&rules)))
+        .collect();
+    Sample {
+        _dir: dir,
+        log,
+        expected,
+        rules,
+    }
+}
+
+fn rules_path() -> PathBuf {
+    PathBuf::from("data/rules.toml")
+}
+
+fn assert_parity(sample: &Sample, records: &[Value]) {
+    let got = by_call_id(records);
+    assert_eq!(got.len(), sample.expected.len(), "distinct decided calls");
+    let mut diffs = 0;
+    for (id, want) in &sample.expected {
+        if got.get(id) != Some(want) {
+            if diffs < 3 {
+                eprintln!("call {id}: got {:?}, replay says {want}", got.get(id));
+            }
+            diffs += 1;
+        }
+    }
+    assert_eq!(diffs, 0, "{diffs} decisions differ from the replay");
+}
+
+/// Runs the consumer in process until `until` says stop; returns its stats.
+struct Running {
+    stop: watch::Sender<bool>,
+    handle: tokio::task::JoinHandle<Result<ConsumeStats, consumer::ConsumeError>>,
+    metrics: Arc<Metrics>,
+}
+
+async fn start_in_process(config: ConsumeConfig, redis_url: &str, rules: RuleSet) -> Running {
+    let store = RedisStore::connect(RedisConfig {
+        urls: vec![redis_url.to_string()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    let (stop, mut rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(rules);
+    let metrics = Arc::new(Metrics::new());
+    let handle = tokio::spawn(consumer::run(
+        config,
+        store,
+        rules_rx,
+        metrics.clone(),
+        Arc::new(Health::default()),
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        },
+    ));
+    Running {
+        stop,
+        handle,
+        metrics,
+    }
+}
+
+impl Running {
+    async fn stop(self) -> ConsumeStats {
+        let _ = self.stop.send(true);
+        self.handle.await.unwrap().unwrap()
+    }
+}
+
+fn config(brokers: &str, group: &str) -> ConsumeConfig {
+    let mut c = ConsumeConfig::new(brokers, group, TOPICS[0], TOPICS[1], TOPICS[2], TOPICS[3]);
+    c.kafka_settings = vec![("session.timeout.ms".into(), "6000".into())];
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mock_cluster_decisions_equal_replay() {
+    let redis = RedisServer::start(&[]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    for t in TOPICS {
+        kafka.create_topic(t, 3).unwrap();
+    }
+    let brokers = kafka.bootstrap();
+    let s = sample(20_000, 11).await;
+    let n = callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
+        .await
+        .unwrap();
+    assert_eq!(n, 20_000);
+    let run = start_in_process(config(&brokers, "g-mock"), &redis.url(), s.rules.clone()).await;
+    let records =
+        read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
+    let stats = run.stop().await;
+    assert_parity(&s, &records);
+    assert_eq!(stats.dead_letters, 0);
+    // Features: one per call, with the same counts as the decision.
+    let mut n = 0;
+    let features = read_topic(&brokers, "call-features", Duration::from_secs(120), |_| {
+        n += 1;
+        n >= 20_000
+    })
+    .await;
+    assert_eq!(features.len(), 20_000);
+    let f: Value = serde_json::from_slice(&features[0].payload).unwrap();
+    let id = f["call_id"].as_str().unwrap();
+    for rule in ["burst", "minute", "hour"] {
+        assert_eq!(
+            f[format!("count_{rule}")],
+            s.expected[id][format!("count_{rule}")]
+        );
+    }
+    assert!(f["event_time"].as_str().unwrap().starts_with("2025-12-01T"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_100k_events_decisions_equal_replay() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    for t in TOPICS {
+        tansu.create_topic(t, 4);
+    }
+    let brokers = tansu.bootstrap();
+    let s = sample(100_000, 12).await;
+    let labelled = s
+        .log
+        .events
+        .iter()
+        .filter(|(_, e)| e.label.is_some())
+        .count();
+    assert_eq!(labelled, 100_000);
+    let started = Instant::now();
+    let n = callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
+        .await
+        .unwrap();
+    assert_eq!(n, 100_000);
+    let produce_s = started.elapsed().as_secs_f64();
+    let run = start_in_process(config(&brokers, "g-tansu"), &redis.url(), s.rules.clone()).await;
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        100_000,
+        Duration::from_secs(900),
+    )
+    .await;
+    let consume_s = started.elapsed().as_secs_f64() - produce_s;
+    let stats = run.stop().await;
+    eprintln!("tansu: produced 100k in {produce_s:.1}s, decided in {consume_s:.1}s; {stats:?}");
+    assert_parity(&s, &records);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_random_points_still_one_decision_per_call() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    for t in TOPICS {
+        tansu.create_topic(t, 4);
+    }
+    let brokers = tansu.bootstrap();
+    let s = sample(30_000, 13).await;
+    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
+        .await
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+    for round in 0..4 {
+        let mut child = spawn_consumer(&brokers, &redis.url(), "g-crash", &rules_path(), &extra);
+        let wait = rng.random_range(1_500..5_000);
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        signal(&child, "KILL");
+        let _ = child.wait();
+        eprintln!("round {round}: killed after {wait} ms");
+    }
+    let mut child = spawn_consumer(&brokers, &redis.url(), "g-crash", &rules_path(), &extra);
+    let records =
+        read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
+    signal(&child, "TERM");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "consumer exit {status:?}");
+    assert!(records.len() >= 30_000);
+    eprintln!(
+        "{} decision records for 30000 calls (redeliveries included)",
+        records.len()
+    );
+    assert_parity(&s, &records);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_one_stopped_midway_lose_nothing() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    tansu.create_topic("calls", 6);
+    for t in &TOPICS[1..] {
+        tansu.create_topic(t, 3);
+    }
+    let brokers = tansu.bootstrap();
+    let s = sample(30_000, 14).await;
+    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
+        .await
+        .unwrap();
+    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "100"];
+    let mut a = spawn_consumer(&brokers, &redis.url(), "g-three", &rules_path(), &extra);
+    let mut b = spawn_consumer(&brokers, &redis.url(), "g-three", &rules_path(), &extra);
+    let mut c = spawn_consumer(&brokers, &redis.url(), "g-three", &rules_path(), &extra);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    signal(&b, "TERM");
+    assert!(
+        b.wait().unwrap().success(),
+        "the stopped instance drains and exits cleanly"
+    );
+    let records =
+        read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
+    for child in [&mut a, &mut c] {
+        signal(child, "TERM");
+        assert!(child.wait().unwrap().success());
+    }
+    assert_parity(&s, &records);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_messages_go_to_the_dead_letter_topic() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    for t in TOPICS {
+        tansu.create_topic(t, 1);
+    }
+    let brokers = tansu.bootstrap();
+    let k: &[u8] = b"+34911000001";
+    let huge = format!(
+        "{{\"call_id\":\"huge\",\"caller\":\"+34911000001\",\"ts\":1764547200000,\"pad\":\"{}\"}}",
+        "x".repeat(100_000)
+    );
+    let corpus: Vec<(Option<&[u8]>, &[u8], &str)> = vec![
+        (
+            Some(k),
+            br#"{"call_id":"ok1","caller":"+34911000001","ts":1764547200000}"#,
+            "",
+        ),
+        (
+            Some(k),
+            br#"{"call_id":"trunc","caller":"+3491100"#,
+            "bad_json",
+        ),
+        (
+            Some(k),
+            br#"{"call_id":"types","caller":34911000001.5,"ts":1764547200000}"#,
+            "wrong_type",
+        ),
+        (Some(k), huge.as_bytes(), "oversized"),
+        (Some(k), b"\xff\xfe\x00garbage", "bad_json"),
+        (
+            Some(k),
+            br#"{"call_id":"num","caller":"+34 91x","ts":1764547200001}"#,
+            "bad_number",
+        ),
+        (
+            Some(k),
+            br#"{"call_id":"ts","caller":"+34911000001","ts":"2025-13-45"}"#,
+            "bad_timestamp",
+        ),
+        (
+            Some(k),
+            br#"{"call_id":"tsf","caller":"+34911000001","ts":1.5}"#,
+            "bad_timestamp",
+        ),
+        (
+            None,
+            br#"{"call_id":"nokey","caller":"+34911000001","ts":1764547200002}"#,
+            "missing_field",
+        ),
+        (
+            Some(b""),
+            br#"{"call_id":"emptykey","caller":"+34911000001","ts":1764547200002}"#,
+            "missing_field",
+        ),
+        (
+            Some(k),
+            br#"{"caller":"+34911000001","ts":1764547200003}"#,
+            "missing_field",
+        ),
+        (Some(k), b"[1,2,3]", "bad_json"),
+        (
+            Some(k),
+            br#"{"call_id":"ok2","caller":"+34911000001","ts":1764547200004}"#,
+            "",
+        ),
+    ];
+    let raw: Vec<(Option<&[u8]>, &[u8])> = corpus.iter().map(|(k, v, _)| (*k, *v)).collect();
+    produce_raw(&brokers, "calls", &raw).await;
+    let rules = RuleSet::from_args(None, &["m:sliding:1m:1".into()]).unwrap();
+    let run = start_in_process(config(&brokers, "g-dlq"), &redis.url(), rules).await;
+    let mut n = 0;
+    let dlq = read_topic(&brokers, "calls-dlq", Duration::from_secs(120), |_| {
+        n += 1;
+        n >= 11
+    })
+    .await;
+    let decisions = read_decisions(&brokers, "call-decisions", 2, Duration::from_secs(60)).await;
+    let stats = run.stop().await;
+    let bad: Vec<_> = corpus.iter().filter(|c| !c.2.is_empty()).collect();
+    assert_eq!(
+        dlq.len(),
+        bad.len(),
+        "every malformed message is a dead letter"
+    );
+    for (m, (key, payload, kind)) in dlq.iter().zip(&bad) {
+        assert_eq!(m.payload, payload.to_vec(), "original bytes are kept");
+        assert_eq!(
+            m.key.as_deref().unwrap_or_default(),
+            key.unwrap_or_default()
+        );
+        assert_eq!(
+            m.headers["callguard.error_kind"], *kind,
+            "{}",
+            m.headers["callguard.error"]
+        );
+        assert!(!m.headers["callguard.error"].is_empty());
+        assert_eq!(m.headers["callguard.source_topic"], "calls");
+        assert_eq!(m.headers["callguard.partition"], "0");
+        assert!(m.headers["callguard.offset"].parse::<i64>().is_ok());
+    }
+    assert_eq!(stats.dead_letters, bad.len() as u64);
+    let by_id = by_call_id(&decisions);
+    assert_eq!(
+        by_id.len(),
+        2,
+        "the valid events around them are decided: {decisions:?}"
+    );
+    assert_eq!(by_id["ok1"]["decision"], "allow");
+    assert_eq!(by_id["ok2"]["decision"], "reject");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_under_block_loses_nothing() {
+    let redis = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    for t in TOPICS {
+        kafka.create_topic(t, 2).unwrap();
+    }
+    let brokers = kafka.bootstrap();
+    let s = sample(20_000, 15).await;
+    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
+        .await
+        .unwrap();
+    let mut cfg = config(&brokers, "g-outage");
+    cfg.batch_size = 50;
+    let run = start_in_process(cfg, &redis.url(), s.rules.clone()).await;
+    // Let it work, then take Redis away for several seconds.
+    let partial = read_decisions(&brokers, "call-decisions", 3_000, Duration::from_secs(120)).await;
+    assert!(by_call_id(&partial).len() >= 3_000);
+    let (port, dir) = redis.stop();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let errors_during = run.metrics.encode();
+    let redis = RedisServer::start_in(
+        port,
+        dir,
+        &["--appendonly", "yes", "--appendfsync", "always"],
+    );
+    let records =
+        read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(300)).await;
+    let metrics_text = run.metrics.encode();
+    let stats = run.stop().await;
+    assert!(
+        errors_during.contains("callguard_store_errors_total{kind=\"transient\"}"),
+        "{errors_during}"
+    );
+    assert!(
+        !metrics_text.contains("callguard_degraded_total 1"),
+        "block never degrades"
+    );
+    eprintln!("{stats:?}");
+    assert_parity(&s, &records);
+    drop(redis);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_and_reject_policies_emit_degraded_decisions() {
+    for (policy, decision) in [
+        (StoreErrorPolicy::Allow, "allow"),
+        (StoreErrorPolicy::Reject, "reject"),
+    ] {
+        let redis = RedisServer::start(&[]);
+        let kafka = EmbeddedKafka::start().unwrap();
+        for t in TOPICS {
+            kafka.create_topic(t, 1).unwrap();
+        }
+        let brokers = kafka.bootstrap();
+        let mut cfg = config(&brokers, "g-degraded");
+        cfg.on_store_error = policy;
+        let rules = RuleSet::from_args(None, &["m:sliding:1m:100".into()]).unwrap();
+        let run = start_in_process(cfg, &redis.url(), rules).await;
+        drop(redis);
+        let msgs: Vec<String> = (0..5)
+            .map(|i| {
+                format!(
+                    "{{\"call_id\":\"d{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
+                    1_764_547_200_000i64 + i
+                )
+            })
+            .collect();
+        let raw: Vec<(Option<&[u8]>, &[u8])> = msgs
+            .iter()
+            .map(|m| (Some(&b"+34911000001"[..]), m.as_bytes()))
+            .collect();
+        produce_raw(&brokers, "calls", &raw).await;
+        let records = read_decisions(&brokers, "call-decisions", 5, Duration::from_secs(60)).await;
+        let text = run.metrics.encode();
+        run.stop().await;
+        let by_id = by_call_id(&records);
+        assert_eq!(by_id.len(), 5);
+        for r in by_id.values() {
+            assert_eq!(r["decision"], decision);
+            assert_eq!(r["degraded"], true);
+            assert_eq!(r["reason"], "store_error");
+        }
+        assert!(text.contains("callguard_degraded_total 5"), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn process_serves_metrics_and_reloads_rules_on_sighup() {
+    let redis = RedisServer::start(&[]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    for t in TOPICS {
+        kafka.create_topic(t, 1).unwrap();
+    }
+    let brokers = kafka.bootstrap();
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    let v1 = "[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 100\n";
+    std::fs::write(&rules, v1).unwrap();
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn_consumer(
+        &brokers,
+        &redis.url(),
+        "g-proc",
+        &rules,
+        &["--metrics-addr", &addr],
+    );
+    let get = |path: &str| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get("/readyz").is_none_or(|r| !r.starts_with("HTTP/1.1 200")) {
+        assert!(
+            Instant::now() < deadline,
+            "never ready: {:?}",
+            get("/readyz")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(get("/healthz").unwrap().starts_with("HTTP/1.1 200"));
+    let send = |i: i64| {
+        format!(
+            "{{\"call_id\":\"s{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
+            1_764_547_200_000i64 + i
+        )
+    };
+    let m1 = send(1);
+    produce_raw(&brokers, "calls", &[(Some(b"+34911000001"), m1.as_bytes())]).await;
+    let first = read_decisions(&brokers, "call-decisions", 1, Duration::from_secs(60)).await;
+    // A broken file keeps the old rules...
+    std::fs::write(&rules, "[[rule]]\nname = \"m\"\nkind = \"nope\"\n").unwrap();
+    signal(&child, "HUP");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let m2 = send(2);
+    produce_raw(&brokers, "calls", &[(Some(b"+34911000001"), m2.as_bytes())]).await;
+    let second = read_decisions(&brokers, "call-decisions", 2, Duration::from_secs(60)).await;
+    // ...and a good one takes effect from the next batch on.
+    std::fs::write(&rules, v1.replace("limit = 100", "limit = 1")).unwrap();
+    signal(&child, "HUP");
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let m3 = send(3);
+    produce_raw(&brokers, "calls", &[(Some(b"+34911000001"), m3.as_bytes())]).await;
+    let third = read_decisions(&brokers, "call-decisions", 3, Duration::from_secs(60)).await;
+    let metrics = get("/metrics").unwrap();
+    signal(&child, "TERM");
+    assert!(child.wait().unwrap().success());
+    let v = |recs: &[Value], id: &str| recs.iter().find(|r| r["call_id"] == id).cloned().unwrap();
+    let r1 = v(&first, "s1");
+    let r2 = v(&second, "s2");
+    let r3 = v(&third, "s3");
+    assert_eq!(
+        r1["rules_version"], r2["rules_version"],
+        "a bad file must not replace the rules"
+    );
+    assert_ne!(r2["rules_version"], r3["rules_version"]);
+    assert_eq!(r3["decision"], "reject");
+    assert_eq!(r3["count_m"], 3);
+    for needle in [
+        "callguard_events_total{decision=\"allow\",reason=\"ok\"} 2",
+        "callguard_rule_reloads_total{kind=\"error\"}",
+        "callguard_store_latency_seconds_bucket",
+        "callguard_batch_size_bucket",
+        "callguard_rebalances_total{kind=\"assign\"} 1",
+    ] {
+        assert!(
+            metrics.contains(needle),
+            "metrics lack {needle}:\n{metrics}"
+        );
+    }
+}
