@@ -275,7 +275,9 @@ async fn malformed_messages_go_to_the_dead_letter_topic() {
         "{{\"call_id\":\"huge\",\"caller\":\"+34911000001\",\"ts\":1764547200000,\"pad\":\"{}\"}}",
         "x".repeat(100_000)
     );
-    let corpus: Vec<(Option<&[u8]>, &[u8], &str)> = vec![
+    // (key, payload, expected error kind; empty: valid)
+    type Case<'a> = (Option<&'a [u8]>, &'a [u8], &'a str);
+    let corpus: Vec<Case> = vec![
         (
             Some(k),
             br#"{"call_id":"ok1","caller":"+34911000001","ts":1764547200000}"#,
