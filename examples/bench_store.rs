@@ -176,6 +176,7 @@ async fn main() {
             "1",
             rules.version(),
             "1",
+            &rules.dedup_ms().to_string(),
             "3",
             "0",
             "1000",

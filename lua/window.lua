@@ -10,6 +10,7 @@
 --                sliding-approx bucket, current and previous counters
 --   KEYS[2]      sliding log: sorted set, member call_id, score event time
 --   KEYS[3]      idempotency index: sorted set, member call_id, score event time
+--                (trimmed at the idempotency horizon D, TTL D)
 --   KEYS[4]      idempotency records: hash call_id -> encoded record
 --   KEYS[4+i]    rule i's fixed-window counter for the event's bucket
 --                (any caller key for other kinds; it is not touched)
@@ -18,7 +19,8 @@
 --   4 policy: 0 attempts, 1 admitted               5 grace (ms)
 --   6 retention = longest window + grace (ms)      7 shadow: 0/1
 --   8 idempotency: 0/1          9 rules version     10 any sliding rule: 0/1
---   11 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   11 idempotency horizon D >= retention (ms)
+--   12 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
 -- Returns: { duplicate (0/1), record } where record is
 --   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|c1,c2,..."
@@ -35,19 +37,21 @@ local shadow_mode = ARGV[7] == '1'
 local idem = ARGV[8] == '1'
 local version = ARGV[9]
 local has_sliding = ARGV[10] == '1'
-local n = tonumber(ARGV[11])
+local dedup = tonumber(ARGV[11])
+local n = tonumber(ARGV[12])
 local meta, log, ids, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 
 local latest = tonumber(redis.call('HGET', meta, 'L'))
 local lnew = t
 if latest and latest > t then lnew = latest end
 local horizon = lnew - retention
+local dedup_horizon = lnew - dedup
 
 if idem then
   local stored = redis.call('HGET', rec, id)
   if stored then
     local sts = tonumber(string.match(stored, '^(-?%d+)|'))
-    if sts > horizon then return {1, stored} end
+    if sts > dedup_horizon then return {1, stored} end
   end
 end
 
@@ -57,16 +61,16 @@ if latest and latest > horizon then prev = latest end
 -- Trim everything at or below the horizon.
 if has_sliding then redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon) end
 if idem then
-  local old = redis.call('ZRANGEBYSCORE', ids, '-inf', horizon)
+  local old = redis.call('ZRANGEBYSCORE', ids, '-inf', dedup_horizon)
   for s = 1, #old, 1000 do
     redis.call('HDEL', rec, unpack(old, s, math.min(s + 999, #old)))
   end
-  if #old > 0 then redis.call('ZREMRANGEBYSCORE', ids, '-inf', horizon) end
+  if #old > 0 then redis.call('ZREMRANGEBYSCORE', ids, '-inf', dedup_horizon) end
 end
 
 local counts, approx = {}, {}
 for i = 1, n do
-  local base = 11 + (i - 1) * 4
+  local base = 12 + (i - 1) * 4
   local kind = tonumber(ARGV[base + 1])
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
@@ -110,7 +114,7 @@ elseif listed == 1 then
   reason = 'allowlist'
 else
   for i = 1, n do
-    local base = 11 + (i - 1) * 4
+    local base = 12 + (i - 1) * 4
     if counts[i] > tonumber(ARGV[base + 3]) then
       would, reason = 1, ARGV[base + 4]
       break
@@ -124,7 +128,7 @@ if (not admitted) or would == 0 then
     redis.call('PEXPIRE', log, retention)
   end
   for i = 1, n do
-    local base = 11 + (i - 1) * 4
+    local base = 12 + (i - 1) * 4
     local kind = tonumber(ARGV[base + 1])
     local w = tonumber(ARGV[base + 2])
     if kind == 0 then
@@ -159,8 +163,8 @@ local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|
   .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. table.concat(parts, ',')
 if idem then
   redis.call('HSET', rec, id, encoded)
-  redis.call('PEXPIRE', rec, retention)
+  redis.call('PEXPIRE', rec, dedup)
   redis.call('ZADD', ids, t, id)
-  redis.call('PEXPIRE', ids, retention)
+  redis.call('PEXPIRE', ids, dedup)
 end
 return {0, encoded}

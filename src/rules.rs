@@ -32,6 +32,9 @@ pub const RESERVED_NAMES: [&str; 3] = ["ok", "allowlist", "denylist"];
 /// Default allowed lateness.
 pub const DEFAULT_GRACE_MS: i64 = 5_000;
 
+/// Default idempotency horizon (at least the retention is always kept).
+pub const DEFAULT_DEDUP_MS: i64 = 3_600_000;
+
 /// How a rule counts calls in its window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -184,6 +187,8 @@ pub struct RuleSet {
     pub deny: Vec<String>,
     /// Decide and report, but always emit `allow`.
     pub shadow: bool,
+    /// Idempotency horizon as set (`dedup`); see [`RuleSet::dedup_ms`].
+    dedup: Option<i64>,
     version: String,
 }
 
@@ -195,6 +200,7 @@ struct RuleFile {
     grace: Option<String>,
     #[serde(default)]
     shadow: bool,
+    dedup: Option<String>,
     #[serde(default)]
     allow: Vec<String>,
     #[serde(default)]
@@ -287,6 +293,7 @@ impl RuleSet {
             allow,
             deny,
             shadow,
+            dedup: None,
             version: String::new(),
         };
         set.version = set.compute_version();
@@ -312,14 +319,45 @@ impl RuleSet {
             Some(g) => parse_duration_ms(&g)?,
             None => DEFAULT_GRACE_MS,
         };
-        RuleSet::new(
+        let set = RuleSet::new(
             rules,
             file.count,
             grace_ms,
             file.allow,
             file.deny,
             file.shadow,
-        )
+        )?;
+        match file.dedup {
+            Some(d) => set.with_dedup(parse_duration_ms(&d)?),
+            None => Ok(set),
+        }
+    }
+
+    /// A copy with another idempotency horizon.
+    pub fn with_dedup(&self, dedup_ms: i64) -> Result<Self, RulesError> {
+        if !(1..=31 * 86_400_000).contains(&dedup_ms) {
+            return Err(RulesError::Invalid("dedup must be 1ms to 31d".into()));
+        }
+        let mut set = self.clone();
+        set.dedup = Some(dedup_ms);
+        set.version = set.compute_version();
+        Ok(set)
+    }
+
+    /// How far (event time) behind a caller's latest call a decided call id is
+    /// still recognised as a redelivery: the `dedup` setting (default 1h), but
+    /// never less than the retention.
+    pub fn dedup_ms(&self) -> i64 {
+        self.dedup
+            .unwrap_or(DEFAULT_DEDUP_MS)
+            .max(self.retention_ms())
+    }
+
+    fn keep_dedup(self, dedup: Option<i64>) -> Result<Self, RulesError> {
+        match dedup {
+            Some(d) => self.with_dedup(d),
+            None => Ok(self),
+        }
     }
 
     /// Reads a TOML rule set from a file.
@@ -349,10 +387,11 @@ impl RuleSet {
                     rules,
                     base.count,
                     base.grace_ms,
-                    base.allow,
-                    base.deny,
+                    base.allow.clone(),
+                    base.deny.clone(),
                     base.shadow,
-                )
+                )?
+                .keep_dedup(base.dedup)
             }
             None if extra.is_empty() => Err(RulesError::Invalid(
                 "no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into(),
@@ -382,7 +421,8 @@ impl RuleSet {
             self.allow.clone(),
             self.deny.clone(),
             shadow,
-        )
+        )?
+        .keep_dedup(self.dedup)
     }
 
     /// A copy where rule `index` has another limit (used by `tune`).
@@ -396,7 +436,8 @@ impl RuleSet {
             self.allow.clone(),
             self.deny.clone(),
             self.shadow,
-        )
+        )?
+        .keep_dedup(self.dedup)
     }
 
     /// The version: the first 12 hex digits of the SHA-256 of the canonical form.
@@ -447,6 +488,7 @@ impl RuleSet {
             "allow": allow,
             "deny": deny,
             "shadow": self.shadow,
+            "dedup_ms": self.dedup_ms(),
         });
         let digest = Sha256::digest(canonical.to_string().as_bytes());
         digest.iter().take(6).map(|b| format!("{b:02x}")).collect()

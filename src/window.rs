@@ -8,8 +8,9 @@
 //!   time, `L' = max(L, t)`, `R` the retention (longest window + grace) and
 //!   `H = L' - R` the horizon. Recorded data with `ts <= H` is dropped, and a
 //!   previous state whose `L <= H` counts as no state at all.
-//! * A call id already decided (and still within the horizon) gets the same
-//!   record back and changes nothing.
+//! * A call id already decided, whose record is newer than `L' - D` (`D`, the
+//!   idempotency horizon, is at least `R`), gets the same record back and
+//!   changes nothing.
 //! * sliding: count = 1 + recorded events with ts in `(t - W, t]`.
 //! * fixed: bucket `b = floor(t / W)`; count = 1 + recorded events in `b`.
 //!   A bucket is dead once `(b + 1) * W + grace <= L'`: a late event in a
@@ -81,10 +82,11 @@ impl CallerState {
         let retention = rules.retention_ms();
         let l_new = self.latest.map_or(t, |l| l.max(t));
         let horizon = l_new - retention;
+        let dedup_horizon = l_new - rules.dedup_ms();
         let prev = self.latest.filter(|&l| l > horizon);
 
         if let Some(v) = self.seen.get(&ev.call_id) {
-            if v.record.ts_ms > horizon {
+            if v.record.ts_ms > dedup_horizon {
                 let mut v = v.clone();
                 v.duplicate = true;
                 return v;
@@ -92,14 +94,17 @@ impl CallerState {
         }
 
         if prev.is_none() {
-            // Nothing older than the horizon can matter: start afresh.
-            let seq = self.seq;
-            *self = CallerState {
-                seq,
+            // No window data older than the horizon can matter: start afresh
+            // (idempotency records have their own, longer horizon).
+            let kept = CallerState {
+                seen: std::mem::take(&mut self.seen),
+                seen_by_ts: std::mem::take(&mut self.seen_by_ts),
+                seq: self.seq,
                 ..CallerState::default()
             };
+            *self = kept;
         }
-        self.trim(rules, horizon, l_new);
+        self.trim(rules, horizon, dedup_horizon, l_new);
         if self.fixed.len() != rules.rules.len() {
             self.fixed = vec![BTreeMap::new(); rules.rules.len()];
             self.approx = vec![Approx::default(); rules.rules.len()];
@@ -221,7 +226,7 @@ impl CallerState {
         }
     }
 
-    fn trim(&mut self, rules: &RuleSet, horizon: i64, l_new: i64) {
+    fn trim(&mut self, rules: &RuleSet, horizon: i64, dedup_horizon: i64, l_new: i64) {
         let cut = self.log.partition_point(|&x| x <= horizon);
         self.log.drain(..cut);
         for (i, rule) in rules.rules.iter().enumerate() {
@@ -231,14 +236,14 @@ impl CallerState {
             }
         }
         while let Some(entry) = self.seen_by_ts.first_entry() {
-            if entry.key().0 > horizon {
+            if entry.key().0 > dedup_horizon {
                 break;
             }
             let id = entry.remove();
             if self
                 .seen
                 .get(&id)
-                .is_some_and(|v| v.record.ts_ms <= horizon)
+                .is_some_and(|v| v.record.ts_ms <= dedup_horizon)
             {
                 self.seen.remove(&id);
             }

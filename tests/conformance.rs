@@ -156,6 +156,8 @@ async fn every_key_has_a_ttl_and_all_expire() {
         vec![],
         false,
     )
+    .unwrap()
+    .with_dedup(700)
     .unwrap();
     let mut redis = RedisStore::connect(config(vec![server.url()], "ttl:"))
         .await

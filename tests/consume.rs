@@ -38,7 +38,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
     callguard::generate::write_csv(&path, &callguard::generate::generate(rows, seed)).unwrap();
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
-    let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
+    let rules = RuleSet::from_file(&rules_path()).unwrap();
     let verdicts = callguard::replay::run(&log, &rules, &mut MemoryStore::new(), false)
         .await
         .unwrap();
@@ -55,7 +55,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
 }
 
 fn rules_path() -> PathBuf {
-    PathBuf::from("data/rules.toml")
+    PathBuf::from("tests/golden/stream-rules.toml")
 }
 
 fn assert_parity(sample: &Sample, records: &[Value]) {

@@ -65,7 +65,10 @@ fn previous_call_time_is_kept_within_retention_only() {
 
 #[test]
 fn idle_callers_are_swept() {
-    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
+    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()])
+        .unwrap()
+        .with_dedup(1)
+        .unwrap();
     let mut store = MemoryStore::new();
     for i in 0..50_000i64 {
         store.apply(

@@ -15,9 +15,10 @@ const SWEEP_EVERY: u64 = 16_384;
 /// Window state of all callers in a hash map.
 ///
 /// Memory stays bounded: a caller whose latest event is more than twice the
-/// retention (longest window + grace) behind the newest event time seen is
-/// dropped. Dropping never changes a result while a caller's events arrive
-/// in time order, since state older than the retention counts as no state.
+/// idempotency horizon (at least the longest window + grace) behind the
+/// newest event time seen is dropped. Dropping never changes a result while a
+/// caller's events arrive in time order, since state older than the horizons
+/// counts as no state.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
     callers: HashMap<String, CallerState>,
@@ -57,7 +58,7 @@ impl MemoryStore {
     /// Drops callers idle for more than twice the retention.
     pub fn sweep(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
-            let cutoff = w - 2 * rules.retention_ms();
+            let cutoff = w - 2 * rules.dedup_ms();
             self.callers
                 .retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
         }

@@ -294,6 +294,7 @@ impl RedisStore {
             .arg(u8::from(self.config.idempotency))
             .arg(rules.version())
             .arg(u8::from(rules.has_sliding()))
+            .arg(rules.dedup_ms())
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())

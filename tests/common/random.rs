@@ -43,7 +43,13 @@ pub fn random_rules(rng: &mut StdRng) -> RuleSet {
     } else {
         vec![]
     };
-    RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2)).unwrap()
+    let set = RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2)).unwrap();
+    // Sometimes a short idempotency horizon, so old records are trimmed.
+    match rng.random_range(0..3) {
+        0 => set.with_dedup(1).unwrap(),
+        1 => set.with_dedup(25_000).unwrap(),
+        _ => set,
+    }
 }
 
 /// A random event sequence over `callers` callers.

@@ -42,7 +42,7 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
         if let Some(p) = prior
             .iter()
             .rev()
-            .find(|p| p.call_id == e.call_id && p.ts > h)
+            .find(|p| p.call_id == e.call_id && p.ts > l_new - rules.dedup_ms())
         {
             let mut x = p.expected.clone();
             x.duplicate = true;
