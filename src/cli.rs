@@ -51,6 +51,10 @@ pub enum Command {
     /// (librdkafka mock cluster), in-memory windows, the sample call log,
     /// a live summary, and a parity check against `replay`.
     Demo(Box<DemoArgs>),
+    /// Sweep a rule's limit N over a range on a call log and recommend one:
+    /// calls and callers rejected, and with labels precision, recall and
+    /// legit callers wrongly rejected, for every N.
+    Tune(Box<TuneArgs>),
     /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
     /// centres, robocallers, wangiri bursts) for trying and testing callguard.
     Generate(GenerateArgs),
@@ -170,6 +174,64 @@ pub struct DemoArgs {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
+}
+
+/// `callguard tune`.
+#[derive(Debug, Clone, Args)]
+pub struct TuneArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Rule set file; the other rules keep their limits while one is swept.
+    #[arg(long)]
+    pub rules: Option<PathBuf>,
+    /// A rule NAME:KIND:WINDOW[:LIMIT], e.g. `minute:sliding:60s` (repeatable).
+    #[arg(long = "rule", value_name = "NAME:KIND:WINDOW[:LIMIT]")]
+    pub rule: Vec<String>,
+    /// Which rule to sweep (default: the first).
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Range of N, inclusive: `A..B`.
+    #[arg(long, default_value = "1..200")]
+    pub limits: String,
+    /// Column holding the ground truth (1/0, true/false, fraud/legit).
+    #[arg(long)]
+    pub label_column: Option<String>,
+    /// With labels: recommend the smallest N whose legit false-reject rate is at most this.
+    #[arg(long, default_value_t = 0.002, conflicts_with = "quantile")]
+    pub max_false_reject: f64,
+    /// Without labels (or to override): recommend this quantile of per-caller peak counts.
+    #[arg(long)]
+    pub quantile: Option<f64>,
+    /// Override the counting policy.
+    #[arg(long, value_enum)]
+    pub count: Option<CountArg>,
+    /// Full sweep table: `.csv` or `.parquet`.
+    #[arg(long, short)]
+    pub output: Option<PathBuf>,
+    /// Plot: `.png` or `.svg`.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
+}
+
+/// Parses `A..B` (inclusive) into the limits A, A+1, ..., B.
+pub fn parse_limits(s: &str) -> Result<Vec<u64>, RulesError> {
+    let bad = || {
+        RulesError::Invalid(format!(
+            "limits `{s}`: expected A..B with 1 <= A <= B <= 1000000"
+        ))
+    };
+    let (a, b) = s.split_once("..").ok_or_else(bad)?;
+    let a: u64 = a.trim().parse().map_err(|_| bad())?;
+    let b: u64 = b
+        .trim()
+        .trim_start_matches('=')
+        .parse()
+        .map_err(|_| bad())?;
+    if a == 0 || a > b || b > 1_000_000 {
+        return Err(bad());
+    }
+    Ok((a..=b).collect())
 }
 
 /// `callguard generate`.

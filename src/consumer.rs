@@ -45,6 +45,9 @@ use crate::metrics::{DecisionLabels, Health, Metrics, PartitionLabels};
 use crate::rules::RuleSet;
 use crate::store::WindowStore;
 
+/// How often an idle consumer stores the offsets of acknowledged batches.
+const IDLE_SETTLE: Duration = Duration::from_millis(100);
+
 /// Reason of a decision made by the fallback policy while the store failed.
 pub const REASON_STORE_ERROR: &str = "store_error";
 
@@ -345,18 +348,17 @@ pub async fn run<S: WindowStore>(
         let mut batch: Vec<OwnedMessage> = Vec::with_capacity(config.batch_size);
         let mut deadline: Option<tokio::time::Instant> = None;
         while batch.len() < config.batch_size {
-            let next = async {
-                match deadline {
-                    Some(d) => tokio::time::timeout_at(d, consumer.recv()).await.ok(),
-                    None => Some(consumer.recv().await),
-                }
-            };
+            // While idle, wake up now and then to store offsets of acknowledged batches.
+            let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + IDLE_SETTLE);
             tokio::select! {
                 biased;
                 _ = &mut shutdown => { stopping = true; break; }
-                m = next => match m {
-                    None => break,
-                    Some(Ok(m)) => {
+                m = tokio::time::timeout_at(wait_until, consumer.recv()) => match m {
+                    Err(_) if deadline.is_some() => break,
+                    Err(_) => {
+                        shared.settle::<ConsumerCtx, _>(&consumer)?;
+                    }
+                    Ok(Ok(m)) => {
                         if shared.rebalanced.swap(false, Ordering::AcqRel) {
                             // What was read before the rebalance is read again from the
                             // committed offsets; this message already comes from the new assignment.
@@ -365,7 +367,7 @@ pub async fn run<S: WindowStore>(
                         batch.push(m.detach());
                         deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.batch_linger);
                     }
-                    Some(Err(e)) => {
+                    Ok(Err(e)) => {
                         warn!(error = %e, "consumer error");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }

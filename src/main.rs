@@ -8,7 +8,7 @@ use tracing_subscriber::EnvFilter;
 
 use callguard::calllog::{read_call_log, write_frame, write_invalid};
 use callguard::cli::{
-    Cli, Command, ConsumeArgs, DemoArgs, LogFormat, ProduceArgs, ReplayArgs, StoreKind,
+    Cli, Command, ConsumeArgs, DemoArgs, LogFormat, ProduceArgs, ReplayArgs, StoreKind, TuneArgs,
 };
 use callguard::replay::{self, ReplaySummary};
 use callguard::store::memory::MemoryStore;
@@ -55,6 +55,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Consume(args) => consume_cmd(*args).await,
         Command::Produce(args) => produce_cmd(*args).await,
         Command::Demo(args) => demo_cmd(*args).await,
+        Command::Tune(args) => tune_cmd(*args),
         Command::Generate(args) => {
             let calls = callguard::generate::generate(args.rows, args.seed);
             callguard::generate::write_csv(&args.output, &calls)?;
@@ -272,4 +273,77 @@ async fn demo_cmd(args: DemoArgs) -> Result<()> {
             report.produced
         )
     }
+}
+
+fn tune_cmd(args: TuneArgs) -> Result<()> {
+    use callguard::cli::{parse_limits, CountArg};
+    use callguard::rules::{CountPolicy, RuleSet};
+    use callguard::tune::{sweep, Target};
+
+    let limits = parse_limits(&args.limits)?;
+    let max_n = limits.last().copied().unwrap_or(1);
+    // NAME:KIND:WINDOW without a limit: the limit is what the sweep varies.
+    let shorthands: Vec<String> = args
+        .rule
+        .iter()
+        .map(|r| {
+            if r.split(':').count() == 3 {
+                format!("{r}:{max_n}")
+            } else {
+                r.clone()
+            }
+        })
+        .collect();
+    let mut rules = RuleSet::from_args(args.rules.as_deref(), &shorthands)?;
+    if let Some(c) = args.count {
+        let count = if c == CountArg::Admitted {
+            CountPolicy::Admitted
+        } else {
+            CountPolicy::Attempts
+        };
+        rules = rules.with_options(count, rules.grace_ms, rules.shadow)?;
+    }
+    let index = match &args.sweep {
+        Some(name) => rules
+            .rule_index(name)
+            .with_context(|| format!("no rule named `{name}` in the rule set"))?,
+        None => 0,
+    };
+    let progress = std::io::stderr().is_terminal();
+    let mut input = args.input.clone();
+    if let Some(col) = &args.label_column {
+        input.map.push(format!("label={col}"));
+    }
+    let mut log = read_call_log(&input.input, &input.read_options(progress)?)?;
+    log.sort_by_time();
+    let target = match args.quantile {
+        Some(q) if (0.0..=1.0).contains(&q) => Target::Quantile(q),
+        Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
+        None => Target::MaxFalseReject(args.max_false_reject),
+    };
+    let started = std::time::Instant::now();
+    let result = sweep(&log, &rules, index, &limits, target)?;
+    tracing::info!(
+        passes = result.passes,
+        seconds = started.elapsed().as_secs_f64(),
+        "sweep done"
+    );
+    print!("{}", callguard::tune::render_table(&result, 20));
+    if let Some(out) = &args.output {
+        let mut df = callguard::tune::sweep_frame(&result)?;
+        write_frame(out, &mut df)?;
+        println!("sweep table      {}", out.display());
+    }
+    if let Some(plot) = &args.plot {
+        callguard::plot::draw(&result, plot)?;
+        println!("plot             {}", plot.display());
+    }
+    println!(
+        "{} events, {} invalid rows, {} replay pass(es)",
+        log.events.len(),
+        log.invalid.len(),
+        result.passes
+    );
+    println!("recommendation: {}", result.explanation);
+    Ok(())
 }

@@ -159,7 +159,7 @@ pub fn spawn_consumer(
         .args(extra)
         .env("CALLGUARD_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log_file(group))
         .spawn()
         .expect("start callguard consume")
 }
@@ -169,4 +169,18 @@ pub fn signal(child: &Child, sig: &str) {
     let _ = Command::new("kill")
         .args([&format!("-{sig}"), &child.id().to_string()])
         .status();
+}
+
+/// A log file for a consumer child, kept in the system temp dir for diagnosis.
+fn log_file(group: &str) -> Stdio {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!(
+        "callguard-test-{}-{group}-{n}.log",
+        std::process::id()
+    ));
+    match std::fs::File::create(&path) {
+        Ok(f) => Stdio::from(f),
+        Err(_) => Stdio::null(),
+    }
 }

@@ -1,0 +1,554 @@
+//! `callguard tune`: choose a rule's limit N from data.
+//!
+//! For every N in a range, the sweep reports what the rule set would reject
+//! with that N (the other rules fixed), under the exact window contract:
+//! calls and callers rejected, and, with labels, precision, recall, legit
+//! calls and callers wrongly rejected, and fraud callers caught.
+//!
+//! Under `count = "attempts"` every call is recorded whatever the decision,
+//! so counts do not depend on N: one replay gives every call's count, and a
+//! call is rejected under N exactly when its count exceeds N. The whole sweep
+//! is then histograms and prefix sums. Under `admitted`, decisions feed back
+//! into the counts, so each N is replayed, spread over threads.
+
+use std::collections::HashMap;
+
+use crate::calllog::CallLog;
+use crate::decision::Verdict;
+use crate::error::RulesError;
+use crate::rules::{CountPolicy, Listed, RuleSet};
+use crate::store::memory::MemoryStore;
+
+/// One row of the sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepRow {
+    /// The limit.
+    pub limit: u64,
+    /// Calls rejected (or that shadow mode would reject).
+    pub calls_rejected: u64,
+    /// Share of all calls rejected.
+    pub rejected_share: f64,
+    /// Distinct callers with a rejected call.
+    pub callers_rejected: u64,
+    /// With labels: fraud calls rejected.
+    pub fraud_calls_rejected: Option<u64>,
+    /// With labels: legit calls rejected (false rejects).
+    pub legit_calls_rejected: Option<u64>,
+    /// With labels: rejected calls that are fraud.
+    pub precision: Option<f64>,
+    /// With labels: fraud calls that are rejected.
+    pub recall: Option<f64>,
+    /// With labels: legit calls rejected / legit calls.
+    pub false_reject_rate: Option<f64>,
+    /// With labels: legit callers (no fraud call) with a rejected call: the costly error.
+    pub legit_callers_rejected: Option<u64>,
+    /// With labels: fraud callers (any fraud call) with a rejected call.
+    pub fraud_callers_caught: Option<u64>,
+}
+
+/// A sweep and its recommendation.
+#[derive(Debug, Clone)]
+pub struct Sweep {
+    /// Name of the swept rule.
+    pub rule: String,
+    /// One row per N, ascending.
+    pub rows: Vec<SweepRow>,
+    /// Whether labels were present.
+    pub labelled: bool,
+    /// Recommended N, if any N qualifies.
+    pub recommended: Option<u64>,
+    /// One line explaining the recommendation.
+    pub explanation: String,
+    /// How many replays the sweep needed.
+    pub passes: usize,
+}
+
+/// How to recommend N.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Target {
+    /// With labels: the smallest N whose legit false-reject rate is at most this.
+    MaxFalseReject(f64),
+    /// Without labels: this quantile of per-caller peak counts.
+    Quantile(f64),
+}
+
+/// Per-event facts the sweep needs, from one replay.
+struct Fact<'a> {
+    caller: &'a str,
+    fraud: Option<bool>,
+    count: u64,
+    /// Rejected whatever N is (denylist, or another rule).
+    always: bool,
+    /// Never rejected (allowlist).
+    never: bool,
+}
+
+fn caller_labels(log: &CallLog) -> (bool, HashMap<&str, bool>) {
+    let labelled = !log.events.is_empty() && log.events.iter().all(|(_, e)| e.label.is_some());
+    let mut fraud_caller: HashMap<&str, bool> = HashMap::new();
+    for (_, e) in &log.events {
+        let f = fraud_caller.entry(e.caller.as_str()).or_insert(false);
+        *f |= e.label == Some(true);
+    }
+    (labelled, fraud_caller)
+}
+
+/// Sweeps rule `index` over `limits` (ascending, distinct).
+pub fn sweep(
+    log: &CallLog,
+    rules: &RuleSet,
+    index: usize,
+    limits: &[u64],
+    target: Target,
+) -> Result<Sweep, RulesError> {
+    let (labelled, fraud_caller) = caller_labels(log);
+    let rows;
+    let passes;
+    if rules.count == CountPolicy::Attempts {
+        passes = 1;
+        let verdicts = replay(log, rules);
+        let facts: Vec<Fact> = log
+            .events
+            .iter()
+            .zip(&verdicts)
+            .map(|((_, e), v)| {
+                let listed = rules.listed(&e.caller);
+                let others = rules.rules.iter().enumerate().any(|(i, r)| {
+                    i != index && v.record.counts.get(i).is_some_and(|&c| c > r.limit)
+                });
+                Fact {
+                    caller: e.caller.as_str(),
+                    fraud: e.label,
+                    count: v.record.counts.get(index).copied().unwrap_or(0),
+                    always: listed == Listed::Deny || (listed == Listed::No && others),
+                    never: listed == Listed::Allow,
+                }
+            })
+            .collect();
+        rows = rows_from_facts(&facts, limits, labelled, &fraud_caller);
+    } else {
+        passes = limits.len();
+        let sets = limits
+            .iter()
+            .map(|&n| rules.with_limit(index, n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get())
+            .min(sets.len().max(1));
+        let chunk = sets.len().div_ceil(threads.max(1)).max(1);
+        let mut per_set: Vec<(usize, SweepRow)> = Vec::new();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = sets
+                .chunks(chunk)
+                .enumerate()
+                .map(|(ci, group)| {
+                    let fraud_caller = &fraud_caller;
+                    s.spawn(move || {
+                        group
+                            .iter()
+                            .enumerate()
+                            .map(|(j, set)| {
+                                let v = replay(log, set);
+                                (
+                                    ci * chunk + j,
+                                    row_from_verdicts(
+                                        log,
+                                        &v,
+                                        set.rules[index].limit,
+                                        labelled,
+                                        fraud_caller,
+                                    ),
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for h in handles {
+                if let Ok(r) = h.join() {
+                    per_set.extend(r);
+                }
+            }
+        });
+        per_set.sort_by_key(|(i, _)| *i);
+        rows = per_set.into_iter().map(|(_, r)| r).collect();
+    }
+    let (recommended, explanation) = recommend(log, rules, index, &rows, labelled, target);
+    Ok(Sweep {
+        rule: rules.rules[index].name.clone(),
+        rows,
+        labelled,
+        recommended,
+        explanation,
+        passes,
+    })
+}
+
+fn replay(log: &CallLog, rules: &RuleSet) -> Vec<Verdict> {
+    let mut store = MemoryStore::new();
+    log.events
+        .iter()
+        .map(|(_, e)| store.apply(rules, e))
+        .collect()
+}
+
+fn ratio(a: u64, b: u64) -> Option<f64> {
+    (b > 0).then(|| a as f64 / b as f64)
+}
+
+fn finish_row(
+    limit: u64,
+    total: u64,
+    rejected: u64,
+    callers: u64,
+    labelled: bool,
+    (fraud_rej, legit_rej, fraud_total, legit_total, legit_callers, fraud_callers): (
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+    ),
+) -> SweepRow {
+    let l = |x| labelled.then_some(x);
+    SweepRow {
+        limit,
+        calls_rejected: rejected,
+        rejected_share: ratio(rejected, total).unwrap_or(0.0),
+        callers_rejected: callers,
+        fraud_calls_rejected: l(fraud_rej),
+        legit_calls_rejected: l(legit_rej),
+        precision: if labelled {
+            ratio(fraud_rej, fraud_rej + legit_rej)
+        } else {
+            None
+        },
+        recall: if labelled {
+            ratio(fraud_rej, fraud_total)
+        } else {
+            None
+        },
+        false_reject_rate: if labelled {
+            ratio(legit_rej, legit_total)
+        } else {
+            None
+        },
+        legit_callers_rejected: l(legit_callers),
+        fraud_callers_caught: l(fraud_callers),
+    }
+}
+
+/// The one-pass sweep: histograms over counts, then suffix sums.
+fn rows_from_facts(
+    facts: &[Fact],
+    limits: &[u64],
+    labelled: bool,
+    fraud_caller: &HashMap<&str, bool>,
+) -> Vec<SweepRow> {
+    let max_limit = limits.iter().copied().max().unwrap_or(0) as usize;
+    // calls[k] = calls rejected exactly for N < k (count k, capped at max+1); index 0 unused.
+    let cap = max_limit + 1;
+    let mut calls = vec![[0u64; 2]; cap + 1]; // [legit, fraud]
+    let mut always = [0u64; 2];
+    let (mut fraud_total, mut legit_total) = (0u64, 0u64);
+    // Per caller: the largest count among calls that N can reject, or "always".
+    let mut peak: HashMap<&str, (u64, bool)> = HashMap::new();
+    for f in facts {
+        let fraud = usize::from(f.fraud == Some(true));
+        fraud_total += u64::from(f.fraud == Some(true));
+        legit_total += u64::from(f.fraud == Some(false));
+        let p = peak.entry(f.caller).or_insert((0, false));
+        if f.never {
+            continue;
+        }
+        if f.always {
+            always[fraud] += 1;
+            p.1 = true;
+        } else {
+            calls[(f.count as usize).min(cap)][fraud] += 1;
+            p.0 = p.0.max(f.count);
+        }
+    }
+    // Callers: rejected under N when always, or peak > N.
+    let mut callers = vec![[0u64; 2]; cap + 1];
+    let mut callers_always = [0u64; 2];
+    for (c, (pk, alw)) in &peak {
+        let fraud = usize::from(fraud_caller.get(c).copied().unwrap_or(false));
+        if *alw {
+            callers_always[fraud] += 1;
+        } else if *pk > 0 {
+            callers[(*pk as usize).min(cap)][fraud] += 1;
+        }
+    }
+    // Suffix sums: above[n] = items with count > n.
+    let suffix = |h: &Vec<[u64; 2]>| {
+        let mut above = vec![[0u64; 2]; cap + 2];
+        for k in (0..=cap).rev() {
+            above[k] = [above[k + 1][0] + h[k][0], above[k + 1][1] + h[k][1]];
+        }
+        above
+    };
+    let calls_above = suffix(&calls);
+    let callers_above = suffix(&callers);
+    let total = facts.len() as u64;
+    limits
+        .iter()
+        .map(|&n| {
+            let k = (n as usize + 1).min(cap + 1);
+            let c = calls_above[k];
+            let r = callers_above[k];
+            let legit_rej = c[0] + always[0];
+            let fraud_rej = c[1] + always[1];
+            finish_row(
+                n,
+                total,
+                legit_rej + fraud_rej,
+                r[0] + r[1] + callers_always[0] + callers_always[1],
+                labelled,
+                (
+                    fraud_rej,
+                    legit_rej,
+                    fraud_total,
+                    legit_total,
+                    r[0] + callers_always[0],
+                    r[1] + callers_always[1],
+                ),
+            )
+        })
+        .collect()
+}
+
+/// A sweep row from a full replay with that N (the `admitted` path, and the tests' reference).
+pub fn row_from_verdicts(
+    log: &CallLog,
+    verdicts: &[Verdict],
+    limit: u64,
+    labelled: bool,
+    fraud_caller: &HashMap<&str, bool>,
+) -> SweepRow {
+    let (mut fraud_rej, mut legit_rej, mut fraud_total, mut legit_total) = (0, 0, 0, 0);
+    let mut rejected_callers: HashMap<&str, ()> = HashMap::new();
+    let mut rejected = 0;
+    for ((_, e), v) in log.events.iter().zip(verdicts) {
+        fraud_total += u64::from(e.label == Some(true));
+        legit_total += u64::from(e.label == Some(false));
+        if v.record.would_reject() {
+            rejected += 1;
+            fraud_rej += u64::from(e.label == Some(true));
+            legit_rej += u64::from(e.label == Some(false));
+            rejected_callers.insert(e.caller.as_str(), ());
+        }
+    }
+    let legit_callers = rejected_callers
+        .keys()
+        .filter(|c| !fraud_caller.get(*c).copied().unwrap_or(false))
+        .count();
+    let fraud_callers = rejected_callers.len() - legit_callers;
+    finish_row(
+        limit,
+        log.events.len() as u64,
+        rejected,
+        rejected_callers.len() as u64,
+        labelled,
+        (
+            fraud_rej,
+            legit_rej,
+            fraud_total,
+            legit_total,
+            legit_callers as u64,
+            fraud_callers as u64,
+        ),
+    )
+}
+
+/// Computes a sweep row for one N by replaying (used to check the one-pass path).
+pub fn row_by_replay(
+    log: &CallLog,
+    rules: &RuleSet,
+    index: usize,
+    limit: u64,
+) -> Result<SweepRow, RulesError> {
+    let (labelled, fraud_caller) = caller_labels(log);
+    let set = rules.with_limit(index, limit)?;
+    Ok(row_from_verdicts(
+        log,
+        &replay(log, &set),
+        limit,
+        labelled,
+        &fraud_caller,
+    ))
+}
+
+fn recommend(
+    log: &CallLog,
+    rules: &RuleSet,
+    index: usize,
+    rows: &[SweepRow],
+    labelled: bool,
+    target: Target,
+) -> (Option<u64>, String) {
+    match target {
+        Target::MaxFalseReject(max) if labelled => {
+            match rows.iter().find(|r| r.false_reject_rate.is_some_and(|f| f <= max)) {
+                Some(r) => (
+                    Some(r.limit),
+                    format!(
+                        "N = {}: the smallest limit whose legit false-reject rate ({:.4}%) is within {:.4}%; it catches {:.1}% of fraud calls with {} legit callers hit",
+                        r.limit,
+                        r.false_reject_rate.unwrap_or(0.0) * 100.0,
+                        max * 100.0,
+                        r.recall.unwrap_or(0.0) * 100.0,
+                        r.legit_callers_rejected.unwrap_or(0)
+                    ),
+                ),
+                None => (None, format!("no limit in the range keeps the false-reject rate within {:.4}%: widen the range or allowlist the legit callers hit", max * 100.0)),
+            }
+        }
+        Target::MaxFalseReject(_) | Target::Quantile(_) => {
+            let q = match target {
+                Target::Quantile(q) => q,
+                Target::MaxFalseReject(_) => 0.999,
+            };
+            // Per-caller peak count of the swept rule (no labels needed).
+            let verdicts = replay(log, rules);
+            let mut peaks: HashMap<&str, u64> = HashMap::new();
+            for ((_, e), v) in log.events.iter().zip(&verdicts) {
+                let p = peaks.entry(e.caller.as_str()).or_insert(0);
+                *p = (*p).max(v.record.counts.get(index).copied().unwrap_or(0));
+            }
+            let mut sorted: Vec<u64> = peaks.into_values().collect();
+            sorted.sort_unstable();
+            if sorted.is_empty() {
+                return (None, "no calls: nothing to recommend".into());
+            }
+            let pos = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+            let n = sorted[pos];
+            let why = if labelled { "" } else { " (no labels)" };
+            (
+                Some(n),
+                format!(
+                    "N = {n}: the {:.2}% quantile of per-caller peak counts in the `{}` window{why}, so {:.2}% of callers never exceed it",
+                    q * 100.0,
+                    rules.rules[index].name,
+                    q * 100.0
+                ),
+            )
+        }
+    }
+}
+
+/// The sweep as a table (one row per N).
+pub fn sweep_frame(sweep: &Sweep) -> Result<polars::prelude::DataFrame, crate::error::IoError> {
+    use polars::prelude::*;
+    let r = &sweep.rows;
+    let cols = vec![
+        Column::new(
+            "limit".into(),
+            r.iter().map(|x| x.limit).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "calls_rejected".into(),
+            r.iter().map(|x| x.calls_rejected).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rejected_share".into(),
+            r.iter().map(|x| x.rejected_share).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "callers_rejected".into(),
+            r.iter().map(|x| x.callers_rejected).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "fraud_calls_rejected".into(),
+            r.iter().map(|x| x.fraud_calls_rejected).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "legit_calls_rejected".into(),
+            r.iter().map(|x| x.legit_calls_rejected).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "precision".into(),
+            r.iter().map(|x| x.precision).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "recall".into(),
+            r.iter().map(|x| x.recall).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "false_reject_rate".into(),
+            r.iter().map(|x| x.false_reject_rate).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "legit_callers_rejected".into(),
+            r.iter()
+                .map(|x| x.legit_callers_rejected)
+                .collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "fraud_callers_caught".into(),
+            r.iter().map(|x| x.fraud_callers_caught).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "recommended".into(),
+            r.iter()
+                .map(|x| Some(x.limit) == sweep.recommended)
+                .collect::<Vec<_>>(),
+        ),
+    ];
+    DataFrame::new(r.len(), cols).map_err(|source| crate::error::IoError::Polars {
+        context: "building the sweep table".into(),
+        source,
+    })
+}
+
+/// A readable terminal table: about `max_rows` rows, always including the
+/// recommended N and its neighbours.
+pub fn render_table(sweep: &Sweep, max_rows: usize) -> String {
+    use std::fmt::Write;
+    let n = sweep.rows.len();
+    let step = n.div_ceil(max_rows.max(1)).max(1);
+    let rec = sweep
+        .rows
+        .iter()
+        .position(|r| Some(r.limit) == sweep.recommended);
+    let mut out = String::new();
+    let pct = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.3}%", v * 100.0));
+    let num = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
+    let _ = writeln!(
+        out,
+        "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13}",
+        "",
+        "N",
+        "rejected",
+        "share",
+        "callers",
+        "precision",
+        "recall",
+        "false-rej",
+        "legit hit",
+        "fraud caught"
+    );
+    for (i, r) in sweep.rows.iter().enumerate() {
+        let near = rec.is_some_and(|k| i + 1 >= k && i <= k + 1);
+        if i % step != 0 && !near && i + 1 != n {
+            continue;
+        }
+        let mark = if Some(i) == rec { ">>" } else { "" };
+        let _ = writeln!(
+            out,
+            "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13}",
+            mark,
+            r.limit,
+            r.calls_rejected,
+            format!("{:.3}%", r.rejected_share * 100.0),
+            r.callers_rejected,
+            pct(r.precision),
+            pct(r.recall),
+            pct(r.false_reject_rate),
+            num(r.legit_callers_rejected),
+            num(r.fraud_callers_caught)
+        );
+    }
+    out
+}
