@@ -11,10 +11,10 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
   echo "== installing redis-server"
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fonts-dejavu-core
 fi
 
 if ! command -v tansu >/dev/null; then

@@ -8,7 +8,7 @@ use plotters::prelude::*;
 use crate::error::IoError;
 use crate::tune::Sweep;
 
-/// Fonts tried for PNG text (SVG text is drawn by the viewer).
+/// Fonts tried for the plot's text.
 const FONT_PATHS: [&str; 4] = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -22,21 +22,18 @@ fn plot_err(e: impl std::fmt::Display) -> IoError {
 
 /// Draws the sweep to `path` (`.svg` or `.png`).
 pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
-    let svg = path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("svg"));
-    if svg {
+    // Text is laid out with a TrueType font, for SVG as well as PNG.
+    let font = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| {
+        IoError::Input("no TrueType font found to draw text (Debian: apt-get install fonts-dejavu-core)".into())
+    })?;
+    // plotters keeps registered fonts for the whole program: leaked once per plot.
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font).map_err(|_| plot_err("bad font file"))?;
+    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")) {
         let root = SVGBackend::new(path, (1000, 600)).into_drawing_area();
         chart(sweep, &root)?;
         root.present().map_err(plot_err)
     } else {
-        let font = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| {
-            IoError::Input("no TrueType font found for PNG text (install fonts-dejavu-core) or plot to .svg".into())
-        })?;
-        // The font must live for the whole program: leaked once per plot.
-        let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-        plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-            .map_err(|_| plot_err("bad font file"))?;
         let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
         chart(sweep, &root)?;
         root.present().map_err(plot_err)
