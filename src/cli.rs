@@ -55,6 +55,10 @@ pub enum Command {
     /// calls and callers rejected, and with labels precision, recall and
     /// legit callers wrongly rejected, for every N.
     Tune(Box<TuneArgs>),
+    /// Export point-in-time features of every call of a call log (Parquet
+    /// or CSV): window counts, time since the caller's previous call,
+    /// decision and label; the same values the consumer emits online.
+    Features(Box<FeaturesArgs>),
     /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
     /// centres, robocallers, wangiri bursts) for trying and testing callguard.
     Generate(GenerateArgs),
@@ -232,6 +236,20 @@ pub fn parse_limits(s: &str) -> Result<Vec<u64>, RulesError> {
         return Err(bad());
     }
     Ok((a..=b).collect())
+}
+
+/// `callguard features`.
+#[derive(Debug, Clone, Args)]
+pub struct FeaturesArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Rule options.
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Feature table: `.parquet` (recommended: typed timestamps) or `.csv`.
+    #[arg(long, short)]
+    pub output: PathBuf,
 }
 
 /// `callguard generate`.

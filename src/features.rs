@@ -46,3 +46,77 @@ pub fn feature_json(v: &Verdict, event: &CallEvent, rules: &RuleSet) -> Value {
     m.insert("rules_version".into(), json!(r.rules_version));
     Value::Object(m)
 }
+
+/// The feature table of a decided call log: `call_id`, `caller`,
+/// `event_time` (timestamp, ms, UTC), `ts_ms`, `count_<rule>`...,
+/// `since_prev_ms`, `callee`, `duration_ms`, `decision`, `reason`, `late`,
+/// `label`, `rules_version`. Same values as the features topic.
+pub fn features_frame(
+    events: &[CallEvent],
+    verdicts: &[Verdict],
+    rules: &RuleSet,
+) -> Result<polars::prelude::DataFrame, crate::error::IoError> {
+    use polars::prelude::*;
+    let err = |source| crate::error::IoError::Polars {
+        context: "building the features table".into(),
+        source,
+    };
+    let recs = || verdicts.iter().map(|v| &v.record);
+    let ts: Vec<i64> = recs().map(|r| r.ts_ms).collect();
+    let event_time = Column::new("event_time".into(), ts.clone())
+        .cast(&DataType::Datetime(TimeUnit::Milliseconds, None))
+        .map_err(err)?;
+    let mut cols = vec![
+        Column::new(
+            "call_id".into(),
+            recs().map(|r| r.call_id.as_str()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "caller".into(),
+            recs().map(|r| r.caller.as_str()).collect::<Vec<_>>(),
+        ),
+        event_time,
+        Column::new("ts_ms".into(), ts),
+    ];
+    for (i, rule) in rules.rules.iter().enumerate() {
+        cols.push(Column::new(
+            format!("count_{}", rule.name).into(),
+            recs()
+                .map(|r| r.counts.get(i).copied().unwrap_or(0))
+                .collect::<Vec<u64>>(),
+        ));
+    }
+    cols.push(Column::new(
+        "since_prev_ms".into(),
+        verdicts.iter().map(since_prev_ms).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "callee".into(),
+        events.iter().map(|e| e.callee.clone()).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "duration_ms".into(),
+        events.iter().map(|e| e.duration_ms).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "decision".into(),
+        recs().map(|r| r.decision.as_str()).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "reason".into(),
+        recs().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "late".into(),
+        recs().map(|r| r.late).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "label".into(),
+        events.iter().map(|e| e.label).collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
+        "rules_version".into(),
+        recs().map(|r| r.rules_version.as_str()).collect::<Vec<_>>(),
+    ));
+    polars::prelude::DataFrame::new(verdicts.len(), cols).map_err(err)
+}

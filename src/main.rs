@@ -8,7 +8,8 @@ use tracing_subscriber::EnvFilter;
 
 use callguard::calllog::{read_call_log, write_frame, write_invalid};
 use callguard::cli::{
-    Cli, Command, ConsumeArgs, DemoArgs, LogFormat, ProduceArgs, ReplayArgs, StoreKind, TuneArgs,
+    Cli, Command, ConsumeArgs, DemoArgs, FeaturesArgs, LogFormat, ProduceArgs, ReplayArgs,
+    StoreKind, TuneArgs,
 };
 use callguard::replay::{self, ReplaySummary};
 use callguard::store::memory::MemoryStore;
@@ -56,6 +57,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Produce(args) => produce_cmd(*args).await,
         Command::Demo(args) => demo_cmd(*args).await,
         Command::Tune(args) => tune_cmd(*args),
+        Command::Features(args) => features_cmd(*args).await,
         Command::Generate(args) => {
             let calls = callguard::generate::generate(args.rows, args.seed);
             callguard::generate::write_csv(&args.output, &calls)?;
@@ -345,5 +347,32 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
         result.passes
     );
     println!("recommendation: {}", result.explanation);
+    Ok(())
+}
+
+async fn features_cmd(args: FeaturesArgs) -> Result<()> {
+    let progress = std::io::stderr().is_terminal();
+    let rules = args.rules.rule_set()?;
+    let mut log = read_call_log(&args.input.input, &args.input.read_options(progress)?)?;
+    log.sort_by_time();
+    let verdicts = replay::run(&log, &rules, &mut MemoryStore::new(), progress).await?;
+    let events: Vec<_> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    let mut df = callguard::features::features_frame(&events, &verdicts, &rules)?;
+    if let Some(dir) = args.output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    write_frame(&args.output, &mut df)?;
+    println!(
+        "features         {} rows to {}",
+        df.height(),
+        args.output.display()
+    );
+    if let Some(path) = write_invalid(&args.output, &log.invalid)? {
+        println!(
+            "invalid rows at  {} ({})",
+            path.display(),
+            log.invalid.len()
+        );
+    }
     Ok(())
 }

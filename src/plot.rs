@@ -23,13 +23,23 @@ fn plot_err(e: impl std::fmt::Display) -> IoError {
 /// Draws the sweep to `path` (`.svg` or `.png`).
 pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
     // Text is laid out with a TrueType font, for SVG as well as PNG.
-    let font = FONT_PATHS.iter().find_map(|p| std::fs::read(p).ok()).ok_or_else(|| {
-        IoError::Input("no TrueType font found to draw text (Debian: apt-get install fonts-dejavu-core)".into())
-    })?;
+    let font = FONT_PATHS
+        .iter()
+        .find_map(|p| std::fs::read(p).ok())
+        .ok_or_else(|| {
+            IoError::Input(
+                "no TrueType font found to draw text (Debian: apt-get install fonts-dejavu-core)"
+                    .into(),
+            )
+        })?;
     // plotters keeps registered fonts for the whole program: leaked once per plot.
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
-    plotters::style::register_font("sans-serif", FontStyle::Normal, font).map_err(|_| plot_err("bad font file"))?;
-    if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("svg")) {
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| plot_err("bad font file"))?;
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
+    {
         let root = SVGBackend::new(path, (1000, 600)).into_drawing_area();
         chart(sweep, &root)?;
         root.present().map_err(plot_err)

@@ -27,11 +27,23 @@ fn sweep_equals_a_replay_for_every_n() {
         Rule::parse_shorthand("hour:sliding-approx:1h:200").unwrap(),
     ];
     for policy in [CountPolicy::Attempts, CountPolicy::Admitted] {
-        let set = RuleSet::new(rules.to_vec(), policy, 5_000, vec!["+34900".into()], vec!["+882".into()], false).unwrap();
+        let set = RuleSet::new(
+            rules.to_vec(),
+            policy,
+            5_000,
+            vec!["+34900".into()],
+            vec!["+882".into()],
+            false,
+        )
+        .unwrap();
         for index in 0..3 {
             let limits: Vec<u64> = (1..=25).collect();
             let s = sweep(&log, &set, index, &limits, Target::MaxFalseReject(0.002)).unwrap();
-            let expected_passes = if policy == CountPolicy::Attempts { 1 } else { limits.len() };
+            let expected_passes = if policy == CountPolicy::Attempts {
+                1
+            } else {
+                limits.len()
+            };
             assert_eq!(s.passes, expected_passes);
             for (row, &n) in s.rows.iter().zip(&limits) {
                 let want = row_by_replay(&log, &set, index, n).unwrap();
@@ -74,7 +86,10 @@ fn hand_made() -> CallLog {
     }
     id += 1;
     events.push(ev("+34600000001", id, T0, false));
-    let mut log = CallLog { events, invalid: vec![] };
+    let mut log = CallLog {
+        events,
+        invalid: vec![],
+    };
     log.sort_by_time();
     log
 }
@@ -115,7 +130,11 @@ fn recommendation_without_labels_uses_peak_quantiles() {
     let rules = RuleSet::from_args(None, &["m:sliding:60s:100".into()]).unwrap();
     let limits: Vec<u64> = (1..=20).collect();
     // Peaks per caller: 1, 3, 10.
-    let q = |q: f64| sweep(&log, &rules, 0, &limits, Target::Quantile(q)).unwrap().recommended;
+    let q = |q: f64| {
+        sweep(&log, &rules, 0, &limits, Target::Quantile(q))
+            .unwrap()
+            .recommended
+    };
     assert_eq!(q(0.3), Some(1));
     assert_eq!(q(0.5), Some(3));
     assert_eq!(q(1.0), Some(10));
@@ -130,7 +149,15 @@ fn tune_command_writes_table_and_plot() {
     let csv = dir.path().join("sweep.csv");
     let svg = dir.path().join("sweep.svg");
     let o = std::process::Command::new(common::bin())
-        .args(["tune", "-i", "data/calls.csv", "--rule", "minute:sliding:60s", "--limits", "1..40"])
+        .args([
+            "tune",
+            "-i",
+            "data/calls.csv",
+            "--rule",
+            "minute:sliding:60s",
+            "--limits",
+            "1..40",
+        ])
         .arg("-o")
         .arg(&csv)
         .arg("--plot")
@@ -142,7 +169,11 @@ fn tune_command_writes_table_and_plot() {
     assert!(out.contains("recommendation: N = "), "{out}");
     let table = std::fs::read_to_string(&csv).unwrap();
     assert_eq!(table.lines().count(), 41);
-    assert!(table.lines().next().unwrap().starts_with("limit,calls_rejected,rejected_share"));
+    assert!(table
+        .lines()
+        .next()
+        .unwrap()
+        .starts_with("limit,calls_rejected,rejected_share"));
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("<svg") && plot.contains("recommended N"));
 }

@@ -1,0 +1,142 @@
+//! `callguard features` and the call-log presets: point-in-time features
+//! equal the replay, no leakage from the future, typed Parquet, Asterisk CDRs.
+
+mod common;
+
+use callguard::calllog::{read_call_log, read_frame, InputFormat, ReadOptions};
+use callguard::features::features_frame;
+use callguard::rules::RuleSet;
+use callguard::store::memory::MemoryStore;
+use polars::prelude::*;
+
+fn rules() -> RuleSet {
+    RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap()
+}
+
+async fn frame_for(log: &callguard::calllog::CallLog, rules: &RuleSet) -> DataFrame {
+    let verdicts = callguard::replay::run(log, rules, &mut MemoryStore::new(), false)
+        .await
+        .unwrap();
+    let events: Vec<_> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    features_frame(&events, &verdicts, rules).unwrap()
+}
+
+#[tokio::test]
+async fn features_file_holds_the_replay_counts_with_typed_columns() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("features.parquet");
+    let dec = dir.path().join("decisions.csv");
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(common::bin())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    run(&[
+        "features",
+        "-i",
+        "data/calls.csv",
+        "--rules",
+        "data/rules.toml",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    run(&[
+        "replay",
+        "-i",
+        "data/calls.csv",
+        "--rules",
+        "data/rules.toml",
+        "-o",
+        dec.to_str().unwrap(),
+    ]);
+    let f = ParquetReader::new(std::fs::File::open(&out).unwrap())
+        .finish()
+        .unwrap();
+    let d = read_frame(&dec, InputFormat::Csv).unwrap();
+    assert_eq!(f.height(), 20_000);
+    assert_eq!(
+        f.column("event_time").unwrap().dtype(),
+        &DataType::Datetime(TimeUnit::Milliseconds, None)
+    );
+    assert_eq!(f.column("label").unwrap().dtype(), &DataType::Boolean);
+    assert_eq!(f.column("count_minute").unwrap().dtype(), &DataType::UInt64);
+    for col in [
+        "call_id",
+        "count_burst",
+        "count_minute",
+        "count_hour",
+        "decision",
+        "reason",
+    ] {
+        let a = f.column(col).unwrap().cast(&DataType::String).unwrap();
+        let b = d.column(col).unwrap().cast(&DataType::String).unwrap();
+        assert!(a.equals(&b), "column {col} differs from the replay");
+    }
+    let since = f.column("since_prev_ms").unwrap().i64().unwrap();
+    assert!(since.null_count() > 0 && since.null_count() < 20_000);
+    assert!(
+        since.iter().flatten().all(|s| s >= 0),
+        "a time-sorted log has no negative gaps"
+    );
+}
+
+#[tokio::test]
+async fn appending_future_calls_changes_no_earlier_feature() {
+    let mut log = read_call_log(
+        std::path::Path::new("data/calls.csv"),
+        &ReadOptions::default(),
+    )
+    .unwrap();
+    log.sort_by_time();
+    let cut = 12_000;
+    let mut early = callguard::calllog::CallLog {
+        events: log.events[..cut].to_vec(),
+        invalid: vec![],
+    };
+    let full = frame_for(&log, &rules()).await;
+    let head = frame_for(&early, &rules()).await;
+    assert!(
+        full.slice(0, cut).equals_missing(&head),
+        "features of the first {cut} calls depend on later calls"
+    );
+    // And a burst appended after the last call changes nothing before it.
+    let last = early.events.last().unwrap().1.clone();
+    for i in 0..50 {
+        let mut e = last.clone();
+        e.call_id = format!("future{i}");
+        e.ts_ms += 1 + i;
+        early.events.push((0, e));
+    }
+    let with_future = frame_for(&early, &rules()).await;
+    assert!(with_future.slice(0, cut).equals_missing(&head));
+}
+
+#[test]
+fn asterisk_master_csv_preset() {
+    let opts = |tz: Option<chrono_tz::Tz>| ReadOptions {
+        format: InputFormat::Asterisk,
+        timezone: tz,
+        decoder: callguard::event::Decoder::new(Default::default(), Some("34".into())).unwrap(),
+        progress: false,
+    };
+    let path = std::path::Path::new("tests/golden/Master.csv");
+    let mut log = read_call_log(path, &opts(Some(chrono_tz::Europe::Madrid))).unwrap();
+    // The row with an empty src is invalid, and reported with its row number.
+    assert_eq!(log.invalid.len(), 1);
+    assert_eq!(log.invalid[0].row, 4);
+    assert_eq!(log.events.len(), 4);
+    log.sort_by_time();
+    let first = &log.events[0].1;
+    // Rows are written at hangup; sorting by start puts row 5 first.
+    assert_eq!(first.call_id, "1764575990.5");
+    assert_eq!(first.caller, "+34911234567");
+    assert_eq!(first.callee.as_deref(), Some("+34600000005"));
+    // 08:59:50 in Madrid (UTC+1 in December) is 07:59:50Z.
+    assert_eq!(first.ts_ms, 1_764_575_990_000);
+    assert!(log.events.iter().all(|(_, e)| e.caller == "+34911234567"));
+    let utc = read_call_log(path, &opts(None)).unwrap();
+    let utc_first = utc.events.iter().map(|(_, e)| e.ts_ms).min().unwrap();
+    assert_eq!(utc_first - first.ts_ms, 3_600_000);
+}
