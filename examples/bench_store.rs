@@ -177,6 +177,7 @@ async fn main() {
             rules.version(),
             "1",
             &rules.dedup_ms().to_string(),
+            "60000",
             "3",
             "0",
             "1000",

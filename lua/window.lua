@@ -20,7 +20,9 @@
 --   6 retention = longest window + grace (ms)      7 shadow: 0/1
 --   8 idempotency: 0/1          9 rules version     10 any sliding rule: 0/1
 --   11 idempotency horizon D >= retention (ms)
---   12 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   12 TTL slack (ms): added to every TTL so pauses in processing (Redis
+--      restarts, rebalances, lag) do not expire state the contract still needs
+--   13 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
 -- Returns: { duplicate (0/1), record } where record is
 --   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|c1,c2,..."
@@ -38,7 +40,8 @@ local idem = ARGV[8] == '1'
 local version = ARGV[9]
 local has_sliding = ARGV[10] == '1'
 local dedup = tonumber(ARGV[11])
-local n = tonumber(ARGV[12])
+local slack = tonumber(ARGV[12])
+local n = tonumber(ARGV[13])
 local meta, log, ids, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 
 local latest = tonumber(redis.call('HGET', meta, 'L'))
@@ -70,7 +73,7 @@ end
 
 local counts, approx = {}, {}
 for i = 1, n do
-  local base = 12 + (i - 1) * 4
+  local base = 13 + (i - 1) * 4
   local kind = tonumber(ARGV[base + 1])
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
@@ -114,7 +117,7 @@ elseif listed == 1 then
   reason = 'allowlist'
 else
   for i = 1, n do
-    local base = 12 + (i - 1) * 4
+    local base = 13 + (i - 1) * 4
     if counts[i] > tonumber(ARGV[base + 3]) then
       would, reason = 1, ARGV[base + 4]
       break
@@ -125,17 +128,17 @@ end
 if (not admitted) or would == 0 then
   if has_sliding then
     redis.call('ZADD', log, t, id)
-    redis.call('PEXPIRE', log, retention)
+    redis.call('PEXPIRE', log, retention + slack)
   end
   for i = 1, n do
-    local base = 12 + (i - 1) * 4
+    local base = 13 + (i - 1) * 4
     local kind = tonumber(ARGV[base + 1])
     local w = tonumber(ARGV[base + 2])
     if kind == 0 then
       local b = math.floor(t / w)
       if (b + 1) * w + grace > lnew then
         if redis.call('INCR', KEYS[4 + i]) == 1 then
-          redis.call('PEXPIRE', KEYS[4 + i], w + grace)
+          redis.call('PEXPIRE', KEYS[4 + i], w + grace + slack)
         end
       end
     elseif kind == 2 then
@@ -149,7 +152,7 @@ for i = 1, n do
   if a then redis.call('HSET', meta, a[1] .. 'b', a[2], a[1] .. 'c', a[3], a[1] .. 'p', a[4]) end
 end
 redis.call('HSET', meta, 'L', lnew)
-redis.call('PEXPIRE', meta, retention)
+redis.call('PEXPIRE', meta, retention + slack)
 
 local late = 0
 if prev and t < prev - grace then late = 1 end
@@ -163,8 +166,8 @@ local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|
   .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. table.concat(parts, ',')
 if idem then
   redis.call('HSET', rec, id, encoded)
-  redis.call('PEXPIRE', rec, dedup)
+  redis.call('PEXPIRE', rec, dedup + slack)
   redis.call('ZADD', ids, t, id)
-  redis.call('PEXPIRE', ids, dedup)
+  redis.call('PEXPIRE', ids, dedup + slack)
 end
 return {0, encoded}

@@ -387,6 +387,10 @@ pub struct StoreArgs {
     /// counts again and may get another decision.
     #[arg(long, env = "CALLGUARD_NO_IDEMPOTENCY")]
     pub no_idempotency: bool,
+    /// Seconds added to every Redis TTL, so state outlives processing pauses
+    /// (Redis restarts, rebalances, lag); it never changes a decision.
+    #[arg(long, env = "CALLGUARD_TTL_SLACK_S", default_value_t = 60)]
+    pub ttl_slack_s: u64,
     /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
     #[arg(long, env = "CALLGUARD_REDIS_CA")]
     pub redis_ca: Option<PathBuf>,
@@ -404,6 +408,7 @@ impl StoreArgs {
             key_prefix: self.key_prefix.clone(),
             idempotency: !self.no_idempotency,
             timeout: Duration::from_millis(self.redis_timeout_ms),
+            ttl_slack: Duration::from_secs(self.ttl_slack_s),
             tls_ca: self.redis_ca.clone(),
         }
     }

@@ -78,14 +78,7 @@ pub fn features_frame(
         event_time,
         Column::new("ts_ms".into(), ts),
     ];
-    for (i, rule) in rules.rules.iter().enumerate() {
-        cols.push(Column::new(
-            format!("count_{}", rule.name).into(),
-            recs()
-                .map(|r| r.counts.get(i).copied().unwrap_or(0))
-                .collect::<Vec<u64>>(),
-        ));
-    }
+    cols.extend(crate::replay::count_columns(verdicts, rules));
     cols.push(Column::new(
         "since_prev_ms".into(),
         verdicts.iter().map(since_prev_ms).collect::<Vec<_>>(),

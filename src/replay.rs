@@ -135,14 +135,7 @@ pub fn records_frame(verdicts: &[Verdict], rules: &RuleSet) -> Result<DataFrame,
             recs().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
         ),
     ];
-    for (i, rule) in rules.rules.iter().enumerate() {
-        cols.push(Column::new(
-            format!("count_{}", rule.name).into(),
-            recs()
-                .map(|r| r.counts.get(i).copied().unwrap_or(0))
-                .collect::<Vec<u64>>(),
-        ));
-    }
+    cols.extend(count_columns(verdicts, rules));
     cols.push(Column::new(
         "shadow".into(),
         recs().map(|r| r.shadow).collect::<Vec<_>>(),
@@ -163,4 +156,22 @@ pub fn records_frame(verdicts: &[Verdict], rules: &RuleSet) -> Result<DataFrame,
         context: "building the decisions table".into(),
         source,
     })
+}
+
+/// One `count_<rule>` column per rule, in rule-set order.
+pub fn count_columns(verdicts: &[Verdict], rules: &RuleSet) -> Vec<Column> {
+    rules
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(i, rule)| {
+            Column::new(
+                format!("count_{}", rule.name).into(),
+                verdicts
+                    .iter()
+                    .map(|v| v.record.counts.get(i).copied().unwrap_or(0))
+                    .collect::<Vec<u64>>(),
+            )
+        })
+        .collect()
 }

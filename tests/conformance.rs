@@ -22,6 +22,7 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
         key_prefix: prefix.to_string(),
         idempotency: true,
         timeout: Duration::from_secs(5),
+        ttl_slack: Duration::ZERO,
         tls_ca: None,
     }
 }

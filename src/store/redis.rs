@@ -41,6 +41,11 @@ pub struct RedisConfig {
     pub idempotency: bool,
     /// Timeout of connecting and of every call.
     pub timeout: Duration,
+    /// Added to every key's TTL. The contract runs on event time and the
+    /// script trims by event time, so TTLs only collect garbage; the slack
+    /// keeps state alive through processing pauses (Redis restarts,
+    /// rebalances, consumer lag) that would otherwise expire it early.
+    pub ttl_slack: Duration,
     /// PEM file of the CA that signed the server certificate (`rediss://`
     /// with a private CA); the system trust store otherwise.
     pub tls_ca: Option<std::path::PathBuf>,
@@ -54,6 +59,7 @@ impl Default for RedisConfig {
             key_prefix: "cg:".into(),
             idempotency: true,
             timeout: Duration::from_secs(2),
+            ttl_slack: Duration::from_secs(60),
             tls_ca: None,
         }
     }
@@ -295,6 +301,7 @@ impl RedisStore {
             .arg(rules.version())
             .arg(u8::from(rules.has_sliding()))
             .arg(rules.dedup_ms())
+            .arg(self.config.ttl_slack.as_millis() as u64)
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())
