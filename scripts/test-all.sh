@@ -23,4 +23,11 @@ if ! command -v tansu >/dev/null; then
 fi
 
 echo "== cargo test"
-cargo test --all-targets --no-fail-fast
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --all-targets --no-fail-fast 2>&1 | tee "$log" || status=$?
+# One closing line for the whole run (cargo prints one per test binary).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed/) p += $i; if ($(i+1) ~ /^failed/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"
