@@ -78,9 +78,14 @@ async fn open_store(args: &callguard::cli::StoreArgs) -> Result<AnyStore> {
         StoreKind::Memory => AnyStore::Memory(MemoryStore::new()),
         StoreKind::Redis => {
             let config = args.redis_config();
-            let store = RedisStore::connect(config.clone())
-                .await
-                .with_context(|| format!("connecting to Redis at {}", config.urls.join(",")))?;
+            let store = RedisStore::connect(config.clone()).await.with_context(|| {
+                let urls: Vec<String> = config
+                    .urls
+                    .iter()
+                    .map(|u| callguard::store::redis::redact(u))
+                    .collect();
+                format!("connecting to Redis at {}", urls.join(","))
+            })?;
             AnyStore::Redis(Box::new(store))
         }
     })

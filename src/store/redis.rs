@@ -27,7 +27,7 @@ use crate::store::WindowStore;
 pub const WINDOW_LUA: &str = include_str!("../../lua/window.lua");
 
 /// How to reach Redis and how to use it.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct RedisConfig {
     /// One `redis://` or `rediss://` URL (user and password in the URL for
     /// ACL), or several seed URLs of a Cluster.
@@ -49,6 +49,35 @@ pub struct RedisConfig {
     /// PEM file of the CA that signed the server certificate (`rediss://`
     /// with a private CA); the system trust store otherwise.
     pub tls_ca: Option<std::path::PathBuf>,
+}
+
+/// A URL with its password replaced by `***`, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            let user = creds.split(':').next().unwrap_or_default();
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field(
+                "urls",
+                &self.urls.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
+            .field("cluster", &self.cluster)
+            .field("key_prefix", &self.key_prefix)
+            .field("idempotency", &self.idempotency)
+            .field("timeout", &self.timeout)
+            .field("ttl_slack", &self.ttl_slack)
+            .field("tls_ca", &self.tls_ca)
+            .finish()
+    }
 }
 
 impl Default for RedisConfig {
@@ -450,4 +479,21 @@ fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdi
         prev_ts_ms,
         duplicate,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            super::redact("redis://cg:s3cret@host:6379/0"),
+            "redis://cg:***@host:6379/0"
+        );
+        assert_eq!(super::redact("redis://host:6379"), "redis://host:6379");
+        let cfg = super::RedisConfig {
+            urls: vec!["rediss://u:p@h:1".into()],
+            ..Default::default()
+        };
+        assert!(!format!("{cfg:?}").contains(":p@"));
+    }
 }
