@@ -380,11 +380,11 @@ pub async fn run<S: WindowStore>(
 
         // 2. Decode; bad events become dead letters.
         let current_rules = rules.borrow().clone();
-        let mut events: Vec<(usize, CallEvent)> = Vec::with_capacity(batch.len());
+        let mut events: Vec<CallEvent> = Vec::with_capacity(batch.len());
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
-        for (i, m) in batch.iter().enumerate() {
+        for m in &batch {
             match decode_message(m, &config) {
-                Ok(e) => events.push((i, e)),
+                Ok(e) => events.push(e),
                 Err(err) => {
                     Metrics::inc(&metrics.dlq, err.kind());
                     stats.dead_letters += 1;
@@ -394,11 +394,11 @@ pub async fn run<S: WindowStore>(
         }
 
         // 3. Decide (one store call per batch), with the failure policy.
-        let plain: Vec<CallEvent> = events.iter().map(|(_, e)| e.clone()).collect();
+
         let verdicts = match decide(
             &mut store,
             &current_rules,
-            &plain,
+            &events,
             &config,
             &metrics,
             &health,
@@ -409,8 +409,8 @@ pub async fn run<S: WindowStore>(
             Some(v) => v?,
             None => break, // shutdown while blocked: nothing of this batch is committed
         };
-        metrics.batch_size.observe(plain.len() as f64);
-        for (v, e) in verdicts.iter().zip(&plain) {
+        metrics.batch_size.observe(events.len() as f64);
+        for (v, e) in verdicts.iter().zip(&events) {
             count(&metrics, &mut stats, v);
             let key = e.caller.as_bytes().to_vec();
             out.push(OutRecord {

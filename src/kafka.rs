@@ -1,10 +1,6 @@
 //! Kafka plumbing shared by `consume`, `produce` and `demo`: client
 //! settings, the embedded mock cluster and topic creation.
 
-use std::time::Duration;
-
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::mocking::MockCluster;
 use thiserror::Error;
@@ -95,34 +91,4 @@ impl EmbeddedKafka {
             .create_topic(name, partitions, 1)
             .map_err(client_err(format!("creating topic {name}")))
     }
-}
-
-/// Creates topics through the admin API (ignores "already exists").
-pub async fn create_topics(
-    brokers: &str,
-    settings: &[(String, String)],
-    topics: &[(&str, i32)],
-) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(brokers, settings)
-        .create()
-        .map_err(client_err("creating the admin client"))?;
-    let new: Vec<NewTopic<'_>> = topics
-        .iter()
-        .map(|(name, p)| NewTopic::new(name, *p, TopicReplication::Fixed(1)))
-        .collect();
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = admin
-        .create_topics(&new, &opts)
-        .await
-        .map_err(client_err("creating topics"))?;
-    for r in results {
-        if let Err((name, code)) = r {
-            if code != rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists {
-                return Err(KafkaError::Delivery(format!(
-                    "cannot create topic {name}: {code}"
-                )));
-            }
-        }
-    }
-    Ok(())
 }
