@@ -186,8 +186,9 @@ async fn every_key_has_a_ttl_and_all_expire() {
     );
     for k in &names {
         assert!(k.contains("{+3460000"), "key {k} lacks the caller hash tag");
+        // -1: no TTL (the defect); -2: already expired since KEYS (fine on a busy machine).
         let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
-        assert!(ttl > 0, "key {k} has no TTL ({ttl})");
+        assert_ne!(ttl, -1, "key {k} has no TTL");
     }
     // Longest window + grace is 700 ms: everything is gone within seconds
     // (Redis expires keys lazily and by sampling, so allow up to 15 s).
