@@ -123,7 +123,7 @@ pub async fn run(
     let started = Instant::now();
     let worker = tokio::spawn(consumer::run(
         consume_cfg,
-        MemoryStore::new(),
+        MemoryStore::keeping_all(),
         rules_rx,
         metrics.clone(),
         health.clone(),

@@ -73,8 +73,9 @@ async fn run(cli: Cli) -> Result<()> {
     }
 }
 
-async fn open_store(args: &callguard::cli::StoreArgs) -> Result<AnyStore> {
+async fn open_store(args: &callguard::cli::StoreArgs, streaming: bool) -> Result<AnyStore> {
     Ok(match args.store {
+        StoreKind::Memory if streaming => AnyStore::Memory(MemoryStore::keeping_all()),
         StoreKind::Memory => AnyStore::Memory(MemoryStore::new()),
         StoreKind::Redis => {
             let config = args.redis_config();
@@ -97,7 +98,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     let read = args.input.read_options(progress)?;
     let mut log = read_call_log(&args.input.input, &read)?;
     log.sort_by_time();
-    let mut store = open_store(&args.store).await?;
+    let mut store = open_store(&args.store, false).await?;
     let verdicts = replay::run(&log, &rules, &mut store, progress).await?;
     let mut df = replay::records_frame(&verdicts, &rules)?;
     if let Some(dir) = args.output.parent().filter(|d| !d.as_os_str().is_empty()) {
@@ -208,7 +209,7 @@ async fn consume_cmd(args: ConsumeArgs) -> Result<()> {
     tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
     let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
     callguard::reload::spawn(args.rules.clone(), rules_tx, metrics.clone())?;
-    let store = open_store(&args.store).await?;
+    let store = open_store(&args.store, true).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;

@@ -136,3 +136,24 @@ fn random_sequences_reject_something() {
         "rejects {rejects}, late {late}, dups {dups}"
     );
 }
+
+#[test]
+fn a_stream_store_keeps_callers_whose_partition_lags() {
+    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
+    for (mut store, kept) in [
+        (MemoryStore::keeping_all(), true),
+        (MemoryStore::new(), false),
+    ] {
+        store.apply(&rules, &ev("+34911000001", "a1", T0));
+        // Another partition runs 10 hours ahead in event time.
+        for i in 0..20_000i64 {
+            store.apply(
+                &rules,
+                &ev("+34911000002", &format!("b{i}"), T0 + 36_000_000 + i),
+            );
+        }
+        let v = store.apply(&rules, &ev("+34911000001", "a2", T0 + 500));
+        assert_eq!(v.prev_ts_ms.is_some(), kept);
+        assert_eq!(v.record.counts, if kept { vec![2] } else { vec![1] });
+    }
+}

@@ -24,19 +24,33 @@ pub struct MemoryStore {
     callers: HashMap<String, CallerState>,
     watermark: Option<i64>,
     applied: u64,
+    /// Keep every caller (no sweep): for streams whose partitions may run
+    /// far apart in event time.
+    keep_all: bool,
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store that sweeps idle callers: for time-sorted input (replay).
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that never drops a caller: for a stream, where one
+    /// partition may run hours ahead of another in event time, so no global
+    /// watermark says a caller is idle. Memory grows with distinct callers;
+    /// production streams use the Redis store.
+    pub fn keeping_all() -> Self {
+        MemoryStore {
+            keep_all: true,
+            ..Self::default()
+        }
     }
 
     /// Applies one event.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
         self.watermark = Some(self.watermark.map_or(ev.ts_ms, |w| w.max(ev.ts_ms)));
         self.applied += 1;
-        if self.applied.is_multiple_of(SWEEP_EVERY) {
+        if !self.keep_all && self.applied.is_multiple_of(SWEEP_EVERY) {
             self.sweep(rules);
         }
         match self.callers.get_mut(ev.caller.as_str()) {
