@@ -12,7 +12,8 @@
 --   KEYS[3]      idempotency index: sorted set, member call_id, score event time
 --                (trimmed at the idempotency horizon D, TTL D)
 --   KEYS[4]      idempotency records: hash call_id -> encoded record
---   KEYS[4+i]    rule i's fixed-window counter for the event's bucket
+--   KEYS[5]      callees: sorted set, member callee, score its latest call time
+--   KEYS[5+i]    rule i's fixed-window counter for the event's bucket
 --                (any caller key for other kinds; it is not touched)
 -- ARGV:
 --   1 t (event time, ms)        2 call_id           3 listed: 0 no, 1 allow, 2 deny
@@ -22,11 +23,15 @@
 --   11 idempotency horizon D >= retention (ms)
 --   12 TTL slack (ms): added to every TTL so pauses in processing (Redis
 --      restarts, rebalances, lag) do not expire state the contract still needs
---   13 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   13 distinct callees kept: 0/1                14 callee ('' for none)
+--   15 longest window Wmax (ms)
+--   16 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
 -- Returns: { duplicate (0/1), record } where record is
---   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|c1,c2,..."
---   (prev_ts empty when the caller has no state within the retention).
+--   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|distinct|c1,c2,..."
+--   (prev_ts empty when the caller has no state within the retention;
+--   distinct empty when callees are not kept).
+-- Needs Redis >= 6.2 (ZADD GT).
 -- Numbers travel through Lua doubles: exact for times below 1e14 ms.
 
 local t = tonumber(ARGV[1])
@@ -41,8 +46,11 @@ local version = ARGV[9]
 local has_sliding = ARGV[10] == '1'
 local dedup = tonumber(ARGV[11])
 local slack = tonumber(ARGV[12])
-local n = tonumber(ARGV[13])
-local meta, log, ids, rec = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local track_callees = ARGV[13] == '1'
+local callee = ARGV[14]
+local wmax = tonumber(ARGV[15])
+local n = tonumber(ARGV[16])
+local meta, log, ids, rec, callees = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
 local latest = tonumber(redis.call('HGET', meta, 'L'))
 local lnew = t
@@ -71,9 +79,20 @@ if idem then
   if #old > 0 then redis.call('ZREMRANGEBYSCORE', ids, '-inf', dedup_horizon) end
 end
 
+-- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
+local distinct = ''
+if track_callees then
+  redis.call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
+  if callee ~= '' then
+    redis.call('ZADD', callees, 'GT', t, callee)
+    redis.call('PEXPIRE', callees, retention + slack)
+  end
+  distinct = string.format('%d', redis.call('ZCOUNT', callees, '(' .. (t - wmax), '+inf'))
+end
+
 local counts, approx = {}, {}
 for i = 1, n do
-  local base = 13 + (i - 1) * 4
+  local base = 16 + (i - 1) * 4
   local kind = tonumber(ARGV[base + 1])
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
@@ -83,7 +102,7 @@ for i = 1, n do
     if (b + 1) * w + grace <= lnew then
       counts[i] = 1
     else
-      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[4 + i])) or 0)
+      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[5 + i])) or 0)
     end
   else
     local f = 'a:' .. ARGV[base + 4] .. ':' .. w .. ':'
@@ -117,7 +136,7 @@ elseif listed == 1 then
   reason = 'allowlist'
 else
   for i = 1, n do
-    local base = 13 + (i - 1) * 4
+    local base = 16 + (i - 1) * 4
     if counts[i] > tonumber(ARGV[base + 3]) then
       would, reason = 1, ARGV[base + 4]
       break
@@ -131,14 +150,14 @@ if (not admitted) or would == 0 then
     redis.call('PEXPIRE', log, retention + slack)
   end
   for i = 1, n do
-    local base = 13 + (i - 1) * 4
+    local base = 16 + (i - 1) * 4
     local kind = tonumber(ARGV[base + 1])
     local w = tonumber(ARGV[base + 2])
     if kind == 0 then
       local b = math.floor(t / w)
       if (b + 1) * w + grace > lnew then
-        if redis.call('INCR', KEYS[4 + i]) == 1 then
-          redis.call('PEXPIRE', KEYS[4 + i], w + grace + slack)
+        if redis.call('INCR', KEYS[5 + i]) == 1 then
+          redis.call('PEXPIRE', KEYS[5 + i], w + grace + slack)
         end
       end
     elseif kind == 2 then
@@ -163,7 +182,8 @@ if shadow == 1 then decision = 0 end
 local parts = {}
 for i = 1, n do parts[i] = string.format('%d', counts[i]) end
 local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. late
-  .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. table.concat(parts, ',')
+  .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. distinct
+  .. '|' .. table.concat(parts, ',')
 if idem then
   redis.call('HSET', rec, id, encoded)
   redis.call('PEXPIRE', rec, dedup + slack)

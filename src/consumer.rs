@@ -581,6 +581,7 @@ fn degraded(e: &CallEvent, rules: &RuleSet, decision: Decision) -> Verdict {
             rules_version: rules.version().to_string(),
         },
         prev_ts_ms: None,
+        distinct_callees: None,
         duplicate: false,
     }
 }

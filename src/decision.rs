@@ -96,6 +96,10 @@ pub struct Verdict {
     /// The caller's latest event time before this event, if within retention
     /// (longest window + grace); the "time since previous call" feature.
     pub prev_ts_ms: Option<i64>,
+    /// Distinct callees of the caller over the longest window, this call's
+    /// included (`None` when the rule set does not keep the feature); see
+    /// the window contract in [`crate::window`].
+    pub distinct_callees: Option<u64>,
     /// This call_id was seen before: the record is the one it got then.
     pub duplicate: bool,
 }

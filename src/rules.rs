@@ -8,6 +8,7 @@
 //! count = "attempts"   # or "admitted"
 //! grace = "5s"         # allowed lateness
 //! shadow = false       # true: decide, report, but always allow
+//! distinct_callees = true  # false: skip the distinct-callees feature
 //! allow = ["+34910000000"]   # numbers or number prefixes
 //! deny  = ["+882"]
 //!
@@ -189,6 +190,8 @@ pub struct RuleSet {
     pub shadow: bool,
     /// Idempotency horizon as set (`dedup`); see [`RuleSet::dedup_ms`].
     dedup: Option<i64>,
+    /// Whether the distinct-callees feature is kept (`distinct_callees`).
+    callees: bool,
     version: String,
 }
 
@@ -201,6 +204,7 @@ struct RuleFile {
     #[serde(default)]
     shadow: bool,
     dedup: Option<String>,
+    distinct_callees: Option<bool>,
     #[serde(default)]
     allow: Vec<String>,
     #[serde(default)]
@@ -294,6 +298,7 @@ impl RuleSet {
             deny,
             shadow,
             dedup: None,
+            callees: true,
             version: String::new(),
         };
         set.version = set.compute_version();
@@ -327,10 +332,25 @@ impl RuleSet {
             file.deny,
             file.shadow,
         )?;
+        let set = set.with_distinct_callees(file.distinct_callees.unwrap_or(true));
         match file.dedup {
             Some(d) => set.with_dedup(parse_duration_ms(&d)?),
             None => Ok(set),
         }
+    }
+
+    /// A copy that keeps (or skips) the distinct-callees feature.
+    pub fn with_distinct_callees(&self, on: bool) -> Self {
+        let mut set = self.clone();
+        set.callees = on;
+        set.version = set.compute_version();
+        set
+    }
+
+    /// Whether the distinct-callees feature is kept: each caller's callees
+    /// over the longest window (one sorted set per caller in Redis).
+    pub fn tracks_callees(&self) -> bool {
+        self.callees
     }
 
     /// A copy with another idempotency horizon.
@@ -353,10 +373,12 @@ impl RuleSet {
             .max(self.retention_ms())
     }
 
-    fn keep_dedup(self, dedup: Option<i64>) -> Result<Self, RulesError> {
-        match dedup {
-            Some(d) => self.with_dedup(d),
-            None => Ok(self),
+    /// Carries the set-wide options that `new` does not take over from `from`.
+    fn keep_extras(self, from: &RuleSet) -> Result<Self, RulesError> {
+        let set = self.with_distinct_callees(from.callees);
+        match from.dedup {
+            Some(d) => set.with_dedup(d),
+            None => Ok(set),
         }
     }
 
@@ -391,7 +413,7 @@ impl RuleSet {
                     base.deny.clone(),
                     base.shadow,
                 )?
-                .keep_dedup(base.dedup)
+                .keep_extras(&base)
             }
             None if extra.is_empty() => Err(RulesError::Invalid(
                 "no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into(),
@@ -422,7 +444,7 @@ impl RuleSet {
             self.deny.clone(),
             shadow,
         )?
-        .keep_dedup(self.dedup)
+        .keep_extras(self)
     }
 
     /// A copy where rule `index` has another limit (used by `tune`).
@@ -437,7 +459,7 @@ impl RuleSet {
             self.deny.clone(),
             self.shadow,
         )?
-        .keep_dedup(self.dedup)
+        .keep_extras(self)
     }
 
     /// The version: the first 12 hex digits of the SHA-256 of the canonical form.
@@ -490,6 +512,14 @@ impl RuleSet {
             "shadow": self.shadow,
             "dedup_ms": self.dedup_ms(),
         });
+        // Added only when off, so versions of existing rule sets stay the same.
+        let canonical = match (self.callees, canonical) {
+            (false, serde_json::Value::Object(mut m)) => {
+                m.insert("distinct_callees".into(), false.into());
+                serde_json::Value::Object(m)
+            }
+            (_, c) => c,
+        };
         let digest = Sha256::digest(canonical.to_string().as_bytes());
         digest.iter().take(6).map(|b| format!("{b:02x}")).collect()
     }

@@ -25,8 +25,14 @@
 //!   exceeds its limit; shadow mode emits `allow` instead of `reject`.
 //! * Recording: every event under `attempts`; under `admitted` only events
 //!   whose decision (before shadow) is allow.
+//! * Distinct callees (a feature, when the rule set keeps it): each callee's
+//!   latest call time is kept for every non-duplicate call that names one,
+//!   whatever its decision, and trimmed at `H` like the rest. The feature is
+//!   the number of callees whose latest call time is after `t - Wmax`
+//!   (`Wmax` the longest window), this call's callee included. For calls in
+//!   time order that is the distinct callees in `(t - Wmax, t]`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::decision::{
     Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
@@ -57,6 +63,10 @@ pub struct CallerState {
     /// Idempotency index for trimming: (ts, insertion seq) → call id.
     seen_by_ts: BTreeMap<(i64, u64), String>,
     seq: u64,
+    /// Distinct callees: callee → latest event time of a call to it.
+    callees: HashMap<String, i64>,
+    /// The same pairs ordered by time, for trimming and counting.
+    callees_by_ts: BTreeSet<(i64, String)>,
 }
 
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
@@ -109,6 +119,14 @@ impl CallerState {
             self.fixed = vec![BTreeMap::new(); rules.rules.len()];
             self.approx = vec![Approx::default(); rules.rules.len()];
         }
+
+        let distinct_callees = rules.tracks_callees().then(|| {
+            if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
+                self.note_callee(callee, t);
+            }
+            let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
+            self.callees_by_ts.range((after, String::new())..).count() as u64
+        });
 
         let late = prev.is_some_and(|l| t < l - rules.grace_ms);
         let mut counts = Vec::with_capacity(rules.rules.len());
@@ -191,6 +209,7 @@ impl CallerState {
                 rules_version: rules.version().to_string(),
             },
             prev_ts_ms: prev,
+            distinct_callees,
             duplicate: false,
         };
         self.seq += 1;
@@ -226,6 +245,22 @@ impl CallerState {
         }
     }
 
+    /// Raises the callee's latest call time to `t` (never lowers it).
+    fn note_callee(&mut self, callee: &str, t: i64) {
+        match self.callees.get_mut(callee) {
+            Some(latest) if *latest >= t => {}
+            Some(latest) => {
+                self.callees_by_ts.remove(&(*latest, callee.to_string()));
+                *latest = t;
+                self.callees_by_ts.insert((t, callee.to_string()));
+            }
+            None => {
+                self.callees.insert(callee.to_string(), t);
+                self.callees_by_ts.insert((t, callee.to_string()));
+            }
+        }
+    }
+
     fn trim(&mut self, rules: &RuleSet, horizon: i64, dedup_horizon: i64, l_new: i64) {
         let cut = self.log.partition_point(|&x| x <= horizon);
         self.log.drain(..cut);
@@ -233,6 +268,15 @@ impl CallerState {
             if let Some(map) = self.fixed.get_mut(i) {
                 let w = rule.window_ms;
                 map.retain(|&b, _| (b + 1) * w + rules.grace_ms > l_new);
+            }
+        }
+        while self
+            .callees_by_ts
+            .first()
+            .is_some_and(|(ts, _)| *ts <= horizon)
+        {
+            if let Some((_, callee)) = self.callees_by_ts.pop_first() {
+                self.callees.remove(&callee);
             }
         }
         while let Some(entry) = self.seen_by_ts.first_entry() {

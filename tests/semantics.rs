@@ -94,6 +94,7 @@ fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), Te
             shadow: v.record.shadow,
             late: v.record.late,
             prev_ts_ms: v.prev_ts_ms,
+            distinct_callees: v.distinct_callees,
             duplicate: v.duplicate,
         };
         prop_assert_eq!(

@@ -298,11 +298,12 @@ impl RedisStore {
 
     fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(4 + rules.rules.len());
+        cmd.arg(&self.sha).arg(5 + rules.rules.len());
         cmd.arg(self.key(&ev.caller, "m"))
             .arg(self.key(&ev.caller, "l"))
             .arg(self.key(&ev.caller, "i"))
-            .arg(self.key(&ev.caller, "r"));
+            .arg(self.key(&ev.caller, "r"))
+            .arg(self.key(&ev.caller, "c"));
         for rule in &rules.rules {
             if rule.kind == WindowKind::Fixed {
                 let b = crate::window::bucket_of(ev.ts_ms, rule.window_ms);
@@ -331,6 +332,9 @@ impl RedisStore {
             .arg(u8::from(rules.has_sliding()))
             .arg(rules.dedup_ms())
             .arg(self.config.ttl_slack.as_millis() as u64)
+            .arg(u8::from(rules.tracks_callees()))
+            .arg(ev.callee.as_deref().unwrap_or(""))
+            .arg(rules.max_window_ms())
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())
@@ -457,6 +461,10 @@ fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdi
         "" => None,
         p => Some(p.parse().ok()?),
     };
+    let distinct_callees = match parts.next()? {
+        "" => None,
+        d => Some(d.parse().ok()?),
+    };
     let counts = parts
         .next()?
         .split(',')
@@ -477,6 +485,7 @@ fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdi
             rules_version,
         },
         prev_ts_ms,
+        distinct_callees,
         duplicate,
     })
 }

@@ -43,7 +43,9 @@ pub fn random_rules(rng: &mut StdRng) -> RuleSet {
     } else {
         vec![]
     };
-    let set = RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2)).unwrap();
+    let set = RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2))
+        .unwrap()
+        .with_distinct_callees(rng.random_bool(0.85));
     // Sometimes a short idempotency horizon, so old records are trimmed.
     match rng.random_range(0..3) {
         0 => set.with_dedup(1).unwrap(),
@@ -77,11 +79,17 @@ pub fn random_events(rng: &mut StdRng, n: usize, callers: usize) -> Vec<CallEven
             0
         };
         let caller = format!("+346000000{:02}", rng.random_range(0..callers));
+        // A few callees, so some repeat; sometimes none or an empty one.
+        let callee = match rng.random_range(0..10) {
+            0 => None,
+            1 => Some(String::new()),
+            k => Some(format!("+3491000000{k}")),
+        };
         out.push(CallEvent {
             call_id: format!("c{i}"),
             caller,
             ts_ms: t - jitter,
-            callee: None,
+            callee,
             duration_ms: None,
             label: None,
         });

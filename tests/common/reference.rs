@@ -17,12 +17,14 @@ pub struct Expected {
     pub shadow: bool,
     pub late: bool,
     pub prev_ts_ms: Option<i64>,
+    pub distinct_callees: Option<u64>,
     pub duplicate: bool,
 }
 
 struct Past {
     caller: String,
     call_id: String,
+    callee: Option<String>,
     ts: i64,
     recorded: bool,
     expected: Expected,
@@ -116,6 +118,27 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
                 None => (Decision::Allow, REASON_OK.to_string()),
             },
         };
+        let distinct_callees = rules.tracks_callees().then(|| {
+            // A callee's latest call time among this caller's decided calls;
+            // gone once at or below the horizon, then raised by this call.
+            let named = |c: &Option<String>| c.clone().filter(|c| !c.is_empty());
+            let mut latest: std::collections::HashMap<String, i64> = Default::default();
+            for p in &prior {
+                if let Some(c) = named(&p.callee) {
+                    let v = latest.entry(c).or_insert(p.ts);
+                    *v = (*v).max(p.ts);
+                }
+            }
+            latest.retain(|_, v| *v > h);
+            if let Some(c) = named(&e.callee) {
+                let v = latest.entry(c).or_insert(t);
+                *v = (*v).max(t);
+            }
+            latest
+                .values()
+                .filter(|&&v| v > t - rules.max_window_ms())
+                .count() as u64
+        });
         let shadow = rules.shadow && would == Decision::Reject;
         let expected = Expected {
             ts_ms: t,
@@ -125,12 +148,14 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
             shadow,
             late: prev.is_some_and(|l| t < l - rules.grace_ms),
             prev_ts_ms: prev,
+            distinct_callees,
             duplicate: false,
         };
         out.push(expected.clone());
         history.push(Past {
             caller: e.caller.clone(),
             call_id: e.call_id.clone(),
+            callee: e.callee.clone(),
             ts: t,
             recorded: rules.count == CountPolicy::Attempts || would == Decision::Allow,
             expected,
