@@ -109,6 +109,17 @@ fn polars_err(context: impl Into<String>) -> impl FnOnce(PolarsError) -> IoError
 
 /// Reads a whole file into a data frame of text columns.
 pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError> {
+    read_frame_columns(path, format, None)
+}
+
+/// Reads a file into a data frame of text columns; with `wanted`, only those
+/// of its columns that exist (the others are never materialised). Asterisk
+/// files are read whole: their columns are known by position.
+pub fn read_frame_columns(
+    path: &Path,
+    format: InputFormat,
+    wanted: Option<&[&str]>,
+) -> Result<DataFrame, IoError> {
     let ctx = format!("reading {}", path.display());
     if !path.exists() {
         return Err(IoError::Input(format!("{}: no such file", path.display())));
@@ -120,9 +131,17 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
                 context: ctx.clone(),
                 source,
             })?;
-            let df = ParquetReader::new(file)
-                .finish()
-                .map_err(polars_err(ctx.clone()))?;
+            let mut reader = ParquetReader::new(file);
+            if let Some(wanted) = wanted {
+                let schema = reader.schema().map_err(polars_err(ctx.clone()))?;
+                let present: Vec<String> = wanted
+                    .iter()
+                    .filter(|w| schema.contains(w))
+                    .map(|w| w.to_string())
+                    .collect();
+                reader = reader.with_columns(Some(present));
+            }
+            let df = reader.finish().map_err(polars_err(ctx.clone()))?;
             to_text_columns(df).map_err(polars_err(ctx))?
         }
         InputFormat::Asterisk => {
@@ -151,13 +170,37 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
             df.set_column_names(&names).map_err(polars_err(ctx))?;
             df
         }
-        _ => CsvReadOptions::default()
-            .with_has_header(true)
-            .with_infer_schema_length(Some(0))
-            .try_into_reader_with_file_path(Some(path.into()))
-            .map_err(polars_err(ctx.clone()))?
-            .finish()
-            .map_err(polars_err(ctx))?,
+        _ => {
+            let csv = || {
+                CsvReadOptions::default()
+                    .with_has_header(true)
+                    .with_infer_schema_length(Some(0))
+            };
+            let columns = match wanted {
+                Some(wanted) => {
+                    // The header alone tells which wanted columns exist.
+                    let header = csv()
+                        .with_n_rows(Some(0))
+                        .try_into_reader_with_file_path(Some(path.into()))
+                        .map_err(polars_err(ctx.clone()))?
+                        .finish()
+                        .map_err(polars_err(ctx.clone()))?;
+                    let present: Vec<PlSmallStr> = wanted
+                        .iter()
+                        .filter(|w| header.column(w).is_ok())
+                        .map(|w| (*w).into())
+                        .collect();
+                    Some(present.into())
+                }
+                None => None,
+            };
+            csv()
+                .with_columns(columns)
+                .try_into_reader_with_file_path(Some(path.into()))
+                .map_err(polars_err(ctx.clone()))?
+                .finish()
+                .map_err(polars_err(ctx))?
+        }
     };
     Ok(df)
 }
@@ -214,9 +257,10 @@ const TS_FIELD: usize = 2;
 
 /// Reads and decodes a call log.
 pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError> {
-    let df = read_frame(path, opts.format)?;
     let mut decoder = opts.decoder.clone();
     decoder.map = effective_map(opts.format, &opts.decoder.map);
+    let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
+    let df = read_frame_columns(path, opts.format, Some(&wanted))?;
     decode_frame(&df, &decoder, opts.timezone, opts.progress)
 }
 
@@ -302,6 +346,107 @@ pub fn decode_frame(
     Ok(log)
 }
 
+/// Rows decoded per chunk of an [`OrderedLog`].
+pub const CHUNK_ROWS: usize = 65_536;
+
+/// A call log in its processing order, decoded a chunk at a time.
+///
+/// Only the mapped columns are read, as Arrow text columns; the event times
+/// are parsed once to sort the row indices stably (ties keep file order, as
+/// [`CallLog::sort_by_time`]). Events exist only for the chunk being
+/// processed, so a log of millions of rows never becomes millions of
+/// objects.
+pub struct OrderedLog {
+    frame: DataFrame,
+    order: Vec<IdxSize>,
+    decoder: Decoder,
+    tz: Option<Tz>,
+}
+
+impl OrderedLog {
+    /// Reads `path` and computes the processing order.
+    pub fn open(path: &Path, opts: &ReadOptions) -> Result<Self, IoError> {
+        let mut decoder = opts.decoder.clone();
+        decoder.map = effective_map(opts.format, &opts.decoder.map);
+        let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
+        let frame = read_frame_columns(path, opts.format, Some(&wanted))?;
+        if frame.height() > IdxSize::MAX as usize {
+            return Err(IoError::Input(format!(
+                "{}: {} rows, more than this build's {} row limit",
+                path.display(),
+                frame.height(),
+                IdxSize::MAX
+            )));
+        }
+        // Checks the columns now, before any work.
+        decode_frame(&frame.head(Some(0)), &decoder, opts.timezone, false)?;
+        let ts_src = decoder.map.source("ts");
+        let ts_col = frame
+            .column(ts_src)
+            .and_then(|c| c.cast(&DataType::String))
+            .map_err(polars_err(format!("reading column `{ts_src}`")))?;
+        let ts_text = ts_col
+            .str()
+            .map_err(polars_err(format!("reading column `{ts_src}`")))?;
+        // Rows whose time does not parse are invalid; they go last.
+        let ts: Vec<i64> = ts_text
+            .iter()
+            .map(|raw| raw.and_then(|r| row_ts(r, opts.timezone)).unwrap_or(i64::MAX))
+            .collect();
+        let mut order: Vec<IdxSize> = (0..frame.height() as IdxSize).collect();
+        order.sort_by_key(|&i| ts[i as usize]);
+        Ok(OrderedLog {
+            frame,
+            order,
+            decoder,
+            tz: opts.timezone,
+        })
+    }
+
+    /// Rows in the file (valid or not).
+    pub fn rows(&self) -> usize {
+        self.order.len()
+    }
+
+    /// The log in processing order, `size` rows at a time. Row numbers are
+    /// the file's (1-based); invalid rows come with the chunk they sort into.
+    pub fn chunks(&self, size: usize) -> impl Iterator<Item = Result<CallLog, IoError>> + '_ {
+        self.order.chunks(size.max(1)).map(move |idx| {
+            let take = IdxCa::from_vec("row".into(), idx.to_vec());
+            let sub = self
+                .frame
+                .take(&take)
+                .map_err(polars_err("gathering a chunk of rows"))?;
+            let mut log = decode_frame(&sub, &self.decoder, self.tz, false)?;
+            let file_row = |r: u64| u64::from(idx[(r - 1) as usize]) + 1;
+            for (row, _) in &mut log.events {
+                *row = file_row(*row);
+            }
+            for bad in &mut log.invalid {
+                bad.row = file_row(bad.row);
+            }
+            Ok(log)
+        })
+    }
+
+    /// The whole log, decoded and in processing order (for small logs).
+    pub fn read_all(&self) -> Result<CallLog, IoError> {
+        let mut all = CallLog::default();
+        for chunk in self.chunks(CHUNK_ROWS) {
+            let chunk = chunk?;
+            all.events.extend(chunk.events);
+            all.invalid.extend(chunk.invalid);
+        }
+        all.invalid.sort_by_key(|r| r.row);
+        Ok(all)
+    }
+}
+
+/// A row's event time as the decoder reads it (naive local times first).
+fn row_ts(raw: &str, tz: Option<Tz>) -> Option<i64> {
+    naive_to_ms(raw, tz).or_else(|| crate::event::parse_ts(RawValue::Str(raw)).ok())
+}
+
 /// Parses `YYYY-MM-DD HH:MM:SS[.fff]` in a time zone (UTC if none).
 fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
     let raw = raw.trim();
@@ -377,6 +522,74 @@ pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
         }
     }
     Ok(())
+}
+
+/// Writes a table a batch at a time, as CSV or Parquet by the file extension
+/// (a Parquet row group per batch), so a large output is never one frame.
+pub struct TableWriter {
+    inner: TableSink,
+    context: String,
+    rows: u64,
+}
+
+enum TableSink {
+    Csv(polars::io::csv::write::BatchedWriter<File>),
+    Parquet(polars::io::parquet::write::BatchedWriter<File>),
+}
+
+impl TableWriter {
+    /// Creates `path` for tables of `schema`.
+    pub fn create(path: &Path, schema: &Schema) -> Result<Self, IoError> {
+        let context = format!("writing {}", path.display());
+        let file = File::create(path).map_err(|source| IoError::Io {
+            context: context.clone(),
+            source,
+        })?;
+        let inner = match TableFormat::from_path(path) {
+            TableFormat::Csv => TableSink::Csv(
+                CsvWriter::new(file)
+                    .include_header(true)
+                    .batched(schema)
+                    .map_err(polars_err(context.clone()))?,
+            ),
+            TableFormat::Parquet => TableSink::Parquet(
+                ParquetWriter::new(file)
+                    .with_compression(ParquetCompression::Zstd(None))
+                    .batched(schema)
+                    .map_err(polars_err(context.clone()))?,
+            ),
+        };
+        Ok(TableWriter {
+            inner,
+            context,
+            rows: 0,
+        })
+    }
+
+    /// Appends a batch (same schema as at creation).
+    pub fn write(&mut self, df: &mut DataFrame) -> Result<(), IoError> {
+        if df.height() == 0 {
+            return Ok(());
+        }
+        df.align_chunks();
+        match &mut self.inner {
+            TableSink::Csv(w) => w.write_batch(df),
+            TableSink::Parquet(w) => w.write_batch(df),
+        }
+        .map_err(polars_err(self.context.clone()))?;
+        self.rows += df.height() as u64;
+        Ok(())
+    }
+
+    /// Completes the file (header or footer); returns the rows written.
+    pub fn finish(mut self) -> Result<u64, IoError> {
+        match &mut self.inner {
+            TableSink::Csv(w) => w.finish(),
+            TableSink::Parquet(w) => w.finish().map(|_| ()),
+        }
+        .map_err(polars_err(self.context.clone()))?;
+        Ok(self.rows)
+    }
 }
 
 /// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file

@@ -131,3 +131,14 @@ pub enum IoError {
     #[error("{0}")]
     Input(String),
 }
+
+/// Failures of a replay over a call log: reading or writing, or the store.
+#[derive(Debug, Error)]
+pub enum ReplayError {
+    /// Reading the log or writing the output failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// The window store failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}

@@ -37,6 +37,7 @@ pub fn feature_json(v: &Verdict, event: &CallEvent, rules: &RuleSet) -> Value {
         );
     }
     m.insert("since_prev_ms".into(), json!(since_prev_ms(v)));
+    m.insert("distinct_callees".into(), json!(v.distinct_callees));
     m.insert("callee".into(), json!(event.callee));
     m.insert("duration_ms".into(), json!(event.duration_ms));
     m.insert("decision".into(), json!(r.decision.as_str()));
@@ -49,10 +50,10 @@ pub fn feature_json(v: &Verdict, event: &CallEvent, rules: &RuleSet) -> Value {
 
 /// The feature table of a decided call log: `call_id`, `caller`,
 /// `event_time` (timestamp, ms, UTC), `ts_ms`, `count_<rule>`...,
-/// `since_prev_ms`, `callee`, `duration_ms`, `decision`, `reason`, `late`,
+/// `since_prev_ms`, `distinct_callees`, `callee`, `duration_ms`, `decision`, `reason`, `late`,
 /// `label`, `rules_version`. Same values as the features topic.
 pub fn features_frame(
-    events: &[CallEvent],
+    events: &[(u64, CallEvent)],
     verdicts: &[Verdict],
     rules: &RuleSet,
 ) -> Result<polars::prelude::DataFrame, crate::error::IoError> {
@@ -84,12 +85,19 @@ pub fn features_frame(
         verdicts.iter().map(since_prev_ms).collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
+        "distinct_callees".into(),
+        verdicts
+            .iter()
+            .map(|v| v.distinct_callees)
+            .collect::<Vec<_>>(),
+    ));
+    cols.push(Column::new(
         "callee".into(),
-        events.iter().map(|e| e.callee.clone()).collect::<Vec<_>>(),
+        events.iter().map(|(_, e)| e.callee.clone()).collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
         "duration_ms".into(),
-        events.iter().map(|e| e.duration_ms).collect::<Vec<_>>(),
+        events.iter().map(|(_, e)| e.duration_ms).collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
         "decision".into(),
@@ -105,7 +113,7 @@ pub fn features_frame(
     ));
     cols.push(Column::new(
         "label".into(),
-        events.iter().map(|e| e.label).collect::<Vec<_>>(),
+        events.iter().map(|(_, e)| e.label).collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
         "rules_version".into(),

@@ -6,12 +6,12 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use callguard::calllog::{read_call_log, write_frame, write_invalid};
+use callguard::calllog::{read_call_log, write_frame, write_invalid, OrderedLog, TableWriter};
 use callguard::cli::{
     Cli, Command, ConsumeArgs, DemoArgs, FeaturesArgs, LogFormat, ProduceArgs, ReplayArgs,
     StoreKind, TuneArgs,
 };
-use callguard::replay::{self, ReplaySummary};
+use callguard::replay;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::RedisStore;
 use callguard::store::AnyStore;
@@ -96,16 +96,17 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     let progress = std::io::stderr().is_terminal();
     let rules = args.rules.rule_set()?;
     let read = args.input.read_options(progress)?;
-    let mut log = read_call_log(&args.input.input, &read)?;
-    log.sort_by_time();
+    let log = OrderedLog::open(&args.input.input, &read)?;
     let mut store = open_store(&args.store, false).await?;
-    let verdicts = replay::run(&log, &rules, &mut store, progress).await?;
-    let mut df = replay::records_frame(&verdicts, &rules)?;
-    if let Some(dir) = args.output.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    write_frame(&args.output, &mut df)?;
-    let summary = ReplaySummary::new(&verdicts, log.invalid.len());
+    create_parent(&args.output)?;
+    let schema = replay::records_frame(&[], &rules)?.schema().as_ref().clone();
+    let mut out = TableWriter::create(&args.output, &schema)?;
+    let done = replay::run_ordered(&log, &rules, &mut store, progress, |_, verdicts| {
+        out.write(&mut replay::records_frame(verdicts, &rules)?)
+    })
+    .await?;
+    out.finish()?;
+    let summary = &done.summary;
     println!(
         "rules            {} (version {})",
         rules
@@ -118,11 +119,19 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     );
     println!("{summary}");
     println!("decisions        {}", args.output.display());
-    if let Some(path) = write_invalid(&args.output, &log.invalid)? {
-        for bad in log.invalid.iter().take(5) {
+    if let Some(path) = write_invalid(&args.output, &done.invalid)? {
+        for bad in done.invalid.iter().take(5) {
             tracing::warn!(row = bad.row, error = %bad.error, "invalid row");
         }
         println!("invalid rows at  {}", path.display());
+    }
+    Ok(())
+}
+
+/// Creates the parent directory of an output file.
+fn create_parent(output: &std::path::Path) -> Result<()> {
+    if let Some(dir) = output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
     Ok(())
 }
@@ -359,25 +368,29 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
 async fn features_cmd(args: FeaturesArgs) -> Result<()> {
     let progress = std::io::stderr().is_terminal();
     let rules = args.rules.rule_set()?;
-    let mut log = read_call_log(&args.input.input, &args.input.read_options(progress)?)?;
-    log.sort_by_time();
-    let verdicts = replay::run(&log, &rules, &mut MemoryStore::new(), progress).await?;
-    let events: Vec<_> = log.events.iter().map(|(_, e)| e.clone()).collect();
-    let mut df = callguard::features::features_frame(&events, &verdicts, &rules)?;
-    if let Some(dir) = args.output.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    write_frame(&args.output, &mut df)?;
-    println!(
-        "features         {} rows to {}",
-        df.height(),
-        args.output.display()
-    );
-    if let Some(path) = write_invalid(&args.output, &log.invalid)? {
+    let log = OrderedLog::open(&args.input.input, &args.input.read_options(progress)?)?;
+    create_parent(&args.output)?;
+    let schema = callguard::features::features_frame(&[], &[], &rules)?
+        .schema()
+        .as_ref()
+        .clone();
+    let mut out = TableWriter::create(&args.output, &schema)?;
+    let mut store = MemoryStore::new();
+    let done = replay::run_ordered(&log, &rules, &mut store, progress, |chunk, verdicts| {
+        out.write(&mut callguard::features::features_frame(
+            &chunk.events,
+            verdicts,
+            &rules,
+        )?)
+    })
+    .await?;
+    let rows = out.finish()?;
+    println!("features         {rows} rows to {}", args.output.display());
+    if let Some(path) = write_invalid(&args.output, &done.invalid)? {
         println!(
             "invalid rows at  {} ({})",
             path.display(),
-            log.invalid.len()
+            done.invalid.len()
         );
     }
     Ok(())

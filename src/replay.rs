@@ -9,9 +9,9 @@ use std::fmt;
 
 use polars::prelude::*;
 
-use crate::calllog::{progress_bar, CallLog};
+use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
 use crate::decision::{Decision, Verdict};
-use crate::error::{IoError, StoreError};
+use crate::error::{IoError, ReplayError, StoreError};
 use crate::rules::RuleSet;
 use crate::store::WindowStore;
 
@@ -41,24 +41,67 @@ impl ReplaySummary {
     /// Summarises verdicts.
     pub fn new(verdicts: &[Verdict], invalid: usize) -> Self {
         let mut s = ReplaySummary {
-            events: verdicts.len() as u64,
             invalid: invalid as u64,
             ..Default::default()
         };
         let mut callers = HashSet::new();
         for v in verdicts {
-            let r = &v.record;
-            s.rejected += u64::from(r.decision == Decision::Reject);
-            s.would_reject += u64::from(r.shadow);
-            s.duplicates += u64::from(v.duplicate);
-            s.late += u64::from(r.late);
-            if r.would_reject() {
-                callers.insert(r.caller.as_str());
-            }
+            s.add(v, &mut callers);
         }
-        s.rejected_callers = callers.len() as u64;
         s
     }
+
+    /// Counts one more verdict; `callers` holds the rejected callers so far.
+    pub fn add(&mut self, v: &Verdict, callers: &mut HashSet<String>) {
+        let r = &v.record;
+        self.events += 1;
+        self.rejected += u64::from(r.decision == Decision::Reject);
+        self.would_reject += u64::from(r.shadow);
+        self.duplicates += u64::from(v.duplicate);
+        self.late += u64::from(r.late);
+        if r.would_reject() && !callers.contains(&r.caller) {
+            callers.insert(r.caller.clone());
+        }
+        self.rejected_callers = callers.len() as u64;
+    }
+}
+
+/// What a streamed replay leaves besides its output.
+#[derive(Debug, Default)]
+pub struct Streamed {
+    /// The summary of all verdicts.
+    pub summary: ReplaySummary,
+    /// Invalid rows, by row number.
+    pub invalid: Vec<InvalidRow>,
+}
+
+/// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
+/// each chunk (time-sorted events) with its verdicts, in order. Memory holds
+/// the raw columns, the store's state and one chunk.
+pub async fn run_ordered<S: WindowStore>(
+    log: &OrderedLog,
+    rules: &RuleSet,
+    store: &mut S,
+    progress: bool,
+    mut sink: impl FnMut(&CallLog, &[Verdict]) -> Result<(), IoError>,
+) -> Result<Streamed, ReplayError> {
+    let bar = progress_bar(log.rows() as u64, progress, "replaying");
+    let mut out = Streamed::default();
+    let mut callers = HashSet::new();
+    for chunk in log.chunks(CHUNK_ROWS) {
+        let mut chunk = chunk?;
+        let verdicts = run(&chunk, rules, store, false).await?;
+        for v in &verdicts {
+            out.summary.add(v, &mut callers);
+        }
+        sink(&chunk, &verdicts)?;
+        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        out.invalid.append(&mut chunk.invalid);
+    }
+    bar.finish_and_clear();
+    out.invalid.sort_by_key(|r| r.row);
+    out.summary.invalid = out.invalid.len() as u64;
+    Ok(out)
 }
 
 impl fmt::Display for ReplaySummary {

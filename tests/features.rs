@@ -17,8 +17,7 @@ async fn frame_for(log: &callguard::calllog::CallLog, rules: &RuleSet) -> DataFr
     let verdicts = callguard::replay::run(log, rules, &mut MemoryStore::new(), false)
         .await
         .unwrap();
-    let events: Vec<_> = log.events.iter().map(|(_, e)| e.clone()).collect();
-    features_frame(&events, &verdicts, rules).unwrap()
+    features_frame(&log.events, &verdicts, rules).unwrap()
 }
 
 #[tokio::test]

@@ -156,3 +156,61 @@ fn clear_errors_for_bad_inputs() {
     ]);
     assert!(String::from_utf8_lossy(&o.stderr).contains("limit must be at least 1"));
 }
+
+/// The chunked, time-ordered reader yields exactly the whole sorted log:
+/// same events in the same order (ties in file order), same row numbers,
+/// same invalid rows, whatever the chunk size.
+#[test]
+fn ordered_chunks_equal_the_sorted_log() {
+    use callguard::calllog::{read_call_log, OrderedLog, ReadOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    // Out of order, ties, an unparseable time, a bad caller, an unused column.
+    std::fs::write(
+        &path,
+        "note,call_id,caller,ts,callee\n\
+         x,a,+34600000001,2025-12-01T10:00:05Z,+34910000001\n\
+         x,b,+34600000002,2025-12-01T10:00:01Z,\n\
+         x,c,+34600000001,not-a-time,+34910000002\n\
+         x,d,+34600000003,2025-12-01T10:00:01Z,+34910000003\n\
+         x,e,12,2025-12-01T10:00:00Z,+34910000004\n\
+         x,f,+34600000001,1764583200000,+34910000005\n",
+    )
+    .unwrap();
+    for file in [path.as_path(), std::path::Path::new("data/calls.csv")] {
+        let opts = ReadOptions::default();
+        let mut whole = read_call_log(file, &opts).unwrap();
+        whole.sort_by_time();
+        let ordered = OrderedLog::open(file, &opts).unwrap();
+        assert_eq!(
+            ordered.rows(),
+            whole.events.len() + whole.invalid.len(),
+            "{}",
+            file.display()
+        );
+        for size in [1, 2, 7, 4096] {
+            let mut events = Vec::new();
+            let mut invalid = Vec::new();
+            for chunk in ordered.chunks(size) {
+                let chunk = chunk.unwrap();
+                events.extend(chunk.events);
+                invalid.extend(chunk.invalid);
+            }
+            invalid.sort_by_key(|r| r.row);
+            assert_eq!(events, whole.events, "{} chunk {size}", file.display());
+            assert_eq!(invalid, whole.invalid, "{} chunk {size}", file.display());
+        }
+    }
+    let small = OrderedLog::open(&path, &ReadOptions::default())
+        .unwrap()
+        .read_all()
+        .unwrap();
+    let ids: Vec<&str> = small
+        .events
+        .iter()
+        .map(|(_, e)| e.call_id.as_str())
+        .collect();
+    assert_eq!(ids, ["f", "b", "d", "a"]);
+    let bad: Vec<u64> = small.invalid.iter().map(|r| r.row).collect();
+    assert_eq!(bad, [3, 5]);
+}
