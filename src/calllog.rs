@@ -391,7 +391,10 @@ impl OrderedLog {
         // Rows whose time does not parse are invalid; they go last.
         let ts: Vec<i64> = ts_text
             .iter()
-            .map(|raw| raw.and_then(|r| row_ts(r, opts.timezone)).unwrap_or(i64::MAX))
+            .map(|raw| {
+                raw.and_then(|r| row_ts(r, opts.timezone))
+                    .unwrap_or(i64::MAX)
+            })
             .collect();
         let mut order: Vec<IdxSize> = (0..frame.height() as IdxSize).collect();
         order.sort_by_key(|&i| ts[i as usize]);

@@ -93,11 +93,17 @@ pub fn features_frame(
     ));
     cols.push(Column::new(
         "callee".into(),
-        events.iter().map(|(_, e)| e.callee.clone()).collect::<Vec<_>>(),
+        events
+            .iter()
+            .map(|(_, e)| e.callee.clone())
+            .collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
         "duration_ms".into(),
-        events.iter().map(|(_, e)| e.duration_ms).collect::<Vec<_>>(),
+        events
+            .iter()
+            .map(|(_, e)| e.duration_ms)
+            .collect::<Vec<_>>(),
     ));
     cols.push(Column::new(
         "decision".into(),

@@ -99,7 +99,10 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     let log = OrderedLog::open(&args.input.input, &read)?;
     let mut store = open_store(&args.store, false).await?;
     create_parent(&args.output)?;
-    let schema = replay::records_frame(&[], &rules)?.schema().as_ref().clone();
+    let schema = replay::records_frame(&[], &rules)?
+        .schema()
+        .as_ref()
+        .clone();
     let mut out = TableWriter::create(&args.output, &schema)?;
     let done = replay::run_ordered(&log, &rules, &mut store, progress, |_, verdicts| {
         out.write(&mut replay::records_frame(verdicts, &rules)?)
@@ -295,7 +298,7 @@ async fn demo_cmd(args: DemoArgs) -> Result<()> {
 fn tune_cmd(args: TuneArgs) -> Result<()> {
     use callguard::cli::{parse_limits, CountArg};
     use callguard::rules::{CountPolicy, RuleSet};
-    use callguard::tune::{sweep, Target};
+    use callguard::tune::Target;
 
     let limits = parse_limits(&args.limits)?;
     let max_n = limits.last().copied().unwrap_or(1);
@@ -331,15 +334,15 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
     if let Some(col) = &args.label_column {
         input.map.push(format!("label={col}"));
     }
-    let mut log = read_call_log(&input.input, &input.read_options(progress)?)?;
-    log.sort_by_time();
+    let log = OrderedLog::open(&input.input, &input.read_options(progress)?)?;
     let target = match args.quantile {
         Some(q) if (0.0..=1.0).contains(&q) => Target::Quantile(q),
         Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
         None => Target::MaxFalseReject(args.max_false_reject),
     };
     let started = std::time::Instant::now();
-    let result = sweep(&log, &rules, index, &limits, target)?;
+    let (result, invalid) =
+        callguard::tune::sweep_ordered(&log, &rules, index, &limits, target, progress)?;
     tracing::info!(
         passes = result.passes,
         seconds = started.elapsed().as_secs_f64(),
@@ -357,8 +360,8 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
     }
     println!(
         "{} events, {} invalid rows, {} replay pass(es)",
-        log.events.len(),
-        log.invalid.len(),
+        log.rows() - invalid.len(),
+        invalid.len(),
         result.passes
     );
     println!("recommendation: {}", result.explanation);

@@ -9,13 +9,16 @@
 //! so counts do not depend on N: one replay gives every call's count, and a
 //! call is rejected under N exactly when its count exceeds N. The whole sweep
 //! is then histograms and prefix sums. Under `admitted`, decisions feed back
-//! into the counts, so each N is replayed, spread over threads.
+//! into the counts, so each N is replayed too, spread over threads. Input
+//! arrives a chunk at a time ([`Sweeper`]): memory holds per-caller tallies
+//! and window state, not the log.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use crate::calllog::CallLog;
+use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
 use crate::decision::Verdict;
-use crate::error::RulesError;
+use crate::error::{IoError, RulesError};
+use crate::event::CallEvent;
 use crate::rules::{CountPolicy, Listed, RuleSet};
 use crate::store::memory::MemoryStore;
 
@@ -72,15 +75,270 @@ pub enum Target {
     Quantile(f64),
 }
 
-/// Per-event facts the sweep needs, from one replay.
-struct Fact<'a> {
-    caller: &'a str,
-    fraud: Option<bool>,
-    count: u64,
-    /// Rejected whatever N is (denylist, or another rule).
+/// What the sweep keeps per caller.
+#[derive(Debug, Clone, Copy, Default)]
+struct CallerTally {
+    /// Any of its calls is labelled fraud.
+    fraud: bool,
+    /// Largest count of the swept rule among calls N can reject (`attempts`).
+    peak_n: u64,
+    /// A call is rejected whatever N is (`attempts`).
     always: bool,
-    /// Never rejected (allowlist).
-    never: bool,
+    /// Largest count of the swept rule over all its calls (under the rule set as given).
+    peak: u64,
+}
+
+/// One replay with one limit (the `admitted` path).
+struct Replayed {
+    rules: RuleSet,
+    store: MemoryStore,
+    rejected: u64,
+    fraud_rejected: u64,
+    legit_rejected: u64,
+    callers: HashSet<String>,
+}
+
+impl Replayed {
+    fn feed(&mut self, events: &[(u64, CallEvent)]) {
+        for (_, e) in events {
+            if self.store.apply(&self.rules, e).record.would_reject() {
+                self.rejected += 1;
+                self.fraud_rejected += u64::from(e.label == Some(true));
+                self.legit_rejected += u64::from(e.label == Some(false));
+                if !self.callers.contains(&e.caller) {
+                    self.callers.insert(e.caller.clone());
+                }
+            }
+        }
+    }
+}
+
+/// A sweep fed time-sorted events a chunk at a time: memory holds per-caller
+/// tallies and window state, never the log.
+///
+/// One replay under the rule set as given always runs: under `attempts` it
+/// is the whole sweep (histograms of counts, then suffix sums); it also
+/// gives the per-caller peaks for [`Target::Quantile`]. Under `admitted`
+/// each limit is replayed as well, spread over threads chunk by chunk.
+pub struct Sweeper {
+    rules: RuleSet,
+    index: usize,
+    limits: Vec<u64>,
+    target: Target,
+    base: MemoryStore,
+    total: u64,
+    labelled: bool,
+    fraud_total: u64,
+    legit_total: u64,
+    callers: HashMap<String, CallerTally>,
+    /// `attempts`: calls[k] = [legit, fraud] calls of count k (capped) that N can reject.
+    calls: Vec<[u64; 2]>,
+    /// `attempts`: [legit, fraud] calls rejected whatever N is.
+    always: [u64; 2],
+    replayed: Vec<Replayed>,
+}
+
+impl Sweeper {
+    /// A sweep of rule `index` over `limits` (ascending, distinct).
+    pub fn new(
+        rules: &RuleSet,
+        index: usize,
+        limits: &[u64],
+        target: Target,
+    ) -> Result<Self, RulesError> {
+        if index >= rules.rules.len() {
+            return Err(RulesError::Invalid(format!(
+                "no rule #{index} in a set of {}",
+                rules.rules.len()
+            )));
+        }
+        let replayed = if rules.count == CountPolicy::Admitted {
+            limits
+                .iter()
+                .map(|&n| {
+                    Ok(Replayed {
+                        rules: rules.with_limit(index, n)?,
+                        store: MemoryStore::new(),
+                        rejected: 0,
+                        fraud_rejected: 0,
+                        legit_rejected: 0,
+                        callers: HashSet::new(),
+                    })
+                })
+                .collect::<Result<Vec<_>, RulesError>>()?
+        } else {
+            Vec::new()
+        };
+        let cap = limits.iter().copied().max().unwrap_or(0) as usize + 1;
+        Ok(Sweeper {
+            rules: rules.clone(),
+            index,
+            limits: limits.to_vec(),
+            target,
+            base: MemoryStore::new(),
+            total: 0,
+            labelled: true,
+            fraud_total: 0,
+            legit_total: 0,
+            callers: HashMap::new(),
+            calls: vec![[0; 2]; cap + 1],
+            always: [0; 2],
+            replayed,
+        })
+    }
+
+    /// Feeds the next time-sorted events.
+    pub fn feed(&mut self, events: &[(u64, CallEvent)]) {
+        let attempts = self.rules.count == CountPolicy::Attempts;
+        let cap = self.calls.len() - 1;
+        for (_, e) in events {
+            self.total += 1;
+            self.labelled &= e.label.is_some();
+            self.fraud_total += u64::from(e.label == Some(true));
+            self.legit_total += u64::from(e.label == Some(false));
+            let v = self.base.apply(&self.rules, e);
+            let count = v.record.counts.get(self.index).copied().unwrap_or(0);
+            let tally = match self.callers.get_mut(&e.caller) {
+                Some(t) => t,
+                None => self.callers.entry(e.caller.clone()).or_default(),
+            };
+            tally.fraud |= e.label == Some(true);
+            tally.peak = tally.peak.max(count);
+            if !attempts {
+                continue;
+            }
+            let fraud = usize::from(e.label == Some(true));
+            let listed = self.rules.listed(&e.caller);
+            let others = self.rules.rules.iter().enumerate().any(|(i, r)| {
+                i != self.index && v.record.counts.get(i).is_some_and(|&c| c > r.limit)
+            });
+            if listed == Listed::Allow {
+                continue;
+            }
+            if listed == Listed::Deny || others {
+                self.always[fraud] += 1;
+                tally.always = true;
+            } else {
+                self.calls[(count as usize).min(cap)][fraud] += 1;
+                tally.peak_n = tally.peak_n.max(count);
+            }
+        }
+        if self.replayed.is_empty() {
+            return;
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get())
+            .min(self.replayed.len());
+        let group = self.replayed.len().div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|s| {
+            for part in self.replayed.chunks_mut(group) {
+                s.spawn(move || part.iter_mut().for_each(|r| r.feed(events)));
+            }
+        });
+    }
+
+    /// Replays the sweep needed: 1 under `attempts`, one per limit plus the
+    /// rule set as given under `admitted`.
+    pub fn passes(&self) -> usize {
+        1 + self.replayed.len()
+    }
+
+    /// The sweep table and its recommendation.
+    pub fn finish(self) -> Sweep {
+        let labelled = self.labelled && self.total > 0;
+        let rows = if self.replayed.is_empty() {
+            self.rows_from_histograms(labelled)
+        } else {
+            self.replayed
+                .iter()
+                .zip(&self.limits)
+                .map(|(r, &limit)| {
+                    let legit_callers = r
+                        .callers
+                        .iter()
+                        .filter(|c| !self.callers.get(*c).is_some_and(|t| t.fraud))
+                        .count() as u64;
+                    finish_row(
+                        limit,
+                        self.total,
+                        r.rejected,
+                        r.callers.len() as u64,
+                        labelled,
+                        (
+                            r.fraud_rejected,
+                            r.legit_rejected,
+                            self.fraud_total,
+                            self.legit_total,
+                            legit_callers,
+                            r.callers.len() as u64 - legit_callers,
+                        ),
+                    )
+                })
+                .collect()
+        };
+        let peaks: Vec<u64> = self.callers.values().map(|t| t.peak).collect();
+        let (recommended, explanation) =
+            recommend(&self.rules, self.index, &rows, labelled, self.target, peaks);
+        Sweep {
+            rule: self.rules.rules[self.index].name.clone(),
+            rows,
+            labelled,
+            recommended,
+            explanation,
+            passes: self.passes(),
+        }
+    }
+
+    /// The one-pass rows: a call is rejected under N exactly when its count
+    /// exceeds N, a caller when its peak does.
+    fn rows_from_histograms(&self, labelled: bool) -> Vec<SweepRow> {
+        let cap = self.calls.len() - 1;
+        let mut callers = vec![[0u64; 2]; cap + 1];
+        let mut callers_always = [0u64; 2];
+        for t in self.callers.values() {
+            let fraud = usize::from(t.fraud);
+            if t.always {
+                callers_always[fraud] += 1;
+            } else if t.peak_n > 0 {
+                callers[(t.peak_n as usize).min(cap)][fraud] += 1;
+            }
+        }
+        // Suffix sums: above[n] = items with count > n.
+        let suffix = |h: &Vec<[u64; 2]>| {
+            let mut above = vec![[0u64; 2]; cap + 2];
+            for k in (0..=cap).rev() {
+                above[k] = [above[k + 1][0] + h[k][0], above[k + 1][1] + h[k][1]];
+            }
+            above
+        };
+        let calls_above = suffix(&self.calls);
+        let callers_above = suffix(&callers);
+        self.limits
+            .iter()
+            .map(|&n| {
+                let k = (n as usize + 1).min(cap + 1);
+                let c = calls_above[k];
+                let r = callers_above[k];
+                let legit_rej = c[0] + self.always[0];
+                let fraud_rej = c[1] + self.always[1];
+                finish_row(
+                    n,
+                    self.total,
+                    legit_rej + fraud_rej,
+                    r[0] + r[1] + callers_always[0] + callers_always[1],
+                    labelled,
+                    (
+                        fraud_rej,
+                        legit_rej,
+                        self.fraud_total,
+                        self.legit_total,
+                        r[0] + callers_always[0],
+                        r[1] + callers_always[1],
+                    ),
+                )
+            })
+            .collect()
+    }
 }
 
 fn caller_labels(log: &CallLog) -> (bool, HashMap<&str, bool>) {
@@ -93,7 +351,8 @@ fn caller_labels(log: &CallLog) -> (bool, HashMap<&str, bool>) {
     (labelled, fraud_caller)
 }
 
-/// Sweeps rule `index` over `limits` (ascending, distinct).
+/// Sweeps rule `index` over `limits` (ascending, distinct) on a decoded,
+/// time-sorted log.
 pub fn sweep(
     log: &CallLog,
     rules: &RuleSet,
@@ -101,87 +360,43 @@ pub fn sweep(
     limits: &[u64],
     target: Target,
 ) -> Result<Sweep, RulesError> {
-    let (labelled, fraud_caller) = caller_labels(log);
-    let rows;
-    let passes;
-    if rules.count == CountPolicy::Attempts {
-        passes = 1;
-        let verdicts = replay(log, rules);
-        let facts: Vec<Fact> = log
-            .events
-            .iter()
-            .zip(&verdicts)
-            .map(|((_, e), v)| {
-                let listed = rules.listed(&e.caller);
-                let others = rules.rules.iter().enumerate().any(|(i, r)| {
-                    i != index && v.record.counts.get(i).is_some_and(|&c| c > r.limit)
-                });
-                Fact {
-                    caller: e.caller.as_str(),
-                    fraud: e.label,
-                    count: v.record.counts.get(index).copied().unwrap_or(0),
-                    always: listed == Listed::Deny || (listed == Listed::No && others),
-                    never: listed == Listed::Allow,
-                }
-            })
-            .collect();
-        rows = rows_from_facts(&facts, limits, labelled, &fraud_caller);
-    } else {
-        passes = limits.len();
-        let sets = limits
-            .iter()
-            .map(|&n| rules.with_limit(index, n))
-            .collect::<Result<Vec<_>, _>>()?;
-        let threads = std::thread::available_parallelism()
-            .map_or(2, |n| n.get())
-            .min(sets.len().max(1));
-        let chunk = sets.len().div_ceil(threads.max(1)).max(1);
-        let mut per_set: Vec<(usize, SweepRow)> = Vec::new();
-        std::thread::scope(|s| {
-            let handles: Vec<_> = sets
-                .chunks(chunk)
-                .enumerate()
-                .map(|(ci, group)| {
-                    let fraud_caller = &fraud_caller;
-                    s.spawn(move || {
-                        group
-                            .iter()
-                            .enumerate()
-                            .map(|(j, set)| {
-                                let v = replay(log, set);
-                                (
-                                    ci * chunk + j,
-                                    row_from_verdicts(
-                                        log,
-                                        &v,
-                                        set.rules[index].limit,
-                                        labelled,
-                                        fraud_caller,
-                                    ),
-                                )
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            for h in handles {
-                if let Ok(r) = h.join() {
-                    per_set.extend(r);
-                }
-            }
-        });
-        per_set.sort_by_key(|(i, _)| *i);
-        rows = per_set.into_iter().map(|(_, r)| r).collect();
+    let mut sweeper = Sweeper::new(rules, index, limits, target)?;
+    sweeper.feed(&log.events);
+    Ok(sweeper.finish())
+}
+
+/// Sweeps an [`OrderedLog`] chunk by chunk; also returns its invalid rows.
+pub fn sweep_ordered(
+    log: &OrderedLog,
+    rules: &RuleSet,
+    index: usize,
+    limits: &[u64],
+    target: Target,
+    progress: bool,
+) -> Result<(Sweep, Vec<InvalidRow>), TuneError> {
+    let mut sweeper = Sweeper::new(rules, index, limits, target)?;
+    let bar = progress_bar(log.rows() as u64, progress, "sweeping");
+    let mut invalid = Vec::new();
+    for chunk in log.chunks(CHUNK_ROWS) {
+        let mut chunk = chunk?;
+        sweeper.feed(&chunk.events);
+        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        invalid.append(&mut chunk.invalid);
     }
-    let (recommended, explanation) = recommend(log, rules, index, &rows, labelled, target);
-    Ok(Sweep {
-        rule: rules.rules[index].name.clone(),
-        rows,
-        labelled,
-        recommended,
-        explanation,
-        passes,
-    })
+    bar.finish_and_clear();
+    invalid.sort_by_key(|r| r.row);
+    Ok((sweeper.finish(), invalid))
+}
+
+/// Failures of a sweep over a file.
+#[derive(Debug, thiserror::Error)]
+pub enum TuneError {
+    /// The rule set cannot take a limit.
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+    /// Reading the log failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
 }
 
 fn replay(log: &CallLog, rules: &RuleSet) -> Vec<Verdict> {
@@ -237,86 +452,6 @@ fn finish_row(
         legit_callers_rejected: l(legit_callers),
         fraud_callers_caught: l(fraud_callers),
     }
-}
-
-/// The one-pass sweep: histograms over counts, then suffix sums.
-fn rows_from_facts(
-    facts: &[Fact],
-    limits: &[u64],
-    labelled: bool,
-    fraud_caller: &HashMap<&str, bool>,
-) -> Vec<SweepRow> {
-    let max_limit = limits.iter().copied().max().unwrap_or(0) as usize;
-    // calls[k] = calls rejected exactly for N < k (count k, capped at max+1); index 0 unused.
-    let cap = max_limit + 1;
-    let mut calls = vec![[0u64; 2]; cap + 1]; // [legit, fraud]
-    let mut always = [0u64; 2];
-    let (mut fraud_total, mut legit_total) = (0u64, 0u64);
-    // Per caller: the largest count among calls that N can reject, or "always".
-    let mut peak: HashMap<&str, (u64, bool)> = HashMap::new();
-    for f in facts {
-        let fraud = usize::from(f.fraud == Some(true));
-        fraud_total += u64::from(f.fraud == Some(true));
-        legit_total += u64::from(f.fraud == Some(false));
-        let p = peak.entry(f.caller).or_insert((0, false));
-        if f.never {
-            continue;
-        }
-        if f.always {
-            always[fraud] += 1;
-            p.1 = true;
-        } else {
-            calls[(f.count as usize).min(cap)][fraud] += 1;
-            p.0 = p.0.max(f.count);
-        }
-    }
-    // Callers: rejected under N when always, or peak > N.
-    let mut callers = vec![[0u64; 2]; cap + 1];
-    let mut callers_always = [0u64; 2];
-    for (c, (pk, alw)) in &peak {
-        let fraud = usize::from(fraud_caller.get(c).copied().unwrap_or(false));
-        if *alw {
-            callers_always[fraud] += 1;
-        } else if *pk > 0 {
-            callers[(*pk as usize).min(cap)][fraud] += 1;
-        }
-    }
-    // Suffix sums: above[n] = items with count > n.
-    let suffix = |h: &Vec<[u64; 2]>| {
-        let mut above = vec![[0u64; 2]; cap + 2];
-        for k in (0..=cap).rev() {
-            above[k] = [above[k + 1][0] + h[k][0], above[k + 1][1] + h[k][1]];
-        }
-        above
-    };
-    let calls_above = suffix(&calls);
-    let callers_above = suffix(&callers);
-    let total = facts.len() as u64;
-    limits
-        .iter()
-        .map(|&n| {
-            let k = (n as usize + 1).min(cap + 1);
-            let c = calls_above[k];
-            let r = callers_above[k];
-            let legit_rej = c[0] + always[0];
-            let fraud_rej = c[1] + always[1];
-            finish_row(
-                n,
-                total,
-                legit_rej + fraud_rej,
-                r[0] + r[1] + callers_always[0] + callers_always[1],
-                labelled,
-                (
-                    fraud_rej,
-                    legit_rej,
-                    fraud_total,
-                    legit_total,
-                    r[0] + callers_always[0],
-                    r[1] + callers_always[1],
-                ),
-            )
-        })
-        .collect()
 }
 
 /// A sweep row from a full replay with that N (the `admitted` path, and the tests' reference).
@@ -381,12 +516,12 @@ pub fn row_by_replay(
 }
 
 fn recommend(
-    log: &CallLog,
     rules: &RuleSet,
     index: usize,
     rows: &[SweepRow],
     labelled: bool,
     target: Target,
+    mut peaks: Vec<u64>,
 ) -> (Option<u64>, String) {
     match target {
         Target::MaxFalseReject(max) if labelled => {
@@ -411,14 +546,8 @@ fn recommend(
                 Target::MaxFalseReject(_) => 0.999,
             };
             // Per-caller peak count of the swept rule (no labels needed).
-            let verdicts = replay(log, rules);
-            let mut peaks: HashMap<&str, u64> = HashMap::new();
-            for ((_, e), v) in log.events.iter().zip(&verdicts) {
-                let p = peaks.entry(e.caller.as_str()).or_insert(0);
-                *p = (*p).max(v.record.counts.get(index).copied().unwrap_or(0));
-            }
-            let mut sorted: Vec<u64> = peaks.into_values().collect();
-            sorted.sort_unstable();
+            peaks.sort_unstable();
+            let sorted = peaks;
             if sorted.is_empty() {
                 return (None, "no calls: nothing to recommend".into());
             }

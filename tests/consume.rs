@@ -26,6 +26,8 @@ const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dl
 /// A generated call log on disk, its time-sorted events and the replay's records.
 struct Sample {
     _dir: tempfile::TempDir,
+    /// The call log as a CSV file.
+    path: PathBuf,
 
     log: CallLog,
     expected: HashMap<String, Value>,
@@ -60,6 +62,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
         .collect();
     Sample {
         _dir: dir,
+        path,
         log,
         expected,
         features,
@@ -168,6 +171,66 @@ async fn mock_cluster_decisions_equal_replay() {
     }
     let f: Value = serde_json::from_slice(&features[0].payload).unwrap();
     assert!(f["event_time"].as_str().unwrap().starts_with("2025-12-01T"));
+    // And they equal what `callguard features` writes for the same file.
+    let file = features_file(&s);
+    assert_eq!(file.len(), 20_000);
+    let mut compared = 0;
+    for m in &features {
+        let online: Value = serde_json::from_slice(&m.payload).unwrap();
+        let id = online["call_id"].as_str().unwrap();
+        let offline = &file[id];
+        for (k, v) in offline.as_object().unwrap() {
+            if online.get(k).is_some() {
+                assert_eq!(&online[k], v, "call {id}: `{k}` online vs features file");
+                compared += 1;
+            }
+        }
+    }
+    // Every feature of the topic but event_time and degraded is in the file.
+    assert!(compared >= 20_000 * 13, "{compared} values compared");
+}
+
+/// Runs `callguard features` on the sample and reads the Parquet file back
+/// as JSON objects by call id (timestamps as epoch milliseconds).
+fn features_file(s: &Sample) -> HashMap<String, Value> {
+    use polars::prelude::*;
+    let out = s._dir.path().join("features.parquet");
+    let o = std::process::Command::new(common::bin())
+        .args(["features", "-i"])
+        .arg(&s.path)
+        .arg("--rules")
+        .arg(rules_path())
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let df = ParquetReader::new(std::fs::File::open(&out).unwrap())
+        .finish()
+        .unwrap();
+    let json = |v: AnyValue| match v {
+        AnyValue::Null => Value::Null,
+        AnyValue::Boolean(b) => Value::from(b),
+        AnyValue::UInt64(u) => Value::from(u),
+        AnyValue::Int64(i) => Value::from(i),
+        AnyValue::String(t) => Value::from(t),
+        AnyValue::StringOwned(t) => Value::from(t.as_str()),
+        other => Value::from(other.to_string()),
+    };
+    (0..df.height())
+        .map(|i| {
+            let row: serde_json::Map<String, Value> = df
+                .columns()
+                .iter()
+                .filter(|c| c.name().as_str() != "event_time")
+                .map(|c| (c.name().to_string(), json(c.get(i).unwrap())))
+                .collect();
+            (
+                row["call_id"].as_str().unwrap().to_string(),
+                Value::Object(row),
+            )
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -73,6 +73,12 @@ async fn features_file_holds_the_replay_counts_with_typed_columns() {
         let b = d.column(col).unwrap().cast(&DataType::String).unwrap();
         assert!(a.equals(&b), "column {col} differs from the replay");
     }
+    // Every generated call names a callee: at least itself is counted, and
+    // wangiri bursts (a new callee per call) reach far more.
+    let distinct = f.column("distinct_callees").unwrap().u64().unwrap();
+    assert_eq!(distinct.null_count(), 0);
+    assert_eq!(distinct.min(), Some(1));
+    assert!(distinct.max().unwrap() > 50, "{:?}", distinct.max());
     let since = f.column("since_prev_ms").unwrap().i64().unwrap();
     assert!(since.null_count() > 0 && since.null_count() < 20_000);
     assert!(

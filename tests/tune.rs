@@ -6,7 +6,7 @@ mod common;
 use callguard::calllog::{read_call_log, CallLog, ReadOptions};
 use callguard::event::CallEvent;
 use callguard::rules::{CountPolicy, Rule, RuleSet};
-use callguard::tune::{row_by_replay, sweep, Target};
+use callguard::tune::{row_by_replay, sweep, Sweeper, Target};
 use common::scenarios::T0;
 
 fn generated_log(rows: usize, seed: u64) -> CallLog {
@@ -42,9 +42,18 @@ fn sweep_equals_a_replay_for_every_n() {
             let expected_passes = if policy == CountPolicy::Attempts {
                 1
             } else {
-                limits.len()
+                limits.len() + 1
             };
             assert_eq!(s.passes, expected_passes);
+            // Fed in chunks (as a large file is), the sweep is the same.
+            let mut chunked =
+                Sweeper::new(&set, index, &limits, Target::MaxFalseReject(0.002)).unwrap();
+            for part in log.events.chunks(997) {
+                chunked.feed(part);
+            }
+            let chunked = chunked.finish();
+            assert_eq!(chunked.rows, s.rows, "{policy:?}, rule {index}, chunked");
+            assert_eq!(chunked.recommended, s.recommended);
             for (row, &n) in s.rows.iter().zip(&limits) {
                 let want = row_by_replay(&log, &set, index, n).unwrap();
                 assert_eq!(row, &want, "{policy:?}, rule {index}, N = {n}");
