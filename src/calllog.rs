@@ -537,7 +537,7 @@ pub struct TableWriter {
 
 enum TableSink {
     Csv(polars::io::csv::write::BatchedWriter<File>),
-    Parquet(polars::io::parquet::write::BatchedWriter<File>),
+    Parquet(Box<polars::io::parquet::write::BatchedWriter<File>>),
 }
 
 impl TableWriter {
@@ -555,12 +555,12 @@ impl TableWriter {
                     .batched(schema)
                     .map_err(polars_err(context.clone()))?,
             ),
-            TableFormat::Parquet => TableSink::Parquet(
+            TableFormat::Parquet => TableSink::Parquet(Box::new(
                 ParquetWriter::new(file)
                     .with_compression(ParquetCompression::Zstd(None))
                     .batched(schema)
                     .map_err(polars_err(context.clone()))?,
-            ),
+            )),
         };
         Ok(TableWriter {
             inner,
