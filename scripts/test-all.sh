@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of callguard on a Debian machine, installing what the tests
-# need first: redis-server (Debian package) and tansu (a Kafka-protocol
-# broker, from crates.io). Safe to run again: installed tools are skipped and
-# the build directory is reused.
+# need first: redis-server (Debian package), tansu (a Kafka-protocol broker,
+# from crates.io) and the notebook's Python packages (in a virtualenv). Safe
+# to run again: installed tools are skipped and the build directory is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +21,21 @@ if ! command -v tansu >/dev/null; then
   echo "== installing tansu (Kafka-protocol broker for the consumer tests; ~11 min once)"
   cargo install tansu --locked --features dynostore,libsql
 fi
+
+# The notebook test runs notebooks/threshold_tuning.ipynb with jupyter, from
+# a virtualenv of its own (Debian's system Python takes no pip installs).
+venv="${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}"
+if ! "$venv/bin/python" -c "import polars, matplotlib, nbconvert, nbclient, ipykernel" 2>/dev/null; then
+  echo "== installing the notebook's Python packages into $venv"
+  if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
+    as_root apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-venv
+  fi
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r notebooks/requirements.txt
+fi
+export PATH="$venv/bin:$PATH"
 
 echo "== cargo test"
 log="$(mktemp)"

@@ -1,0 +1,54 @@
+//! `notebooks/threshold_tuning.ipynb` runs top to bottom, headless, against
+//! the binary built for these tests, so it cannot rot. Its own last cell
+//! checks that the N it chooses is the one `callguard tune` recommends.
+
+mod common;
+
+use std::process::Command;
+
+#[test]
+fn threshold_tuning_notebook_runs_top_to_bottom() {
+    let found = Command::new("jupyter")
+        .args(["nbconvert", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        found,
+        "`jupyter nbconvert` not found: pip install -r notebooks/requirements.txt (scripts/test-all.sh does)"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let executed = dir.path().join("executed.ipynb");
+    let o = Command::new("jupyter")
+        .current_dir("notebooks")
+        .env("CALLGUARD_BIN", common::bin())
+        .env("CALLGUARD_NOTEBOOK_OUT", dir.path())
+        .env("MPLBACKEND", "Agg")
+        .args([
+            "nbconvert",
+            "--to",
+            "notebook",
+            "--execute",
+            "--ExecutePreprocessor.timeout=300",
+            "threshold_tuning.ipynb",
+            "--output",
+        ])
+        .arg(&executed)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the notebook failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let text = std::fs::read_to_string(&executed).unwrap();
+    // The last cell prints "chosen N = <n>: ..." (the source has the words too).
+    let chosen = text
+        .split("chosen N = ")
+        .skip(1)
+        .find_map(|rest| rest.split(':').next()?.trim().parse::<u64>().ok());
+    assert!(chosen.is_some_and(|n| (1..=60).contains(&n)), "no chosen N in the output");
+    for plot in ["sweep.png", "tradeoff.png"] {
+        let len = std::fs::metadata(dir.path().join(plot)).map_or(0, |m| m.len());
+        assert!(len > 10_000, "{plot}: {len} bytes");
+    }
+}
