@@ -57,7 +57,8 @@ pub enum Command {
     Tune(Box<TuneArgs>),
     /// Export point-in-time features of every call of a call log (Parquet
     /// or CSV): window counts, time since the caller's previous call,
-    /// decision and label; the same values the consumer emits online.
+    /// distinct callees in the longest window, decision and label; the same
+    /// values the consumer emits online. Large logs stream in chunks.
     Features(Box<FeaturesArgs>),
     /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
     /// centres, robocallers, wangiri bursts) for trying and testing callguard.
