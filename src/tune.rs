@@ -13,7 +13,7 @@
 //! arrives a chunk at a time ([`Sweeper`]): memory holds per-caller tallies
 //! and window state, not the log.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
 use crate::decision::Verdict;
@@ -95,7 +95,7 @@ struct Replayed {
     rejected: u64,
     fraud_rejected: u64,
     legit_rejected: u64,
-    callers: HashSet<String>,
+    callers: foldhash::HashSet<String>,
 }
 
 impl Replayed {
@@ -130,7 +130,7 @@ pub struct Sweeper {
     labelled: bool,
     fraud_total: u64,
     legit_total: u64,
-    callers: HashMap<String, CallerTally>,
+    callers: foldhash::HashMap<String, CallerTally>,
     /// `attempts`: calls[k] = [legit, fraud] calls of count k (capped) that N can reject.
     calls: Vec<[u64; 2]>,
     /// `attempts`: [legit, fraud] calls rejected whatever N is.
@@ -162,7 +162,7 @@ impl Sweeper {
                         rejected: 0,
                         fraud_rejected: 0,
                         legit_rejected: 0,
-                        callers: HashSet::new(),
+                        callers: Default::default(),
                     })
                 })
                 .collect::<Result<Vec<_>, RulesError>>()?
@@ -180,7 +180,7 @@ impl Sweeper {
             labelled: true,
             fraud_total: 0,
             legit_total: 0,
-            callers: HashMap::new(),
+            callers: Default::default(),
             calls: vec![[0; 2]; cap + 1],
             always: [0; 2],
             replayed,

@@ -32,7 +32,9 @@
 //!   (`Wmax` the longest window), this call's callee included. For calls in
 //!   time order that is the distinct callees in `(t - Wmax, t]`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use foldhash::HashMap;
 
 use crate::decision::{
     Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
@@ -52,8 +54,9 @@ struct Approx {
 #[derive(Debug, Clone, Default)]
 pub struct CallerState {
     latest: Option<i64>,
-    /// Sorted event times of recorded events (shared by all sliding rules).
-    log: Vec<i64>,
+    /// Sorted event times of recorded events (shared by all sliding rules);
+    /// a deque, as calls in time order append at the back and trim the front.
+    log: VecDeque<i64>,
     /// Per rule: fixed bucket → recorded count.
     fixed: Vec<BTreeMap<i64, u64>>,
     /// Per rule: approximate counter.
@@ -124,8 +127,11 @@ impl CallerState {
             if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
                 self.note_callee(callee, t);
             }
+            // Count what is not after t - Wmax: for calls in time order only
+            // the grace band above the horizon, so this stays cheap.
             let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-            self.callees_by_ts.range((after, String::new())..).count() as u64
+            let not_after = self.callees_by_ts.range(..(after, String::new())).count();
+            (self.callees_by_ts.len() - not_after) as u64
         });
 
         let late = prev.is_some_and(|l| t < l - rules.grace_ms);

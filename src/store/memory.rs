@@ -1,6 +1,5 @@
 //! The in-memory store: the reference semantics, in process.
 
-use std::collections::HashMap;
 
 use crate::decision::Verdict;
 use crate::error::StoreError;
@@ -21,7 +20,7 @@ const SWEEP_EVERY: u64 = 16_384;
 /// counts as no state.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    callers: HashMap<String, CallerState>,
+    callers: foldhash::HashMap<String, CallerState>,
     watermark: Option<i64>,
     applied: u64,
     /// Keep every caller (no sweep): for streams whose partitions may run
