@@ -8,6 +8,7 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use chrono::{NaiveDateTime, TimeZone};
 use chrono_tz::Tz;
@@ -93,12 +94,26 @@ pub struct CallLog {
     pub events: Vec<(u64, CallEvent)>,
     /// Rows that are not valid events.
     pub invalid: Vec<InvalidRow>,
+    /// When known (same length as `events`): the event's call id occurs on
+    /// no other row of the input, so no duplicate of it can follow and a
+    /// store may skip its idempotency record. Empty when unknown.
+    pub once: Vec<bool>,
 }
 
 impl CallLog {
     /// Sorts events stably by event time (ties keep file order): the offline processing order.
     pub fn sort_by_time(&mut self) {
-        self.events.sort_by_key(|(_, e)| e.ts_ms);
+        if self.once.len() == self.events.len() && !self.once.is_empty() {
+            let mut pairs: Vec<_> = std::mem::take(&mut self.events)
+                .into_iter()
+                .zip(std::mem::take(&mut self.once))
+                .collect();
+            pairs.sort_by_key(|((_, e), _)| e.ts_ms);
+            (self.events, self.once) = pairs.into_iter().unzip();
+        } else {
+            self.once.clear();
+            self.events.sort_by_key(|(_, e)| e.ts_ms);
+        }
     }
 }
 
@@ -309,7 +324,7 @@ pub fn decode_frame(
         .collect();
     let mut log = CallLog {
         events: Vec::with_capacity(n),
-        invalid: Vec::new(),
+        ..CallLog::default()
     };
     let mut values: Vec<Option<&str>> = vec![None; FIELDS.len()];
     let mut ts_buf = String::new();
@@ -359,6 +374,8 @@ pub const CHUNK_ROWS: usize = 65_536;
 pub struct OrderedLog {
     frame: DataFrame,
     order: Vec<IdxSize>,
+    /// Per file row: its call id occurs on no other row.
+    once: Vec<bool>,
     decoder: Decoder,
     tz: Option<Tz>,
 }
@@ -398,9 +415,12 @@ impl OrderedLog {
             .collect();
         let mut order: Vec<IdxSize> = (0..frame.height() as IdxSize).collect();
         order.sort_by_key(|&i| ts[i as usize]);
+        drop(ts);
+        let once = unique_ids(&frame, decoder.map.source("call_id"))?;
         Ok(OrderedLog {
             frame,
             order,
+            once,
             decoder,
             tz: opts.timezone,
         })
@@ -428,8 +448,31 @@ impl OrderedLog {
             for bad in &mut log.invalid {
                 bad.row = file_row(bad.row);
             }
+            log.once = log
+                .events
+                .iter()
+                .map(|(row, _)| self.once[(*row - 1) as usize])
+                .collect();
             Ok(log)
         })
+    }
+
+    /// Decodes the chunks on a thread of its own, handing each to `send` in
+    /// order, so decoding overlaps the window work; stops when `send`
+    /// returns false (the consumer is gone). Bound the channel behind `send`
+    /// to bound the chunks in memory.
+    pub fn decode_ahead(
+        self: Arc<Self>,
+        size: usize,
+        mut send: impl FnMut(Result<CallLog, IoError>) -> bool + Send + 'static,
+    ) {
+        std::thread::spawn(move || {
+            for chunk in self.chunks(size) {
+                if !send(chunk) {
+                    break;
+                }
+            }
+        });
     }
 
     /// The whole log, decoded and in processing order (for small logs).
@@ -439,10 +482,37 @@ impl OrderedLog {
             let chunk = chunk?;
             all.events.extend(chunk.events);
             all.invalid.extend(chunk.invalid);
+            all.once.extend(chunk.once);
         }
         all.invalid.sort_by_key(|r| r.row);
         Ok(all)
     }
+}
+
+/// Per row: whether its call id (as the decoder trims it) occurs on no
+/// other row. Compares 64-bit hashes, so a collision can only make an id
+/// look repeated, which is safe: it keeps its idempotency record.
+fn unique_ids(frame: &DataFrame, src: &str) -> Result<Vec<bool>, IoError> {
+    use std::hash::BuildHasher;
+    let ctx = || format!("reading column `{src}`");
+    let col = frame
+        .column(src)
+        .and_then(|c| c.cast(&DataType::String))
+        .map_err(polars_err(ctx()))?;
+    let ids = col.str().map_err(polars_err(ctx()))?;
+    let state = foldhash::fast::RandomState::default();
+    let hashes: Vec<u64> = ids
+        .iter()
+        .map(|v| v.map_or(0, |s| state.hash_one(s.trim())))
+        .collect();
+    let mut sorted = hashes.clone();
+    sorted.sort_unstable();
+    let repeated: foldhash::HashSet<u64> = sorted
+        .windows(2)
+        .filter(|w| w[0] == w[1])
+        .map(|w| w[0])
+        .collect();
+    Ok(hashes.iter().map(|h| !repeated.contains(h)).collect())
 }
 
 /// A row's event time as the decoder reads it (naive local times first).

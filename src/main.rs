@@ -101,7 +101,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
     let progress = std::io::stderr().is_terminal();
     let rules = args.rules.rule_set()?;
     let read = args.input.read_options(progress)?;
-    let log = OrderedLog::open(&args.input.input, &read)?;
+    let log = std::sync::Arc::new(OrderedLog::open(&args.input.input, &read)?);
     let mut store = open_store(&args.store, false).await?;
     create_parent(&args.output)?;
     let schema = replay::records_frame(&[], &rules)?
@@ -109,7 +109,7 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
         .as_ref()
         .clone();
     let mut out = TableWriter::create(&args.output, &schema)?;
-    let done = replay::run_ordered(&log, &rules, &mut store, progress, |_, verdicts| {
+    let done = replay::run_ordered(log, &rules, &mut store, progress, |_, verdicts| {
         out.write(&mut replay::records_frame(verdicts, &rules)?)
     })
     .await?;
@@ -339,7 +339,11 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
     if let Some(col) = &args.label_column {
         input.map.push(format!("label={col}"));
     }
-    let log = OrderedLog::open(&input.input, &input.read_options(progress)?)?;
+    let log = std::sync::Arc::new(OrderedLog::open(
+        &input.input,
+        &input.read_options(progress)?,
+    )?);
+    let rows = log.rows();
     let target = match args.quantile {
         Some(q) if (0.0..=1.0).contains(&q) => Target::Quantile(q),
         Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
@@ -347,7 +351,7 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
     };
     let started = std::time::Instant::now();
     let (result, invalid) =
-        callguard::tune::sweep_ordered(&log, &rules, index, &limits, target, progress)?;
+        callguard::tune::sweep_ordered(log, &rules, index, &limits, target, progress)?;
     tracing::info!(
         passes = result.passes,
         seconds = started.elapsed().as_secs_f64(),
@@ -365,7 +369,7 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
     }
     println!(
         "{} events, {} invalid rows, {} replay pass(es)",
-        log.rows() - invalid.len(),
+        rows - invalid.len(),
         invalid.len(),
         result.passes
     );
@@ -376,7 +380,10 @@ fn tune_cmd(args: TuneArgs) -> Result<()> {
 async fn features_cmd(args: FeaturesArgs) -> Result<()> {
     let progress = std::io::stderr().is_terminal();
     let rules = args.rules.rule_set()?;
-    let log = OrderedLog::open(&args.input.input, &args.input.read_options(progress)?)?;
+    let log = std::sync::Arc::new(OrderedLog::open(
+        &args.input.input,
+        &args.input.read_options(progress)?,
+    )?);
     create_parent(&args.output)?;
     let schema = callguard::features::features_frame(&[], &[], &rules)?
         .schema()
@@ -384,7 +391,7 @@ async fn features_cmd(args: FeaturesArgs) -> Result<()> {
         .clone();
     let mut out = TableWriter::create(&args.output, &schema)?;
     let mut store = MemoryStore::new();
-    let done = replay::run_ordered(&log, &rules, &mut store, progress, |chunk, verdicts| {
+    let done = replay::run_ordered(log, &rules, &mut store, progress, |chunk, verdicts| {
         out.write(&mut callguard::features::features_frame(
             &chunk.events,
             verdicts,

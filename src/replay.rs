@@ -6,6 +6,7 @@
 
 use std::collections::HashSet;
 use std::fmt;
+use std::sync::Arc;
 
 use polars::prelude::*;
 
@@ -79,7 +80,7 @@ pub struct Streamed {
 /// each chunk (time-sorted events) with its verdicts, in order. Memory holds
 /// the raw columns, the store's state and one chunk.
 pub async fn run_ordered<S: WindowStore>(
-    log: &OrderedLog,
+    log: Arc<OrderedLog>,
     rules: &RuleSet,
     store: &mut S,
     progress: bool,
@@ -88,7 +89,9 @@ pub async fn run_ordered<S: WindowStore>(
     let bar = progress_bar(log.rows() as u64, progress, "replaying");
     let mut out = Streamed::default();
     let mut callers = HashSet::new();
-    for chunk in log.chunks(CHUNK_ROWS) {
+    let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
+    log.decode_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
+    while let Some(chunk) = chunks.recv().await {
         let mut chunk = chunk?;
         let verdicts = run(&chunk, rules, store, false).await?;
         for v in &verdicts {
@@ -145,10 +148,17 @@ pub async fn run<S: WindowStore>(
     let bar = progress_bar(log.events.len() as u64, progress, "replaying");
     let mut verdicts = Vec::with_capacity(log.events.len());
     let mut batch = Vec::with_capacity(REPLAY_BATCH);
-    for chunk in log.events.chunks(REPLAY_BATCH) {
+    let hinted = log.once.len() == log.events.len();
+    for (i, chunk) in log.events.chunks(REPLAY_BATCH).enumerate() {
         batch.clear();
         batch.extend(chunk.iter().map(|(_, e)| e.clone()));
-        verdicts.extend(store.apply_batch(rules, &batch).await?);
+        let got = if hinted {
+            let once = &log.once[i * REPLAY_BATCH..i * REPLAY_BATCH + chunk.len()];
+            store.apply_batch_once(rules, &batch, once).await?
+        } else {
+            store.apply_batch(rules, &batch).await?
+        };
+        verdicts.extend(got);
         bar.inc(chunk.len() as u64);
     }
     bar.finish_and_clear();

@@ -14,6 +14,7 @@
 //! and window state, not the log.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
 use crate::decision::Verdict;
@@ -99,9 +100,15 @@ struct Replayed {
 }
 
 impl Replayed {
-    fn feed(&mut self, events: &[(u64, CallEvent)]) {
-        for (_, e) in events {
-            if self.store.apply(&self.rules, e).record.would_reject() {
+    fn feed(&mut self, events: &[(u64, CallEvent)], once: &[bool]) {
+        for (i, (_, e)) in events.iter().enumerate() {
+            let remember = !once.get(i).copied().unwrap_or(false);
+            if self
+                .store
+                .apply_with(&self.rules, e, remember)
+                .record
+                .would_reject()
+            {
                 self.rejected += 1;
                 self.fraud_rejected += u64::from(e.label == Some(true));
                 self.legit_rejected += u64::from(e.label == Some(false));
@@ -189,14 +196,20 @@ impl Sweeper {
 
     /// Feeds the next time-sorted events.
     pub fn feed(&mut self, events: &[(u64, CallEvent)]) {
+        self.feed_once(events, &[]);
+    }
+
+    /// Feeds the next time-sorted events, with [`CallLog::once`] (may be empty).
+    pub fn feed_once(&mut self, events: &[(u64, CallEvent)], once: &[bool]) {
         let attempts = self.rules.count == CountPolicy::Attempts;
         let cap = self.calls.len() - 1;
-        for (_, e) in events {
+        for (i, (_, e)) in events.iter().enumerate() {
             self.total += 1;
             self.labelled &= e.label.is_some();
             self.fraud_total += u64::from(e.label == Some(true));
             self.legit_total += u64::from(e.label == Some(false));
-            let v = self.base.apply(&self.rules, e);
+            let remember = !once.get(i).copied().unwrap_or(false);
+            let v = self.base.apply_with(&self.rules, e, remember);
             let count = v.record.counts.get(self.index).copied().unwrap_or(0);
             let tally = match self.callers.get_mut(&e.caller) {
                 Some(t) => t,
@@ -232,7 +245,7 @@ impl Sweeper {
         let group = self.replayed.len().div_ceil(threads.max(1)).max(1);
         std::thread::scope(|s| {
             for part in self.replayed.chunks_mut(group) {
-                s.spawn(move || part.iter_mut().for_each(|r| r.feed(events)));
+                s.spawn(move || part.iter_mut().for_each(|r| r.feed(events, once)));
             }
         });
     }
@@ -367,7 +380,7 @@ pub fn sweep(
 
 /// Sweeps an [`OrderedLog`] chunk by chunk; also returns its invalid rows.
 pub fn sweep_ordered(
-    log: &OrderedLog,
+    log: Arc<OrderedLog>,
     rules: &RuleSet,
     index: usize,
     limits: &[u64],
@@ -377,9 +390,11 @@ pub fn sweep_ordered(
     let mut sweeper = Sweeper::new(rules, index, limits, target)?;
     let bar = progress_bar(log.rows() as u64, progress, "sweeping");
     let mut invalid = Vec::new();
-    for chunk in log.chunks(CHUNK_ROWS) {
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
+    for chunk in chunks {
         let mut chunk = chunk?;
-        sweeper.feed(&chunk.events);
+        sweeper.feed_once(&chunk.events, &chunk.once);
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
         invalid.append(&mut chunk.invalid);
     }

@@ -32,7 +32,7 @@
 //!   (`Wmax` the longest window), this call's callee included. For calls in
 //!   time order that is the distinct callees in `(t - Wmax, t]`.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use foldhash::HashMap;
 
@@ -63,13 +63,15 @@ pub struct CallerState {
     approx: Vec<Approx>,
     /// Idempotency: call id → the verdict it got.
     seen: HashMap<String, Verdict>,
-    /// Idempotency index for trimming: (ts, insertion seq) → call id.
-    seen_by_ts: BTreeMap<(i64, u64), String>,
-    seq: u64,
+    /// Idempotency index for trimming: call ids by (ts, insertion order).
+    /// Sorted deques here and below: calls in time order append at the
+    /// back and trim the front, and a sparse caller costs a few bytes, not
+    /// a B-tree node.
+    seen_by_ts: VecDeque<(i64, String)>,
     /// Distinct callees: callee → latest event time of a call to it.
     callees: HashMap<String, i64>,
     /// The same pairs ordered by time, for trimming and counting.
-    callees_by_ts: BTreeSet<(i64, String)>,
+    callees_by_ts: VecDeque<(i64, String)>,
 }
 
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
@@ -91,6 +93,15 @@ impl CallerState {
 
     /// Applies one event and returns its verdict.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
+        self.apply_with(rules, ev, true)
+    }
+
+    /// [`CallerState::apply`], where `remember = false` says the call id
+    /// occurs nowhere else in the input: the idempotency lookup would miss
+    /// and the record would never be looked up, so both are skipped (the
+    /// verdict is the same; offline replays of unique ids save the work and
+    /// the memory).
+    pub fn apply_with(&mut self, rules: &RuleSet, ev: &CallEvent, remember: bool) -> Verdict {
         let t = ev.ts_ms;
         let retention = rules.retention_ms();
         let l_new = self.latest.map_or(t, |l| l.max(t));
@@ -98,7 +109,7 @@ impl CallerState {
         let dedup_horizon = l_new - rules.dedup_ms();
         let prev = self.latest.filter(|&l| l > horizon);
 
-        if let Some(v) = self.seen.get(&ev.call_id) {
+        if let Some(v) = self.seen.get(&ev.call_id).filter(|_| remember) {
             if v.record.ts_ms > dedup_horizon {
                 let mut v = v.clone();
                 v.duplicate = true;
@@ -112,7 +123,6 @@ impl CallerState {
             let kept = CallerState {
                 seen: std::mem::take(&mut self.seen),
                 seen_by_ts: std::mem::take(&mut self.seen_by_ts),
-                seq: self.seq,
                 ..CallerState::default()
             };
             *self = kept;
@@ -130,7 +140,7 @@ impl CallerState {
             // Count what is not after t - Wmax: for calls in time order only
             // the grace band above the horizon, so this stays cheap.
             let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-            let not_after = self.callees_by_ts.range(..(after, String::new())).count();
+            let not_after = self.callees_by_ts.partition_point(|(ts, _)| *ts < after);
             (self.callees_by_ts.len() - not_after) as u64
         });
 
@@ -218,9 +228,11 @@ impl CallerState {
             distinct_callees,
             duplicate: false,
         };
-        self.seq += 1;
-        self.seen_by_ts.insert((t, self.seq), ev.call_id.clone());
-        self.seen.insert(ev.call_id.clone(), verdict.clone());
+        if remember {
+            let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
+            self.seen_by_ts.insert(pos, (t, ev.call_id.clone()));
+            self.seen.insert(ev.call_id.clone(), verdict.clone());
+        }
         verdict
     }
 
@@ -256,15 +268,29 @@ impl CallerState {
         match self.callees.get_mut(callee) {
             Some(latest) if *latest >= t => {}
             Some(latest) => {
-                self.callees_by_ts.remove(&(*latest, callee.to_string()));
+                let old = *latest;
                 *latest = t;
-                self.callees_by_ts.insert((t, callee.to_string()));
+                let at = self
+                    .callees_by_ts
+                    .partition_point(|(ts, c)| (*ts, c.as_str()) < (old, callee));
+                let name = match self.callees_by_ts.remove(at) {
+                    Some((_, name)) => name,
+                    None => callee.to_string(),
+                };
+                self.insert_callee(t, name);
             }
             None => {
                 self.callees.insert(callee.to_string(), t);
-                self.callees_by_ts.insert((t, callee.to_string()));
+                self.insert_callee(t, callee.to_string());
             }
         }
+    }
+
+    fn insert_callee(&mut self, t: i64, callee: String) {
+        let at = self
+            .callees_by_ts
+            .partition_point(|(ts, c)| (*ts, c.as_str()) < (t, callee.as_str()));
+        self.callees_by_ts.insert(at, (t, callee));
     }
 
     fn trim(&mut self, rules: &RuleSet, horizon: i64, dedup_horizon: i64, l_new: i64) {
@@ -278,18 +304,21 @@ impl CallerState {
         }
         while self
             .callees_by_ts
-            .first()
+            .front()
             .is_some_and(|(ts, _)| *ts <= horizon)
         {
-            if let Some((_, callee)) = self.callees_by_ts.pop_first() {
+            if let Some((_, callee)) = self.callees_by_ts.pop_front() {
                 self.callees.remove(&callee);
             }
         }
-        while let Some(entry) = self.seen_by_ts.first_entry() {
-            if entry.key().0 > dedup_horizon {
+        while self
+            .seen_by_ts
+            .front()
+            .is_some_and(|(ts, _)| *ts <= dedup_horizon)
+        {
+            let Some((_, id)) = self.seen_by_ts.pop_front() else {
                 break;
-            }
-            let id = entry.remove();
+            };
             if self
                 .seen
                 .get(&id)

@@ -98,7 +98,7 @@ async fn appending_future_calls_changes_no_earlier_feature() {
     let cut = 12_000;
     let mut early = callguard::calllog::CallLog {
         events: log.events[..cut].to_vec(),
-        invalid: vec![],
+        ..Default::default()
     };
     let full = frame_for(&log, &rules()).await;
     let head = frame_for(&early, &rules()).await;

@@ -46,7 +46,10 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
         .split("chosen N = ")
         .skip(1)
         .find_map(|rest| rest.split(':').next()?.trim().parse::<u64>().ok());
-    assert!(chosen.is_some_and(|n| (1..=60).contains(&n)), "no chosen N in the output");
+    assert!(
+        chosen.is_some_and(|n| (1..=60).contains(&n)),
+        "no chosen N in the output"
+    );
     for plot in ["sweep.png", "tradeoff.png"] {
         let len = std::fs::metadata(dir.path().join(plot)).map_or(0, |m| m.len());
         assert!(len > 10_000, "{plot}: {len} bytes");

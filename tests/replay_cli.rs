@@ -174,7 +174,8 @@ fn ordered_chunks_equal_the_sorted_log() {
          x,c,+34600000001,not-a-time,+34910000002\n\
          x,d,+34600000003,2025-12-01T10:00:01Z,+34910000003\n\
          x,e,12,2025-12-01T10:00:00Z,+34910000004\n\
-         x,f,+34600000001,1764583200000,+34910000005\n",
+         x,f,+34600000001,1764583200000,+34910000005\n\
+         x, a ,+34600000001,2025-12-01T10:00:06Z,\n",
     )
     .unwrap();
     for file in [path.as_path(), std::path::Path::new("data/calls.csv")] {
@@ -191,12 +192,15 @@ fn ordered_chunks_equal_the_sorted_log() {
         for size in [1, 2, 7, 4096] {
             let mut events = Vec::new();
             let mut invalid = Vec::new();
+            let mut once = Vec::new();
             for chunk in ordered.chunks(size) {
                 let chunk = chunk.unwrap();
                 events.extend(chunk.events);
                 invalid.extend(chunk.invalid);
+                once.extend(chunk.once);
             }
             invalid.sort_by_key(|r| r.row);
+            assert_eq!(once.len(), events.len());
             assert_eq!(events, whole.events, "{} chunk {size}", file.display());
             assert_eq!(invalid, whole.invalid, "{} chunk {size}", file.display());
         }
@@ -210,7 +214,9 @@ fn ordered_chunks_equal_the_sorted_log() {
         .iter()
         .map(|(_, e)| e.call_id.as_str())
         .collect();
-    assert_eq!(ids, ["f", "b", "d", "a"]);
+    assert_eq!(ids, ["f", "b", "d", "a", "a"]);
+    // `a` (once padded with spaces) is the one id that repeats.
+    assert_eq!(small.once, [true, true, true, false, false]);
     let bad: Vec<u64> = small.invalid.iter().map(|r| r.row).collect();
     assert_eq!(bad, [3, 5]);
 }

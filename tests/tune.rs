@@ -97,7 +97,7 @@ fn hand_made() -> CallLog {
     events.push(ev("+34600000001", id, T0, false));
     let mut log = CallLog {
         events,
-        invalid: vec![],
+        ..Default::default()
     };
     log.sort_by_time();
     log

@@ -1,6 +1,5 @@
 //! The in-memory store: the reference semantics, in process.
 
-
 use crate::decision::Verdict;
 use crate::error::StoreError;
 use crate::event::CallEvent;
@@ -13,7 +12,7 @@ const SWEEP_EVERY: u64 = 16_384;
 
 /// Window state of all callers in a hash map.
 ///
-/// Memory stays bounded: a caller whose latest event is more than twice the
+/// Memory stays bounded: a caller whose latest event is more than the
 /// idempotency horizon (at least the longest window + grace) behind the
 /// newest event time seen is dropped. Dropping never changes a result while a
 /// caller's events arrive in time order, since state older than the horizons
@@ -23,6 +22,8 @@ pub struct MemoryStore {
     callers: foldhash::HashMap<String, CallerState>,
     watermark: Option<i64>,
     applied: u64,
+    /// When (in events applied) to sweep next.
+    next_sweep: u64,
     /// Keep every caller (no sweep): for streams whose partitions may run
     /// far apart in event time.
     keep_all: bool,
@@ -47,16 +48,25 @@ impl MemoryStore {
 
     /// Applies one event.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
+        self.apply_with(rules, ev, true)
+    }
+
+    /// Applies one event; `remember = false` when its call id occurs
+    /// nowhere else in the input (see [`CallerState::apply_with`]).
+    pub fn apply_with(&mut self, rules: &RuleSet, ev: &CallEvent, remember: bool) -> Verdict {
         self.watermark = Some(self.watermark.map_or(ev.ts_ms, |w| w.max(ev.ts_ms)));
         self.applied += 1;
-        if !self.keep_all && self.applied.is_multiple_of(SWEEP_EVERY) {
+        // Sweeping costs one look at every caller, so sweep no more often
+        // than once per that many events (amortised O(1) per event).
+        if !self.keep_all && self.applied >= self.next_sweep {
             self.sweep(rules);
+            self.next_sweep = self.applied + SWEEP_EVERY.max(self.callers.len() as u64);
         }
         match self.callers.get_mut(ev.caller.as_str()) {
-            Some(state) => state.apply(rules, ev),
+            Some(state) => state.apply_with(rules, ev, remember),
             None => {
                 let mut state = CallerState::default();
-                let v = state.apply(rules, ev);
+                let v = state.apply_with(rules, ev, remember);
                 self.callers.insert(ev.caller.clone(), state);
                 v
             }
@@ -68,10 +78,12 @@ impl MemoryStore {
         self.callers.len()
     }
 
-    /// Drops callers idle for more than twice the retention.
+    /// Drops callers idle for longer than the idempotency horizon (at least
+    /// the retention): on time-sorted input their next event would find
+    /// every record of theirs past both horizons, as if they had no state.
     pub fn sweep(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
-            let cutoff = w - 2 * rules.dedup_ms();
+            let cutoff = w - rules.dedup_ms();
             self.callers
                 .retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
         }
@@ -85,5 +97,18 @@ impl WindowStore for MemoryStore {
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
         Ok(events.iter().map(|e| self.apply(rules, e)).collect())
+    }
+
+    async fn apply_batch_once(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        once: &[bool],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        Ok(events
+            .iter()
+            .enumerate()
+            .map(|(i, e)| self.apply_with(rules, e, !once.get(i).copied().unwrap_or(false)))
+            .collect())
     }
 }

@@ -28,6 +28,20 @@ pub trait WindowStore: Send {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send;
+
+    /// [`WindowStore::apply_batch`] with a hint: `once[i]` says event `i`'s
+    /// call id occurs nowhere else in the input, so a store may skip its
+    /// idempotency record. Verdicts are the same; by default the hint is
+    /// ignored.
+    fn apply_batch_once(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        once: &[bool],
+    ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send {
+        let _ = once;
+        self.apply_batch(rules, events)
+    }
 }
 
 /// The store chosen at run time.
@@ -46,6 +60,18 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
+            AnyStore::Redis(s) => s.apply_batch(rules, events).await,
+        }
+    }
+
+    async fn apply_batch_once(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        once: &[bool],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        match self {
+            AnyStore::Memory(s) => s.apply_batch_once(rules, events, once).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
         }
     }
