@@ -665,6 +665,63 @@ impl TableWriter {
     }
 }
 
+/// A [`TableWriter`] on a thread of its own: each item is turned into a
+/// batch (`build`) and written there while the sender goes on, at most two
+/// items behind.
+pub struct BackgroundWriter<T> {
+    tx: Option<std::sync::mpsc::SyncSender<T>>,
+    handle: Option<std::thread::JoinHandle<Result<u64, IoError>>>,
+}
+
+impl<T: Send + 'static> BackgroundWriter<T> {
+    /// Creates `path` for tables of `schema` and starts the writer thread.
+    pub fn spawn(
+        path: &Path,
+        schema: &Schema,
+        mut build: impl FnMut(T) -> Result<DataFrame, IoError> + Send + 'static,
+    ) -> Result<Self, IoError> {
+        let mut out = TableWriter::create(path, schema)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<T>(2);
+        let handle = std::thread::spawn(move || {
+            for item in rx {
+                out.write(&mut build(item)?)?;
+            }
+            out.finish()
+        });
+        Ok(BackgroundWriter {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Hands over the next item; if the writer has failed, its error.
+    pub fn send(&mut self, item: T) -> Result<(), IoError> {
+        let sent = self.tx.as_ref().is_some_and(|tx| tx.send(item).is_ok());
+        if sent {
+            return Ok(());
+        }
+        self.tx = None;
+        match self.join() {
+            Err(e) => Err(e),
+            Ok(_) => Err(IoError::Input("the table writer stopped".into())),
+        }
+    }
+
+    /// Waits for every batch to be written; returns the rows written.
+    pub fn finish(mut self) -> Result<u64, IoError> {
+        self.tx = None;
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<u64, IoError> {
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) => Err(IoError::Input("the table writer panicked".into())),
+            None => Err(IoError::Input("the table writer stopped".into())),
+        }
+    }
+}
+
 /// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file
 /// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
 pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
@@ -710,4 +767,54 @@ pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<Pat
         .finish(&mut df)
         .map_err(polars_err(ctx))?;
     Ok(Some(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(n: i64) -> DataFrame {
+        DataFrame::new(1, vec![Column::new("n".into(), vec![n])]).unwrap()
+    }
+
+    #[test]
+    fn background_writer_writes_in_order_and_reports_failures() {
+        let dir = tempfile::tempdir().unwrap();
+        let schema = batch(0).schema().as_ref().clone();
+        let path = dir.path().join("ok.csv");
+        let mut w = BackgroundWriter::spawn(&path, &schema, |n: i64| Ok(batch(n))).unwrap();
+        for n in 0..100 {
+            w.send(n).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), 100);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expected: String = std::iter::once("n".to_string())
+            .chain((0..100).map(|n| n.to_string()))
+            .map(|l| l + "\n")
+            .collect();
+        assert_eq!(text, expected);
+
+        // A batch that cannot be built stops the writer; the sender learns why.
+        let path = dir.path().join("bad.csv");
+        let mut w = BackgroundWriter::spawn(&path, &schema, |n: i64| {
+            if n == 3 {
+                Err(IoError::Input("batch 3 is bad".into()))
+            } else {
+                Ok(batch(n))
+            }
+        })
+        .unwrap();
+        let mut first_error = None;
+        for n in 0..50 {
+            if let Err(e) = w.send(n) {
+                first_error = Some(e.to_string());
+                break;
+            }
+        }
+        let reported = match first_error {
+            Some(e) => e,
+            None => w.finish().unwrap_err().to_string(),
+        };
+        assert_eq!(reported, "batch 3 is bad");
+    }
 }

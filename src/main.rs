@@ -11,7 +11,9 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use callguard::calllog::{read_call_log, write_frame, write_invalid, OrderedLog, TableWriter};
+use callguard::calllog::{
+    read_call_log, write_frame, write_invalid, BackgroundWriter, CallLog, OrderedLog,
+};
 use callguard::cli::{
     Cli, Command, ConsumeArgs, DemoArgs, FeaturesArgs, LogFormat, ProduceArgs, ReplayArgs,
     StoreKind, TuneArgs,
@@ -108,9 +110,12 @@ async fn replay_cmd(args: ReplayArgs) -> Result<()> {
         .schema()
         .as_ref()
         .clone();
-    let mut out = TableWriter::create(&args.output, &schema)?;
+    let table_rules = rules.clone();
+    let mut out = BackgroundWriter::spawn(&args.output, &schema, move |verdicts: Vec<_>| {
+        replay::records_frame(&verdicts, &table_rules)
+    })?;
     let done = replay::run_ordered(log, &rules, &mut store, progress, |_, verdicts| {
-        out.write(&mut replay::records_frame(verdicts, &rules)?)
+        out.send(verdicts)
     })
     .await?;
     out.finish()?;
@@ -389,14 +394,17 @@ async fn features_cmd(args: FeaturesArgs) -> Result<()> {
         .schema()
         .as_ref()
         .clone();
-    let mut out = TableWriter::create(&args.output, &schema)?;
+    let table_rules = rules.clone();
+    let mut out = BackgroundWriter::spawn(
+        &args.output,
+        &schema,
+        move |(chunk, verdicts): (CallLog, Vec<_>)| {
+            callguard::features::features_frame(&chunk.events, &verdicts, &table_rules)
+        },
+    )?;
     let mut store = MemoryStore::new();
     let done = replay::run_ordered(log, &rules, &mut store, progress, |chunk, verdicts| {
-        out.write(&mut callguard::features::features_frame(
-            &chunk.events,
-            verdicts,
-            &rules,
-        )?)
+        out.send((chunk, verdicts))
     })
     .await?;
     let rows = out.finish()?;

@@ -77,14 +77,15 @@ pub struct Streamed {
 }
 
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
-/// each chunk (time-sorted events) with its verdicts, in order. Memory holds
-/// the raw columns, the store's state and one chunk.
+/// each chunk (time-sorted events; its invalid rows already taken) with its
+/// verdicts, in order. Memory holds the raw columns, the store's state and a
+/// few chunks.
 pub async fn run_ordered<S: WindowStore>(
     log: Arc<OrderedLog>,
     rules: &RuleSet,
     store: &mut S,
     progress: bool,
-    mut sink: impl FnMut(&CallLog, &[Verdict]) -> Result<(), IoError>,
+    mut sink: impl FnMut(CallLog, Vec<Verdict>) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
     let bar = progress_bar(log.rows() as u64, progress, "replaying");
     let mut out = Streamed::default();
@@ -97,9 +98,9 @@ pub async fn run_ordered<S: WindowStore>(
         for v in &verdicts {
             out.summary.add(v, &mut callers);
         }
-        sink(&chunk, &verdicts)?;
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
         out.invalid.append(&mut chunk.invalid);
+        sink(chunk, verdicts)?;
     }
     bar.finish_and_clear();
     out.invalid.sort_by_key(|r| r.row);

@@ -70,8 +70,11 @@ pub struct CallerState {
     seen_by_ts: VecDeque<(i64, String)>,
     /// Distinct callees: callee → latest event time of a call to it.
     callees: HashMap<String, i64>,
-    /// The same pairs ordered by time, for trimming and counting.
-    callees_by_ts: VecDeque<(i64, String)>,
+    /// (time, callee, still its latest call) ordered by time, for trimming
+    /// and counting. A callee called again marks its old entry stale rather
+    /// than removing it from the middle: calls in time order then only
+    /// append and trim, whatever a busy trunk's callee list looks like.
+    callees_by_ts: VecDeque<(i64, String, bool)>,
 }
 
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
@@ -137,11 +140,16 @@ impl CallerState {
             if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
                 self.note_callee(callee, t);
             }
-            // Count what is not after t - Wmax: for calls in time order only
-            // the grace band above the horizon, so this stays cheap.
+            // Live entries not after t - Wmax lie between the horizon and
+            // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
             let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-            let not_after = self.callees_by_ts.partition_point(|(ts, _)| *ts < after);
-            (self.callees_by_ts.len() - not_after) as u64
+            let band = self.callees_by_ts.partition_point(|(ts, _, _)| *ts < after);
+            let not_after = self
+                .callees_by_ts
+                .range(..band)
+                .filter(|(_, _, live)| *live)
+                .count();
+            (self.callees.len() - not_after) as u64
         });
 
         let late = prev.is_some_and(|l| t < l - rules.grace_ms);
@@ -272,12 +280,11 @@ impl CallerState {
                 *latest = t;
                 let at = self
                     .callees_by_ts
-                    .partition_point(|(ts, c)| (*ts, c.as_str()) < (old, callee));
-                let name = match self.callees_by_ts.remove(at) {
-                    Some((_, name)) => name,
-                    None => callee.to_string(),
-                };
-                self.insert_callee(t, name);
+                    .partition_point(|(ts, c, _)| (*ts, c.as_str()) < (old, callee));
+                if let Some(entry) = self.callees_by_ts.get_mut(at) {
+                    entry.2 = false;
+                }
+                self.insert_callee(t, callee.to_string());
             }
             None => {
                 self.callees.insert(callee.to_string(), t);
@@ -289,8 +296,8 @@ impl CallerState {
     fn insert_callee(&mut self, t: i64, callee: String) {
         let at = self
             .callees_by_ts
-            .partition_point(|(ts, c)| (*ts, c.as_str()) < (t, callee.as_str()));
-        self.callees_by_ts.insert(at, (t, callee));
+            .partition_point(|(ts, c, _)| (*ts, c.as_str()) < (t, callee.as_str()));
+        self.callees_by_ts.insert(at, (t, callee, true));
     }
 
     fn trim(&mut self, rules: &RuleSet, horizon: i64, dedup_horizon: i64, l_new: i64) {
@@ -305,9 +312,9 @@ impl CallerState {
         while self
             .callees_by_ts
             .front()
-            .is_some_and(|(ts, _)| *ts <= horizon)
+            .is_some_and(|(ts, _, _)| *ts <= horizon)
         {
-            if let Some((_, callee)) = self.callees_by_ts.pop_front() {
+            if let Some((_, callee, true)) = self.callees_by_ts.pop_front() {
                 self.callees.remove(&callee);
             }
         }
