@@ -11,9 +11,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use callguard::calllog::{
-    read_call_log, write_frame, write_invalid, BackgroundWriter, CallLog, OrderedLog,
-};
+use callguard::calllog::{write_frame, write_invalid, BackgroundWriter, CallLog, OrderedLog};
 use callguard::cli::{
     Cli, Command, ConsumeArgs, DemoArgs, FeaturesArgs, LogFormat, ProduceArgs, ReplayArgs,
     StoreKind, TuneArgs,
@@ -247,18 +245,31 @@ async fn consume_cmd(args: ConsumeArgs) -> Result<()> {
 async fn produce_cmd(args: ProduceArgs) -> Result<()> {
     let progress = std::io::stderr().is_terminal();
     let read = args.input.read_options(progress)?;
-    let mut log = read_call_log(&args.input.input, &read)?;
-    log.sort_by_time();
+    let log = OrderedLog::open(&args.input.input, &read)?;
     let settings = callguard::kafka::parse_settings(&args.kafka.settings)?;
-    let n =
-        callguard::produce::produce(&log, &args.kafka.brokers, &settings, &args.topic, progress)
-            .await?;
+    let mut loader = callguard::produce::Loader::new(
+        &args.kafka.brokers,
+        &settings,
+        &args.topic,
+        log.rows() as u64,
+        progress,
+    )?;
+    let mut invalid = Vec::new();
+    for chunk in log.chunks(callguard::calllog::CHUNK_ROWS) {
+        let mut chunk = chunk?;
+        for (_, e) in &chunk.events {
+            loader.send(e).await?;
+        }
+        invalid.append(&mut chunk.invalid);
+    }
+    let n = loader.finish().await?;
+    invalid.sort_by_key(|r| r.row);
     println!(
         "produced {n} events to {} ({} invalid rows skipped)",
         args.topic,
-        log.invalid.len()
+        invalid.len()
     );
-    for bad in log.invalid.iter().take(10) {
+    for bad in invalid.iter().take(10) {
         println!("  row {}: {}", bad.row, bad.error);
     }
     Ok(())

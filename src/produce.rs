@@ -40,37 +40,74 @@ pub async fn produce(
     topic: &str,
     progress: bool,
 ) -> Result<u64, KafkaError> {
-    let mut cfg = producer_config(brokers, settings);
-    cfg.set("enable.idempotence", "true")
-        .set("linger.ms", "20")
-        .set("compression.type", "lz4");
-    let producer: FutureProducer = cfg.create().map_err(client_err("creating the producer"))?;
-    let bar = progress_bar(log.events.len() as u64, progress, "producing");
-    let mut pending = FuturesOrdered::new();
-    let mut acked = 0u64;
+    let mut loader = Loader::new(brokers, settings, topic, log.events.len() as u64, progress)?;
     for (_, e) in &log.events {
+        loader.send(e).await?;
+    }
+    loader.finish().await
+}
+
+/// Sends events to a topic keyed by caller, up to [`WINDOW`] deliveries in
+/// flight, in the order given: for logs that arrive a chunk at a time.
+pub struct Loader {
+    producer: FutureProducer,
+    topic: String,
+    pending: FuturesOrdered<rdkafka::producer::DeliveryFuture>,
+    acked: u64,
+    bar: indicatif::ProgressBar,
+}
+
+impl Loader {
+    /// An idempotent producer (lz4, 20 ms linger); `total` sizes the progress bar.
+    pub fn new(
+        brokers: &str,
+        settings: &[(String, String)],
+        topic: &str,
+        total: u64,
+        progress: bool,
+    ) -> Result<Self, KafkaError> {
+        let mut cfg = producer_config(brokers, settings);
+        cfg.set("enable.idempotence", "true")
+            .set("linger.ms", "20")
+            .set("compression.type", "lz4");
+        Ok(Loader {
+            producer: cfg.create().map_err(client_err("creating the producer"))?,
+            topic: topic.to_string(),
+            pending: FuturesOrdered::new(),
+            acked: 0,
+            bar: progress_bar(total, progress, "producing"),
+        })
+    }
+
+    /// Enqueues one event (waiting for deliveries when the window is full).
+    pub async fn send(&mut self, e: &CallEvent) -> Result<(), KafkaError> {
         let payload = event_json(e);
-        let record = FutureRecord::to(topic)
+        let record = FutureRecord::to(&self.topic)
             .key(e.caller.as_str())
             .payload(payload.as_str());
-        let fut = producer.send_result(record).map_err(|(err, _)| {
+        let fut = self.producer.send_result(record).map_err(|(err, _)| {
             KafkaError::Delivery(format!("cannot enqueue call {}: {err}", e.call_id))
         })?;
-        pending.push_back(fut);
-        while pending.len() >= WINDOW {
-            acked += settle_one(&mut pending).await?;
-            bar.inc(1);
+        self.pending.push_back(fut);
+        while self.pending.len() >= WINDOW {
+            self.acked += settle_one(&mut self.pending).await?;
+            self.bar.inc(1);
         }
+        Ok(())
     }
-    while !pending.is_empty() {
-        acked += settle_one(&mut pending).await?;
-        bar.inc(1);
+
+    /// Waits for every delivery; returns how many were acknowledged.
+    pub async fn finish(mut self) -> Result<u64, KafkaError> {
+        while !self.pending.is_empty() {
+            self.acked += settle_one(&mut self.pending).await?;
+            self.bar.inc(1);
+        }
+        self.producer
+            .flush(Duration::from_secs(30))
+            .map_err(client_err("flushing the producer"))?;
+        self.bar.finish_and_clear();
+        Ok(self.acked)
     }
-    producer
-        .flush(Duration::from_secs(30))
-        .map_err(client_err("flushing the producer"))?;
-    bar.finish_and_clear();
-    Ok(acked)
 }
 
 async fn settle_one(
