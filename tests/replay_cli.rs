@@ -165,7 +165,8 @@ fn ordered_chunks_equal_the_sorted_log() {
     use callguard::calllog::{read_call_log, OrderedLog, ReadOptions};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
-    // Out of order, ties, an unparseable time, a bad caller, an unused column.
+    // Out of order, ties, an unparseable time, a blank one, a bad caller, an
+    // unused column.
     std::fs::write(
         &path,
         "note,call_id,caller,ts,callee\n\
@@ -175,11 +176,23 @@ fn ordered_chunks_equal_the_sorted_log() {
          x,d,+34600000003,2025-12-01T10:00:01Z,+34910000003\n\
          x,e,12,2025-12-01T10:00:00Z,+34910000004\n\
          x,f,+34600000001,1764583200000,+34910000005\n\
-         x, a ,+34600000001,2025-12-01T10:00:06Z,\n",
+         x, a ,+34600000001,2025-12-01T10:00:06Z,\n\
+         x,g,+34600000004,  ,\n",
     )
     .unwrap();
-    for file in [path.as_path(), std::path::Path::new("data/calls.csv")] {
-        let opts = ReadOptions::default();
+    let asterisk = ReadOptions {
+        format: callguard::calllog::InputFormat::Asterisk,
+        timezone: Some(chrono_tz::Europe::Madrid),
+        ..ReadOptions::default()
+    };
+    for (file, opts) in [
+        (path.as_path(), ReadOptions::default()),
+        (
+            std::path::Path::new("data/calls.csv"),
+            ReadOptions::default(),
+        ),
+        (std::path::Path::new("tests/golden/Master.csv"), asterisk),
+    ] {
         let mut whole = read_call_log(file, &opts).unwrap();
         whole.sort_by_time();
         let ordered = OrderedLog::open(file, &opts).unwrap();
@@ -217,6 +230,17 @@ fn ordered_chunks_equal_the_sorted_log() {
     assert_eq!(ids, ["f", "b", "d", "a", "a"]);
     // `a` (once padded with spaces) is the one id that repeats.
     assert_eq!(small.once, [true, true, true, false, false]);
-    let bad: Vec<u64> = small.invalid.iter().map(|r| r.row).collect();
-    assert_eq!(bad, [3, 5]);
+    let bad: Vec<String> = small
+        .invalid
+        .iter()
+        .map(|r| format!("{} {}", r.row, r.error))
+        .collect();
+    assert_eq!(
+        bad,
+        [
+            "3 bad timestamp not-a-time: expected epoch milliseconds or RFC 3339",
+            "5 bad caller: 12 (national number: pass --default-country-code)",
+            "8 missing field `ts`"
+        ]
+    );
 }
