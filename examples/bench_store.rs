@@ -4,7 +4,8 @@
 //!
 //! It starts its own redis-server on a free loopback port and reports:
 //! 1. Redis memory per active caller for each rule kind at 20 calls per
-//!    window, with and without idempotency records (INFO used_memory delta);
+//!    window, with and without idempotency records (INFO used_memory delta),
+//!    and what 20 distinct callees add (the distinct-callees feature);
 //! 2. events/s through the pipelined batch API, beside `redis-benchmark`
 //!    running the same script with the same pipelining depth (the Redis
 //!    ceiling for that script) in the same run, as a ratio.
@@ -85,10 +86,11 @@ async fn main() {
     println!("## Redis memory per active caller (20 calls per window, 2,000 callers)\n");
     println!("| rule | idempotency on | idempotency off |");
     println!("|---|---|---|");
-    for (name, rule) in [
-        ("fixed 60s", "m:fixed:60s:100"),
-        ("sliding 60s", "m:sliding:60s:100"),
-        ("sliding-approx 60s", "m:sliding-approx:60s:100"),
+    for (name, rule, callees) in [
+        ("fixed 60s", "m:fixed:60s:100", false),
+        ("sliding 60s", "m:sliding:60s:100", false),
+        ("sliding-approx 60s", "m:sliding-approx:60s:100", false),
+        ("sliding 60s, 20 distinct callees", "m:sliding:60s:100", true),
     ] {
         let rules = RuleSet::from_args(None, &[rule.to_string()]).expect("rules");
         let mut row = format!("| {name} |");
@@ -107,7 +109,11 @@ async fn main() {
             for i in 0..20 {
                 for c in 0..callers {
                     // 20 calls spread over 50 s, all inside one 60 s window.
-                    batch.push(event(c, i, T0 + (i as i64) * 2_500 + (c as i64 % 1_000)));
+                    let mut e = event(c, i, T0 + (i as i64) * 2_500 + (c as i64 % 1_000));
+                    if callees {
+                        e.callee = Some(format!("+3491{i:07}"));
+                    }
+                    batch.push(e);
                     if batch.len() == PIPELINE {
                         store.apply_batch(&rules, &batch).await.expect("apply");
                         batch.clear();
@@ -155,11 +161,12 @@ async fn main() {
     let mut args: Vec<String> = vec![
         "EVALSHA".into(),
         sha,
-        "7".into(),
+        "8".into(),
         format!("{tag}:m"),
         format!("{tag}:l"),
         format!("{tag}:i"),
         format!("{tag}:r"),
+        format!("{tag}:c"),
         format!("{tag}:f:burst:1000:1764547200"),
         format!("{tag}:m"),
         format!("{tag}:m"),
@@ -178,6 +185,9 @@ async fn main() {
             "1",
             &rules.dedup_ms().to_string(),
             "60000",
+            "1",
+            "",
+            &rules.max_window_ms().to_string(),
             "3",
             "0",
             "1000",
