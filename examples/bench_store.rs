@@ -90,7 +90,11 @@ async fn main() {
         ("fixed 60s", "m:fixed:60s:100", false),
         ("sliding 60s", "m:sliding:60s:100", false),
         ("sliding-approx 60s", "m:sliding-approx:60s:100", false),
-        ("sliding 60s, 20 distinct callees", "m:sliding:60s:100", true),
+        (
+            "sliding 60s, 20 distinct callees",
+            "m:sliding:60s:100",
+            true,
+        ),
     ] {
         let rules = RuleSet::from_args(None, &[rule.to_string()]).expect("rules");
         let mut row = format!("| {name} |");
