@@ -101,19 +101,12 @@ pub struct CallLog {
 }
 
 impl CallLog {
-    /// Sorts events stably by event time (ties keep file order): the offline processing order.
+    /// Sorts events stably by event time (ties keep file order): the offline
+    /// processing order. The `once` hints are dropped (they are optional);
+    /// [`OrderedLog`] yields logs already sorted, with hints.
     pub fn sort_by_time(&mut self) {
-        if self.once.len() == self.events.len() && !self.once.is_empty() {
-            let mut pairs: Vec<_> = std::mem::take(&mut self.events)
-                .into_iter()
-                .zip(std::mem::take(&mut self.once))
-                .collect();
-            pairs.sort_by_key(|((_, e), _)| e.ts_ms);
-            (self.events, self.once) = pairs.into_iter().unzip();
-        } else {
-            self.once.clear();
-            self.events.sort_by_key(|(_, e)| e.ts_ms);
-        }
+        self.once.clear();
+        self.events.sort_by_key(|(_, e)| e.ts_ms);
     }
 }
 

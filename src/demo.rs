@@ -17,7 +17,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use tokio::sync::watch;
 
-use crate::calllog::{read_call_log, ReadOptions};
+use crate::calllog::{OrderedLog, ReadOptions};
 use crate::consumer::{self, ConsumeConfig};
 use crate::kafka::{client_config, client_err, EmbeddedKafka, KafkaError};
 use crate::metrics::{Health, Metrics};
@@ -76,8 +76,7 @@ const BAD_MESSAGES: [(&str, &str); 3] = [
 pub async fn run(
     config: DemoConfig,
 ) -> Result<DemoReport, Box<dyn std::error::Error + Send + Sync>> {
-    let mut log = read_call_log(&config.input, &config.read)?;
-    log.sort_by_time();
+    let log = OrderedLog::open(&config.input, &config.read)?.read_all()?;
     let kafka = EmbeddedKafka::start()?;
     let brokers = kafka.bootstrap();
     for (topic, p) in [
@@ -189,7 +188,7 @@ pub async fn run(
 
     // Parity with the offline replay.
     let mut store = MemoryStore::new();
-    let verdicts = replay::run(&log, &config.rules, &mut store, false).await?;
+    let verdicts = replay::run(&log, &config.rules, &mut store).await?;
     let mismatches = verdicts
         .iter()
         .filter(|v| seen.get(&v.record.call_id) != Some(&v.record.to_json(&config.rules)))

@@ -13,6 +13,7 @@ use polars::prelude::*;
 use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
 use crate::decision::{Decision, Verdict};
 use crate::error::{IoError, ReplayError, StoreError};
+use crate::event::CallEvent;
 use crate::rules::RuleSet;
 use crate::store::WindowStore;
 
@@ -41,29 +42,41 @@ pub struct ReplaySummary {
 impl ReplaySummary {
     /// Summarises verdicts.
     pub fn new(verdicts: &[Verdict], invalid: usize) -> Self {
-        let mut s = ReplaySummary {
-            invalid: invalid as u64,
-            ..Default::default()
-        };
-        let mut callers = HashSet::new();
+        let mut tally = Tally::default();
+        tally.add(verdicts);
+        tally.finish(invalid)
+    }
+}
+
+/// A summary being counted, chunk by chunk.
+#[derive(Default)]
+struct Tally {
+    summary: ReplaySummary,
+    rejected_callers: HashSet<String>,
+}
+
+impl Tally {
+    fn add(&mut self, verdicts: &[Verdict]) {
+        let s = &mut self.summary;
         for v in verdicts {
-            s.add(v, &mut callers);
+            let r = &v.record;
+            s.events += 1;
+            s.rejected += u64::from(r.decision == Decision::Reject);
+            s.would_reject += u64::from(r.shadow);
+            s.duplicates += u64::from(v.duplicate);
+            s.late += u64::from(r.late);
+            if r.would_reject() && !self.rejected_callers.contains(&r.caller) {
+                self.rejected_callers.insert(r.caller.clone());
+            }
         }
-        s
     }
 
-    /// Counts one more verdict; `callers` holds the rejected callers so far.
-    pub fn add(&mut self, v: &Verdict, callers: &mut HashSet<String>) {
-        let r = &v.record;
-        self.events += 1;
-        self.rejected += u64::from(r.decision == Decision::Reject);
-        self.would_reject += u64::from(r.shadow);
-        self.duplicates += u64::from(v.duplicate);
-        self.late += u64::from(r.late);
-        if r.would_reject() && !callers.contains(&r.caller) {
-            callers.insert(r.caller.clone());
+    fn finish(self, invalid: usize) -> ReplaySummary {
+        ReplaySummary {
+            rejected_callers: self.rejected_callers.len() as u64,
+            invalid: invalid as u64,
+            ..self.summary
         }
-        self.rejected_callers = callers.len() as u64;
     }
 }
 
@@ -88,24 +101,29 @@ pub async fn run_ordered<S: WindowStore>(
     mut sink: impl FnMut(CallLog, Vec<Verdict>) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
     let bar = progress_bar(log.rows() as u64, progress, "replaying");
-    let mut out = Streamed::default();
-    let mut callers = HashSet::new();
+    let mut tally = Tally::default();
+    let mut invalid = Vec::new();
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
     log.decode_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
         let mut chunk = chunk?;
-        let verdicts = run(&chunk, rules, store, false).await?;
-        for v in &verdicts {
-            out.summary.add(v, &mut callers);
-        }
+        // The chunk is ours: move its events out for the store and back for
+        // the sink, rather than cloning each one.
+        let (rows, events): (Vec<u64>, Vec<CallEvent>) =
+            std::mem::take(&mut chunk.events).into_iter().unzip();
+        let verdicts = apply_events(&events, &chunk.once, rules, store).await?;
+        chunk.events = rows.into_iter().zip(events).collect();
+        tally.add(&verdicts);
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
-        out.invalid.append(&mut chunk.invalid);
+        invalid.append(&mut chunk.invalid);
         sink(chunk, verdicts)?;
     }
     bar.finish_and_clear();
-    out.invalid.sort_by_key(|r| r.row);
-    out.summary.invalid = out.invalid.len() as u64;
-    Ok(out)
+    invalid.sort_by_key(|r| r.row);
+    Ok(Streamed {
+        summary: tally.finish(invalid.len()),
+        invalid,
+    })
 }
 
 impl fmt::Display for ReplaySummary {
@@ -139,30 +157,36 @@ impl fmt::Display for ReplaySummary {
     }
 }
 
-/// Applies a time-sorted call log through a store, in batches.
+/// Applies a time-sorted call log through a store, in batches (for logs
+/// already decoded whole; files stream through [`run_ordered`]).
 pub async fn run<S: WindowStore>(
     log: &CallLog,
     rules: &RuleSet,
     store: &mut S,
-    progress: bool,
 ) -> Result<Vec<Verdict>, StoreError> {
-    let bar = progress_bar(log.events.len() as u64, progress, "replaying");
-    let mut verdicts = Vec::with_capacity(log.events.len());
-    let mut batch = Vec::with_capacity(REPLAY_BATCH);
-    let hinted = log.once.len() == log.events.len();
-    for (i, chunk) in log.events.chunks(REPLAY_BATCH).enumerate() {
-        batch.clear();
-        batch.extend(chunk.iter().map(|(_, e)| e.clone()));
+    let events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    apply_events(&events, &log.once, rules, store).await
+}
+
+/// Applies events through a store in batches of [`REPLAY_BATCH`], passing
+/// the once-hints ([`CallLog::once`]) when there is one per event.
+async fn apply_events<S: WindowStore>(
+    events: &[CallEvent],
+    once: &[bool],
+    rules: &RuleSet,
+    store: &mut S,
+) -> Result<Vec<Verdict>, StoreError> {
+    let hinted = once.len() == events.len();
+    let mut verdicts = Vec::with_capacity(events.len());
+    for (i, batch) in events.chunks(REPLAY_BATCH).enumerate() {
         let got = if hinted {
-            let once = &log.once[i * REPLAY_BATCH..i * REPLAY_BATCH + chunk.len()];
-            store.apply_batch_once(rules, &batch, once).await?
+            let hints = &once[i * REPLAY_BATCH..i * REPLAY_BATCH + batch.len()];
+            store.apply_batch_once(rules, batch, hints).await?
         } else {
-            store.apply_batch(rules, &batch).await?
+            store.apply_batch(rules, batch).await?
         };
         verdicts.extend(got);
-        bar.inc(chunk.len() as u64);
     }
-    bar.finish_and_clear();
     Ok(verdicts)
 }
 

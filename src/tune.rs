@@ -469,8 +469,8 @@ fn finish_row(
     }
 }
 
-/// A sweep row from a full replay with that N (the `admitted` path, and the tests' reference).
-pub fn row_from_verdicts(
+/// A sweep row from a full replay with that N (see [`row_by_replay`]).
+fn row_from_verdicts(
     log: &CallLog,
     verdicts: &[Verdict],
     limit: u64,

@@ -43,7 +43,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
     let rules = RuleSet::from_file(&rules_path()).unwrap();
-    let verdicts = callguard::replay::run(&log, &rules, &mut MemoryStore::new(), false)
+    let verdicts = callguard::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
     let expected = verdicts

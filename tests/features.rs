@@ -14,7 +14,7 @@ fn rules() -> RuleSet {
 }
 
 async fn frame_for(log: &callguard::calllog::CallLog, rules: &RuleSet) -> DataFrame {
-    let verdicts = callguard::replay::run(log, rules, &mut MemoryStore::new(), false)
+    let verdicts = callguard::replay::run(log, rules, &mut MemoryStore::new())
         .await
         .unwrap();
     features_frame(&log.events, &verdicts, rules).unwrap()
