@@ -161,54 +161,24 @@ async fn main() {
         .arg(WINDOW_LUA)
         .query(&mut con)
         .expect("load");
-    let tag = "cg:{+3460__rand_int__}";
-    let mut args: Vec<String> = vec![
-        "EVALSHA".into(),
-        sha,
-        "8".into(),
-        format!("{tag}:m"),
-        format!("{tag}:l"),
-        format!("{tag}:i"),
-        format!("{tag}:r"),
-        format!("{tag}:c"),
-        format!("{tag}:f:burst:1000:1764547200"),
-        format!("{tag}:m"),
-        format!("{tag}:m"),
-    ];
-    args.extend(
-        [
-            &T0.to_string(),
-            "c__rand_int__",
-            "0",
-            "0",
-            "5000",
-            &rules.retention_ms().to_string(),
-            "0",
-            "1",
-            rules.version(),
-            "1",
-            &rules.dedup_ms().to_string(),
-            "60000",
-            "1",
-            "",
-            &rules.max_window_ms().to_string(),
-            "3",
-            "0",
-            "1000",
-            "2",
-            "burst",
-            "1",
-            "60000",
-            "10",
-            "minute",
-            "2",
-            "3600000",
-            "200",
-            "hour",
-        ]
-        .iter()
-        .map(|s| s.to_string()),
-    );
+    // The store's own invocation for a template event whose caller and call
+    // id redis-benchmark randomises (`__rand_int__`), so the peer runs exactly
+    // the keys and arguments the store sends.
+    let template = event(0, 0, T0);
+    let template = CallEvent {
+        call_id: "c__rand_int__".into(),
+        caller: "+3460__rand_int__".into(),
+        ..template
+    };
+    let args: Vec<String> = store
+        .invocation(&rules, &template)
+        .args_iter()
+        .map(|a| match a {
+            redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            other => panic!("unexpected argument {other:?} in the invocation"),
+        })
+        .collect();
+    assert_eq!(args[1], sha, "the store loaded another script");
     let out = Command::new("redis-benchmark")
         .args([
             "-p",

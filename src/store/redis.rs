@@ -296,7 +296,9 @@ impl RedisStore {
         format!("{}{{{}}}:{}", self.config.key_prefix, caller, suffix)
     }
 
-    fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
+    /// The `EVALSHA` of the window script for one event (keys and arguments
+    /// as documented in `lua/window.lua`); benchmarks replay it elsewhere.
+    pub fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&self.sha).arg(5 + rules.rules.len());
         cmd.arg(self.key(&ev.caller, "m"))
