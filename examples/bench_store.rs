@@ -14,8 +14,8 @@ use std::net::TcpListener;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use callguard::event::CallEvent;
-use callguard::rules::RuleSet;
+use callguard::engine::event::CallEvent;
+use callguard::engine::rules::RuleSet;
 use callguard::store::redis::{RedisConfig, RedisStore, WINDOW_LUA};
 
 const T0: i64 = 1_764_547_200_000;

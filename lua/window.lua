@@ -1,6 +1,6 @@
 -- callguard window script: decides one call of one caller atomically.
 --
--- A line-by-line port of CallerState::apply (src/window.rs), which defines
+-- A line-by-line port of CallerState::apply (src/engine/window.rs), which defines
 -- the semantics; the conformance tests demand identical records. Event time
 -- comes from ARGV; the Redis clock is never read. Every key written gets a
 -- TTL in the same call.
@@ -27,10 +27,12 @@
 --   15 longest window Wmax (ms)
 --   16 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
--- Returns: { duplicate (0/1), record } where record is
---   "ts|decision(0 allow,1 reject)|reason|shadow|late|version|prev_ts|distinct|c1,c2,..."
---   (prev_ts empty when the caller has no state within the retention;
---   distinct empty when callees are not kept).
+-- Returns: { duplicate (0/1), record } where record is its fields joined by '|'
+--   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
+--   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts
+--   decision 0 allow, 1 reject; shadow and late 0/1; prev_ts_ms empty when the
+--   caller has no state within the retention; distinct_callees empty when
+--   callees are not kept; counts comma-separated in rule order.
 -- Needs Redis >= 6.2 (ZADD GT).
 -- Numbers travel through Lua doubles: exact for times below 1e14 ms.
 

@@ -4,7 +4,8 @@
 //! log (plus a few malformed messages), runs the stream processor with the
 //! in-memory store, follows the decisions topic with a live summary, and
 //! finally checks that the decisions equal `callguard replay` on the same
-//! file.
+//! file. It joins the online path to the offline one, so it lives beside
+//! both.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -17,12 +18,18 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::Value;
 use tokio::sync::watch;
 
-use crate::calllog::{OrderedLog, ReadOptions};
-use crate::consumer::{self, ConsumeConfig};
-use crate::kafka::{client_config, client_err, EmbeddedKafka, KafkaError};
-use crate::metrics::{Health, Metrics};
-use crate::replay;
-use crate::rules::RuleSet;
+use crate::engine::record::{Row, Schema};
+use crate::engine::rules::RuleSet;
+use crate::error::{DemoError, KafkaError};
+use crate::offline::order::OrderedLog;
+use crate::offline::read::{CallLog, ReadOptions};
+use crate::offline::replay;
+use crate::online::consumer::{
+    self, ConsumeConfig, DEFAULT_DECISIONS_TOPIC, DEFAULT_DLQ_TOPIC, DEFAULT_FEATURES_TOPIC,
+    DEFAULT_INPUT_TOPIC,
+};
+use crate::online::kafka::{client_config, client_err, producer_config, EmbeddedKafka};
+use crate::online::metrics::{Health, Metrics};
 use crate::store::memory::MemoryStore;
 
 /// What the demo runs on.
@@ -73,27 +80,77 @@ const BAD_MESSAGES: [(&str, &str); 3] = [
 ];
 
 /// Runs the demo, printing a live summary every second.
-pub async fn run(
-    config: DemoConfig,
-) -> Result<DemoReport, Box<dyn std::error::Error + Send + Sync>> {
+pub async fn run(config: DemoConfig) -> Result<DemoReport, DemoError> {
     let log = OrderedLog::open(&config.input, &config.read)?.read_all()?;
     let kafka = EmbeddedKafka::start()?;
     let brokers = kafka.bootstrap();
     for (topic, p) in [
-        ("calls", config.partitions),
-        ("call-decisions", 4),
-        ("call-features", 4),
-        ("calls-dlq", 1),
+        (DEFAULT_INPUT_TOPIC, config.partitions),
+        (DEFAULT_DECISIONS_TOPIC, 4),
+        (DEFAULT_FEATURES_TOPIC, 4),
+        (DEFAULT_DLQ_TOPIC, 1),
     ] {
         kafka.create_topic(topic, p)?;
     }
     println!("embedded Kafka at {brokers}; topics calls, call-decisions, call-features, calls-dlq");
-    let produced = crate::produce::produce(&log, &brokers, &[], "calls", false).await?;
-    let bad: FutureProducer = crate::kafka::producer_config(&brokers, &[])
+    let produced = produce_log(&log, &brokers).await?;
+    println!(
+        "produced {produced} call events (+{} malformed) from {}",
+        BAD_MESSAGES.len(),
+        config.input.display()
+    );
+
+    let (stop_tx, mut stop_rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(config.rules.clone());
+    let started = Instant::now();
+    let worker = tokio::spawn(consumer::run(
+        ConsumeConfig::new(
+            &brokers,
+            "callguard-demo",
+            DEFAULT_INPUT_TOPIC,
+            DEFAULT_DECISIONS_TOPIC,
+            DEFAULT_FEATURES_TOPIC,
+            DEFAULT_DLQ_TOPIC,
+        ),
+        MemoryStore::keeping_all(),
+        rules_rx,
+        Arc::new(Metrics::new()),
+        Arc::new(Health::default()),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    ));
+    let followed = follow_decisions(&brokers, produced, started, config.timeout).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let _ = stop_tx.send(true);
+    let stats = worker.await.map_err(|e| DemoError::Task(e.to_string()))??;
+    let mismatches = mismatches(&log, &config.rules, &followed.seen).await?;
+
+    let mut top: Vec<(String, u64)> = followed.rejected_by.into_iter().collect();
+    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    top.truncate(5);
+    let seen = &followed.seen;
+    Ok(DemoReport {
+        produced,
+        decided: seen.len() as u64,
+        rejected: seen.values().filter(|v| v["decision"] == "reject").count() as u64,
+        dead_letters: stats.dead_letters,
+        mismatches,
+        events_per_sec: seen.len() as f64 / elapsed,
+        top_rejected: top,
+    })
+}
+
+/// Produces the log and the malformed samples to the calls topic.
+async fn produce_log(log: &CallLog, brokers: &str) -> Result<u64, KafkaError> {
+    let events = log.events.iter().map(|(_, e)| e);
+    let produced =
+        crate::online::produce::produce(events, brokers, &[], DEFAULT_INPUT_TOPIC).await?;
+    let bad: FutureProducer = producer_config(brokers, &[])
         .create()
         .map_err(client_err("creating a producer"))?;
     for (key, payload) in BAD_MESSAGES {
-        let mut r = FutureRecord::to("calls").payload(payload);
+        let mut r = FutureRecord::to(DEFAULT_INPUT_TOPIC).payload(payload);
         if !key.is_empty() {
             r = r.key(key);
         }
@@ -101,50 +158,40 @@ pub async fn run(
             .await
             .map_err(|(e, _)| client_err("producing")(e))?;
     }
-    println!(
-        "produced {produced} call events (+{} malformed) from {}",
-        BAD_MESSAGES.len(),
-        config.input.display()
-    );
+    Ok(produced)
+}
 
-    let (_tx, rules_rx) = watch::channel(config.rules.clone());
-    let metrics = Arc::new(Metrics::new());
-    let health = Arc::new(Health::default());
-    let (stop_tx, mut stop_rx) = watch::channel(false);
-    let consume_cfg = ConsumeConfig::new(
-        &brokers,
-        "callguard-demo",
-        "calls",
-        "call-decisions",
-        "call-features",
-        "calls-dlq",
-    );
-    let started = Instant::now();
-    let worker = tokio::spawn(consumer::run(
-        consume_cfg,
-        MemoryStore::keeping_all(),
-        rules_rx,
-        metrics.clone(),
-        health.clone(),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        },
-    ));
+/// What the decisions topic showed.
+struct Followed {
+    /// The first record of each call id.
+    seen: HashMap<String, Value>,
+    /// Rejected calls per caller.
+    rejected_by: HashMap<String, u64>,
+}
 
-    // Follow the decisions topic.
-    let reader: StreamConsumer = client_config(&brokers, &[])
+/// Reads the decisions topic until every produced call is decided or the
+/// timeout passes, printing a summary every second.
+async fn follow_decisions(
+    brokers: &str,
+    produced: u64,
+    started: Instant,
+    timeout: Duration,
+) -> Result<Followed, KafkaError> {
+    let reader: StreamConsumer = client_config(brokers, &[])
         .set("group.id", "callguard-demo-reader")
         .set("auto.offset.reset", "earliest")
         .create()
         .map_err(client_err("creating the decisions reader"))?;
     reader
-        .subscribe(&["call-decisions"])
+        .subscribe(&[DEFAULT_DECISIONS_TOPIC])
         .map_err(client_err("subscribing to call-decisions"))?;
-    let mut seen: HashMap<String, Value> = HashMap::new();
-    let mut rejected_by: HashMap<String, u64> = HashMap::new();
+    let mut f = Followed {
+        seen: HashMap::new(),
+        rejected_by: HashMap::new(),
+    };
     let mut last_print = Instant::now();
-    let deadline = Instant::now() + config.timeout;
-    while (seen.len() as u64) < produced && Instant::now() < deadline {
+    let deadline = Instant::now() + timeout;
+    while (f.seen.len() as u64) < produced && Instant::now() < deadline {
         let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), reader.recv()).await
         else {
             continue;
@@ -156,53 +203,52 @@ pub async fn run(
             continue;
         };
         let id = v["call_id"].as_str().unwrap_or_default().to_string();
-        if !seen.contains_key(&id) && v["decision"] == "reject" {
-            *rejected_by
+        if !f.seen.contains_key(&id) && v["decision"] == "reject" {
+            *f.rejected_by
                 .entry(v["caller"].as_str().unwrap_or_default().to_string())
                 .or_default() += 1;
         }
-        seen.entry(id).or_insert(v);
+        f.seen.entry(id).or_insert(v);
         if last_print.elapsed() >= Duration::from_secs(1) {
             last_print = Instant::now();
-            let rate = seen.len() as f64 / started.elapsed().as_secs_f64();
-            let mut top: Vec<(&String, &u64)> = rejected_by.iter().collect();
-            top.sort_by(|a, b| b.1.cmp(a.1));
-            println!(
-                "decided {:>7}/{produced}  {:>8.0} events/s  rejected {:>6}  top: {}",
-                seen.len(),
-                rate,
-                rejected_by.values().sum::<u64>(),
-                top.iter()
-                    .take(3)
-                    .map(|(c, n)| format!("{c} ({n})"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
+            print_progress(&f, produced, started);
         }
     }
-    let elapsed = started.elapsed().as_secs_f64();
-    let _ = stop_tx.send(true);
-    let stats = worker
-        .await
-        .map_err(|e| KafkaError::Delivery(format!("consumer task failed: {e}")))??;
+    Ok(f)
+}
 
-    // Parity with the offline replay.
-    let mut store = MemoryStore::new();
-    let verdicts = replay::run(&log, &config.rules, &mut store).await?;
-    let mismatches = verdicts
+fn print_progress(f: &Followed, produced: u64, started: Instant) {
+    let rate = f.seen.len() as f64 / started.elapsed().as_secs_f64();
+    let mut top: Vec<(&String, &u64)> = f.rejected_by.iter().collect();
+    top.sort_by(|a, b| b.1.cmp(a.1));
+    println!(
+        "decided {:>7}/{produced}  {:>8.0} events/s  rejected {:>6}  top: {}",
+        f.seen.len(),
+        rate,
+        f.rejected_by.values().sum::<u64>(),
+        top.iter()
+            .take(3)
+            .map(|(c, n)| format!("{c} ({n})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+}
+
+/// Decision records of the topic that differ from the offline replay.
+async fn mismatches(
+    log: &CallLog,
+    rules: &RuleSet,
+    seen: &HashMap<String, Value>,
+) -> Result<u64, DemoError> {
+    let verdicts = replay::run(log, rules, &mut MemoryStore::new()).await?;
+    let schema = Schema::decisions(rules);
+    Ok(log
+        .events
         .iter()
-        .filter(|v| seen.get(&v.record.call_id) != Some(&v.record.to_json(&config.rules)))
-        .count() as u64;
-    let mut top: Vec<(String, u64)> = rejected_by.into_iter().collect();
-    top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    top.truncate(5);
-    Ok(DemoReport {
-        produced,
-        decided: seen.len() as u64,
-        rejected: seen.values().filter(|v| v["decision"] == "reject").count() as u64,
-        dead_letters: stats.dead_letters,
-        mismatches,
-        events_per_sec: seen.len() as f64 / elapsed,
-        top_rejected: top,
-    })
+        .zip(&verdicts)
+        .filter(|((_, event), verdict)| {
+            let offline = schema.to_json(Row { event, verdict });
+            seen.get(&verdict.record.call_id) != Some(&offline)
+        })
+        .count() as u64)
 }

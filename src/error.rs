@@ -1,4 +1,11 @@
-//! Typed errors of the library. The binary wraps them in `anyhow` at the top.
+//! Typed errors of the library, all in one place. The binary wraps them in
+//! `anyhow` at the top.
+//!
+//! Errors that wrap another keep it as their [`std::error::Error::source`]
+//! and do not repeat its text in their own message, so a report of the chain
+//! ([`chain`], or `anyhow`'s `{:#}`) names every cause once.
+
+use std::path::PathBuf;
 
 use thiserror::Error;
 
@@ -75,7 +82,7 @@ impl EventError {
 #[derive(Debug, Error)]
 pub enum RulesError {
     /// The TOML file cannot be read.
-    #[error("cannot read rules file {path}: {source}")]
+    #[error("cannot read rules file {path}")]
     Read {
         /// File path.
         path: String,
@@ -94,17 +101,45 @@ pub enum RulesError {
 #[derive(Debug, Error)]
 pub enum StoreError {
     /// A failure that may go away (connection lost, timeout, busy, failover): retry.
-    #[error("transient store error: {0}")]
-    Transient(String),
+    #[error("transient store error: {context}")]
+    Transient {
+        /// What failed.
+        context: String,
+        /// The Redis error, if one caused it.
+        #[source]
+        source: Option<redis::RedisError>,
+    },
     /// A failure that will not go away by retrying (bad script, auth, bad config).
-    #[error("fatal store error: {0}")]
-    Fatal(String),
+    #[error("fatal store error: {context}")]
+    Fatal {
+        /// What failed.
+        context: String,
+        /// The Redis error, if one caused it.
+        #[source]
+        source: Option<redis::RedisError>,
+    },
 }
 
 impl StoreError {
     /// Whether retrying the same call may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Transient(_))
+        matches!(self, StoreError::Transient { .. })
+    }
+
+    /// A transient error with no underlying cause.
+    pub fn transient(context: impl Into<String>) -> Self {
+        StoreError::Transient {
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    /// A fatal error with no underlying cause.
+    pub fn fatal(context: impl Into<String>) -> Self {
+        StoreError::Fatal {
+            context: context.into(),
+            source: None,
+        }
     }
 }
 
@@ -112,7 +147,7 @@ impl StoreError {
 #[derive(Debug, Error)]
 pub enum IoError {
     /// Polars failed to read or write.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Polars {
         /// What was being done.
         context: String,
@@ -120,16 +155,45 @@ pub enum IoError {
         source: polars::prelude::PolarsError,
     },
     /// A plain I/O error.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         /// What was being done.
         context: String,
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The input lacks something it needs.
-    #[error("{0}")]
-    Input(String),
+    /// The input file does not exist.
+    #[error("{0}: no such file")]
+    NoSuchFile(PathBuf),
+    /// A column the field mapping needs is not in the input.
+    #[error("column `{column}` (for `{field}`) not found; columns are: {columns} (map with --map {field}=COLUMN)")]
+    MissingColumn {
+        /// The input's column name.
+        column: String,
+        /// The canonical field it was to provide.
+        field: &'static str,
+        /// The columns the input has, comma-separated.
+        columns: String,
+    },
+    /// The input has the wrong shape for its format.
+    #[error("{path}: {problem}")]
+    BadShape {
+        /// The input file.
+        path: PathBuf,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A plot could not be drawn.
+    #[error("drawing the plot {path}: {problem}")]
+    Plot {
+        /// The plot file.
+        path: PathBuf,
+        /// What failed.
+        problem: String,
+    },
+    /// A worker thread of the offline pipeline stopped without a result.
+    #[error("the {0} thread stopped unexpectedly")]
+    WorkerLost(&'static str),
 }
 
 /// Failures of a replay over a call log: reading or writing, or the store.
@@ -141,4 +205,93 @@ pub enum ReplayError {
     /// The window store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// Failures of a sweep over a file.
+#[derive(Debug, Error)]
+pub enum TuneError {
+    /// The rule set cannot take a limit.
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+    /// Reading the log failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+}
+
+/// Kafka failures.
+#[derive(Debug, Error)]
+pub enum KafkaError {
+    /// A `-X key=value` setting is malformed.
+    #[error("bad Kafka setting `{0}`: expected key=value")]
+    BadSetting(String),
+    /// librdkafka refused or failed.
+    #[error("{context}")]
+    Client {
+        /// What was being done.
+        context: String,
+        /// The librdkafka error.
+        source: rdkafka::error::KafkaError,
+    },
+    /// A produced message was not acknowledged.
+    #[error("delivery failed: {0}")]
+    Delivery(String),
+}
+
+/// Failures that stop the stream processor.
+#[derive(Debug, Error)]
+pub enum ConsumeError {
+    /// Kafka failed.
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    /// The store failed with a fatal error.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Failures of `callguard demo`.
+#[derive(Debug, Error)]
+pub enum DemoError {
+    /// Reading the call log failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// The embedded Kafka failed.
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    /// The stream processor stopped with an error.
+    #[error(transparent)]
+    Consume(#[from] ConsumeError),
+    /// The offline replay for the parity check failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The consumer task panicked or was cancelled.
+    #[error("the consumer task failed: {0}")]
+    Task(String),
+}
+
+/// An error and its causes as one line, `outer: inner: ...` (for logs).
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chains_name_each_cause_once() {
+        let e = IoError::Io {
+            context: "reading x.csv".into(),
+            source: std::io::Error::other("disk on fire"),
+        };
+        assert_eq!(chain(&e), "reading x.csv: disk on fire");
+        let s = StoreError::fatal("bad script");
+        assert_eq!(chain(&s), "fatal store error: bad script");
+    }
 }

@@ -6,30 +6,27 @@
 //! with the reason), online from Kafka with the windows in Redis, and offline
 //! from call logs with exactly the same semantics.
 //!
-//! * [`event`]: the call event and its decoder (JSON and call-log rows).
-//! * [`rules`]: rule sets (windows, limits, lists, shadow mode).
-//! * [`window`]: the reference window algorithm for one caller.
-//! * [`store`]: where window state lives: in memory or in Redis (Lua).
-//! * [`decision`]: decision records, the one output record.
-//! * [`calllog`]: reading call logs and writing tables.
-//! * [`replay`]: `callguard replay`.
+//! The library is layered; imports only go downwards:
+//!
+//! * [`engine`]: the semantics, with no I/O: call events and their decoder,
+//!   rule sets, the reference window algorithm, and the one record schema
+//!   every output is built from.
+//! * [`store`]: where window state lives, behind one trait: in memory (the
+//!   engine itself) or in Redis (the same algorithm in Lua).
+//! * [`online`]: the stream processor (`consume`) and its Kafka, metrics and
+//!   reload plumbing; no polars here.
+//! * [`offline`]: call logs on disk: reading and ordering, tables, `replay`,
+//!   `tune`, `features`, plots and the generator.
+//! * [`demo`]: the online pipeline checked against the offline replay.
+//! * [`progress`]: progress bars for long work.
+//!
+//! The command line (`src/cmd/`, in the binary) maps its arguments onto the
+//! configurations these modules take.
 
-pub mod calllog;
-pub mod cli;
-pub mod consumer;
-pub mod decision;
 pub mod demo;
+pub mod engine;
 pub mod error;
-pub mod event;
-pub mod features;
-pub mod generate;
-pub mod kafka;
-pub mod metrics;
-pub mod plot;
-pub mod produce;
-pub mod reload;
-pub mod replay;
-pub mod rules;
+pub mod offline;
+pub mod online;
+pub mod progress;
 pub mod store;
-pub mod tune;
-pub mod window;

@@ -6,9 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use callguard::decision::Verdict;
-use callguard::event::CallEvent;
-use callguard::rules::RuleSet;
+use callguard::engine::event::CallEvent;
+use callguard::engine::record::Verdict;
+use callguard::engine::rules::RuleSet;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use callguard::store::WindowStore;
@@ -147,11 +147,11 @@ async fn every_key_has_a_ttl_and_all_expire() {
     // Short windows so the keys expire within the test.
     let rules = RuleSet::new(
         vec![
-            callguard::rules::Rule::parse_shorthand("f:fixed:300ms:3").unwrap(),
-            callguard::rules::Rule::parse_shorthand("s:sliding:400ms:3").unwrap(),
-            callguard::rules::Rule::parse_shorthand("a:sliding-approx:500ms:3").unwrap(),
+            callguard::engine::rules::Rule::parse_shorthand("f:fixed:300ms:3").unwrap(),
+            callguard::engine::rules::Rule::parse_shorthand("s:sliding:400ms:3").unwrap(),
+            callguard::engine::rules::Rule::parse_shorthand("a:sliding-approx:500ms:3").unwrap(),
         ],
-        callguard::rules::CountPolicy::Admitted,
+        callguard::engine::rules::CountPolicy::Admitted,
         200,
         vec![],
         vec![],

@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use callguard::calllog::{read_call_log, CallLog, ReadOptions};
-use callguard::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
-use callguard::kafka::EmbeddedKafka;
-use callguard::metrics::{Health, Metrics};
-use callguard::rules::RuleSet;
+use callguard::engine::record::{Row, Schema};
+use callguard::engine::rules::RuleSet;
+use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
+use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
+use callguard::online::kafka::EmbeddedKafka;
+use callguard::online::metrics::{Health, Metrics};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use common::kafka::{by_call_id, produce_raw, read_decisions, read_topic, signal, spawn_consumer};
@@ -39,25 +40,32 @@ struct Sample {
 async fn sample(rows: usize, seed: u64) -> Sample {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
-    callguard::generate::write_csv(&path, &callguard::generate::generate(rows, seed)).unwrap();
+    callguard::offline::generate::write_csv(
+        &path,
+        &callguard::offline::generate::generate(rows, seed),
+    )
+    .unwrap();
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
     let rules = RuleSet::from_file(&rules_path()).unwrap();
-    let verdicts = callguard::replay::run(&log, &rules, &mut MemoryStore::new())
+    let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
+    let (decision_schema, feature_schema) = (Schema::decisions(&rules), Schema::features(&rules));
     let expected = verdicts
         .iter()
-        .map(|v| (v.record.call_id.clone(), v.record.to_json(&rules)))
+        .zip(&log.events)
+        .map(|(verdict, (_, event))| {
+            let row = Row { event, verdict };
+            (verdict.record.call_id.clone(), decision_schema.to_json(row))
+        })
         .collect();
     let features = verdicts
         .iter()
         .zip(&log.events)
-        .map(|(v, (_, e))| {
-            (
-                v.record.call_id.clone(),
-                callguard::features::feature_json(v, e, &rules),
-            )
+        .map(|(verdict, (_, event))| {
+            let row = Row { event, verdict };
+            (verdict.record.call_id.clone(), feature_schema.to_json(row))
         })
         .collect();
     Sample {
@@ -92,7 +100,7 @@ fn assert_parity(sample: &Sample, records: &[Value]) {
 /// Runs the consumer in process until `until` says stop; returns its stats.
 struct Running {
     stop: watch::Sender<bool>,
-    handle: tokio::task::JoinHandle<Result<ConsumeStats, consumer::ConsumeError>>,
+    handle: tokio::task::JoinHandle<Result<ConsumeStats, callguard::error::ConsumeError>>,
     metrics: Arc<Metrics>,
 }
 
@@ -145,9 +153,14 @@ async fn mock_cluster_decisions_equal_replay() {
     }
     let brokers = kafka.bootstrap();
     let s = sample(20_000, 11).await;
-    let n = callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
-        .await
-        .unwrap();
+    let n = callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 20_000);
     let run = start_in_process(config(&brokers, "g-mock"), &redis.url(), s.rules.clone()).await;
     let records =
@@ -257,9 +270,14 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
         .count();
     assert_eq!(labelled, 100_000);
     let started = Instant::now();
-    let n = callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
-        .await
-        .unwrap();
+    let n = callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
     assert_eq!(n, 100_000);
     let produce_s = started.elapsed().as_secs_f64();
     let run = start_in_process(config(&brokers, "g-tansu"), &redis.url(), s.rules.clone()).await;
@@ -289,9 +307,14 @@ async fn sigkill_at_random_points_still_one_decision_per_call() {
     }
     let brokers = kafka.bootstrap();
     let s = sample(30_000, 13).await;
-    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
-        .await
-        .unwrap();
+    callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(99);
     let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "200"];
     for round in 0..4 {
@@ -329,9 +352,14 @@ async fn group_with_one_stopped_midway(instances: usize, seed: u64) {
     }
     let brokers = kafka.bootstrap();
     let s = sample(30_000, seed).await;
-    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
-        .await
-        .unwrap();
+    callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
     let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "100"];
     let group = format!("g-group-{instances}");
     let mut children: Vec<_> = (0..instances)
@@ -487,9 +515,14 @@ async fn redis_outage_under_block_loses_nothing() {
     }
     let brokers = kafka.bootstrap();
     let s = sample(20_000, 15).await;
-    callguard::produce::produce(&s.log, &brokers, &[], "calls", false)
-        .await
-        .unwrap();
+    callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
     let mut cfg = config(&brokers, "g-outage");
     cfg.batch_size = 50;
     let run = start_in_process(cfg, &redis.url(), s.rules.clone()).await;

@@ -3,9 +3,10 @@
 
 mod common;
 
-use callguard::calllog::{read_call_log, read_frame, InputFormat, ReadOptions};
-use callguard::features::features_frame;
-use callguard::rules::RuleSet;
+use callguard::engine::record::{Row, Schema};
+use callguard::engine::rules::RuleSet;
+use callguard::offline::read::{read_call_log, read_frame, InputFormat, ReadOptions};
+use callguard::offline::table::frame;
 use callguard::store::memory::MemoryStore;
 use polars::prelude::*;
 
@@ -13,11 +14,17 @@ fn rules() -> RuleSet {
     RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap()
 }
 
-async fn frame_for(log: &callguard::calllog::CallLog, rules: &RuleSet) -> DataFrame {
-    let verdicts = callguard::replay::run(log, rules, &mut MemoryStore::new())
+async fn frame_for(log: &callguard::offline::read::CallLog, rules: &RuleSet) -> DataFrame {
+    let verdicts = callguard::offline::replay::run(log, rules, &mut MemoryStore::new())
         .await
         .unwrap();
-    features_frame(&log.events, &verdicts, rules).unwrap()
+    let rows: Vec<Row> = log
+        .events
+        .iter()
+        .zip(&verdicts)
+        .map(|((_, event), verdict)| Row { event, verdict })
+        .collect();
+    frame(&Schema::features(rules), &rows).unwrap()
 }
 
 #[tokio::test]
@@ -96,7 +103,7 @@ async fn appending_future_calls_changes_no_earlier_feature() {
     .unwrap();
     log.sort_by_time();
     let cut = 12_000;
-    let mut early = callguard::calllog::CallLog {
+    let mut early = callguard::offline::read::CallLog {
         events: log.events[..cut].to_vec(),
         ..Default::default()
     };
@@ -123,7 +130,8 @@ fn asterisk_master_csv_preset() {
     let opts = |tz: Option<chrono_tz::Tz>| ReadOptions {
         format: InputFormat::Asterisk,
         timezone: tz,
-        decoder: callguard::event::Decoder::new(Default::default(), Some("34".into())).unwrap(),
+        decoder: callguard::engine::event::Decoder::new(Default::default(), Some("34".into()))
+            .unwrap(),
         progress: false,
     };
     let path = std::path::Path::new("tests/golden/Master.csv");

@@ -72,8 +72,11 @@ fn parquet_output_holds_the_same_records() {
         ]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
-    let a = callguard::calllog::read_frame(&pq, callguard::calllog::InputFormat::Parquet).unwrap();
-    let b = callguard::calllog::read_frame(&csv, callguard::calllog::InputFormat::Csv).unwrap();
+    let a =
+        callguard::offline::read::read_frame(&pq, callguard::offline::read::InputFormat::Parquet)
+            .unwrap();
+    let b = callguard::offline::read::read_frame(&csv, callguard::offline::read::InputFormat::Csv)
+        .unwrap();
     assert_eq!(a.height(), 20_000);
     assert!(a.equals(&b), "parquet and csv outputs differ");
 }
@@ -162,7 +165,10 @@ fn clear_errors_for_bad_inputs() {
 /// same invalid rows, whatever the chunk size.
 #[test]
 fn ordered_chunks_equal_the_sorted_log() {
-    use callguard::calllog::{read_call_log, OrderedLog, ReadOptions};
+    use callguard::offline::{
+        order::OrderedLog,
+        read::{read_call_log, ReadOptions},
+    };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
     // Out of order, ties, an unparseable time, a blank one, a bad caller, an
@@ -181,7 +187,7 @@ fn ordered_chunks_equal_the_sorted_log() {
     )
     .unwrap();
     let asterisk = ReadOptions {
-        format: callguard::calllog::InputFormat::Asterisk,
+        format: callguard::offline::read::InputFormat::Asterisk,
         timezone: Some(chrono_tz::Europe::Madrid),
         ..ReadOptions::default()
     };
@@ -210,7 +216,7 @@ fn ordered_chunks_equal_the_sorted_log() {
                 let chunk = chunk.unwrap();
                 events.extend(chunk.events);
                 invalid.extend(chunk.invalid);
-                once.extend(chunk.once);
+                once.extend(chunk.unique);
             }
             invalid.sort_by_key(|r| r.row);
             assert_eq!(once.len(), events.len());
@@ -229,7 +235,7 @@ fn ordered_chunks_equal_the_sorted_log() {
         .collect();
     assert_eq!(ids, ["f", "b", "d", "a", "a"]);
     // `a` (once padded with spaces) is the one id that repeats.
-    assert_eq!(small.once, [true, true, true, false, false]);
+    assert_eq!(small.unique, [true, true, true, false, false]);
     let bad: Vec<String> = small
         .invalid
         .iter()

@@ -3,7 +3,7 @@
 
 mod common;
 
-use callguard::decision::{Decision, Verdict};
+use callguard::engine::record::{Decision, Verdict};
 use callguard::store::memory::MemoryStore;
 use common::scenarios::{self, T0};
 use common::{ev, random, reference};
@@ -65,7 +65,7 @@ fn previous_call_time_is_kept_within_retention_only() {
 
 #[test]
 fn idle_callers_are_swept() {
-    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()])
+    let rules = callguard::engine::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()])
         .unwrap()
         .with_dedup(1)
         .unwrap();
@@ -141,7 +141,8 @@ fn random_sequences_reject_something() {
 
 #[test]
 fn a_stream_store_keeps_callers_whose_partition_lags() {
-    let rules = callguard::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
+    let rules =
+        callguard::engine::rules::RuleSet::from_args(None, &["m:sliding:1s:5".into()]).unwrap();
     for (mut store, kept) in [
         (MemoryStore::keeping_all(), true),
         (MemoryStore::new(), false),
@@ -213,7 +214,7 @@ fn ids_seen_once_need_no_idempotency_record() {
         for (i, e) in events.iter().enumerate() {
             let once = seen[e.call_id.as_str()] == 1;
             assert_eq!(
-                hinted.apply_with(&rules, e, !once),
+                hinted.apply_unique(&rules, e, once),
                 plain.apply(&rules, e),
                 "seed {seed} event #{i}"
             );

@@ -3,16 +3,20 @@
 
 mod common;
 
-use callguard::calllog::{read_call_log, CallLog, ReadOptions};
-use callguard::event::CallEvent;
-use callguard::rules::{CountPolicy, Rule, RuleSet};
-use callguard::tune::{row_by_replay, sweep, Sweeper, Target};
+use callguard::engine::event::CallEvent;
+use callguard::engine::rules::{CountPolicy, Rule, RuleSet};
+use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
+use callguard::offline::tune::{row_by_replay, sweep, Sweeper, Target};
 use common::scenarios::T0;
 
 fn generated_log(rows: usize, seed: u64) -> CallLog {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
-    callguard::generate::write_csv(&path, &callguard::generate::generate(rows, seed)).unwrap();
+    callguard::offline::generate::write_csv(
+        &path,
+        &callguard::offline::generate::generate(rows, seed),
+    )
+    .unwrap();
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
     log

@@ -1,14 +1,14 @@
 //! The in-memory store: the reference semantics, in process.
 
-use crate::decision::Verdict;
+use crate::engine::event::CallEvent;
+use crate::engine::record::Verdict;
+use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
 use crate::error::StoreError;
-use crate::event::CallEvent;
-use crate::rules::RuleSet;
 use crate::store::WindowStore;
-use crate::window::CallerState;
 
-/// How many events between sweeps of idle callers.
-const SWEEP_EVERY: u64 = 16_384;
+/// How many events at least between evictions of idle callers.
+const EVICT_EVERY: u64 = 16_384;
 
 /// Window state of all callers in a hash map.
 ///
@@ -22,15 +22,15 @@ pub struct MemoryStore {
     callers: foldhash::HashMap<String, CallerState>,
     watermark: Option<i64>,
     applied: u64,
-    /// When (in events applied) to sweep next.
-    next_sweep: u64,
-    /// Keep every caller (no sweep): for streams whose partitions may run
+    /// When (in events applied) to evict idle callers next.
+    next_eviction: u64,
+    /// Keep every caller (no eviction): for streams whose partitions may run
     /// far apart in event time.
     keep_all: bool,
 }
 
 impl MemoryStore {
-    /// An empty store that sweeps idle callers: for time-sorted input (replay).
+    /// An empty store that evicts idle callers: for time-sorted input (replay).
     pub fn new() -> Self {
         Self::default()
     }
@@ -48,25 +48,25 @@ impl MemoryStore {
 
     /// Applies one event.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
-        self.apply_with(rules, ev, true)
+        self.apply_unique(rules, ev, false)
     }
 
-    /// Applies one event; `remember = false` when its call id occurs
-    /// nowhere else in the input (see [`CallerState::apply_with`]).
-    pub fn apply_with(&mut self, rules: &RuleSet, ev: &CallEvent, remember: bool) -> Verdict {
+    /// Applies one event; `unique = true` when its call id occurs nowhere
+    /// else in the input (see [`CallerState::apply_unique`]).
+    pub fn apply_unique(&mut self, rules: &RuleSet, ev: &CallEvent, unique: bool) -> Verdict {
         self.watermark = Some(self.watermark.map_or(ev.ts_ms, |w| w.max(ev.ts_ms)));
         self.applied += 1;
-        // Sweeping costs one look at every caller, so sweep no more often
+        // Evicting costs one look at every caller, so evict no more often
         // than once per that many events (amortised O(1) per event).
-        if !self.keep_all && self.applied >= self.next_sweep {
-            self.sweep(rules);
-            self.next_sweep = self.applied + SWEEP_EVERY.max(self.callers.len() as u64);
+        if !self.keep_all && self.applied >= self.next_eviction {
+            self.evict_idle(rules);
+            self.next_eviction = self.applied + EVICT_EVERY.max(self.callers.len() as u64);
         }
         match self.callers.get_mut(ev.caller.as_str()) {
-            Some(state) => state.apply_with(rules, ev, remember),
+            Some(state) => state.apply_unique(rules, ev, unique),
             None => {
                 let mut state = CallerState::default();
-                let v = state.apply_with(rules, ev, remember);
+                let v = state.apply_unique(rules, ev, unique);
                 self.callers.insert(ev.caller.clone(), state);
                 v
             }
@@ -81,7 +81,7 @@ impl MemoryStore {
     /// Drops callers idle for longer than the idempotency horizon (at least
     /// the retention): on time-sorted input their next event would find
     /// every record of theirs past both horizons, as if they had no state.
-    pub fn sweep(&mut self, rules: &RuleSet) {
+    pub fn evict_idle(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
             let cutoff = w - rules.dedup_ms();
             self.callers
@@ -99,16 +99,16 @@ impl WindowStore for MemoryStore {
         Ok(events.iter().map(|e| self.apply(rules, e)).collect())
     }
 
-    async fn apply_batch_once(
+    async fn apply_batch_unique(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
-        once: &[bool],
+        unique: &[bool],
     ) -> Result<Vec<Verdict>, StoreError> {
         Ok(events
             .iter()
             .enumerate()
-            .map(|(i, e)| self.apply_with(rules, e, !once.get(i).copied().unwrap_or(false)))
+            .map(|(i, e)| self.apply_unique(rules, e, unique.get(i).copied().unwrap_or(false)))
             .collect())
     }
 }

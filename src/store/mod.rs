@@ -1,7 +1,7 @@
 //! Window stores: where per-caller window state lives.
 //!
 //! One algorithm, two stores: [`memory::MemoryStore`] runs the reference
-//! algorithm of [`crate::window`] in process; [`redis::RedisStore`] runs the
+//! algorithm of [`crate::engine::window`] in process; [`redis::RedisStore`] runs the
 //! same algorithm as one atomic Lua call per event. The conformance suite in
 //! `tests/` runs the same scenarios against both and demands identical records.
 
@@ -10,10 +10,10 @@ pub mod redis;
 
 use std::future::Future;
 
-use crate::decision::Verdict;
+use crate::engine::event::CallEvent;
+use crate::engine::record::Verdict;
+use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
-use crate::event::CallEvent;
-use crate::rules::RuleSet;
 
 /// A place that keeps window state and decides calls atomically.
 pub trait WindowStore: Send {
@@ -29,17 +29,17 @@ pub trait WindowStore: Send {
         events: &[CallEvent],
     ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send;
 
-    /// [`WindowStore::apply_batch`] with a hint: `once[i]` says event `i`'s
-    /// call id occurs nowhere else in the input, so a store may skip its
-    /// idempotency record. Verdicts are the same; by default the hint is
+    /// [`WindowStore::apply_batch`] where `unique[i]` says event `i`'s call
+    /// id occurs nowhere else in the input, so a store may skip its
+    /// idempotency record. Verdicts are the same; by default `unique` is
     /// ignored.
-    fn apply_batch_once(
+    fn apply_batch_unique(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
-        once: &[bool],
+        unique: &[bool],
     ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send {
-        let _ = once;
+        let _ = unique;
         self.apply_batch(rules, events)
     }
 }
@@ -64,14 +64,14 @@ impl WindowStore for AnyStore {
         }
     }
 
-    async fn apply_batch_once(
+    async fn apply_batch_unique(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
-        once: &[bool],
+        unique: &[bool],
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
-            AnyStore::Memory(s) => s.apply_batch_once(rules, events, once).await,
+            AnyStore::Memory(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
         }
     }

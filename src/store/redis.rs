@@ -17,14 +17,23 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
 use redis::{RedisError, Value};
 
-use crate::decision::{Decision, DecisionRecord, Verdict};
+use crate::engine::event::CallEvent;
+use crate::engine::record::Verdict;
+use crate::engine::rules::{CountPolicy, Listed, RuleSet, WindowKind};
 use crate::error::StoreError;
-use crate::event::CallEvent;
-use crate::rules::{CountPolicy, Listed, RuleSet, WindowKind};
 use crate::store::WindowStore;
 
 /// The window script (see its header for KEYS, ARGV and the reply).
 pub const WINDOW_LUA: &str = include_str!("../../lua/window.lua");
+
+/// Default Redis URL.
+pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+/// Default prefix of every key.
+pub const DEFAULT_KEY_PREFIX: &str = "cg:";
+/// Default timeout of connecting and of every call, milliseconds.
+pub const DEFAULT_TIMEOUT_MS: u64 = 2_000;
+/// Default slack added to every TTL, seconds.
+pub const DEFAULT_TTL_SLACK_S: u64 = 60;
 
 /// How to reach Redis and how to use it.
 #[derive(Clone)]
@@ -83,12 +92,12 @@ impl std::fmt::Debug for RedisConfig {
 impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
-            urls: vec!["redis://127.0.0.1:6379".into()],
+            urls: vec![DEFAULT_URL.into()],
             cluster: false,
-            key_prefix: "cg:".into(),
+            key_prefix: DEFAULT_KEY_PREFIX.into(),
             idempotency: true,
-            timeout: Duration::from_secs(2),
-            ttl_slack: Duration::from_secs(60),
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            ttl_slack: Duration::from_secs(DEFAULT_TTL_SLACK_S),
             tls_ca: None,
         }
     }
@@ -125,9 +134,15 @@ pub fn classify(e: RedisError) -> StoreError {
         || e.is_cluster_error()
         || e.code().is_some_and(|c| transient_codes.contains(&c))
     {
-        StoreError::Transient(e.to_string())
+        StoreError::Transient {
+            context: "Redis call failed".into(),
+            source: Some(e),
+        }
     } else {
-        StoreError::Fatal(e.to_string())
+        StoreError::Fatal {
+            context: "Redis call failed".into(),
+            source: Some(e),
+        }
     }
 }
 
@@ -148,13 +163,13 @@ impl RedisStore {
     /// Connects and loads the script.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
         if config.urls.is_empty() {
-            return Err(StoreError::Fatal("no Redis URL given".into()));
+            return Err(StoreError::fatal("no Redis URL given"));
         }
         let certs = match &config.tls_ca {
             Some(path) => Some(redis::TlsCertificates {
                 client_tls: None,
                 root_cert: Some(std::fs::read(path).map_err(|e| {
-                    StoreError::Fatal(format!(
+                    StoreError::fatal(format!(
                         "cannot read the Redis CA file {}: {e}",
                         path.display()
                     ))
@@ -164,18 +179,21 @@ impl RedisStore {
         };
         let conn = if config.cluster || config.urls.len() > 1 {
             if certs.is_some() {
-                return Err(StoreError::Fatal(
-                    "a CA file is not supported with Redis Cluster: add the CA to the system trust store".into(),
+                return Err(StoreError::fatal(
+                    "a CA file is not supported with Redis Cluster: add the CA to the system trust store",
                 ));
             }
             let client = ClusterClientBuilder::new(config.urls.clone())
                 .connection_timeout(config.timeout)
                 .response_timeout(config.timeout)
                 .build()
-                .map_err(|e| StoreError::Fatal(format!("bad Redis Cluster URLs: {e}")))?;
+                .map_err(|e| StoreError::Fatal {
+                    context: "bad Redis Cluster URLs".into(),
+                    source: Some(e),
+                })?;
             let conn = tokio::time::timeout(config.timeout * 2, client.get_async_connection())
                 .await
-                .map_err(|_| StoreError::Transient("timed out connecting to Redis Cluster".into()))?
+                .map_err(|_| StoreError::transient("timed out connecting to Redis Cluster"))?
                 .map_err(classify)?;
             Conn::Cluster(conn)
         } else {
@@ -183,7 +201,10 @@ impl RedisStore {
                 Some(certs) => redis::Client::build_with_tls(config.urls[0].as_str(), certs),
                 None => redis::Client::open(config.urls[0].as_str()),
             }
-            .map_err(|e| StoreError::Fatal(format!("bad Redis URL: {e}")))?;
+            .map_err(|e| StoreError::Fatal {
+                context: "bad Redis URL".into(),
+                source: Some(e),
+            })?;
             let mgr_config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(config.timeout))
                 .set_response_timeout(Some(config.timeout))
@@ -193,7 +214,7 @@ impl RedisStore {
                 ConnectionManager::new_with_config(client, mgr_config),
             )
             .await
-            .map_err(|_| StoreError::Transient("timed out connecting to Redis".into()))?
+            .map_err(|_| StoreError::transient("timed out connecting to Redis"))?
             .map_err(classify)?;
             Conn::Single(conn)
         };
@@ -276,13 +297,13 @@ impl RedisStore {
                     Value::Array(items) => match items.into_iter().next() {
                         Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
                         other => {
-                            return Err(StoreError::Fatal(format!(
+                            return Err(StoreError::fatal(format!(
                                 "SCRIPT LOAD answered {other:?}"
                             )))
                         }
                     },
                     other => {
-                        return Err(StoreError::Fatal(format!("SCRIPT LOAD answered {other:?}")))
+                        return Err(StoreError::fatal(format!("SCRIPT LOAD answered {other:?}")))
                     }
                 }
             }
@@ -308,7 +329,7 @@ impl RedisStore {
             .arg(self.key(&ev.caller, "c"));
         for rule in &rules.rules {
             if rule.kind == WindowKind::Fixed {
-                let b = crate::window::bucket_of(ev.ts_ms, rule.window_ms);
+                let b = crate::engine::window::bucket_of(ev.ts_ms, rule.window_ms);
                 cmd.arg(self.key(
                     &ev.caller,
                     &format!("f:{}:{}:{}", rule.name, rule.window_ms, b),
@@ -385,7 +406,7 @@ impl RedisStore {
                         }
                     }
                     Ok(values) => {
-                        return Err(StoreError::Fatal(format!(
+                        return Err(StoreError::fatal(format!(
                             "{} replies for {} calls",
                             values.len(),
                             group.len()
@@ -410,7 +431,7 @@ impl RedisStore {
             .zip(events)
             .map(|(v, ev)| match v {
                 Some(v) => parse_reply(v, ev),
-                None => Err(StoreError::Transient(format!(
+                None => Err(StoreError::transient(format!(
                     "no reply for call {}",
                     ev.call_id
                 ))),
@@ -431,7 +452,7 @@ impl WindowStore for RedisStore {
 
 fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
     let bad = |what: &str| {
-        StoreError::Fatal(format!(
+        StoreError::fatal(format!(
             "unexpected script reply for call {}: {what}",
             ev.call_id
         ))
@@ -443,53 +464,7 @@ fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
         [Value::Int(d), Value::BulkString(s)] => (*d == 1, String::from_utf8_lossy(s).into_owned()),
         other => return Err(bad(&format!("{other:?}"))),
     };
-    decode_record(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
-}
-
-/// Rebuilds a verdict from the script's encoded record.
-fn decode_record(encoded: &str, ev: &CallEvent, duplicate: bool) -> Option<Verdict> {
-    let mut parts = encoded.split('|');
-    let ts_ms = parts.next()?.parse().ok()?;
-    let decision = match parts.next()? {
-        "0" => Decision::Allow,
-        "1" => Decision::Reject,
-        _ => return None,
-    };
-    let reason = parts.next()?.to_string();
-    let shadow = parts.next()? == "1";
-    let late = parts.next()? == "1";
-    let rules_version = parts.next()?.to_string();
-    let prev_ts_ms = match parts.next()? {
-        "" => None,
-        p => Some(p.parse().ok()?),
-    };
-    let distinct_callees = match parts.next()? {
-        "" => None,
-        d => Some(d.parse().ok()?),
-    };
-    let counts = parts
-        .next()?
-        .split(',')
-        .filter(|c| !c.is_empty())
-        .map(|c| c.parse().ok())
-        .collect::<Option<Vec<u64>>>()?;
-    Some(Verdict {
-        record: DecisionRecord {
-            call_id: ev.call_id.clone(),
-            caller: ev.caller.clone(),
-            ts_ms,
-            decision,
-            reason,
-            counts,
-            shadow,
-            late,
-            degraded: false,
-            rules_version,
-        },
-        prev_ts_ms,
-        distinct_callees,
-        duplicate,
-    })
+    Verdict::from_reply(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
 }
 
 #[cfg(test)]

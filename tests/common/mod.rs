@@ -13,7 +13,7 @@ pub mod random;
 pub mod reference;
 pub mod scenarios;
 
-use callguard::event::CallEvent;
+use callguard::engine::event::CallEvent;
 
 /// A free loopback port whose cluster bus port (+10000) is free as well.
 pub fn free_port() -> u16 {

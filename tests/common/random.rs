@@ -3,8 +3,8 @@
 //! rule kind and policy, allow and deny lists, shadow mode.
 #![allow(dead_code)]
 
-use callguard::event::CallEvent;
-use callguard::rules::{CountPolicy, Rule, RuleSet, WindowKind};
+use callguard::engine::event::CallEvent;
+use callguard::engine::rules::{CountPolicy, Rule, RuleSet, WindowKind};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

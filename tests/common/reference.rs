@@ -3,9 +3,9 @@
 //! tests compare the stores with it.
 #![allow(dead_code)]
 
-use callguard::decision::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
-use callguard::event::CallEvent;
-use callguard::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+use callguard::engine::event::CallEvent;
+use callguard::engine::record::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
+use callguard::engine::rules::{CountPolicy, Listed, RuleSet, WindowKind};
 
 /// What the reference says of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]

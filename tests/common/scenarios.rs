@@ -3,7 +3,7 @@
 //! conformance suite runs the same scenarios against Redis.
 #![allow(dead_code)]
 
-use callguard::rules::{CountPolicy, Rule, RuleSet};
+use callguard::engine::rules::{CountPolicy, Rule, RuleSet};
 
 /// Start of 2025-12-01 UTC: a multiple of every window used here.
 pub const T0: i64 = 1_764_547_200_000;

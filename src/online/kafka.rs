@@ -3,26 +3,8 @@
 
 use rdkafka::config::ClientConfig;
 use rdkafka::mocking::MockCluster;
-use thiserror::Error;
 
-/// Kafka failures.
-#[derive(Debug, Error)]
-pub enum KafkaError {
-    /// A `-X key=value` setting is malformed.
-    #[error("bad Kafka setting `{0}`: expected key=value")]
-    BadSetting(String),
-    /// librdkafka refused or failed.
-    #[error("{context}: {source}")]
-    Client {
-        /// What was being done.
-        context: String,
-        /// The librdkafka error.
-        source: rdkafka::error::KafkaError,
-    },
-    /// A produced message was not acknowledged.
-    #[error("delivery failed: {0}")]
-    Delivery(String),
-}
+use crate::error::KafkaError;
 
 /// Wraps a librdkafka error with context.
 pub fn client_err(

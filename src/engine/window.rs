@@ -36,11 +36,11 @@ use std::collections::{BTreeMap, VecDeque};
 
 use foldhash::HashMap;
 
-use crate::decision::{
+use crate::engine::event::CallEvent;
+use crate::engine::record::{
     Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
 };
-use crate::event::CallEvent;
-use crate::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+use crate::engine::rules::{CountPolicy, Judgement, RuleSet, WindowKind};
 
 /// State of the two-bucket approximate counter of one rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -48,6 +48,49 @@ struct Approx {
     bucket: Option<i64>,
     cur: u64,
     prev: u64,
+}
+
+impl Approx {
+    /// Moves the counters to `t`'s bucket if it is newer, then estimates.
+    fn advance_and_count(&mut self, t: i64, w: i64) -> u64 {
+        let b = bucket_of(t, w);
+        match self.bucket {
+            None => {
+                *self = Approx {
+                    bucket: Some(b),
+                    cur: 0,
+                    prev: 0,
+                }
+            }
+            Some(cb) if b > cb => {
+                let prev = if b == cb + 1 { self.cur } else { 0 };
+                *self = Approx {
+                    bucket: Some(b),
+                    cur: 0,
+                    prev,
+                };
+            }
+            _ => {}
+        }
+        let cb = self.bucket.unwrap_or(b);
+        if b == cb {
+            approx_estimate(self.prev, self.cur, w, t - b * w)
+        } else if b == cb - 1 {
+            self.prev + 1
+        } else {
+            1
+        }
+    }
+}
+
+/// The decision and reason of a judgement, before shadow mode.
+fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, String) {
+    match judgement {
+        Judgement::Denylisted => (Decision::Reject, REASON_DENYLIST.to_string()),
+        Judgement::Allowlisted => (Decision::Allow, REASON_ALLOWLIST.to_string()),
+        Judgement::Exceeded(i) => (Decision::Reject, rules.rules[i].name.clone()),
+        Judgement::Within => (Decision::Allow, REASON_OK.to_string()),
+    }
 }
 
 /// All window state of one caller.
@@ -88,6 +131,28 @@ pub fn approx_estimate(prev: u64, cur: u64, w: i64, r: i64) -> u64 {
     ((prev as u128 * weight) / w as u128) as u64 + cur + 1
 }
 
+/// The caller's latest time after an event, and the horizons it sets.
+#[derive(Debug, Clone, Copy)]
+struct Horizons {
+    /// `L' = max(L, t)`.
+    latest: i64,
+    /// `L' - R`: window data at or below it is dropped.
+    retention: i64,
+    /// `L' - D`: idempotency records at or below it are dropped.
+    dedup: i64,
+}
+
+impl Horizons {
+    fn new(rules: &RuleSet, latest: Option<i64>, t: i64) -> Self {
+        let l_new = latest.map_or(t, |l| l.max(t));
+        Horizons {
+            latest: l_new,
+            retention: l_new - rules.retention_ms(),
+            dedup: l_new - rules.dedup_ms(),
+        }
+    }
+}
+
 impl CallerState {
     /// The caller's latest event time.
     pub fn latest(&self) -> Option<i64> {
@@ -96,127 +161,43 @@ impl CallerState {
 
     /// Applies one event and returns its verdict.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
-        self.apply_with(rules, ev, true)
+        self.apply_unique(rules, ev, false)
     }
 
-    /// [`CallerState::apply`], where `remember = false` says the call id
+    /// [`CallerState::apply`], where `unique = true` says the call id
     /// occurs nowhere else in the input: the idempotency lookup would miss
     /// and the record would never be looked up, so both are skipped (the
     /// verdict is the same; offline replays of unique ids save the work and
     /// the memory).
-    pub fn apply_with(&mut self, rules: &RuleSet, ev: &CallEvent, remember: bool) -> Verdict {
+    pub fn apply_unique(&mut self, rules: &RuleSet, ev: &CallEvent, unique: bool) -> Verdict {
         let t = ev.ts_ms;
-        let retention = rules.retention_ms();
-        let l_new = self.latest.map_or(t, |l| l.max(t));
-        let horizon = l_new - retention;
-        let dedup_horizon = l_new - rules.dedup_ms();
-        let prev = self.latest.filter(|&l| l > horizon);
-
-        if let Some(v) = self.seen.get(&ev.call_id).filter(|_| remember) {
-            if v.record.ts_ms > dedup_horizon {
-                let mut v = v.clone();
-                v.duplicate = true;
+        let h = Horizons::new(rules, self.latest, t);
+        if !unique {
+            if let Some(v) = self.redelivered(&ev.call_id, h.dedup) {
                 return v;
             }
         }
-
+        let prev = self.latest.filter(|&l| l > h.retention);
         if prev.is_none() {
-            // No window data older than the horizon can matter: start afresh
-            // (idempotency records have their own, longer horizon).
-            let kept = CallerState {
-                seen: std::mem::take(&mut self.seen),
-                seen_by_ts: std::mem::take(&mut self.seen_by_ts),
-                ..CallerState::default()
-            };
-            *self = kept;
+            self.start_afresh();
         }
-        self.trim(rules, horizon, dedup_horizon, l_new);
+        self.trim(rules, &h);
         if self.fixed.len() != rules.rules.len() {
             self.fixed = vec![BTreeMap::new(); rules.rules.len()];
             self.approx = vec![Approx::default(); rules.rules.len()];
         }
-
-        let distinct_callees = rules.tracks_callees().then(|| {
-            if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
-                self.note_callee(callee, t);
-            }
-            // Live entries not after t - Wmax lie between the horizon and
-            // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
-            let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-            let band = self.callees_by_ts.partition_point(|(ts, _, _)| *ts < after);
-            let not_after = self
-                .callees_by_ts
-                .range(..band)
-                .filter(|(_, _, live)| *live)
-                .count();
-            (self.callees.len() - not_after) as u64
-        });
-
+        let distinct_callees = rules
+            .tracks_callees()
+            .then(|| self.distinct_callees(rules, ev));
         let late = prev.is_some_and(|l| t < l - rules.grace_ms);
-        let mut counts = Vec::with_capacity(rules.rules.len());
-        for (i, rule) in rules.rules.iter().enumerate() {
-            let w = rule.window_ms;
-            let count = match rule.kind {
-                WindowKind::Sliding => {
-                    let lo = self.log.partition_point(|&x| x <= t - w);
-                    let hi = self.log.partition_point(|&x| x <= t);
-                    1 + (hi - lo) as u64
-                }
-                WindowKind::Fixed => {
-                    let b = bucket_of(t, w);
-                    if (b + 1) * w + rules.grace_ms <= l_new {
-                        1
-                    } else {
-                        1 + self.fixed[i].get(&b).copied().unwrap_or(0)
-                    }
-                }
-                WindowKind::SlidingApprox => {
-                    let b = bucket_of(t, w);
-                    let a = &mut self.approx[i];
-                    match a.bucket {
-                        None => {
-                            *a = Approx {
-                                bucket: Some(b),
-                                cur: 0,
-                                prev: 0,
-                            }
-                        }
-                        Some(cb) if b > cb => {
-                            let prev = if b == cb + 1 { a.cur } else { 0 };
-                            *a = Approx {
-                                bucket: Some(b),
-                                cur: 0,
-                                prev,
-                            };
-                        }
-                        _ => {}
-                    }
-                    let cb = a.bucket.unwrap_or(b);
-                    if b == cb {
-                        approx_estimate(a.prev, a.cur, w, t - b * w)
-                    } else if b == cb - 1 {
-                        a.prev + 1
-                    } else {
-                        1
-                    }
-                }
-            };
-            counts.push(count);
+        let counts: Vec<u64> = (0..rules.rules.len())
+            .map(|i| self.count(rules, i, t, h.latest))
+            .collect();
+        let (would, reason) = outcome(rules, rules.judge(&ev.caller, &counts, None));
+        if rules.count == CountPolicy::Attempts || would == Decision::Allow {
+            self.record(rules, t, h.latest);
         }
-
-        let (would, reason) = match rules.listed(&ev.caller) {
-            Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string()),
-            Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string()),
-            Listed::No => match rules.rules.iter().zip(&counts).find(|(r, &c)| c > r.limit) {
-                Some((r, _)) => (Decision::Reject, r.name.clone()),
-                None => (Decision::Allow, REASON_OK.to_string()),
-            },
-        };
-        let record_it = rules.count == CountPolicy::Attempts || would == Decision::Allow;
-        if record_it {
-            self.record(rules, t, l_new);
-        }
-        self.latest = Some(l_new);
+        self.latest = Some(h.latest);
 
         let shadow = rules.shadow && would == Decision::Reject;
         let verdict = Verdict {
@@ -236,12 +217,77 @@ impl CallerState {
             distinct_callees,
             duplicate: false,
         };
-        if remember {
-            let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
-            self.seen_by_ts.insert(pos, (t, ev.call_id.clone()));
-            self.seen.insert(ev.call_id.clone(), verdict.clone());
+        if !unique {
+            self.remember(t, &ev.call_id, &verdict);
         }
         verdict
+    }
+
+    /// The record a call id got before, if it is newer than the idempotency
+    /// horizon: a redelivery, answered without changing anything.
+    fn redelivered(&self, call_id: &str, dedup_horizon: i64) -> Option<Verdict> {
+        let v = self.seen.get(call_id)?;
+        (v.record.ts_ms > dedup_horizon).then(|| Verdict {
+            duplicate: true,
+            ..v.clone()
+        })
+    }
+
+    /// Keeps a decided call's verdict for redeliveries.
+    fn remember(&mut self, t: i64, call_id: &str, verdict: &Verdict) {
+        let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
+        self.seen_by_ts.insert(pos, (t, call_id.to_string()));
+        self.seen.insert(call_id.to_string(), verdict.clone());
+    }
+
+    /// No window data older than the horizon can matter: start afresh
+    /// (idempotency records have their own, longer horizon).
+    fn start_afresh(&mut self) {
+        *self = CallerState {
+            seen: std::mem::take(&mut self.seen),
+            seen_by_ts: std::mem::take(&mut self.seen_by_ts),
+            ..CallerState::default()
+        };
+    }
+
+    /// Notes the call's callee, then counts the callees whose latest call is
+    /// after `t - Wmax`.
+    fn distinct_callees(&mut self, rules: &RuleSet, ev: &CallEvent) -> u64 {
+        let t = ev.ts_ms;
+        if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
+            self.note_callee(callee, t);
+        }
+        // Live entries not after t - Wmax lie between the horizon and
+        // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
+        let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
+        let band = self.callees_by_ts.partition_point(|(ts, _, _)| *ts < after);
+        let not_after = self
+            .callees_by_ts
+            .range(..band)
+            .filter(|(_, _, live)| *live)
+            .count();
+        (self.callees.len() - not_after) as u64
+    }
+
+    /// Rule `i`'s count for a call at `t`, this call included.
+    fn count(&mut self, rules: &RuleSet, i: usize, t: i64, l_new: i64) -> u64 {
+        let w = rules.rules[i].window_ms;
+        match rules.rules[i].kind {
+            WindowKind::Sliding => {
+                let lo = self.log.partition_point(|&x| x <= t - w);
+                let hi = self.log.partition_point(|&x| x <= t);
+                1 + (hi - lo) as u64
+            }
+            WindowKind::Fixed => {
+                let b = bucket_of(t, w);
+                if (b + 1) * w + rules.grace_ms <= l_new {
+                    1
+                } else {
+                    1 + self.fixed[i].get(&b).copied().unwrap_or(0)
+                }
+            }
+            WindowKind::SlidingApprox => self.approx[i].advance_and_count(t, w),
+        }
     }
 
     fn record(&mut self, rules: &RuleSet, t: i64, l_new: i64) {
@@ -300,7 +346,8 @@ impl CallerState {
         self.callees_by_ts.insert(at, (t, callee, true));
     }
 
-    fn trim(&mut self, rules: &RuleSet, horizon: i64, dedup_horizon: i64, l_new: i64) {
+    fn trim(&mut self, rules: &RuleSet, h: &Horizons) {
+        let (horizon, dedup_horizon, l_new) = (h.retention, h.dedup, h.latest);
         let cut = self.log.partition_point(|&x| x <= horizon);
         self.log.drain(..cut);
         for (i, rule) in rules.rules.iter().enumerate() {

@@ -19,12 +19,13 @@
 //! limit = 10
 //! ```
 
-use std::fmt;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+pub use crate::engine::duration::{format_duration, parse_duration_ms};
+pub use crate::engine::rule::{CountPolicy, Rule, WindowKind};
 use crate::error::RulesError;
 
 /// Names a rule may not take: they are decision reasons of their own.
@@ -35,143 +36,6 @@ pub const DEFAULT_GRACE_MS: i64 = 5_000;
 
 /// Default idempotency horizon (at least the retention is always kept).
 pub const DEFAULT_DEDUP_MS: i64 = 3_600_000;
-
-/// How a rule counts calls in its window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum WindowKind {
-    /// Buckets aligned to epoch multiples of the window: bucket = floor(ts / W).
-    Fixed,
-    /// The exact sliding log: calls with ts in (t - W, t].
-    Sliding,
-    /// Two-bucket weighted counter: O(1) memory, an estimate of the sliding count.
-    SlidingApprox,
-}
-
-impl WindowKind {
-    /// The name used in rule files and shorthands.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WindowKind::Fixed => "fixed",
-            WindowKind::Sliding => "sliding",
-            WindowKind::SlidingApprox => "sliding-approx",
-        }
-    }
-
-    /// The numeric code passed to the Redis script.
-    pub fn code(self) -> u8 {
-        match self {
-            WindowKind::Fixed => 0,
-            WindowKind::Sliding => 1,
-            WindowKind::SlidingApprox => 2,
-        }
-    }
-
-    fn parse(s: &str) -> Result<Self, RulesError> {
-        match s {
-            "fixed" => Ok(WindowKind::Fixed),
-            "sliding" => Ok(WindowKind::Sliding),
-            "sliding-approx" | "sliding_approx" | "approx" => Ok(WindowKind::SlidingApprox),
-            other => Err(RulesError::Invalid(format!(
-                "unknown window kind `{other}` (fixed, sliding, sliding-approx)"
-            ))),
-        }
-    }
-}
-
-/// Which calls are recorded in the windows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CountPolicy {
-    /// Every call attempt counts: a caller who keeps calling stays blocked.
-    #[default]
-    Attempts,
-    /// Only allowed calls count: the classic rate limiter.
-    Admitted,
-}
-
-/// One rule: reject when the count in the window exceeds the limit.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Rule {
-    /// Name: lowercase letters, digits and `_`; used in column names (`count_<name>`).
-    pub name: String,
-    /// How the window counts.
-    pub kind: WindowKind,
-    /// Window length in milliseconds.
-    pub window_ms: i64,
-    /// Largest allowed count; a call whose count exceeds it is rejected.
-    pub limit: u64,
-}
-
-impl Rule {
-    /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`.
-    pub fn parse_shorthand(s: &str) -> Result<Self, RulesError> {
-        let parts: Vec<&str> = s.split(':').collect();
-        let [name, kind, window, limit] = parts[..] else {
-            return Err(RulesError::Invalid(format!(
-                "rule `{s}`: expected NAME:KIND:WINDOW:LIMIT"
-            )));
-        };
-        let limit = limit.trim().parse::<u64>().map_err(|_| {
-            RulesError::Invalid(format!("rule `{s}`: limit `{limit}` is not a whole number"))
-        })?;
-        Ok(Rule {
-            name: name.trim().to_string(),
-            kind: WindowKind::parse(kind.trim())?,
-            window_ms: parse_duration_ms(window.trim())?,
-            limit,
-        })
-    }
-}
-
-impl fmt::Display for Rule {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}:{}:{}:{}",
-            self.name,
-            self.kind.as_str(),
-            format_duration(self.window_ms),
-            self.limit
-        )
-    }
-}
-
-/// Parses `500ms`, `10s`, `1m`, `1h` or `1d` into milliseconds.
-pub fn parse_duration_ms(s: &str) -> Result<i64, RulesError> {
-    let bad = || {
-        RulesError::Invalid(format!(
-            "duration `{s}`: expected e.g. 500ms, 10s, 1m, 1h, 1d"
-        ))
-    };
-    let split = s.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
-    let (num, unit) = s.split_at(split);
-    let n: i64 = num.parse().map_err(|_| bad())?;
-    let mult = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" | "min" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(mult).ok_or_else(bad)
-}
-
-/// Formats milliseconds in the largest exact unit (`60000` → `1m`).
-pub fn format_duration(ms: i64) -> String {
-    for (unit, m) in [
-        ("d", 86_400_000),
-        ("h", 3_600_000),
-        ("m", 60_000),
-        ("s", 1_000),
-    ] {
-        if ms != 0 && ms % m == 0 {
-            return format!("{}{unit}", ms / m);
-        }
-    }
-    format!("{ms}ms")
-}
 
 /// A complete, validated rule set.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -231,6 +95,20 @@ pub enum Listed {
     Allow,
     /// On the denylist.
     Deny,
+}
+
+/// What a rule set says of a call, given its window counts: the decision
+/// order of the window contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Judgement {
+    /// The caller is on the denylist (checked first).
+    Denylisted,
+    /// The caller is on the allowlist.
+    Allowlisted,
+    /// Rule `i` is the first whose count exceeds its limit.
+    Exceeded(usize),
+    /// No list and no rule singles the call out.
+    Within,
 }
 
 impl RuleSet {
@@ -493,6 +371,24 @@ impl RuleSet {
         }
     }
 
+    /// Judges a call of `caller` with these counts (one per rule): the
+    /// denylist, then the allowlist, then the first rule, in order, whose
+    /// count exceeds its limit. `skip` leaves one rule out (`tune` sweeps
+    /// its limit separately).
+    pub fn judge(&self, caller: &str, counts: &[u64], skip: Option<usize>) -> Judgement {
+        match self.listed(caller) {
+            Listed::Deny => Judgement::Denylisted,
+            Listed::Allow => Judgement::Allowlisted,
+            Listed::No => self
+                .rules
+                .iter()
+                .zip(counts)
+                .enumerate()
+                .find(|(i, (r, &c))| Some(*i) != skip && c > r.limit)
+                .map_or(Judgement::Within, |(i, _)| Judgement::Exceeded(i)),
+        }
+    }
+
     /// Index of a rule by name.
     pub fn rule_index(&self, name: &str) -> Option<usize> {
         self.rules.iter().position(|r| r.name == name)
@@ -551,19 +447,6 @@ fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, Rul
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_durations() {
-        assert_eq!(parse_duration_ms("500ms").unwrap(), 500);
-        assert_eq!(parse_duration_ms("10s").unwrap(), 10_000);
-        assert_eq!(parse_duration_ms("1m").unwrap(), 60_000);
-        assert_eq!(parse_duration_ms("1h").unwrap(), 3_600_000);
-        assert!(parse_duration_ms("1").is_err());
-        assert!(parse_duration_ms("s").is_err());
-        assert!(parse_duration_ms("1w").is_err());
-        assert_eq!(format_duration(60_000), "1m");
-        assert_eq!(format_duration(1_500), "1500ms");
-    }
 
     #[test]
     fn parses_toml_and_shorthand() {

@@ -10,9 +10,10 @@ use futures::stream::{FuturesOrdered, StreamExt};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use serde_json::json;
 
-use crate::calllog::{progress_bar, CallLog};
-use crate::event::CallEvent;
-use crate::kafka::{client_err, producer_config, KafkaError};
+use crate::engine::event::CallEvent;
+use crate::error::KafkaError;
+use crate::online::kafka::{client_err, producer_config};
+use crate::progress::progress_bar;
 
 /// Deliveries awaited at once.
 const WINDOW: usize = 10_000;
@@ -32,16 +33,16 @@ pub fn event_json(e: &CallEvent) -> String {
     v.to_string()
 }
 
-/// Produces every event of a (time-sorted) log; returns how many were acknowledged.
-pub async fn produce(
-    log: &CallLog,
+/// Produces events in the order given (a caller's in processing order);
+/// returns how many were acknowledged.
+pub async fn produce<'a>(
+    events: impl ExactSizeIterator<Item = &'a CallEvent>,
     brokers: &str,
     settings: &[(String, String)],
     topic: &str,
-    progress: bool,
 ) -> Result<u64, KafkaError> {
-    let mut loader = Loader::new(brokers, settings, topic, log.events.len() as u64, progress)?;
-    for (_, e) in &log.events {
+    let mut loader = Loader::new(brokers, settings, topic, events.len() as u64, false)?;
+    for e in events {
         loader.send(e).await?;
     }
     loader.finish().await

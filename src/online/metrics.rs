@@ -17,6 +17,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// Default address of `/metrics`, `/healthz` and `/readyz`.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9898";
+
 /// Labels of decided events.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {

@@ -1,5 +1,5 @@
 //! Rule reloading for the stream processor: on SIGHUP and when the rules
-//! file changes. A file that does not parse keeps the old rules.
+//! file changes. A rule set that does not load keeps the old rules.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,22 +9,26 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
-use crate::cli::RuleArgs;
-use crate::metrics::Metrics;
-use crate::rules::RuleSet;
+use crate::engine::rules::RuleSet;
+use crate::error::RulesError;
+use crate::online::metrics::Metrics;
 
 /// How often the rules file's modification time is checked.
 pub const POLL: Duration = Duration::from_secs(1);
 
-fn mtime(path: &Option<PathBuf>) -> Option<SystemTime> {
-    path.as_ref()
-        .and_then(|p| std::fs::metadata(p).ok())
+fn mtime(path: Option<&PathBuf>) -> Option<SystemTime> {
+    path.and_then(|p| std::fs::metadata(p).ok())
         .and_then(|m| m.modified().ok())
 }
 
-/// Reloads once: sends the new rules if they parse and differ.
-pub fn reload_now(args: &RuleArgs, tx: &watch::Sender<RuleSet>, metrics: &Metrics, why: &str) {
-    match args.rule_set() {
+/// Reloads once: sends the new rules if they load and differ.
+pub fn reload_now(
+    load: &impl Fn() -> Result<RuleSet, RulesError>,
+    tx: &watch::Sender<RuleSet>,
+    metrics: &Metrics,
+    why: &str,
+) {
+    match load() {
         Ok(new) => {
             let old = tx.borrow().version().to_string();
             if new.version() != old {
@@ -40,24 +44,27 @@ pub fn reload_now(args: &RuleArgs, tx: &watch::Sender<RuleSet>, metrics: &Metric
     }
 }
 
-/// Spawns the reloader task; it ends when every receiver is gone.
+/// Spawns the reloader task; it ends when every receiver is gone. `load`
+/// builds the rule set afresh; `watched` is the rules file, if any, whose
+/// modification time is polled.
 pub fn spawn(
-    args: RuleArgs,
+    load: impl Fn() -> Result<RuleSet, RulesError> + Send + 'static,
+    watched: Option<PathBuf>,
     tx: watch::Sender<RuleSet>,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<()> {
     let mut hup = signal(SignalKind::hangup())?;
     tokio::spawn(async move {
-        let mut seen = mtime(&args.rules);
+        let mut seen = mtime(watched.as_ref());
         let mut tick = tokio::time::interval(POLL);
         loop {
             tokio::select! {
-                _ = hup.recv() => reload_now(&args, &tx, &metrics, "SIGHUP"),
+                _ = hup.recv() => reload_now(&load, &tx, &metrics, "SIGHUP"),
                 _ = tick.tick() => {
-                    let now = mtime(&args.rules);
+                    let now = mtime(watched.as_ref());
                     if now != seen {
                         seen = now;
-                        reload_now(&args, &tx, &metrics, "file changed");
+                        reload_now(&load, &tx, &metrics, "file changed");
                     }
                 }
                 _ = tx.closed() => return,

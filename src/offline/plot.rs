@@ -6,7 +6,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::error::IoError;
-use crate::tune::Sweep;
+use crate::offline::tune::Sweep;
 
 /// Fonts tried for the plot's text.
 const FONT_PATHS: [&str; 4] = [
@@ -16,21 +16,26 @@ const FONT_PATHS: [&str; 4] = [
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
 
-fn plot_err(e: impl std::fmt::Display) -> IoError {
-    IoError::Input(format!("drawing the plot: {e}"))
+fn plot_err(e: impl std::fmt::Display) -> String {
+    e.to_string()
 }
 
 /// Draws the sweep to `path` (`.svg` or `.png`).
 pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
+    draw_to(sweep, path).map_err(|problem| IoError::Plot {
+        path: path.to_path_buf(),
+        problem,
+    })
+}
+
+fn draw_to(sweep: &Sweep, path: &Path) -> Result<(), String> {
     // Text is laid out with a TrueType font, for SVG as well as PNG.
     let font = FONT_PATHS
         .iter()
         .find_map(|p| std::fs::read(p).ok())
         .ok_or_else(|| {
-            IoError::Input(
-                "no TrueType font found to draw text (Debian: apt-get install fonts-dejavu-core)"
-                    .into(),
-            )
+            "no TrueType font found to draw text (Debian: apt-get install fonts-dejavu-core)"
+                .to_string()
         })?;
     // plotters keeps registered fonts for the whole program: leaked once per plot.
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
@@ -50,7 +55,7 @@ pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
     }
 }
 
-fn chart<DB: DrawingBackend>(sweep: &Sweep, root: &DrawingArea<DB, Shift>) -> Result<(), IoError>
+fn chart<DB: DrawingBackend>(sweep: &Sweep, root: &DrawingArea<DB, Shift>) -> Result<(), String>
 where
     DB::ErrorType: 'static,
 {
@@ -76,7 +81,7 @@ where
         .y_desc("%")
         .draw()
         .map_err(plot_err)?;
-    let series = |f: &dyn Fn(&crate::tune::SweepRow) -> Option<f64>| -> Vec<(f64, f64)> {
+    let series = |f: &dyn Fn(&crate::offline::tune::SweepRow) -> Option<f64>| -> Vec<(f64, f64)> {
         sweep
             .rows
             .iter()

@@ -4,17 +4,18 @@
 //! in batches through a [`WindowStore`]: the in-memory store by default, or
 //! Redis, which must produce the same records.
 
-use std::collections::HashSet;
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use polars::prelude::*;
-
-use crate::calllog::{progress_bar, CallLog, InvalidRow, OrderedLog, CHUNK_ROWS};
-use crate::decision::{Decision, Verdict};
+use crate::engine::event::CallEvent;
+use crate::engine::record::{Row, Schema, Verdict};
+use crate::engine::rules::RuleSet;
 use crate::error::{IoError, ReplayError, StoreError};
-use crate::event::CallEvent;
-use crate::rules::RuleSet;
+use crate::offline::order::{OrderedLog, CHUNK_ROWS};
+use crate::offline::read::{CallLog, InvalidRow, ReadOptions};
+use crate::offline::table::{self, write_invalid, BackgroundWriter};
+use crate::progress::progress_bar;
 use crate::store::WindowStore;
 
 /// Events per store call during replay.
@@ -48,11 +49,43 @@ impl ReplaySummary {
     }
 }
 
+/// Calls that were (or in shadow mode would have been) rejected, and their
+/// callers; with labels, how many were fraud and how many legit. The one
+/// tally of rejections that `replay` and `tune` share.
+#[derive(Debug, Default)]
+pub struct Rejections {
+    /// Calls rejected or that shadow mode would reject.
+    pub calls: u64,
+    /// Of those, calls labelled fraud.
+    pub fraud_calls: u64,
+    /// Of those, calls labelled legit.
+    pub legit_calls: u64,
+    /// Their distinct callers.
+    pub callers: foldhash::HashSet<String>,
+}
+
+impl Rejections {
+    /// Counts one decided call, if it was (or would have been) rejected;
+    /// `label` is the event's ground truth, if known.
+    pub fn add(&mut self, verdict: &Verdict, label: Option<bool>) {
+        let r = &verdict.record;
+        if !r.would_reject() {
+            return;
+        }
+        self.calls += 1;
+        self.fraud_calls += u64::from(label == Some(true));
+        self.legit_calls += u64::from(label == Some(false));
+        if !self.callers.contains(&r.caller) {
+            self.callers.insert(r.caller.clone());
+        }
+    }
+}
+
 /// A summary being counted, chunk by chunk.
 #[derive(Default)]
 struct Tally {
     summary: ReplaySummary,
-    rejected_callers: HashSet<String>,
+    rejections: Rejections,
 }
 
 impl Tally {
@@ -61,19 +94,17 @@ impl Tally {
         for v in verdicts {
             let r = &v.record;
             s.events += 1;
-            s.rejected += u64::from(r.decision == Decision::Reject);
             s.would_reject += u64::from(r.shadow);
             s.duplicates += u64::from(v.duplicate);
             s.late += u64::from(r.late);
-            if r.would_reject() && !self.rejected_callers.contains(&r.caller) {
-                self.rejected_callers.insert(r.caller.clone());
-            }
+            self.rejections.add(v, None);
         }
     }
 
     fn finish(self, invalid: usize) -> ReplaySummary {
         ReplaySummary {
-            rejected_callers: self.rejected_callers.len() as u64,
+            rejected: self.rejections.calls - self.summary.would_reject,
+            rejected_callers: self.rejections.callers.len() as u64,
             invalid: invalid as u64,
             ..self.summary
         }
@@ -111,7 +142,7 @@ pub async fn run_ordered<S: WindowStore>(
         // the sink, rather than cloning each one.
         let (rows, events): (Vec<u64>, Vec<CallEvent>) =
             std::mem::take(&mut chunk.events).into_iter().unzip();
-        let verdicts = apply_events(&events, &chunk.once, rules, store).await?;
+        let verdicts = apply_events(&events, &chunk.unique, rules, store).await?;
         chunk.events = rows.into_iter().zip(events).collect();
         tally.add(&verdicts);
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
@@ -165,23 +196,23 @@ pub async fn run<S: WindowStore>(
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
     let events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
-    apply_events(&events, &log.once, rules, store).await
+    apply_events(&events, &log.unique, rules, store).await
 }
 
 /// Applies events through a store in batches of [`REPLAY_BATCH`], passing
-/// the once-hints ([`CallLog::once`]) when there is one per event.
+/// [`CallLog::unique`] when there is one flag per event.
 async fn apply_events<S: WindowStore>(
     events: &[CallEvent],
-    once: &[bool],
+    unique: &[bool],
     rules: &RuleSet,
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
-    let hinted = once.len() == events.len();
+    let known = unique.len() == events.len();
     let mut verdicts = Vec::with_capacity(events.len());
     for (i, batch) in events.chunks(REPLAY_BATCH).enumerate() {
-        let got = if hinted {
-            let hints = &once[i * REPLAY_BATCH..i * REPLAY_BATCH + batch.len()];
-            store.apply_batch_once(rules, batch, hints).await?
+        let got = if known {
+            let flags = &unique[i * REPLAY_BATCH..i * REPLAY_BATCH + batch.len()];
+            store.apply_batch_unique(rules, batch, flags).await?
         } else {
             store.apply_batch(rules, batch).await?
         };
@@ -190,66 +221,64 @@ async fn apply_events<S: WindowStore>(
     Ok(verdicts)
 }
 
-/// The decision records as a table: `call_id, caller, ts_ms, decision,
-/// reason, count_<rule>..., shadow, late, degraded, rules_version`.
-pub fn records_frame(verdicts: &[Verdict], rules: &RuleSet) -> Result<DataFrame, IoError> {
-    let recs = || verdicts.iter().map(|v| &v.record);
-    let mut cols = vec![
-        Column::new(
-            "call_id".into(),
-            recs().map(|r| r.call_id.as_str()).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "caller".into(),
-            recs().map(|r| r.caller.as_str()).collect::<Vec<_>>(),
-        ),
-        Column::new("ts_ms".into(), recs().map(|r| r.ts_ms).collect::<Vec<_>>()),
-        Column::new(
-            "decision".into(),
-            recs().map(|r| r.decision.as_str()).collect::<Vec<_>>(),
-        ),
-        Column::new(
-            "reason".into(),
-            recs().map(|r| r.reason.as_str()).collect::<Vec<_>>(),
-        ),
-    ];
-    cols.extend(count_columns(verdicts, rules));
-    cols.push(Column::new(
-        "shadow".into(),
-        recs().map(|r| r.shadow).collect::<Vec<_>>(),
-    ));
-    cols.push(Column::new(
-        "late".into(),
-        recs().map(|r| r.late).collect::<Vec<_>>(),
-    ));
-    cols.push(Column::new(
-        "degraded".into(),
-        recs().map(|r| r.degraded).collect::<Vec<_>>(),
-    ));
-    cols.push(Column::new(
-        "rules_version".into(),
-        recs().map(|r| r.rules_version.as_str()).collect::<Vec<_>>(),
-    ));
-    DataFrame::new(verdicts.len(), cols).map_err(|source| IoError::Polars {
-        context: "building the decisions table".into(),
-        source,
+/// What [`to_table`] wrote.
+#[derive(Debug)]
+pub struct TableReport {
+    /// The summary and the invalid rows.
+    pub streamed: Streamed,
+    /// Rows written to the table.
+    pub rows: u64,
+    /// Where the invalid rows went, if there were any.
+    pub invalid_file: Option<PathBuf>,
+}
+
+/// Replays the call log at `input` through `store` into a table of
+/// `schema`'s columns at `output` (CSV, or Parquet for `.parquet`), a chunk
+/// at a time; invalid rows go to `<output stem>.invalid.csv` beside it.
+pub async fn to_table<S: WindowStore>(
+    input: &Path,
+    read: &ReadOptions,
+    rules: &RuleSet,
+    store: &mut S,
+    schema: Schema,
+    output: &Path,
+) -> Result<TableReport, ReplayError> {
+    let log = Arc::new(OrderedLog::open(input, read)?);
+    create_parent(output)?;
+    let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
+    let mut out = BackgroundWriter::spawn(
+        output,
+        &empty,
+        move |(chunk, verdicts): (CallLog, Vec<Verdict>)| {
+            let rows: Vec<Row<'_>> = chunk
+                .events
+                .iter()
+                .zip(&verdicts)
+                .map(|((_, event), verdict)| Row { event, verdict })
+                .collect();
+            table::frame(&schema, &rows)
+        },
+    )?;
+    let streamed = run_ordered(log, rules, store, read.progress, |chunk, verdicts| {
+        out.send((chunk, verdicts))
+    })
+    .await?;
+    let rows = out.finish()?;
+    let invalid_file = write_invalid(output, &streamed.invalid)?;
+    Ok(TableReport {
+        streamed,
+        rows,
+        invalid_file,
     })
 }
 
-/// One `count_<rule>` column per rule, in rule-set order.
-pub fn count_columns(verdicts: &[Verdict], rules: &RuleSet) -> Vec<Column> {
-    rules
-        .rules
-        .iter()
-        .enumerate()
-        .map(|(i, rule)| {
-            Column::new(
-                format!("count_{}", rule.name).into(),
-                verdicts
-                    .iter()
-                    .map(|v| v.record.counts.get(i).copied().unwrap_or(0))
-                    .collect::<Vec<u64>>(),
-            )
-        })
-        .collect()
+/// Creates the parent directory of an output file.
+fn create_parent(output: &Path) -> Result<(), IoError> {
+    match output.parent().filter(|d| !d.as_os_str().is_empty()) {
+        Some(dir) => std::fs::create_dir_all(dir).map_err(|source| IoError::Io {
+            context: format!("creating {}", dir.display()),
+            source,
+        }),
+        None => Ok(()),
+    }
 }

@@ -1,0 +1,242 @@
+//! Argument groups shared by several subcommands, and their mapping onto
+//! the library's configurations. Defaults come from the library's constants.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+
+use callguard::engine::event::{Decoder, FieldMap};
+use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
+use callguard::error::{EventError, RulesError};
+use callguard::offline::read::{InputFormat, ReadOptions};
+use callguard::store::memory::MemoryStore;
+use callguard::store::redis::{self, RedisConfig, RedisStore};
+use callguard::store::AnyStore;
+
+/// Kafka connection options.
+#[derive(Debug, Clone, Args)]
+pub struct KafkaArgs {
+    /// Bootstrap servers (HOST:PORT,...), or `mock` for an embedded
+    /// in-process mock cluster (topics are created on it).
+    #[arg(long, env = "CALLGUARD_BROKERS", default_value = "localhost:9092")]
+    pub brokers: String,
+    /// Any librdkafka setting, KEY=VALUE (SASL, SSL, client.id, ...); repeatable.
+    #[arg(
+        short = 'X',
+        value_name = "KEY=VALUE",
+        env = "CALLGUARD_KAFKA_SETTINGS",
+        value_delimiter = ';'
+    )]
+    pub settings: Vec<String>,
+}
+
+/// Input layouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum FormatArg {
+    /// By file extension: `.parquet` is Parquet, anything else CSV.
+    Auto,
+    /// CSV with a header row.
+    Csv,
+    /// Parquet.
+    Parquet,
+    /// Asterisk `Master.csv`: no header; `src` is the caller, `uniqueid` the
+    /// call id, `start` the time (local time, see `--timezone`).
+    Asterisk,
+}
+
+/// How fields are named in the input and how numbers are normalised.
+#[derive(Debug, Clone, Args)]
+pub struct DecoderArgs {
+    /// Field mapping, FIELD=NAME[,...], e.g. `caller=src,ts=start_time`.
+    /// Fields: call_id, caller, ts, callee, duration_ms, label.
+    #[arg(
+        long = "map",
+        value_name = "FIELD=NAME",
+        env = "CALLGUARD_MAP",
+        value_delimiter = ';'
+    )]
+    pub map: Vec<String>,
+    /// Country code for national numbers (leading 0 or no prefix), e.g. 34.
+    #[arg(long, env = "CALLGUARD_DEFAULT_COUNTRY_CODE")]
+    pub default_country_code: Option<String>,
+}
+
+impl DecoderArgs {
+    /// The decoder.
+    pub fn decoder(&self) -> Result<Decoder, EventError> {
+        Decoder::new(
+            FieldMap::parse(&self.map)?,
+            self.default_country_code.clone(),
+        )
+    }
+}
+
+/// Where call events come from on disk and how to read them.
+#[derive(Debug, Clone, Args)]
+pub struct InputArgs {
+    /// Call log: CSV (header row), Parquet, or an Asterisk Master.csv.
+    #[arg(long, short)]
+    pub input: PathBuf,
+    /// Input layout; `auto` picks Parquet for `.parquet`, else CSV.
+    #[arg(long, value_enum, default_value_t = FormatArg::Auto)]
+    pub format: FormatArg,
+    /// Field names and number normalisation.
+    #[command(flatten)]
+    pub decoder: DecoderArgs,
+    /// Time zone of naive local times (Asterisk `start`), e.g. Europe/Madrid; default UTC.
+    #[arg(long)]
+    pub timezone: Option<chrono_tz::Tz>,
+}
+
+impl InputArgs {
+    /// Read options from the arguments.
+    pub fn read_options(&self, progress: bool) -> Result<ReadOptions, EventError> {
+        Ok(ReadOptions {
+            format: match self.format {
+                FormatArg::Auto => InputFormat::Auto,
+                FormatArg::Csv => InputFormat::Csv,
+                FormatArg::Parquet => InputFormat::Parquet,
+                FormatArg::Asterisk => InputFormat::Asterisk,
+            },
+            decoder: self.decoder.decoder()?,
+            timezone: self.timezone,
+            progress,
+        })
+    }
+}
+
+/// The rule set: a file, shorthands, and overrides.
+#[derive(Debug, Clone, Args)]
+pub struct RuleArgs {
+    /// Rule set file (TOML); see data/rules.toml.
+    #[arg(long, env = "CALLGUARD_RULES")]
+    pub rules: Option<PathBuf>,
+    /// A rule NAME:KIND:WINDOW:LIMIT (KIND: fixed, sliding, sliding-approx),
+    /// e.g. `minute:sliding:60s:20`; repeatable, appended to --rules.
+    #[arg(long = "rule", value_name = "NAME:KIND:WINDOW:LIMIT")]
+    pub rule: Vec<String>,
+    /// Override the counting policy: `attempts` (every call counts) or
+    /// `admitted` (only allowed calls count).
+    #[arg(long, value_enum)]
+    pub count: Option<CountArg>,
+    /// Override the allowed lateness (e.g. 5s).
+    #[arg(long)]
+    pub grace: Option<String>,
+    /// Shadow mode: decide and report, but allow every call.
+    #[arg(long)]
+    pub shadow: bool,
+}
+
+/// `--count` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CountArg {
+    /// Every call attempt counts.
+    Attempts,
+    /// Only allowed calls count.
+    Admitted,
+}
+
+impl From<CountArg> for CountPolicy {
+    fn from(c: CountArg) -> Self {
+        match c {
+            CountArg::Attempts => CountPolicy::Attempts,
+            CountArg::Admitted => CountPolicy::Admitted,
+        }
+    }
+}
+
+impl RuleArgs {
+    /// Builds the rule set.
+    pub fn rule_set(&self) -> Result<RuleSet, RulesError> {
+        let base = RuleSet::from_args(self.rules.as_deref(), &self.rule)?;
+        let count = self.count.map_or(base.count, CountPolicy::from);
+        let grace = match &self.grace {
+            Some(g) => parse_duration_ms(g)?,
+            None => base.grace_ms,
+        };
+        if count == base.count && grace == base.grace_ms && (!self.shadow || base.shadow) {
+            return Ok(base);
+        }
+        base.with_options(count, grace, self.shadow || base.shadow)
+    }
+}
+
+/// Which window store to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StoreKind {
+    /// In process (no server; state is lost on exit).
+    Memory,
+    /// Redis, shared by every instance.
+    Redis,
+}
+
+/// Window store options.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Window store.
+    #[arg(long, value_enum, default_value_t = StoreKind::Memory, env = "CALLGUARD_STORE")]
+    pub store: StoreKind,
+    /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for TLS);
+    /// repeat, or separate with commas, to give Cluster seed nodes.
+    #[arg(
+        long,
+        env = "CALLGUARD_REDIS_URL",
+        value_delimiter = ',',
+        default_value = redis::DEFAULT_URL
+    )]
+    pub redis_url: Vec<String>,
+    /// Use the Redis Cluster client (implied by several URLs).
+    #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]
+    pub redis_cluster: bool,
+    /// Prefix of every Redis key, to separate environments.
+    #[arg(long, env = "CALLGUARD_KEY_PREFIX", default_value = redis::DEFAULT_KEY_PREFIX)]
+    pub key_prefix: String,
+    /// Do not keep per-call records in Redis: faster, but a redelivered call
+    /// counts again and may get another decision.
+    #[arg(long, env = "CALLGUARD_NO_IDEMPOTENCY")]
+    pub no_idempotency: bool,
+    /// Seconds added to every Redis TTL, so state outlives processing pauses
+    /// (Redis restarts, rebalances, lag); it never changes a decision.
+    #[arg(long, env = "CALLGUARD_TTL_SLACK_S", default_value_t = redis::DEFAULT_TTL_SLACK_S)]
+    pub ttl_slack_s: u64,
+    /// CA certificate (PEM) for `rediss://` servers signed by a private CA.
+    #[arg(long, env = "CALLGUARD_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+    /// Timeout of every Redis call, in milliseconds.
+    #[arg(long, env = "CALLGUARD_REDIS_TIMEOUT_MS", default_value_t = redis::DEFAULT_TIMEOUT_MS)]
+    pub redis_timeout_ms: u64,
+}
+
+impl StoreArgs {
+    /// The Redis configuration.
+    pub fn redis_config(&self) -> RedisConfig {
+        RedisConfig {
+            urls: self.redis_url.clone(),
+            cluster: self.redis_cluster,
+            key_prefix: self.key_prefix.clone(),
+            idempotency: !self.no_idempotency,
+            timeout: Duration::from_millis(self.redis_timeout_ms),
+            ttl_slack: Duration::from_secs(self.ttl_slack_s),
+            tls_ca: self.redis_ca.clone(),
+        }
+    }
+
+    /// Opens the chosen store; `streaming` keeps every caller in memory (a
+    /// stream's partitions may run far apart in event time).
+    pub async fn open(&self, streaming: bool) -> Result<AnyStore> {
+        Ok(match self.store {
+            StoreKind::Memory if streaming => AnyStore::Memory(MemoryStore::keeping_all()),
+            StoreKind::Memory => AnyStore::Memory(MemoryStore::new()),
+            StoreKind::Redis => {
+                let config = self.redis_config();
+                let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();
+                let store = RedisStore::connect(config)
+                    .await
+                    .with_context(|| format!("connecting to Redis at {}", urls.join(",")))?;
+                AnyStore::Redis(Box::new(store))
+            }
+        })
+    }
+}

@@ -1,0 +1,171 @@
+//! `callguard consume`.
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+
+use callguard::online::consumer::{self, ConsumeConfig, StoreErrorPolicy};
+use callguard::online::kafka::{parse_settings, EmbeddedKafka};
+use callguard::online::metrics::{self, Health, Metrics};
+use callguard::online::reload;
+
+use crate::cmd::args::{DecoderArgs, KafkaArgs, RuleArgs, StoreArgs};
+use crate::cmd::shutdown_signal;
+
+/// Run the stream processor: consume call events from Kafka, decide
+/// them against per-caller windows, and produce decisions, features and
+/// dead letters.
+#[derive(Debug, Clone, Args)]
+pub struct ConsumeArgs {
+    /// Kafka options.
+    #[command(flatten)]
+    pub kafka: KafkaArgs,
+    /// Consumer group.
+    #[arg(long, env = "CALLGUARD_GROUP", default_value = consumer::DEFAULT_GROUP)]
+    pub group: String,
+    /// Topic of call events (JSON, keyed by caller).
+    #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = consumer::DEFAULT_INPUT_TOPIC)]
+    pub input_topic: String,
+    /// Topic of decision records.
+    #[arg(long, env = "CALLGUARD_DECISIONS_TOPIC", default_value = consumer::DEFAULT_DECISIONS_TOPIC)]
+    pub decisions_topic: String,
+    /// Topic of feature records.
+    #[arg(long, env = "CALLGUARD_FEATURES_TOPIC", default_value = consumer::DEFAULT_FEATURES_TOPIC)]
+    pub features_topic: String,
+    /// Dead-letter topic (original bytes, error in headers).
+    #[arg(long, env = "CALLGUARD_DLQ_TOPIC", default_value = consumer::DEFAULT_DLQ_TOPIC)]
+    pub dlq_topic: String,
+    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Store options.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Field names of the JSON payload and number normalisation.
+    #[command(flatten)]
+    pub decoder: DecoderArgs,
+    /// What to do when the window store fails: `block` (stop and retry,
+    /// commit nothing: nothing is lost), `allow` or `reject` (decide
+    /// `degraded = true` and keep going).
+    #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
+    pub on_store_error: PolicyArg,
+    /// Largest batch of events per store round trip.
+    #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = consumer::DEFAULT_BATCH_SIZE)]
+    pub batch_size: usize,
+    /// Batches that may await broker acknowledgement at once.
+    #[arg(long, env = "CALLGUARD_MAX_IN_FLIGHT", default_value_t = consumer::DEFAULT_MAX_IN_FLIGHT)]
+    pub max_in_flight: usize,
+    /// Largest accepted message, bytes; larger ones are dead letters.
+    #[arg(long, env = "CALLGUARD_MAX_PAYLOAD_BYTES", default_value_t = consumer::DEFAULT_MAX_PAYLOAD_BYTES)]
+    pub max_payload_bytes: usize,
+    /// Prometheus metrics, /healthz and /readyz on this address.
+    #[arg(long, env = "CALLGUARD_METRICS_ADDR", default_value = metrics::DEFAULT_ADDR)]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Deadline for draining in-flight work on shutdown, seconds.
+    #[arg(long, env = "CALLGUARD_DRAIN_TIMEOUT_S", default_value_t = consumer::DEFAULT_DRAIN_TIMEOUT_S)]
+    pub drain_timeout_s: u64,
+}
+
+/// `--on-store-error` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    /// Stop consuming and retry with backoff; commit nothing meanwhile, so nothing is lost.
+    Block,
+    /// Allow the calls, flagged `degraded = true`, and keep going.
+    Allow,
+    /// Reject the calls, flagged `degraded = true`, and keep going.
+    Reject,
+}
+
+impl ConsumeArgs {
+    /// The consumer configuration for these bootstrap servers.
+    fn config(&self, brokers: &str) -> Result<ConsumeConfig> {
+        let mut config = ConsumeConfig::new(
+            brokers,
+            &self.group,
+            &self.input_topic,
+            &self.decisions_topic,
+            &self.features_topic,
+            &self.dlq_topic,
+        );
+        config.kafka_settings = parse_settings(&self.kafka.settings)?;
+        config.batch_size = self.batch_size.max(1);
+        config.max_in_flight = self.max_in_flight.max(1);
+        config.on_store_error = match self.on_store_error {
+            PolicyArg::Block => StoreErrorPolicy::Block,
+            PolicyArg::Allow => StoreErrorPolicy::Allow,
+            PolicyArg::Reject => StoreErrorPolicy::Reject,
+        };
+        config.max_payload_bytes = self.max_payload_bytes;
+        config.decoder = self.decoder.decoder()?;
+        config.drain_timeout = std::time::Duration::from_secs(self.drain_timeout_s);
+        Ok(config)
+    }
+
+    /// `--brokers mock`: an embedded mock cluster with the topics created.
+    fn embedded(&self) -> Result<EmbeddedKafka> {
+        let k = EmbeddedKafka::start()?;
+        for t in [
+            &self.input_topic,
+            &self.decisions_topic,
+            &self.features_topic,
+        ] {
+            k.create_topic(t, 4)?;
+        }
+        k.create_topic(&self.dlq_topic, 1)?;
+        println!(
+            "embedded Kafka (librdkafka mock cluster) at {}",
+            k.bootstrap()
+        );
+        Ok(k)
+    }
+}
+
+/// Runs `callguard consume` until SIGINT or SIGTERM.
+pub async fn run(args: ConsumeArgs) -> Result<()> {
+    let rules = args.rules.rule_set()?;
+    let embedded = match args.kafka.brokers.as_str() {
+        "mock" => Some(args.embedded()?),
+        _ => None,
+    };
+    let brokers = embedded
+        .as_ref()
+        .map_or_else(|| args.kafka.brokers.clone(), EmbeddedKafka::bootstrap);
+    let config = args.config(&brokers)?;
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let server_stop = async move {
+        let _ = stop_rx.wait_for(|s| *s).await;
+    };
+    let bound = metrics::serve(
+        args.metrics_addr,
+        metrics.clone(),
+        health.clone(),
+        server_stop,
+    )
+    .await
+    .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
+    tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
+    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
+    let rule_args = args.rules.clone();
+    reload::spawn(
+        move || rule_args.rule_set(),
+        args.rules.rules.clone(),
+        rules_tx,
+        metrics.clone(),
+    )?;
+    let store = args.store.open(true).await?;
+    let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
+    let _ = stop_tx.send(true);
+    let stats = stats?;
+    tracing::info!(
+        decided = stats.decided,
+        rejected = stats.rejected,
+        dead_letters = stats.dead_letters,
+        "stopped"
+    );
+    Ok(())
+}

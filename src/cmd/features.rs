@@ -1,0 +1,44 @@
+//! `callguard features`.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+
+use crate::cmd::args::{InputArgs, RuleArgs};
+use crate::cmd::{progress_wanted, report_invalid};
+
+/// Export point-in-time features of every call of a call log (Parquet
+/// or CSV): window counts, time since the caller's previous call,
+/// distinct callees in the longest window, decision and label; the same
+/// columns and values the consumer emits online. Large logs stream in chunks.
+#[derive(Debug, Clone, Args)]
+pub struct FeaturesArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Rule options.
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Feature table: `.parquet` (recommended: typed timestamps) or `.csv`.
+    #[arg(long, short)]
+    pub output: PathBuf,
+}
+
+/// Runs `callguard features`.
+pub async fn run(args: FeaturesArgs) -> Result<()> {
+    let rules = args.rules.rule_set()?;
+    let read = args.input.read_options(progress_wanted())?;
+    let report =
+        callguard::offline::features::export(&args.input.input, &read, &rules, &args.output)
+            .await?;
+    println!(
+        "features         {} rows to {}",
+        report.rows,
+        args.output.display()
+    );
+    if let Some(path) = &report.invalid_file {
+        report_invalid(path, report.streamed.invalid.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,18 @@
+//! The semantics of callguard, with no I/O and no clock: time is always the
+//! event's, passed in.
+//!
+//! * [`event`]: the call event and its decoder (JSON payloads and call-log
+//!   rows share it).
+//! * [`rules`]: rule sets (windows, limits, lists, shadow mode) and the
+//!   decision order.
+//! * [`window`]: the reference window algorithm for one caller: the
+//!   contract every store implements.
+//! * [`record`]: decision records, verdicts and the one column schema of
+//!   every output.
+
+pub mod duration;
+pub mod event;
+pub mod record;
+pub mod rule;
+pub mod rules;
+pub mod window;

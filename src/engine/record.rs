@@ -1,0 +1,510 @@
+//! Records: the decision on one call, and the one column list that every
+//! output of callguard is built from.
+//!
+//! A [`Verdict`] is what a window store returns for one event. The outputs
+//! (the `call-decisions` and `call-features` topics, the `replay` and
+//! `features` tables) are all built from a [`Schema`]: a list of
+//! [`Column`]s, each naming a [`Field`] that knows its value for one decided
+//! call ([`Row`]) and its [`Kind`]. JSON encoding lives here; the table
+//! builder (`offline::table`) reads the same columns. Adding a column is
+//! adding a [`Field`] and putting it in [`Schema::decisions`] or
+//! [`Schema::features`].
+//!
+//! The feature topic and the feature file carry the same columns, in the
+//! same order; the only difference is the encoding of `event_time` (an RFC
+//! 3339 string in JSON, a millisecond timestamp in Parquet and CSV).
+
+use chrono::{DateTime, SecondsFormat};
+use serde_json::{json, Map};
+
+use crate::engine::event::CallEvent;
+use crate::engine::rules::RuleSet;
+
+/// The verdict on one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// Let the call through.
+    Allow,
+    /// Reject the call.
+    Reject,
+}
+
+impl Decision {
+    /// `allow` or `reject`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::Allow => "allow",
+            Decision::Reject => "reject",
+        }
+    }
+}
+
+/// Reason of an allowed call that no rule or list singled out.
+pub const REASON_OK: &str = "ok";
+/// Reason when the caller is on the allowlist.
+pub const REASON_ALLOWLIST: &str = "allowlist";
+/// Reason when the caller is on the denylist.
+pub const REASON_DENYLIST: &str = "denylist";
+/// Reason of a decision made by a fallback policy while the store failed.
+pub const REASON_STORE_ERROR: &str = "store_error";
+
+/// One decision per call event.
+///
+/// `reason` is `ok`, `allowlist`, `denylist`, or the name of the first rule
+/// whose count exceeded its limit. Under shadow mode a call that would have
+/// been rejected is emitted as `allow` with `shadow = true` and the reason it
+/// would have been rejected for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecisionRecord {
+    /// The call attempt.
+    pub call_id: String,
+    /// Normalised calling number.
+    pub caller: String,
+    /// Event time, epoch milliseconds.
+    pub ts_ms: i64,
+    /// What to do with the call.
+    pub decision: Decision,
+    /// Why (see the type docs).
+    pub reason: String,
+    /// The window count per rule, in rule-set order (the current call included).
+    pub counts: Vec<u64>,
+    /// Shadow mode turned a reject into an allow.
+    pub shadow: bool,
+    /// The event was older than the caller's latest event minus grace.
+    pub late: bool,
+    /// The window store failed and a fallback policy decided (online only).
+    pub degraded: bool,
+    /// Version of the rule set that decided.
+    pub rules_version: String,
+}
+
+impl DecisionRecord {
+    /// Whether the call was rejected or would have been (shadow).
+    pub fn would_reject(&self) -> bool {
+        self.decision == Decision::Reject || self.shadow
+    }
+}
+
+/// What a window store returns for one event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// The decision record.
+    pub record: DecisionRecord,
+    /// The caller's latest event time before this event, if within retention
+    /// (longest window + grace); the "time since previous call" feature.
+    pub prev_ts_ms: Option<i64>,
+    /// Distinct callees of the caller over the longest window, this call's
+    /// included (`None` when the rule set does not keep the feature); see
+    /// the window contract in [`crate::engine::window`].
+    pub distinct_callees: Option<u64>,
+    /// This call_id was seen before: the record is the one it got then.
+    pub duplicate: bool,
+}
+
+impl Verdict {
+    /// Milliseconds since the caller's previous call (the latest event time
+    /// seen before this call, within the retention); negative for a call
+    /// that arrived out of order; `None` when there is none.
+    pub fn since_prev_ms(&self) -> Option<i64> {
+        self.prev_ts_ms.map(|p| self.record.ts_ms - p)
+    }
+
+    /// The verdict a fallback policy gives while the store fails: no counts,
+    /// reason [`REASON_STORE_ERROR`], flagged `degraded`.
+    pub fn degraded(event: &CallEvent, rules: &RuleSet, decision: Decision) -> Self {
+        Verdict {
+            record: DecisionRecord {
+                call_id: event.call_id.clone(),
+                caller: event.caller.clone(),
+                ts_ms: event.ts_ms,
+                decision,
+                reason: REASON_STORE_ERROR.to_string(),
+                counts: vec![0; rules.rules.len()],
+                shadow: false,
+                late: false,
+                degraded: true,
+                rules_version: rules.version().to_string(),
+            },
+            prev_ts_ms: None,
+            distinct_callees: None,
+            duplicate: false,
+        }
+    }
+}
+
+/// One decided call, as the outputs see it: the event and its verdict.
+#[derive(Debug, Clone, Copy)]
+pub struct Row<'a> {
+    /// The event as decoded.
+    pub event: &'a CallEvent,
+    /// What the store decided.
+    pub verdict: &'a Verdict,
+}
+
+/// A field of the output records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// `call_id`.
+    CallId,
+    /// `caller`, normalised.
+    Caller,
+    /// `ts_ms`: event time, epoch milliseconds.
+    TsMs,
+    /// `event_time`: the event time as a timestamp (ms, UTC).
+    EventTime,
+    /// `count_<rule>`: the window count of the rule with this index.
+    Count(usize),
+    /// `since_prev_ms`: see [`Verdict::since_prev_ms`].
+    SincePrevMs,
+    /// `distinct_callees`: see [`Verdict::distinct_callees`].
+    DistinctCallees,
+    /// `callee` as given.
+    Callee,
+    /// `duration_ms`.
+    DurationMs,
+    /// `decision`: `allow` or `reject`.
+    Decision,
+    /// `reason`.
+    Reason,
+    /// `shadow`.
+    Shadow,
+    /// `late`.
+    Late,
+    /// `degraded`.
+    Degraded,
+    /// `label`: ground truth, if the event carried one.
+    Label,
+    /// `rules_version`.
+    RulesVersion,
+}
+
+/// The type of a column, as tables store it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Text (possibly null).
+    Text,
+    /// Signed integer (possibly null).
+    Int,
+    /// Unsigned integer (possibly null).
+    UInt,
+    /// Boolean (possibly null).
+    Bool,
+    /// Timestamp, milliseconds, UTC.
+    Time,
+}
+
+/// The value of one field of one row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value<'a> {
+    /// [`Kind::Text`].
+    Text(Option<&'a str>),
+    /// [`Kind::Int`].
+    Int(Option<i64>),
+    /// [`Kind::UInt`].
+    UInt(Option<u64>),
+    /// [`Kind::Bool`].
+    Bool(Option<bool>),
+    /// [`Kind::Time`]: epoch milliseconds.
+    Time(i64),
+}
+
+impl Field {
+    /// The column type.
+    pub fn kind(self) -> Kind {
+        match self {
+            Field::CallId
+            | Field::Caller
+            | Field::Callee
+            | Field::Decision
+            | Field::Reason
+            | Field::RulesVersion => Kind::Text,
+            Field::TsMs | Field::SincePrevMs | Field::DurationMs => Kind::Int,
+            Field::Count(_) | Field::DistinctCallees => Kind::UInt,
+            Field::Shadow | Field::Late | Field::Degraded | Field::Label => Kind::Bool,
+            Field::EventTime => Kind::Time,
+        }
+    }
+
+    /// The value for one row.
+    pub fn value<'a>(self, row: Row<'a>) -> Value<'a> {
+        let v = row.verdict;
+        let r = &v.record;
+        match self {
+            Field::CallId => Value::Text(Some(&r.call_id)),
+            Field::Caller => Value::Text(Some(&r.caller)),
+            Field::TsMs => Value::Int(Some(r.ts_ms)),
+            Field::EventTime => Value::Time(r.ts_ms),
+            Field::Count(i) => Value::UInt(Some(r.counts.get(i).copied().unwrap_or(0))),
+            Field::SincePrevMs => Value::Int(v.since_prev_ms()),
+            Field::DistinctCallees => Value::UInt(v.distinct_callees),
+            Field::Callee => Value::Text(row.event.callee.as_deref()),
+            Field::DurationMs => Value::Int(row.event.duration_ms),
+            Field::Decision => Value::Text(Some(r.decision.as_str())),
+            Field::Reason => Value::Text(Some(&r.reason)),
+            Field::Shadow => Value::Bool(Some(r.shadow)),
+            Field::Late => Value::Bool(Some(r.late)),
+            Field::Degraded => Value::Bool(Some(r.degraded)),
+            Field::Label => Value::Bool(row.event.label),
+            Field::RulesVersion => Value::Text(Some(&r.rules_version)),
+        }
+    }
+}
+
+impl Value<'_> {
+    /// The JSON form (`event_time` as RFC 3339 with milliseconds).
+    pub fn to_json(self) -> serde_json::Value {
+        match self {
+            Value::Text(s) => json!(s),
+            Value::Int(i) => json!(i),
+            Value::UInt(u) => json!(u),
+            Value::Bool(b) => json!(b),
+            Value::Time(ms) => json!(DateTime::from_timestamp_millis(ms)
+                .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))),
+        }
+    }
+}
+
+/// One named column of an output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Column {
+    /// Column (and JSON field) name.
+    pub name: String,
+    /// What it holds.
+    pub field: Field,
+}
+
+/// The columns of one output, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schema {
+    columns: Vec<Column>,
+}
+
+impl Schema {
+    fn build(rules: &RuleSet, fields: &[Field]) -> Self {
+        let mut columns = Vec::new();
+        for &field in fields {
+            let name = match field {
+                Field::Count(_) => {
+                    // A placeholder: expands to one column per rule.
+                    for (i, rule) in rules.rules.iter().enumerate() {
+                        columns.push(Column {
+                            name: format!("count_{}", rule.name),
+                            field: Field::Count(i),
+                        });
+                    }
+                    continue;
+                }
+                Field::CallId => "call_id",
+                Field::Caller => "caller",
+                Field::TsMs => "ts_ms",
+                Field::EventTime => "event_time",
+                Field::SincePrevMs => "since_prev_ms",
+                Field::DistinctCallees => "distinct_callees",
+                Field::Callee => "callee",
+                Field::DurationMs => "duration_ms",
+                Field::Decision => "decision",
+                Field::Reason => "reason",
+                Field::Shadow => "shadow",
+                Field::Late => "late",
+                Field::Degraded => "degraded",
+                Field::Label => "label",
+                Field::RulesVersion => "rules_version",
+            };
+            columns.push(Column {
+                name: name.to_string(),
+                field,
+            });
+        }
+        Schema { columns }
+    }
+
+    /// Decision records (`call-decisions`, `replay`): `call_id, caller,
+    /// ts_ms, decision, reason, count_<rule>..., shadow, late, degraded,
+    /// rules_version`.
+    pub fn decisions(rules: &RuleSet) -> Self {
+        Self::build(
+            rules,
+            &[
+                Field::CallId,
+                Field::Caller,
+                Field::TsMs,
+                Field::Decision,
+                Field::Reason,
+                Field::Count(0),
+                Field::Shadow,
+                Field::Late,
+                Field::Degraded,
+                Field::RulesVersion,
+            ],
+        )
+    }
+
+    /// Point-in-time features (`call-features`, `features`): `call_id,
+    /// caller, event_time, ts_ms, count_<rule>..., since_prev_ms,
+    /// distinct_callees, callee, duration_ms, decision, reason, late,
+    /// degraded, label, rules_version`.
+    pub fn features(rules: &RuleSet) -> Self {
+        Self::build(
+            rules,
+            &[
+                Field::CallId,
+                Field::Caller,
+                Field::EventTime,
+                Field::TsMs,
+                Field::Count(0),
+                Field::SincePrevMs,
+                Field::DistinctCallees,
+                Field::Callee,
+                Field::DurationMs,
+                Field::Decision,
+                Field::Reason,
+                Field::Late,
+                Field::Degraded,
+                Field::Label,
+                Field::RulesVersion,
+            ],
+        )
+    }
+
+    /// The columns, in order.
+    pub fn columns(&self) -> &[Column] {
+        &self.columns
+    }
+
+    /// One row as a flat JSON object (a topic's payload).
+    pub fn to_json(&self, row: Row<'_>) -> serde_json::Value {
+        let mut m = Map::new();
+        for c in &self.columns {
+            m.insert(c.name.clone(), c.field.value(row).to_json());
+        }
+        serde_json::Value::Object(m)
+    }
+}
+
+/// The fields of the Redis script's reply record, in order, `|`-separated
+/// (`counts` is comma-separated). `lua/window.lua` documents the same list;
+/// a test holds the two together.
+pub const REPLY_FIELDS: [&str; 9] = [
+    "ts_ms",
+    "decision",
+    "reason",
+    "shadow",
+    "late",
+    "rules_version",
+    "prev_ts_ms",
+    "distinct_callees",
+    "counts",
+];
+
+impl Verdict {
+    /// Rebuilds a verdict from a store's encoded reply record (see
+    /// [`REPLY_FIELDS`]); `None` if it is malformed.
+    pub fn from_reply(encoded: &str, event: &CallEvent, duplicate: bool) -> Option<Self> {
+        let parts: Vec<&str> = encoded.split('|').collect();
+        let [ts, decision, reason, shadow, late, version, prev, distinct, counts] = parts[..]
+        else {
+            return None;
+        };
+        let optional = |s: &str| -> Option<Option<i64>> {
+            if s.is_empty() {
+                Some(None)
+            } else {
+                s.parse().ok().map(Some)
+            }
+        };
+        Some(Verdict {
+            record: DecisionRecord {
+                call_id: event.call_id.clone(),
+                caller: event.caller.clone(),
+                ts_ms: ts.parse().ok()?,
+                decision: match decision {
+                    "0" => Decision::Allow,
+                    "1" => Decision::Reject,
+                    _ => return None,
+                },
+                reason: reason.to_string(),
+                counts: counts
+                    .split(',')
+                    .filter(|c| !c.is_empty())
+                    .map(|c| c.parse().ok())
+                    .collect::<Option<Vec<u64>>>()?,
+                shadow: shadow == "1",
+                late: late == "1",
+                degraded: false,
+                rules_version: version.to_string(),
+            },
+            prev_ts_ms: optional(prev)?,
+            distinct_callees: optional(distinct)?.map(|d| d as u64),
+            duplicate,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lua_header_lists_the_reply_fields_in_order() {
+        let lua = include_str!("../../lua/window.lua");
+        let line = lua
+            .lines()
+            .find(|l| l.contains("record fields:"))
+            .expect("the script header names its record fields");
+        let listed: Vec<&str> = line
+            .split("record fields:")
+            .nth(1)
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        assert_eq!(listed, REPLY_FIELDS);
+    }
+
+    #[test]
+    fn features_and_decisions_share_their_common_columns_in_one_spelling() {
+        let rules = RuleSet::from_args(None, &["m:sliding:60s:2".into()]).unwrap();
+        let d = Schema::decisions(&rules);
+        let f = Schema::features(&rules);
+        for c in d.columns() {
+            if c.field != Field::Shadow {
+                assert!(f.columns().contains(c), "{} missing from features", c.name);
+            }
+        }
+        let names: Vec<&str> = d.columns().iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "call_id",
+                "caller",
+                "ts_ms",
+                "decision",
+                "reason",
+                "count_m",
+                "shadow",
+                "late",
+                "degraded",
+                "rules_version"
+            ]
+        );
+    }
+
+    #[test]
+    fn reply_round_trips() {
+        let ev = CallEvent {
+            call_id: "c".into(),
+            caller: "+34911234567".into(),
+            ts_ms: 5,
+            callee: None,
+            duration_ms: None,
+            label: None,
+        };
+        let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
+        assert_eq!(v.record.decision, Decision::Reject);
+        assert_eq!(v.record.counts, vec![4, 2]);
+        assert_eq!(v.prev_ts_ms, Some(-3));
+        assert_eq!(v.distinct_callees, None);
+        assert!(v.record.late && !v.record.shadow && v.duplicate);
+        assert!(Verdict::from_reply("5|2|m|0|1|abc|||4", &ev, false).is_none());
+        assert!(Verdict::from_reply("5|1|m|0|1|abc||", &ev, false).is_none());
+    }
+}

@@ -1,0 +1,343 @@
+//! Writing tables: decision and feature records (built from the one
+//! [`RecordSchema`]), sweeps and invalid rows, as CSV or Parquet.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use polars::prelude::*;
+
+use crate::engine::record::{Kind, Row, Schema as RecordSchema, Value};
+use crate::error::IoError;
+use crate::offline::read::{polars_err, InvalidRow};
+
+/// A table of `schema`'s columns, one row per decided call; its schema
+/// (`frame(schema, &[])`) is what a [`TableWriter`] is created with.
+pub fn frame(schema: &RecordSchema, rows: &[Row<'_>]) -> Result<DataFrame, IoError> {
+    let columns = schema
+        .columns()
+        .iter()
+        .map(|c| {
+            let name: PlSmallStr = c.name.as_str().into();
+            let values = rows.iter().map(|r| c.field.value(*r));
+            match c.field.kind() {
+                Kind::Text => Ok(Column::new(
+                    name,
+                    values
+                        .map(|v| match v {
+                            Value::Text(s) => s,
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                )),
+                Kind::Int => Ok(Column::new(
+                    name,
+                    values
+                        .map(|v| match v {
+                            Value::Int(i) => i,
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                )),
+                Kind::UInt => Ok(Column::new(
+                    name,
+                    values
+                        .map(|v| match v {
+                            Value::UInt(u) => u,
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                )),
+                Kind::Bool => Ok(Column::new(
+                    name,
+                    values
+                        .map(|v| match v {
+                            Value::Bool(b) => b,
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                )),
+                Kind::Time => Column::new(
+                    name,
+                    values
+                        .map(|v| match v {
+                            Value::Time(ms) => Some(ms),
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                )
+                .cast(&DataType::Datetime(TimeUnit::Milliseconds, None)),
+            }
+        })
+        .collect::<PolarsResult<Vec<_>>>()
+        .map_err(polars_err("building a table"))?;
+    DataFrame::new(rows.len(), columns).map_err(polars_err("building a table"))
+}
+
+/// Output formats of tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableFormat {
+    /// CSV with a header.
+    Csv,
+    /// Parquet (zstd).
+    Parquet,
+}
+
+impl TableFormat {
+    /// By extension: `.parquet` is Parquet, anything else CSV.
+    pub fn from_path(path: &Path) -> Self {
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
+        {
+            TableFormat::Parquet
+        } else {
+            TableFormat::Csv
+        }
+    }
+}
+
+/// Writes a frame as CSV or Parquet, chosen by the file extension.
+pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
+    let ctx = format!("writing {}", path.display());
+    let file = File::create(path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    match TableFormat::from_path(path) {
+        TableFormat::Csv => CsvWriter::new(file)
+            .include_header(true)
+            .finish(df)
+            .map_err(polars_err(ctx))?,
+        TableFormat::Parquet => {
+            ParquetWriter::new(file)
+                .with_compression(ParquetCompression::Zstd(None))
+                .finish(df)
+                .map_err(polars_err(ctx))?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes a table a batch at a time, as CSV or Parquet by the file extension
+/// (a Parquet row group per batch), so a large output is never one frame.
+pub struct TableWriter {
+    inner: TableSink,
+    context: String,
+    rows: u64,
+}
+
+enum TableSink {
+    Csv(polars::io::csv::write::BatchedWriter<File>),
+    Parquet(Box<polars::io::parquet::write::BatchedWriter<File>>),
+}
+
+impl TableWriter {
+    /// Creates `path` for tables of `schema`.
+    pub fn create(path: &Path, schema: &Schema) -> Result<Self, IoError> {
+        let context = format!("writing {}", path.display());
+        let file = File::create(path).map_err(|source| IoError::Io {
+            context: context.clone(),
+            source,
+        })?;
+        let inner = match TableFormat::from_path(path) {
+            TableFormat::Csv => TableSink::Csv(
+                CsvWriter::new(file)
+                    .include_header(true)
+                    .batched(schema)
+                    .map_err(polars_err(context.clone()))?,
+            ),
+            TableFormat::Parquet => TableSink::Parquet(Box::new(
+                ParquetWriter::new(file)
+                    .with_compression(ParquetCompression::Zstd(None))
+                    .batched(schema)
+                    .map_err(polars_err(context.clone()))?,
+            )),
+        };
+        Ok(TableWriter {
+            inner,
+            context,
+            rows: 0,
+        })
+    }
+
+    /// Appends a batch (same schema as at creation).
+    pub fn write(&mut self, df: &mut DataFrame) -> Result<(), IoError> {
+        if df.height() == 0 {
+            return Ok(());
+        }
+        df.align_chunks();
+        match &mut self.inner {
+            TableSink::Csv(w) => w.write_batch(df),
+            TableSink::Parquet(w) => w.write_batch(df),
+        }
+        .map_err(polars_err(self.context.clone()))?;
+        self.rows += df.height() as u64;
+        Ok(())
+    }
+
+    /// Completes the file (header or footer); returns the rows written.
+    pub fn finish(mut self) -> Result<u64, IoError> {
+        match &mut self.inner {
+            TableSink::Csv(w) => w.finish(),
+            TableSink::Parquet(w) => w.finish().map(|_| ()),
+        }
+        .map_err(polars_err(self.context.clone()))?;
+        Ok(self.rows)
+    }
+}
+
+/// A [`TableWriter`] on a thread of its own: each item is turned into a
+/// batch (`build`) and written there while the sender goes on, at most two
+/// items behind.
+pub struct BackgroundWriter<T> {
+    tx: Option<std::sync::mpsc::SyncSender<T>>,
+    handle: Option<std::thread::JoinHandle<Result<u64, IoError>>>,
+}
+
+impl<T: Send + 'static> BackgroundWriter<T> {
+    /// Creates `path` for tables of `schema` and starts the writer thread.
+    pub fn spawn(
+        path: &Path,
+        schema: &Schema,
+        mut build: impl FnMut(T) -> Result<DataFrame, IoError> + Send + 'static,
+    ) -> Result<Self, IoError> {
+        let mut out = TableWriter::create(path, schema)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel::<T>(2);
+        let handle = std::thread::spawn(move || {
+            for item in rx {
+                out.write(&mut build(item)?)?;
+            }
+            out.finish()
+        });
+        Ok(BackgroundWriter {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Hands over the next item; if the writer has failed, its error.
+    pub fn send(&mut self, item: T) -> Result<(), IoError> {
+        let sent = self.tx.as_ref().is_some_and(|tx| tx.send(item).is_ok());
+        if sent {
+            return Ok(());
+        }
+        self.tx = None;
+        match self.join() {
+            Err(e) => Err(e),
+            Ok(_) => Err(IoError::WorkerLost("table writer")),
+        }
+    }
+
+    /// Waits for every batch to be written; returns the rows written.
+    pub fn finish(mut self) -> Result<u64, IoError> {
+        self.tx = None;
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<u64, IoError> {
+        match self.handle.take().map(|h| h.join()) {
+            Some(Ok(result)) => result,
+            Some(Err(_)) | None => Err(IoError::WorkerLost("table writer")),
+        }
+    }
+}
+
+/// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file
+/// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
+pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
+    if invalid.is_empty() {
+        return Ok(None);
+    }
+    let stem = output
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "output".into());
+    let path = output.with_file_name(format!("{stem}.invalid.csv"));
+    let mut df = DataFrame::new(
+        invalid.len(),
+        vec![
+            Column::new(
+                "row".into(),
+                invalid.iter().map(|r| r.row).collect::<Vec<u64>>(),
+            ),
+            Column::new(
+                "error_kind".into(),
+                invalid
+                    .iter()
+                    .map(|r| r.error.kind())
+                    .collect::<Vec<&str>>(),
+            ),
+            Column::new(
+                "error".into(),
+                invalid
+                    .iter()
+                    .map(|r| r.error.to_string())
+                    .collect::<Vec<String>>(),
+            ),
+        ],
+    )
+    .map_err(polars_err("building the invalid-rows table"))?;
+    let ctx = format!("writing {}", path.display());
+    let file = File::create(&path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    CsvWriter::new(file)
+        .include_header(true)
+        .finish(&mut df)
+        .map_err(polars_err(ctx))?;
+    Ok(Some(path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn batch(n: i64) -> DataFrame {
+        DataFrame::new(1, vec![Column::new("n".into(), vec![n])]).unwrap()
+    }
+
+    #[test]
+    fn background_writer_writes_in_order_and_reports_failures() {
+        let dir = tempfile::tempdir().unwrap();
+        let schema = batch(0).schema().as_ref().clone();
+        let path = dir.path().join("ok.csv");
+        let mut w = BackgroundWriter::spawn(&path, &schema, |n: i64| Ok(batch(n))).unwrap();
+        for n in 0..100 {
+            w.send(n).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), 100);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let expected: String = std::iter::once("n".to_string())
+            .chain((0..100).map(|n| n.to_string()))
+            .map(|l| l + "\n")
+            .collect();
+        assert_eq!(text, expected);
+
+        // A batch that cannot be built stops the writer; the sender learns why.
+        let path = dir.path().join("bad.csv");
+        let mut w = BackgroundWriter::spawn(&path, &schema, |n: i64| {
+            if n == 3 {
+                Err(IoError::Io {
+                    context: "batch 3 is bad".into(),
+                    source: std::io::Error::other("bad"),
+                })
+            } else {
+                Ok(batch(n))
+            }
+        })
+        .unwrap();
+        let mut first_error = None;
+        for n in 0..50 {
+            if let Err(e) = w.send(n) {
+                first_error = Some(e.to_string());
+                break;
+            }
+        }
+        let reported = match first_error {
+            Some(e) => e,
+            None => w.finish().unwrap_err().to_string(),
+        };
+        assert_eq!(reported, "batch 3 is bad");
+    }
+}

@@ -1,0 +1,478 @@
+//! `callguard tune`: choose a rule's limit N from data.
+//!
+//! For every N in a range, the sweep reports what the rule set would reject
+//! with that N (the other rules fixed), under the exact window contract:
+//! calls and callers rejected, and, with labels, precision, recall, legit
+//! calls and callers wrongly rejected, and fraud callers caught.
+//!
+//! Under `count = "attempts"` every call is recorded whatever the decision,
+//! so counts do not depend on N: one replay gives every call's count, and a
+//! call is rejected under N exactly when its count exceeds N. The whole sweep
+//! is then histograms and prefix sums. Under `admitted`, decisions feed back
+//! into the counts, so each N is replayed too, spread over threads. Input
+//! arrives a chunk at a time ([`Sweeper`]): memory holds per-caller tallies
+//! and window state, not the log.
+
+mod report;
+
+use std::sync::Arc;
+
+pub use report::{render_table, sweep_frame};
+
+use crate::engine::event::CallEvent;
+use crate::engine::rules::{CountPolicy, Judgement, RuleSet};
+use crate::error::{RulesError, TuneError};
+use crate::offline::order::{OrderedLog, CHUNK_ROWS};
+use crate::offline::read::{CallLog, InvalidRow};
+use crate::offline::replay::Rejections;
+use crate::progress::progress_bar;
+use crate::store::memory::MemoryStore;
+
+/// One row of the sweep.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepRow {
+    /// The limit.
+    pub limit: u64,
+    /// Calls rejected (or that shadow mode would reject).
+    pub calls_rejected: u64,
+    /// Share of all calls rejected.
+    pub rejected_share: f64,
+    /// Distinct callers with a rejected call.
+    pub callers_rejected: u64,
+    /// With labels: fraud calls rejected.
+    pub fraud_calls_rejected: Option<u64>,
+    /// With labels: legit calls rejected (false rejects).
+    pub legit_calls_rejected: Option<u64>,
+    /// With labels: rejected calls that are fraud.
+    pub precision: Option<f64>,
+    /// With labels: fraud calls that are rejected.
+    pub recall: Option<f64>,
+    /// With labels: legit calls rejected / legit calls.
+    pub false_reject_rate: Option<f64>,
+    /// With labels: legit callers (no fraud call) with a rejected call: the costly error.
+    pub legit_callers_rejected: Option<u64>,
+    /// With labels: fraud callers (any fraud call) with a rejected call.
+    pub fraud_callers_caught: Option<u64>,
+}
+
+/// A sweep and its recommendation.
+#[derive(Debug, Clone)]
+pub struct Sweep {
+    /// Name of the swept rule.
+    pub rule: String,
+    /// One row per N, ascending.
+    pub rows: Vec<SweepRow>,
+    /// Whether labels were present.
+    pub labelled: bool,
+    /// Recommended N, if any N qualifies.
+    pub recommended: Option<u64>,
+    /// One line explaining the recommendation.
+    pub explanation: String,
+    /// How many replays the sweep needed.
+    pub passes: usize,
+}
+
+/// How to recommend N.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Target {
+    /// With labels: the smallest N whose legit false-reject rate is at most this.
+    MaxFalseReject(f64),
+    /// Without labels: this quantile of per-caller peak counts.
+    Quantile(f64),
+}
+
+/// What the sweep keeps per caller.
+#[derive(Debug, Clone, Copy, Default)]
+struct CallerTally {
+    /// Any of its calls is labelled fraud.
+    fraud: bool,
+    /// Largest count of the swept rule among calls N can reject (`attempts`).
+    peak_n: u64,
+    /// A call is rejected whatever N is (`attempts`).
+    always: bool,
+    /// Largest count of the swept rule over all its calls (under the rule set as given).
+    peak: u64,
+}
+
+/// One replay with one limit (the `admitted` path).
+struct Replayed {
+    rules: RuleSet,
+    store: MemoryStore,
+    rejections: Rejections,
+}
+
+impl Replayed {
+    fn feed(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
+        for (i, (_, e)) in events.iter().enumerate() {
+            let unique = unique.get(i).copied().unwrap_or(false);
+            let v = self.store.apply_unique(&self.rules, e, unique);
+            self.rejections.add(&v, e.label);
+        }
+    }
+}
+
+/// Calls seen so far, and how many carried each label.
+#[derive(Debug, Clone, Copy)]
+struct Totals {
+    calls: u64,
+    fraud: u64,
+    legit: u64,
+    /// Every call so far carried a label.
+    labelled: bool,
+}
+
+/// `attempts`: every call's count of the swept rule, as histograms.
+#[derive(Debug, Clone)]
+struct Histogram {
+    /// calls[k] = [legit, fraud] calls of count k (capped) that N can reject.
+    calls: Vec<[u64; 2]>,
+    /// [legit, fraud] calls rejected whatever N is (a list or another rule).
+    always: [u64; 2],
+}
+
+/// A sweep fed time-sorted events a chunk at a time: memory holds per-caller
+/// tallies and window state, never the log.
+///
+/// One replay under the rule set as given always runs: under `attempts` it
+/// is the whole sweep (histograms of counts, then suffix sums); it also
+/// gives the per-caller peaks for [`Target::Quantile`]. Under `admitted`
+/// each limit is replayed as well, spread over threads chunk by chunk.
+pub struct Sweeper {
+    rules: RuleSet,
+    index: usize,
+    limits: Vec<u64>,
+    target: Target,
+    base: MemoryStore,
+    totals: Totals,
+    callers: foldhash::HashMap<String, CallerTally>,
+    histogram: Histogram,
+    replayed: Vec<Replayed>,
+}
+
+impl Sweeper {
+    /// A sweep of rule `index` over `limits` (ascending, distinct).
+    pub fn new(
+        rules: &RuleSet,
+        index: usize,
+        limits: &[u64],
+        target: Target,
+    ) -> Result<Self, RulesError> {
+        if index >= rules.rules.len() {
+            return Err(RulesError::Invalid(format!(
+                "no rule #{index} in a set of {}",
+                rules.rules.len()
+            )));
+        }
+        let replayed = if rules.count == CountPolicy::Admitted {
+            limits
+                .iter()
+                .map(|&n| {
+                    Ok(Replayed {
+                        rules: rules.with_limit(index, n)?,
+                        store: MemoryStore::new(),
+                        rejections: Rejections::default(),
+                    })
+                })
+                .collect::<Result<Vec<_>, RulesError>>()?
+        } else {
+            Vec::new()
+        };
+        let cap = limits.iter().copied().max().unwrap_or(0) as usize + 1;
+        Ok(Sweeper {
+            rules: rules.clone(),
+            index,
+            limits: limits.to_vec(),
+            target,
+            base: MemoryStore::new(),
+            totals: Totals {
+                calls: 0,
+                fraud: 0,
+                legit: 0,
+                labelled: true,
+            },
+            callers: Default::default(),
+            histogram: Histogram {
+                calls: vec![[0; 2]; cap + 1],
+                always: [0; 2],
+            },
+            replayed,
+        })
+    }
+
+    /// Feeds the next time-sorted events.
+    pub fn feed(&mut self, events: &[(u64, CallEvent)]) {
+        self.feed_unique(events, &[]);
+    }
+
+    /// Feeds the next time-sorted events, with [`CallLog::unique`] (may be empty).
+    pub fn feed_unique(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
+        for (i, (_, e)) in events.iter().enumerate() {
+            self.feed_base(e, unique.get(i).copied().unwrap_or(false));
+        }
+        if self.replayed.is_empty() {
+            return;
+        }
+        let threads = std::thread::available_parallelism()
+            .map_or(2, |n| n.get())
+            .min(self.replayed.len());
+        let group = self.replayed.len().div_ceil(threads.max(1)).max(1);
+        std::thread::scope(|s| {
+            for part in self.replayed.chunks_mut(group) {
+                s.spawn(move || part.iter_mut().for_each(|r| r.feed(events, unique)));
+            }
+        });
+    }
+
+    /// One event through the replay under the rule set as given.
+    fn feed_base(&mut self, e: &CallEvent, unique: bool) {
+        let t = &mut self.totals;
+        t.calls += 1;
+        t.labelled &= e.label.is_some();
+        t.fraud += u64::from(e.label == Some(true));
+        t.legit += u64::from(e.label == Some(false));
+        let v = self.base.apply_unique(&self.rules, e, unique);
+        let count = v.record.counts.get(self.index).copied().unwrap_or(0);
+        let tally = match self.callers.get_mut(&e.caller) {
+            Some(t) => t,
+            None => self.callers.entry(e.caller.clone()).or_default(),
+        };
+        tally.fraud |= e.label == Some(true);
+        tally.peak = tally.peak.max(count);
+        if self.rules.count != CountPolicy::Attempts {
+            return;
+        }
+        let fraud = usize::from(e.label == Some(true));
+        let h = &mut self.histogram;
+        match self
+            .rules
+            .judge(&e.caller, &v.record.counts, Some(self.index))
+        {
+            Judgement::Allowlisted => {}
+            Judgement::Denylisted | Judgement::Exceeded(_) => {
+                h.always[fraud] += 1;
+                tally.always = true;
+            }
+            Judgement::Within => {
+                let cap = h.calls.len() - 1;
+                h.calls[(count as usize).min(cap)][fraud] += 1;
+                tally.peak_n = tally.peak_n.max(count);
+            }
+        }
+    }
+
+    /// Replays the sweep needed: 1 under `attempts`, one per limit plus the
+    /// rule set as given under `admitted`.
+    pub fn passes(&self) -> usize {
+        1 + self.replayed.len()
+    }
+
+    /// The sweep table and its recommendation.
+    pub fn finish(self) -> Sweep {
+        let t = self.totals;
+        let labelled = t.labelled && t.calls > 0;
+        let rows = if self.replayed.is_empty() {
+            self.rows_from_histograms(labelled)
+        } else {
+            self.replayed
+                .iter()
+                .zip(&self.limits)
+                .map(|(r, &limit)| {
+                    let rej = &r.rejections;
+                    let legit_callers = rej
+                        .callers
+                        .iter()
+                        .filter(|c| !self.callers.get(*c).is_some_and(|t| t.fraud))
+                        .count() as u64;
+                    RowCounts {
+                        limit,
+                        calls: t.calls,
+                        fraud_calls: t.fraud,
+                        legit_calls: t.legit,
+                        rejected_calls: rej.calls,
+                        rejected_fraud_calls: rej.fraud_calls,
+                        rejected_legit_calls: rej.legit_calls,
+                        rejected_legit_callers: legit_callers,
+                        rejected_fraud_callers: rej.callers.len() as u64 - legit_callers,
+                    }
+                    .row(labelled)
+                })
+                .collect()
+        };
+        let peaks: Vec<u64> = self.callers.values().map(|t| t.peak).collect();
+        let (recommended, explanation) =
+            report::recommend(&self.rules, self.index, &rows, labelled, self.target, peaks);
+        Sweep {
+            rule: self.rules.rules[self.index].name.clone(),
+            rows,
+            labelled,
+            recommended,
+            explanation,
+            passes: self.passes(),
+        }
+    }
+
+    /// The one-pass rows: a call is rejected under N exactly when its count
+    /// exceeds N, a caller when its peak does.
+    fn rows_from_histograms(&self, labelled: bool) -> Vec<SweepRow> {
+        let h = &self.histogram;
+        let cap = h.calls.len() - 1;
+        let mut callers = vec![[0u64; 2]; cap + 1];
+        let mut callers_always = [0u64; 2];
+        for t in self.callers.values() {
+            let fraud = usize::from(t.fraud);
+            if t.always {
+                callers_always[fraud] += 1;
+            } else if t.peak_n > 0 {
+                callers[(t.peak_n as usize).min(cap)][fraud] += 1;
+            }
+        }
+        // Suffix sums: above[n] = items with count > n.
+        let suffix = |h: &Vec<[u64; 2]>| {
+            let mut above = vec![[0u64; 2]; cap + 2];
+            for k in (0..=cap).rev() {
+                above[k] = [above[k + 1][0] + h[k][0], above[k + 1][1] + h[k][1]];
+            }
+            above
+        };
+        let calls_above = suffix(&h.calls);
+        let callers_above = suffix(&callers);
+        self.limits
+            .iter()
+            .map(|&n| {
+                let k = (n as usize + 1).min(cap + 1);
+                let c = calls_above[k];
+                let r = callers_above[k];
+                let legit_rej = c[0] + h.always[0];
+                let fraud_rej = c[1] + h.always[1];
+                RowCounts {
+                    limit: n,
+                    calls: self.totals.calls,
+                    fraud_calls: self.totals.fraud,
+                    legit_calls: self.totals.legit,
+                    rejected_calls: legit_rej + fraud_rej,
+                    rejected_fraud_calls: fraud_rej,
+                    rejected_legit_calls: legit_rej,
+                    rejected_legit_callers: r[0] + callers_always[0],
+                    rejected_fraud_callers: r[1] + callers_always[1],
+                }
+                .row(labelled)
+            })
+            .collect()
+    }
+}
+
+/// Sweeps rule `index` over `limits` (ascending, distinct) on a decoded,
+/// time-sorted log.
+pub fn sweep(
+    log: &CallLog,
+    rules: &RuleSet,
+    index: usize,
+    limits: &[u64],
+    target: Target,
+) -> Result<Sweep, RulesError> {
+    let mut sweeper = Sweeper::new(rules, index, limits, target)?;
+    sweeper.feed(&log.events);
+    Ok(sweeper.finish())
+}
+
+/// Sweeps an [`OrderedLog`] chunk by chunk; also returns its invalid rows.
+pub fn sweep_ordered(
+    log: Arc<OrderedLog>,
+    rules: &RuleSet,
+    index: usize,
+    limits: &[u64],
+    target: Target,
+    progress: bool,
+) -> Result<(Sweep, Vec<InvalidRow>), TuneError> {
+    let mut sweeper = Sweeper::new(rules, index, limits, target)?;
+    let bar = progress_bar(log.rows() as u64, progress, "sweeping");
+    let mut invalid = Vec::new();
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
+    for chunk in chunks {
+        let mut chunk = chunk?;
+        sweeper.feed_unique(&chunk.events, &chunk.unique);
+        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        invalid.append(&mut chunk.invalid);
+    }
+    bar.finish_and_clear();
+    invalid.sort_by_key(|r| r.row);
+    Ok((sweeper.finish(), invalid))
+}
+
+/// The counts behind one row of the sweep.
+#[derive(Debug, Clone, Copy)]
+struct RowCounts {
+    limit: u64,
+    calls: u64,
+    fraud_calls: u64,
+    legit_calls: u64,
+    rejected_calls: u64,
+    rejected_fraud_calls: u64,
+    rejected_legit_calls: u64,
+    rejected_legit_callers: u64,
+    rejected_fraud_callers: u64,
+}
+
+impl RowCounts {
+    fn row(self, labelled: bool) -> SweepRow {
+        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+        let l = |x: u64| labelled.then_some(x);
+        let lr = |x: Option<f64>| x.filter(|_| labelled);
+        let (fraud, legit) = (self.rejected_fraud_calls, self.rejected_legit_calls);
+        SweepRow {
+            limit: self.limit,
+            calls_rejected: self.rejected_calls,
+            rejected_share: ratio(self.rejected_calls, self.calls).unwrap_or(0.0),
+            callers_rejected: self.rejected_legit_callers + self.rejected_fraud_callers,
+            fraud_calls_rejected: l(fraud),
+            legit_calls_rejected: l(legit),
+            precision: lr(ratio(fraud, fraud + legit)),
+            recall: lr(ratio(fraud, self.fraud_calls)),
+            false_reject_rate: lr(ratio(legit, self.legit_calls)),
+            legit_callers_rejected: l(self.rejected_legit_callers),
+            fraud_callers_caught: l(self.rejected_fraud_callers),
+        }
+    }
+}
+
+/// Computes a sweep row for one N by replaying the whole log with that N
+/// (a check of the one-pass path).
+pub fn row_by_replay(
+    log: &CallLog,
+    rules: &RuleSet,
+    index: usize,
+    limit: u64,
+) -> Result<SweepRow, RulesError> {
+    let set = rules.with_limit(index, limit)?;
+    let labelled = !log.events.is_empty() && log.events.iter().all(|(_, e)| e.label.is_some());
+    let mut fraud_callers = foldhash::HashSet::default();
+    let (mut fraud_calls, mut legit_calls) = (0, 0);
+    let mut store = MemoryStore::new();
+    let mut rejections = Rejections::default();
+    for (_, e) in &log.events {
+        fraud_calls += u64::from(e.label == Some(true));
+        legit_calls += u64::from(e.label == Some(false));
+        if e.label == Some(true) {
+            fraud_callers.insert(e.caller.as_str());
+        }
+        rejections.add(&store.apply(&set, e), e.label);
+    }
+    let legit_callers = rejections
+        .callers
+        .iter()
+        .filter(|c| !fraud_callers.contains(c.as_str()))
+        .count() as u64;
+    Ok(RowCounts {
+        limit,
+        calls: log.events.len() as u64,
+        fraud_calls,
+        legit_calls,
+        rejected_calls: rejections.calls,
+        rejected_fraud_calls: rejections.fraud_calls,
+        rejected_legit_calls: rejections.legit_calls,
+        rejected_legit_callers: legit_callers,
+        rejected_fraud_callers: rejections.callers.len() as u64 - legit_callers,
+    }
+    .row(labelled))
+}

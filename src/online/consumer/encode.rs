@@ -1,0 +1,123 @@
+//! Messages in, records out: decoding call events from Kafka messages and
+//! encoding decisions, features and dead letters as records to produce.
+
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+
+use crate::engine::event::CallEvent;
+use crate::engine::record::{Row, Schema, Verdict};
+use crate::engine::rules::RuleSet;
+use crate::error::EventError;
+use crate::online::consumer::delivery::OutRecord;
+use crate::online::consumer::ConsumeConfig;
+
+/// Decodes a message; the key must be present (producers key by caller).
+pub fn decode_message(m: &OwnedMessage, config: &ConsumeConfig) -> Result<CallEvent, EventError> {
+    let payload = m.payload().unwrap_or_default();
+    if payload.len() > config.max_payload_bytes {
+        return Err(EventError::Oversized {
+            size: payload.len(),
+            limit: config.max_payload_bytes,
+        });
+    }
+    if m.key().is_none_or(|k| k.is_empty()) {
+        return Err(EventError::Missing(
+            "message key (producers must key call events by caller)",
+        ));
+    }
+    if payload.is_empty() {
+        return Err(EventError::Json("empty payload".into()));
+    }
+    config.decoder.decode_json(payload)
+}
+
+/// The dead letter of a message: its original key and bytes, the error and
+/// where it came from in headers.
+pub(super) fn dead_letter(m: &OwnedMessage, err: &EventError, topic: &str) -> OutRecord {
+    let mut headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "callguard.error",
+            value: Some(err.to_string().as_str()),
+        })
+        .insert(Header {
+            key: "callguard.error_kind",
+            value: Some(err.kind()),
+        })
+        .insert(Header {
+            key: "callguard.source_topic",
+            value: Some(m.topic()),
+        })
+        .insert(Header {
+            key: "callguard.partition",
+            value: Some(m.partition().to_string().as_str()),
+        })
+        .insert(Header {
+            key: "callguard.offset",
+            value: Some(m.offset().to_string().as_str()),
+        });
+    if let Some(h) = m.headers() {
+        for i in 0..h.count() {
+            let hdr = h.get(i);
+            headers = headers.insert(Header {
+                key: hdr.key,
+                value: hdr.value,
+            });
+        }
+    }
+    OutRecord {
+        topic: topic.to_string(),
+        key: m.key().unwrap_or_default().to_vec(),
+        payload: m.payload().unwrap_or_default().to_vec(),
+        headers: Some(headers),
+    }
+}
+
+/// Encodes decided calls as decision and feature records, with the schemas
+/// of the rule set in force (rebuilt only when its version changes).
+pub(super) struct Encoder {
+    version: String,
+    decisions: Schema,
+    features: Schema,
+}
+
+impl Encoder {
+    pub fn new(rules: &RuleSet) -> Self {
+        Encoder {
+            version: rules.version().to_string(),
+            decisions: Schema::decisions(rules),
+            features: Schema::features(rules),
+        }
+    }
+
+    /// Follows a rule reload.
+    pub fn follow(&mut self, rules: &RuleSet) {
+        if rules.version() != self.version {
+            *self = Encoder::new(rules);
+        }
+    }
+
+    /// One decision record and one feature record per call, keyed by caller.
+    pub fn encode(
+        &self,
+        events: &[CallEvent],
+        verdicts: &[Verdict],
+        config: &ConsumeConfig,
+        out: &mut Vec<OutRecord>,
+    ) {
+        for (event, verdict) in events.iter().zip(verdicts) {
+            let row = Row { event, verdict };
+            let key = event.caller.as_bytes();
+            out.push(OutRecord {
+                topic: config.decisions_topic.clone(),
+                key: key.to_vec(),
+                payload: self.decisions.to_json(row).to_string().into_bytes(),
+                headers: None,
+            });
+            out.push(OutRecord {
+                topic: config.features_topic.clone(),
+                key: key.to_vec(),
+                payload: self.features.to_json(row).to_string().into_bytes(),
+                headers: None,
+            });
+        }
+    }
+}

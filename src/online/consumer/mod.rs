@@ -1,0 +1,383 @@
+//! `callguard consume`: the stream processor.
+//!
+//! A consumer-group member reads call events, decides them in batches
+//! through a [`WindowStore`], and produces one decision record and one
+//! feature record per event (undecodable events go to the dead-letter topic
+//! with the original bytes). The path of one batch, top to bottom in
+//! [`run`]: collect ([`next_batch`]) → decode ([`encode::decode_message`]) →
+//! decide ([`decide::decide`]) → encode ([`encode::Encoder`]) → produce
+//! ([`delivery::send`]) → acknowledge and store offsets
+//! ([`delivery::Shared::settle`]) → commit (librdkafka's auto-commit of
+//! stored offsets, and synchronously on revoke and shutdown).
+//!
+//! Delivery is at least once with exact effects:
+//!
+//! * offsets are stored for commit only after every record of the batch
+//!   (decisions, features, dead letters) is acknowledged by the broker;
+//! * a redelivered event gets its first decision back from the store's
+//!   per-call idempotency, so a crash anywhere yields, per call id, exactly
+//!   one distinct decision;
+//! * on a revoke, the producer is flushed and completed batches are stored
+//!   and committed synchronously before the partitions go; messages read but
+//!   not yet decided are dropped and read again from the committed offsets;
+//! * on shutdown the same happens within a deadline.
+//!
+//! Events of one partition are decided in partition order (store calls are
+//! sequential); up to `max_in_flight` batches may await broker
+//! acknowledgement at once (backpressure: no unbounded memory).
+
+mod decide;
+mod delivery;
+pub mod encode;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::producer::ThreadedProducer;
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use crate::engine::event::{CallEvent, Decoder};
+use crate::engine::rules::RuleSet;
+use crate::error::{ConsumeError, KafkaError};
+use crate::online::kafka::{client_config, client_err, producer_config};
+use crate::online::metrics::{Health, Metrics};
+use crate::store::WindowStore;
+use delivery::{ConsumerCtx, OutRecord, Pending, ProducerCtx, Shared};
+use encode::{dead_letter, decode_message, Encoder};
+
+/// How often an idle consumer stores the offsets of acknowledged batches.
+const IDLE_SETTLE: Duration = Duration::from_millis(100);
+
+/// Default topic of call events.
+pub const DEFAULT_INPUT_TOPIC: &str = "calls";
+/// Default topic of decision records.
+pub const DEFAULT_DECISIONS_TOPIC: &str = "call-decisions";
+/// Default topic of feature records.
+pub const DEFAULT_FEATURES_TOPIC: &str = "call-features";
+/// Default dead-letter topic.
+pub const DEFAULT_DLQ_TOPIC: &str = "calls-dlq";
+/// Default consumer group.
+pub const DEFAULT_GROUP: &str = "callguard";
+/// Default largest batch of events per store call.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Default number of batches that may await acknowledgement at once.
+pub const DEFAULT_MAX_IN_FLIGHT: usize = 4;
+/// Default largest accepted payload, bytes.
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 64 * 1024;
+/// Default deadline for draining on shutdown and revoke, seconds.
+pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 10;
+
+/// What to do when the window store fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoreErrorPolicy {
+    /// Stop consuming and retry with backoff; commit nothing meanwhile, so nothing is lost.
+    #[default]
+    Block,
+    /// Allow the calls, flagged `degraded = true`, and keep going.
+    Allow,
+    /// Reject the calls, flagged `degraded = true`, and keep going.
+    Reject,
+}
+
+/// Configuration of the stream processor.
+#[derive(Debug, Clone)]
+pub struct ConsumeConfig {
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// Consumer group id.
+    pub group: String,
+    /// Topic of call events.
+    pub input_topic: String,
+    /// Topic of decision records.
+    pub decisions_topic: String,
+    /// Topic of feature records.
+    pub features_topic: String,
+    /// Dead-letter topic.
+    pub dlq_topic: String,
+    /// Extra librdkafka settings (applied to consumer and producer).
+    pub kafka_settings: Vec<(String, String)>,
+    /// Largest batch of events per store call.
+    pub batch_size: usize,
+    /// How long to wait for a batch to fill.
+    pub batch_linger: Duration,
+    /// Batches that may await broker acknowledgement at once.
+    pub max_in_flight: usize,
+    /// Store failure policy.
+    pub on_store_error: StoreErrorPolicy,
+    /// Largest accepted payload, bytes.
+    pub max_payload_bytes: usize,
+    /// Event decoder.
+    pub decoder: Decoder,
+    /// Deadline for draining on shutdown and revoke.
+    pub drain_timeout: Duration,
+}
+
+impl ConsumeConfig {
+    /// Defaults for the given brokers and topics.
+    pub fn new(
+        brokers: &str,
+        group: &str,
+        input: &str,
+        decisions: &str,
+        features: &str,
+        dlq: &str,
+    ) -> Self {
+        ConsumeConfig {
+            brokers: brokers.to_string(),
+            group: group.to_string(),
+            input_topic: input.to_string(),
+            decisions_topic: decisions.to_string(),
+            features_topic: features.to_string(),
+            dlq_topic: dlq.to_string(),
+            kafka_settings: Vec::new(),
+            batch_size: DEFAULT_BATCH_SIZE,
+            batch_linger: Duration::from_millis(5),
+            max_in_flight: DEFAULT_MAX_IN_FLIGHT,
+            on_store_error: StoreErrorPolicy::Block,
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            decoder: Decoder::default(),
+            drain_timeout: Duration::from_secs(DEFAULT_DRAIN_TIMEOUT_S),
+        }
+    }
+}
+
+/// Counts of what a run did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConsumeStats {
+    /// Events decided (duplicates included).
+    pub decided: u64,
+    /// Events rejected.
+    pub rejected: u64,
+    /// Events sent to the dead-letter topic.
+    pub dead_letters: u64,
+    /// Batches processed.
+    pub batches: u64,
+}
+
+/// The Kafka clients of a run.
+struct Clients {
+    consumer: StreamConsumer<ConsumerCtx>,
+    producer: Arc<ThreadedProducer<ProducerCtx>>,
+    shared: Arc<Shared>,
+}
+
+/// Runs the stream processor until `shutdown` resolves, then drains.
+///
+/// `rules` carries the current rule set; a new value takes effect from the
+/// next batch on.
+pub async fn run<S: WindowStore>(
+    config: ConsumeConfig,
+    mut store: S,
+    rules: watch::Receiver<RuleSet>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ConsumeStats, ConsumeError> {
+    let clients = connect(&config, &metrics, &health)?;
+    health.store_ok.store(true, Ordering::Relaxed);
+    info!(topic = %config.input_topic, group = %config.group, "consuming");
+
+    let mut stats = ConsumeStats::default();
+    let mut encoder = Encoder::new(&rules.borrow());
+    tokio::pin!(shutdown);
+    loop {
+        let Some(batch) = next_batch(&clients, &config, &mut shutdown).await? else {
+            break;
+        };
+        let current_rules = rules.borrow().clone();
+        encoder.follow(&current_rules);
+        let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
+        let events = decode_batch(&batch, &config, &metrics, &mut stats, &mut out);
+        let policy = config.on_store_error;
+        let decided = decide::decide(
+            &mut store,
+            &current_rules,
+            &events,
+            policy,
+            &metrics,
+            &health,
+            &mut shutdown,
+        );
+        let verdicts = match decided.await {
+            Some(v) => v?,
+            None => break, // shutdown while blocked: nothing of this batch is committed
+        };
+        metrics.batch_size.observe(events.len() as f64);
+        for v in &verdicts {
+            decide::count(&metrics, &mut stats, v);
+        }
+        encoder.encode(&events, &verdicts, &config, &mut out);
+        produce_batch(&clients, &batch, &out).await;
+        stats.batches += 1;
+        wait_for_room(&clients, config.max_in_flight).await?;
+    }
+    drain(&clients, config.drain_timeout).await?;
+    Ok(stats)
+}
+
+/// Creates the producer and the consumer, and subscribes.
+fn connect(
+    config: &ConsumeConfig,
+    metrics: &Arc<Metrics>,
+    health: &Arc<Health>,
+) -> Result<Clients, KafkaError> {
+    let shared = Arc::new(Shared::new(
+        metrics.clone(),
+        health.clone(),
+        config.drain_timeout,
+    ));
+    let mut pcfg = producer_config(&config.brokers, &config.kafka_settings);
+    pcfg.set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4");
+    let producer: Arc<ThreadedProducer<ProducerCtx>> = Arc::new(
+        pcfg.create_with_context(ProducerCtx)
+            .map_err(client_err("creating the producer"))?,
+    );
+    let mut ccfg = client_config(&config.brokers, &config.kafka_settings);
+    ccfg.set("group.id", &config.group)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "1000")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("statistics.interval.ms", "5000");
+    for (k, v) in &config.kafka_settings {
+        ccfg.set(k, v);
+    }
+    let consumer: StreamConsumer<ConsumerCtx> = ccfg
+        .create_with_context(ConsumerCtx {
+            shared: shared.clone(),
+            producer: producer.clone(),
+        })
+        .map_err(client_err("creating the consumer"))?;
+    consumer
+        .subscribe(&[config.input_topic.as_str()])
+        .map_err(client_err(format!("subscribing to {}", config.input_topic)))?;
+    Ok(Clients {
+        consumer,
+        producer,
+        shared,
+    })
+}
+
+/// Collects the next batch: waits for a first message, then up to the
+/// linger time or the batch size. `None` when shutdown is requested. While
+/// idle it stores the offsets of acknowledged batches now and then.
+async fn next_batch<F: Future<Output = ()>>(
+    clients: &Clients,
+    config: &ConsumeConfig,
+    shutdown: &mut Pin<&mut F>,
+) -> Result<Option<Vec<OwnedMessage>>, KafkaError> {
+    let mut batch: Vec<OwnedMessage> = Vec::with_capacity(config.batch_size);
+    let mut deadline: Option<tokio::time::Instant> = None;
+    while batch.len() < config.batch_size {
+        let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + IDLE_SETTLE);
+        tokio::select! {
+            biased;
+            _ = shutdown.as_mut() => return Ok(None),
+            m = tokio::time::timeout_at(wait_until, clients.consumer.recv()) => match m {
+                Err(_) if deadline.is_some() => break,
+                Err(_) => {
+                    clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
+                }
+                Ok(Ok(m)) => {
+                    if clients.shared.rebalanced.swap(false, Ordering::AcqRel) {
+                        // What was read before the rebalance is read again from the
+                        // committed offsets; this message already comes from the new assignment.
+                        batch.clear();
+                    }
+                    batch.push(m.detach());
+                    deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.batch_linger);
+                }
+                Ok(Err(e)) => {
+                    warn!(error = %e, "consumer error");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    Ok(Some(batch))
+}
+
+/// Decodes a batch; undecodable messages become dead letters in `out`.
+fn decode_batch(
+    batch: &[OwnedMessage],
+    config: &ConsumeConfig,
+    metrics: &Metrics,
+    stats: &mut ConsumeStats,
+    out: &mut Vec<OutRecord>,
+) -> Vec<CallEvent> {
+    let mut events = Vec::with_capacity(batch.len());
+    for m in batch {
+        match decode_message(m, config) {
+            Ok(e) => events.push(e),
+            Err(err) => {
+                Metrics::inc(&metrics.dlq, err.kind());
+                stats.dead_letters += 1;
+                out.push(dead_letter(m, &err, &config.dlq_topic));
+            }
+        }
+    }
+    events
+}
+
+/// Produces a batch's records; its offsets are stored once every record is
+/// acknowledged.
+async fn produce_batch(clients: &Clients, batch: &[OwnedMessage], out: &[OutRecord]) {
+    let mut last: HashMap<(String, i32), i64> = HashMap::new();
+    for m in batch {
+        let e = last
+            .entry((m.topic().to_string(), m.partition()))
+            .or_insert(m.offset());
+        *e = (*e).max(m.offset());
+    }
+    let pending = Pending::new(
+        last.into_iter().map(|((t, p), o)| (t, p, o)).collect(),
+        out.len(),
+    );
+    clients.shared.push(pending.clone());
+    for rec in out {
+        delivery::send(&clients.producer, rec, &pending).await;
+    }
+}
+
+/// Stores what completed; waits while too many batches are in flight.
+async fn wait_for_room(clients: &Clients, max_in_flight: usize) -> Result<(), KafkaError> {
+    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? >= max_in_flight {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    Ok(())
+}
+
+/// Waits for the last acknowledgements within the deadline, stores their
+/// offsets and commits synchronously.
+async fn drain(clients: &Clients, timeout: Duration) -> Result<(), KafkaError> {
+    info!("draining");
+    let deadline = Instant::now() + timeout;
+    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? > 0
+        && Instant::now() < deadline
+    {
+        clients.producer.poll(Duration::from_millis(10));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let left = clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
+    if left > 0 {
+        warn!(
+            batches = left,
+            "shutdown deadline passed with batches unacknowledged; they will be re-read"
+        );
+    }
+    match clients.consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) => info!("offsets committed"),
+        Err(e) => debug!(error = %e, "final commit"),
+    }
+    clients.consumer.unsubscribe();
+    Ok(())
+}
