@@ -3,10 +3,9 @@
 
 mod cmd;
 
-use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use cmd::{Cli, LogFormat};
+use cmd::LogFormat;
 
 /// mimalloc: the window state and records are many small allocations, where
 /// it is markedly faster than the system allocator.
@@ -14,7 +13,7 @@ use cmd::{Cli, LogFormat};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let cli = cmd::parse();
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

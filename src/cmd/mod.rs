@@ -73,6 +73,11 @@ pub enum Command {
     Generate(generate::GenerateArgs),
 }
 
+/// Parses the command line (exits with clap's message on bad arguments).
+pub fn parse() -> Cli {
+    Cli::parse()
+}
+
 /// Runs a subcommand.
 pub async fn run(command: Command) -> Result<()> {
     match command {

@@ -48,7 +48,7 @@ pub async fn produce<'a>(
     loader.finish().await
 }
 
-/// Sends events to a topic keyed by caller, up to [`WINDOW`] deliveries in
+/// Sends events to a topic keyed by caller, up to 10,000 deliveries in
 /// flight, in the order given: for logs that arrive a chunk at a time.
 pub struct Loader {
     producer: FutureProducer,

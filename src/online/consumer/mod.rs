@@ -4,11 +4,12 @@
 //! through a [`WindowStore`], and produces one decision record and one
 //! feature record per event (undecodable events go to the dead-letter topic
 //! with the original bytes). The path of one batch, top to bottom in
-//! [`run`]: collect ([`next_batch`]) → decode ([`encode::decode_message`]) →
-//! decide ([`decide::decide`]) → encode ([`encode::Encoder`]) → produce
-//! ([`delivery::send`]) → acknowledge and store offsets
-//! ([`delivery::Shared::settle`]) → commit (librdkafka's auto-commit of
-//! stored offsets, and synchronously on revoke and shutdown).
+//! [`run`]: collect (`next_batch`) → decode ([`encode::decode_message`]) →
+//! decide (`decide::decide`, under the store-failure policy) → encode
+//! (`encode::Encoder`, the record schema) → produce (`delivery::send`) →
+//! acknowledge and store offsets (`delivery::Shared::settle`) → commit
+//! (librdkafka's auto-commit of stored offsets, and synchronously on revoke
+//! and shutdown).
 //!
 //! Delivery is at least once with exact effects:
 //!
