@@ -34,7 +34,9 @@
 --   caller has no state within the retention; distinct_callees empty when
 --   callees are not kept; counts comma-separated in rule order.
 -- Needs Redis >= 6.2 (ZADD GT).
--- Numbers travel through Lua doubles: exact for times below 1e14 ms.
+-- Numbers travel through Lua doubles: exact below 2^53. Event times are
+-- checked to lie in 2000-01-01 .. 2100-01-01 before they get here (the
+-- decoder's range), and bounds are formatted with %d, never tostring.
 
 local t = tonumber(ARGV[1])
 local id = ARGV[2]
@@ -89,7 +91,7 @@ if track_callees then
     redis.call('ZADD', callees, 'GT', t, callee)
     redis.call('PEXPIRE', callees, retention + slack)
   end
-  distinct = string.format('%d', redis.call('ZCOUNT', callees, '(' .. (t - wmax), '+inf'))
+  distinct = string.format('%d', redis.call('ZCOUNT', callees, '(' .. string.format('%d', t - wmax), '+inf'))
 end
 
 local counts, approx = {}, {}
@@ -99,7 +101,7 @@ for i = 1, n do
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
   if kind == 1 then
-    counts[i] = 1 + redis.call('ZCOUNT', log, '(' .. (t - w), t)
+    counts[i] = 1 + redis.call('ZCOUNT', log, '(' .. string.format('%d', t - w), string.format('%d', t))
   elseif kind == 0 then
     if (b + 1) * w + grace <= lnew then
       counts[i] = 1

@@ -35,6 +35,15 @@ pub enum EventError {
     /// The timestamp is neither epoch milliseconds nor RFC 3339.
     #[error("bad timestamp {0}: expected epoch milliseconds or RFC 3339")]
     BadTimestamp(String),
+    /// The event time lies outside the accepted range: before 2000, from
+    /// 2100 on, or (online) too far ahead of the wall clock.
+    #[error("timestamp {ts} ms is out of range: {why}")]
+    TsOutOfRange {
+        /// The event time, epoch milliseconds.
+        ts: i64,
+        /// Which bound it crosses.
+        why: String,
+    },
     /// The label is not one of 1/0, true/false, fraud/legit.
     #[error("bad label {0}: expected 1/0, true/false or fraud/legit")]
     BadLabel(String),
@@ -68,6 +77,7 @@ impl EventError {
             EventError::WrongType { .. } => "wrong_type",
             EventError::BadNumber { .. } => "bad_number",
             EventError::BadTimestamp(_) => "bad_timestamp",
+            EventError::TsOutOfRange { .. } => "ts_out_of_range",
             EventError::BadLabel(_) => "bad_label",
             EventError::BadCallId(_) => "bad_call_id",
             EventError::Json(_) => "bad_json",

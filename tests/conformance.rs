@@ -93,6 +93,50 @@ async fn standalone_scenarios_match_memory() {
     scenario_suite(vec![server.url()]).await;
 }
 
+/// Defect 2 of the reliability issue: at both ends of the accepted time
+/// range, with 31-day windows, Redis decides exactly as memory (Lua
+/// formats window bounds with %d, never tostring).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edges_of_the_time_range_match_memory() {
+    use callguard::engine::event::{MAX_TS_MS, MIN_TS_MS};
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(
+        None,
+        &[
+            "f:fixed:31d:3".into(),
+            "s:sliding:31d:3".into(),
+            "a:sliding-approx:31d:3".into(),
+            "m:sliding:1s:2".into(),
+        ],
+    )
+    .unwrap();
+    for (n, base) in [MIN_TS_MS, MAX_TS_MS - 40 * 86_400_000]
+        .into_iter()
+        .enumerate()
+    {
+        let offsets = [
+            0,
+            1,
+            999,
+            1_000,
+            1_001,
+            86_400_000,
+            2_678_400_000,
+            2_678_400_001,
+        ];
+        let mut events = Vec::new();
+        for (i, dt) in offsets.into_iter().enumerate() {
+            events.push(ev("+34911000001", &format!("e{n}-{i}"), base + dt));
+            events.push(ev("+34911000001", &format!("d{n}-{i}"), base + dt));
+        }
+        events.push(ev("+34911000001", "last", MAX_TS_MS - 1));
+        let mut redis = RedisStore::connect(config(vec![server.url()], &format!("edge{n}:")))
+            .await
+            .unwrap();
+        assert_same(&mut redis, &rules, &events, 1, "time range edge").await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_random_sequences_match_memory() {
     let server = RedisServer::start(&[]);

@@ -59,6 +59,11 @@ pub struct ConsumeArgs {
     /// Largest accepted message, bytes; larger ones are dead letters.
     #[arg(long, env = "CALLGUARD_MAX_PAYLOAD_BYTES", default_value_t = consumer::DEFAULT_MAX_PAYLOAD_BYTES)]
     pub max_payload_bytes: usize,
+    /// Event times more than this many seconds ahead of the wall clock are
+    /// dead letters (`ts_out_of_range`); 0 turns the check off. Times before
+    /// 2000 or from 2100 on are always invalid.
+    #[arg(long, env = "CALLGUARD_MAX_FUTURE_SKEW_S", default_value_t = consumer::DEFAULT_MAX_FUTURE_SKEW_S)]
+    pub max_future_skew_s: u64,
     /// Prometheus metrics, /healthz and /readyz on this address.
     #[arg(long, env = "CALLGUARD_METRICS_ADDR", default_value = metrics::DEFAULT_ADDR)]
     pub metrics_addr: std::net::SocketAddr,
@@ -99,6 +104,8 @@ impl ConsumeArgs {
         };
         config.max_payload_bytes = self.max_payload_bytes;
         config.decoder = self.decoder.decoder()?;
+        config.max_future_skew = (self.max_future_skew_s > 0)
+            .then(|| std::time::Duration::from_secs(self.max_future_skew_s));
         config.drain_timeout = std::time::Duration::from_secs(self.drain_timeout_s);
         Ok(config)
     }

@@ -15,6 +15,29 @@ use crate::error::EventError;
 /// Longest accepted `call_id`, in bytes.
 pub const MAX_CALL_ID_LEN: usize = 256;
 
+/// Earliest accepted event time: 2000-01-01T00:00:00Z, epoch ms.
+pub const MIN_TS_MS: i64 = 946_684_800_000;
+/// First rejected event time: 2100-01-01T00:00:00Z, epoch ms. Times in
+/// microseconds or nanoseconds, or other far-future values, land beyond it.
+pub const MAX_TS_MS: i64 = 4_102_444_800_000;
+
+/// Checks that an event time lies in `[MIN_TS_MS, MAX_TS_MS)`.
+pub fn check_ts_range(ts: i64) -> Result<i64, EventError> {
+    if ts < MIN_TS_MS {
+        Err(EventError::TsOutOfRange {
+            ts,
+            why: "before 2000-01-01 (seconds instead of milliseconds?)".into(),
+        })
+    } else if ts >= MAX_TS_MS {
+        Err(EventError::TsOutOfRange {
+            ts,
+            why: "2100-01-01 or later (microseconds instead of milliseconds?)".into(),
+        })
+    } else {
+        Ok(ts)
+    }
+}
+
 /// One call attempt, decoded and normalised.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallEvent {
@@ -168,7 +191,7 @@ impl Decoder {
                 })
             }
         };
-        let ts_ms = parse_ts(field("ts"))?;
+        let ts_ms = check_ts_range(parse_ts(field("ts"))?)?;
         let callee = match field("callee") {
             v if v.is_null() => None,
             RawValue::Str(s) => Some(s.trim().to_string()),

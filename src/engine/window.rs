@@ -74,7 +74,7 @@ impl Approx {
         }
         let cb = self.bucket.unwrap_or(b);
         if b == cb {
-            approx_estimate(self.prev, self.cur, w, t - b * w)
+            approx_estimate(self.prev, self.cur, w, t.rem_euclid(w))
         } else if b == cb - 1 {
             self.prev + 1
         } else {
@@ -125,6 +125,12 @@ pub fn bucket_of(t: i64, w: i64) -> i64 {
     t.div_euclid(w)
 }
 
+/// When fixed bucket `b` of a window of `w` ms dies: `(b + 1) * w + grace`
+/// (saturating: times at the ends of `i64` never overflow).
+fn bucket_end(b: i64, w: i64, grace: i64) -> i64 {
+    b.saturating_add(1).saturating_mul(w).saturating_add(grace)
+}
+
 /// The sliding-approx estimate from the counters (integer arithmetic, as in Lua).
 pub fn approx_estimate(prev: u64, cur: u64, w: i64, r: i64) -> u64 {
     let weight = (w - r - 1).max(0) as u128;
@@ -147,8 +153,8 @@ impl Horizons {
         let l_new = latest.map_or(t, |l| l.max(t));
         Horizons {
             latest: l_new,
-            retention: l_new - rules.retention_ms(),
-            dedup: l_new - rules.dedup_ms(),
+            retention: l_new.saturating_sub(rules.retention_ms()),
+            dedup: l_new.saturating_sub(rules.dedup_ms()),
         }
     }
 }
@@ -189,7 +195,7 @@ impl CallerState {
         let distinct_callees = rules
             .tracks_callees()
             .then(|| self.distinct_callees(rules, ev));
-        let late = prev.is_some_and(|l| t < l - rules.grace_ms);
+        let late = prev.is_some_and(|l| t < l.saturating_sub(rules.grace_ms));
         let counts: Vec<u64> = (0..rules.rules.len())
             .map(|i| self.count(rules, i, t, h.latest))
             .collect();
@@ -274,13 +280,13 @@ impl CallerState {
         let w = rules.rules[i].window_ms;
         match rules.rules[i].kind {
             WindowKind::Sliding => {
-                let lo = self.log.partition_point(|&x| x <= t - w);
+                let lo = self.log.partition_point(|&x| x <= t.saturating_sub(w));
                 let hi = self.log.partition_point(|&x| x <= t);
                 1 + (hi - lo) as u64
             }
             WindowKind::Fixed => {
                 let b = bucket_of(t, w);
-                if (b + 1) * w + rules.grace_ms <= l_new {
+                if bucket_end(b, w, rules.grace_ms) <= l_new {
                     1
                 } else {
                     1 + self.fixed[i].get(&b).copied().unwrap_or(0)
@@ -301,7 +307,7 @@ impl CallerState {
             match rule.kind {
                 WindowKind::Sliding => {}
                 WindowKind::Fixed => {
-                    if (b + 1) * w + rules.grace_ms > l_new {
+                    if bucket_end(b, w, rules.grace_ms) > l_new {
                         *self.fixed[i].entry(b).or_insert(0) += 1;
                     }
                 }
@@ -353,7 +359,7 @@ impl CallerState {
         for (i, rule) in rules.rules.iter().enumerate() {
             if let Some(map) = self.fixed.get_mut(i) {
                 let w = rule.window_ms;
-                map.retain(|&b, _| (b + 1) * w + rules.grace_ms > l_new);
+                map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
             }
         }
         while self

@@ -83,7 +83,7 @@ impl MemoryStore {
     /// every record of theirs past both horizons, as if they had no state.
     pub fn evict_idle(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
-            let cutoff = w - rules.dedup_ms();
+            let cutoff = w.saturating_sub(rules.dedup_ms());
             self.callers
                 .retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
         }

@@ -27,7 +27,23 @@ pub fn decode_message(m: &OwnedMessage, config: &ConsumeConfig) -> Result<CallEv
     if payload.is_empty() {
         return Err(EventError::Json("empty payload".into()));
     }
-    config.decoder.decode_json(payload)
+    let event = config.decoder.decode_json(payload)?;
+    if let Some(skew) = config.max_future_skew {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64);
+        let limit = now_ms.saturating_add(skew.as_millis() as i64);
+        if event.ts_ms > limit {
+            return Err(EventError::TsOutOfRange {
+                ts: event.ts_ms,
+                why: format!(
+                    "more than {} s ahead of the wall clock ({now_ms} ms)",
+                    skew.as_secs()
+                ),
+            });
+        }
+    }
+    Ok(event)
 }
 
 /// The dead letter of a message: its original key and bytes, the error and

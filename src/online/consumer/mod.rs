@@ -72,6 +72,8 @@ pub const DEFAULT_BATCH_SIZE: usize = 500;
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 4;
 /// Default largest accepted payload, bytes.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 64 * 1024;
+/// Default tolerance for event times ahead of the wall clock, seconds.
+pub const DEFAULT_MAX_FUTURE_SKEW_S: u64 = 300;
 /// Default deadline for draining on shutdown and revoke, seconds.
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 10;
 
@@ -116,6 +118,11 @@ pub struct ConsumeConfig {
     pub max_payload_bytes: usize,
     /// Event decoder.
     pub decoder: Decoder,
+    /// Events more than this ahead of the wall clock are dead letters
+    /// (`ts_out_of_range`): one far-future time would otherwise move a
+    /// caller's latest time ahead and put every real call of it behind the
+    /// retention. `None`: only the decoder's absolute range applies.
+    pub max_future_skew: Option<Duration>,
     /// Deadline for draining on shutdown and revoke.
     pub drain_timeout: Duration,
 }
@@ -144,6 +151,7 @@ impl ConsumeConfig {
             on_store_error: StoreErrorPolicy::Block,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             decoder: Decoder::default(),
+            max_future_skew: Some(Duration::from_secs(DEFAULT_MAX_FUTURE_SKEW_S)),
             drain_timeout: Duration::from_secs(DEFAULT_DRAIN_TIMEOUT_S),
         }
     }

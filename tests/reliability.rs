@@ -1,0 +1,205 @@
+//! Reliability of the stream processor and the engine under hostile input
+//! (issue: no bad input, broker failure or misconfiguration may stop the
+//! consumer, lose a call or switch rules off).
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use callguard::engine::event::{CallEvent, MAX_TS_MS, MIN_TS_MS};
+use callguard::engine::rules::RuleSet;
+use callguard::online::consumer::{self, ConsumeConfig};
+use callguard::online::kafka::EmbeddedKafka;
+use callguard::online::metrics::{Health, Metrics};
+use callguard::store::memory::MemoryStore;
+use common::kafka::{produce_raw, read_decisions, read_topic};
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// Runs the consumer in process on a mock cluster until `expected` call ids
+/// are decided; returns the decision records and the dead letters.
+async fn consume(
+    messages: &[(String, Value)],
+    rules: RuleSet,
+    expected: usize,
+) -> (Vec<Value>, Vec<common::kafka::Read>, Arc<Metrics>) {
+    let kafka = EmbeddedKafka::start().unwrap();
+    let brokers = kafka.bootstrap();
+    for (t, p) in [
+        ("calls", 2),
+        ("call-decisions", 2),
+        ("call-features", 2),
+        ("calls-dlq", 1),
+    ] {
+        kafka.create_topic(t, p).unwrap();
+    }
+    let raw: Vec<(String, Vec<u8>)> = messages
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_string().into_bytes()))
+        .collect();
+    let msgs: Vec<(Option<&[u8]>, &[u8])> = raw
+        .iter()
+        .map(|(k, v)| (Some(k.as_bytes()), v.as_slice()))
+        .collect();
+    produce_raw(&brokers, "calls", &msgs).await;
+    let config = ConsumeConfig::new(
+        &brokers,
+        "g",
+        "calls",
+        "call-decisions",
+        "call-features",
+        "calls-dlq",
+    );
+    let (stop, mut stop_rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(rules);
+    let metrics = Arc::new(Metrics::new());
+    let worker = tokio::spawn(consumer::run(
+        config,
+        MemoryStore::keeping_all(),
+        rules_rx,
+        metrics.clone(),
+        Arc::new(Health::default()),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    ));
+    let decisions = read_decisions(
+        &brokers,
+        "call-decisions",
+        expected,
+        Duration::from_secs(60),
+    )
+    .await;
+    let dead = messages.len() - expected;
+    let mut n = 0;
+    let dlq = read_topic(&brokers, "calls-dlq", Duration::from_secs(30), |_| {
+        n += 1;
+        n >= dead
+    })
+    .await;
+    let _ = stop.send(true);
+    worker.await.unwrap().unwrap();
+    (decisions, dlq, metrics)
+}
+
+/// Defect 1: one event whose time is in microseconds (or an hour ahead of
+/// the clock) must not move the caller's latest time: it is a dead letter
+/// with kind `ts_out_of_range`, and the caller's real calls are counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn far_future_timestamps_are_dead_letters_and_do_not_switch_rules_off() {
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:10".into()]).unwrap();
+    let caller = "+34911000123";
+    let start = now_ms() - 3_600_000;
+    let mut messages = vec![
+        // Microseconds: beyond 2100.
+        (
+            caller.to_string(),
+            json!({"call_id": "us", "caller": caller, "ts": start * 1000}),
+        ),
+        // An hour ahead of the wall clock: within the absolute range.
+        (
+            caller.to_string(),
+            json!({"call_id": "ahead", "caller": caller, "ts": now_ms() + 3_600_000}),
+        ),
+    ];
+    for i in 0..30 {
+        messages.push((
+            caller.to_string(),
+            json!({"call_id": format!("c{i}"), "caller": caller, "ts": start + 1_000 * i}),
+        ));
+    }
+    let (decisions, dlq, metrics) = consume(&messages, rules, 30).await;
+    let by_id: std::collections::HashMap<&str, &Value> = decisions
+        .iter()
+        .map(|d| (d["call_id"].as_str().unwrap(), d))
+        .collect();
+    assert_eq!(by_id.len(), 30, "every real call is decided");
+    for i in 0..30 {
+        let d = by_id[format!("c{i}").as_str()];
+        assert_eq!(
+            d["count_minute"],
+            i + 1,
+            "call c{i} counts what came before it"
+        );
+        let expected = if i < 10 { "allow" } else { "reject" };
+        assert_eq!(d["decision"], expected, "call c{i}");
+    }
+    assert_eq!(dlq.len(), 2);
+    for m in &dlq {
+        assert_eq!(m.headers["callguard.error_kind"], "ts_out_of_range");
+    }
+    let text = metrics.encode();
+    assert!(
+        text.contains("callguard_dlq_total{kind=\"ts_out_of_range\"} 2"),
+        "{text}"
+    );
+}
+
+/// Defect 2: the engine's arithmetic at the ends of `i64` does not
+/// overflow (library callers may pass any time; the decoder never does).
+#[test]
+fn extreme_times_do_not_overflow_the_engine() {
+    let rules = RuleSet::from_args(
+        None,
+        &[
+            "f:fixed:31d:2".into(),
+            "s:sliding:31d:2".into(),
+            "a:sliding-approx:31d:2".into(),
+        ],
+    )
+    .unwrap();
+    let mut store = MemoryStore::new();
+    for (i, ts) in [i64::MIN, i64::MIN + 1, 0, i64::MAX - 1, i64::MAX, i64::MAX]
+        .into_iter()
+        .enumerate()
+    {
+        let v = store.apply(
+            &rules,
+            &CallEvent {
+                call_id: format!("x{i}"),
+                caller: "+34911000001".into(),
+                ts_ms: ts,
+                callee: Some("+34911000002".into()),
+                duration_ms: None,
+                label: None,
+            },
+        );
+        assert!(v.record.counts.iter().all(|&c| c >= 1), "{v:?}");
+    }
+}
+
+/// Defect 1, everywhere: the shared decoder refuses times outside
+/// 2000-01-01 .. 2100-01-01, with their own error kind.
+#[test]
+fn decoder_refuses_times_outside_the_documented_range() {
+    let d = callguard::engine::event::Decoder::default();
+    let decode = |ts: Value| {
+        d.decode_json(
+            json!({"call_id": "a", "caller": "+34911000001", "ts": ts})
+                .to_string()
+                .as_bytes(),
+        )
+    };
+    assert_eq!(decode(json!(MIN_TS_MS)).unwrap().ts_ms, MIN_TS_MS);
+    assert_eq!(decode(json!(MAX_TS_MS - 1)).unwrap().ts_ms, MAX_TS_MS - 1);
+    for bad in [
+        json!(MIN_TS_MS - 1),
+        json!(MAX_TS_MS),
+        json!(1_764_547_200_000_000i64),
+        json!(1_764_547_200i64),
+        json!(i64::MAX),
+        json!(i64::MIN),
+        json!("3000-01-01T00:00:00Z"),
+    ] {
+        let e = decode(bad.clone()).expect_err(&bad.to_string());
+        assert_eq!(e.kind(), "ts_out_of_range", "{bad}: {e}");
+    }
+}
