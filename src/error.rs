@@ -232,7 +232,7 @@ pub enum TuneError {
 #[derive(Debug, Error)]
 pub enum KafkaError {
     /// A `-X key=value` setting is malformed.
-    #[error("bad Kafka setting `{0}`: expected key=value")]
+    #[error("bad Kafka setting ({0}): expected KEY=VALUE")]
     BadSetting(String),
     /// librdkafka refused or failed.
     #[error("{context}")]

@@ -203,3 +203,69 @@ fn decoder_refuses_times_outside_the_documented_range() {
         assert_eq!(e.kind(), "ts_out_of_range", "{bad}: {e}");
     }
 }
+
+/// Defect 5: `consume` keeps its windows in Redis unless told otherwise; a
+/// Redis URL with `--store memory` is an error, not a silent in-process
+/// store.
+#[test]
+fn consume_uses_redis_by_default_and_refuses_a_url_with_memory() {
+    use std::process::Command;
+    let closed = common::free_port();
+    let url = format!("redis://127.0.0.1:{closed}");
+    let run = |extra: &[&str]| {
+        let mut child = Command::new(common::bin())
+            .args(["consume", "--brokers", "mock", "--rule", "m:sliding:60s:5"])
+            .args(["--metrics-addr", "127.0.0.1:0", "--redis-timeout-ms", "300"])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // A consumer that started on memory would run until killed.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        child.wait_with_output().unwrap()
+    };
+    let o = run(&["--redis-url", &url]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "consume must not run without its Redis"
+    );
+    assert!(err.contains("connecting to Redis"), "{err}");
+    let o = run(&["--redis-url", &url, "--store", "memory"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("--store memory"), "{err}");
+}
+
+/// Defect 10: `--help` never prints secrets taken from the environment,
+/// and a malformed Kafka setting is not echoed.
+#[test]
+fn help_and_errors_do_not_print_secrets() {
+    use std::process::Command;
+    let o = Command::new(common::bin())
+        .args(["consume", "--help"])
+        .env("CALLGUARD_REDIS_URL", "redis://cg:s3cretpw@127.0.0.1:6379")
+        .env("CALLGUARD_KAFKA_SETTINGS", "sasl.password=hunter2")
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let help = String::from_utf8_lossy(&o.stdout);
+    assert!(help.contains("--redis-url"), "{help}");
+    for secret in ["s3cretpw", "hunter2"] {
+        assert!(!help.contains(secret), "--help shows {secret}:\n{help}");
+    }
+    let o = Command::new(common::bin())
+        .args(["consume", "--brokers", "mock", "--rule", "m:sliding:60s:5"])
+        .args(["-X", "hunter2-typed-without-key"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("bad Kafka setting"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}

@@ -22,12 +22,15 @@ pub struct KafkaArgs {
     /// in-process mock cluster (topics are created on it).
     #[arg(long, env = "CALLGUARD_BROKERS", default_value = "localhost:9092")]
     pub brokers: String,
-    /// Any librdkafka setting, KEY=VALUE (SASL, SSL, client.id, ...); repeatable.
+    /// Any librdkafka setting, KEY=VALUE (SASL, SSL, client.id, ...);
+    /// repeatable. Values are taken whole (a password may contain `;`). In
+    /// CALLGUARD_KAFKA_SETTINGS, put one setting per line. Never echoed.
     #[arg(
         short = 'X',
         value_name = "KEY=VALUE",
         env = "CALLGUARD_KAFKA_SETTINGS",
-        value_delimiter = ';'
+        value_delimiter = '\n',
+        hide_env_values = true
     )]
     pub settings: Vec<String>,
 }
@@ -175,16 +178,20 @@ pub enum StoreKind {
 /// Window store options.
 #[derive(Debug, Clone, Args)]
 pub struct StoreArgs {
-    /// Window store.
-    #[arg(long, value_enum, default_value_t = StoreKind::Memory, env = "CALLGUARD_STORE")]
-    pub store: StoreKind,
-    /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for TLS);
-    /// repeat, or separate with commas, to give Cluster seed nodes.
+    /// Window store. `consume` uses Redis unless told otherwise (`memory`
+    /// there is for tests and demos: nothing is shared between instances
+    /// and everything is lost on a restart); `replay` uses memory unless
+    /// given `--store redis` or a `--redis-url`.
+    #[arg(long, value_enum, env = "CALLGUARD_STORE")]
+    pub store: Option<StoreKind>,
+    /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for
+    /// TLS; default redis://127.0.0.1:6379); repeat, or separate with
+    /// commas, to give Cluster seed nodes. An error with `--store memory`.
     #[arg(
         long,
         env = "CALLGUARD_REDIS_URL",
         value_delimiter = ',',
-        default_value = redis::DEFAULT_URL
+        hide_env_values = true
     )]
     pub redis_url: Vec<String>,
     /// Use the Redis Cluster client (implied by several URLs).
@@ -212,8 +219,13 @@ pub struct StoreArgs {
 impl StoreArgs {
     /// The Redis configuration.
     pub fn redis_config(&self) -> RedisConfig {
+        let urls = if self.redis_url.is_empty() {
+            vec![redis::DEFAULT_URL.to_string()]
+        } else {
+            self.redis_url.clone()
+        };
         RedisConfig {
-            urls: self.redis_url.clone(),
+            urls,
             cluster: self.redis_cluster,
             key_prefix: self.key_prefix.clone(),
             idempotency: !self.no_idempotency,
@@ -223,11 +235,32 @@ impl StoreArgs {
         }
     }
 
-    /// Opens the chosen store; `streaming` keeps every caller in memory (a
-    /// stream's partitions may run far apart in event time).
-    pub async fn open(&self, streaming: bool) -> Result<AnyStore> {
-        Ok(match self.store {
-            StoreKind::Memory if streaming => AnyStore::Memory(MemoryStore::keeping_all()),
+    /// Which store: `--store`, else Redis if a URL is given, else `default`.
+    /// A Redis URL with `--store memory` is an error: the user meant one of
+    /// them, and silently dropping the URL would keep windows in process.
+    pub fn kind(&self, default: StoreKind) -> Result<StoreKind> {
+        match (self.store, self.redis_url.is_empty()) {
+            (Some(StoreKind::Memory), false) => anyhow::bail!(
+                "--redis-url (or CALLGUARD_REDIS_URL) is set, but --store memory keeps the windows in this process: drop one of them"
+            ),
+            (Some(kind), _) => Ok(kind),
+            (None, false) => Ok(StoreKind::Redis),
+            (None, true) => Ok(default),
+        }
+    }
+
+    /// Opens the store ([`StoreArgs::kind`]); `streaming` keeps every caller
+    /// in memory (a stream's partitions may run far apart in event time).
+    pub async fn open(&self, default: StoreKind, streaming: bool) -> Result<AnyStore> {
+        Ok(match self.kind(default)? {
+            StoreKind::Memory if streaming => {
+                tracing::warn!(
+                    "in-memory window store: windows live in this process only, are not shared \
+                     with other instances and are lost on restart or rebalance (for tests and demos; \
+                     production uses --store redis)"
+                );
+                AnyStore::Memory(MemoryStore::keeping_all())
+            }
             StoreKind::Memory => AnyStore::Memory(MemoryStore::new()),
             StoreKind::Redis => {
                 let config = self.redis_config();

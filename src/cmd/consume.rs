@@ -10,7 +10,7 @@ use callguard::online::kafka::{parse_settings, EmbeddedKafka};
 use callguard::online::metrics::{self, Health, Metrics};
 use callguard::online::reload;
 
-use crate::cmd::args::{DecoderArgs, KafkaArgs, RuleArgs, StoreArgs};
+use crate::cmd::args::{DecoderArgs, KafkaArgs, RuleArgs, StoreArgs, StoreKind};
 use crate::cmd::shutdown_signal;
 
 /// Run the stream processor: consume call events from Kafka, decide
@@ -132,6 +132,7 @@ impl ConsumeArgs {
 /// Runs `callguard consume` until SIGINT or SIGTERM.
 pub async fn run(args: ConsumeArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
+    args.store.kind(StoreKind::Redis)?;
     let embedded = match args.kafka.brokers.as_str() {
         "mock" => Some(args.embedded()?),
         _ => None,
@@ -164,7 +165,7 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
         rules_tx,
         metrics.clone(),
     )?;
-    let store = args.store.open(true).await?;
+    let store = args.store.open(StoreKind::Redis, true).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;
@@ -175,4 +176,37 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
         "stopped"
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use crate::cmd::{Cli, Command};
+
+    fn consume(args: &[&str]) -> super::ConsumeArgs {
+        let argv = ["callguard", "consume"].iter().chain(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Consume(c) => *c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn kafka_settings_keep_semicolons() {
+        let c = consume(&["-X", "sasl.password=pa;ss", "-X", "client.id=cg"]);
+        assert_eq!(c.kafka.settings, ["sasl.password=pa;ss", "client.id=cg"]);
+    }
+
+    #[test]
+    fn consume_defaults_to_redis_and_refuses_a_url_with_memory() {
+        use crate::cmd::args::StoreKind;
+        let c = consume(&[]);
+        assert_eq!(c.store.kind(StoreKind::Redis).unwrap(), StoreKind::Redis);
+        let c = consume(&["--store", "memory", "--redis-url", "redis://127.0.0.1:1"]);
+        let e = c.store.kind(StoreKind::Redis).unwrap_err().to_string();
+        assert!(e.contains("--store memory"), "{e}");
+        let c = consume(&["--store", "memory"]);
+        assert_eq!(c.store.kind(StoreKind::Redis).unwrap(), StoreKind::Memory);
+    }
 }

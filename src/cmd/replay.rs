@@ -8,7 +8,7 @@ use clap::Args;
 use callguard::engine::record::Schema;
 use callguard::offline::replay::to_table;
 
-use crate::cmd::args::{InputArgs, RuleArgs, StoreArgs};
+use crate::cmd::args::{InputArgs, RuleArgs, StoreArgs, StoreKind};
 use crate::cmd::{describe_rules, progress_wanted, report_invalid};
 
 /// Decide every call of a historical call log, offline, with the same
@@ -34,7 +34,7 @@ pub struct ReplayArgs {
 pub async fn run(args: ReplayArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
     let read = args.input.read_options(progress_wanted())?;
-    let mut store = args.store.open(false).await?;
+    let mut store = args.store.open(StoreKind::Memory, false).await?;
     let schema = Schema::decisions(&rules);
     let report = to_table(
         &args.input.input,

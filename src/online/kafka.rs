@@ -22,7 +22,15 @@ pub fn parse_settings(settings: &[String]) -> Result<Vec<(String, String)>, Kafk
             s.split_once('=')
                 .filter(|(k, _)| !k.trim().is_empty())
                 .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-                .ok_or_else(|| KafkaError::BadSetting(s.clone()))
+                .ok_or_else(|| {
+                    // The text may be a secret: say what is wrong, not what it is.
+                    KafkaError::BadSetting(match s.split_once('=') {
+                        Some(_) => "a setting with an empty key".to_string(),
+                        None => {
+                            format!("a setting of {} characters with no `=`", s.chars().count())
+                        }
+                    })
+                })
         })
         .collect()
 }
