@@ -31,6 +31,21 @@ async fn consume(
     rules: RuleSet,
     expected: usize,
 ) -> (Vec<Value>, Vec<common::kafka::Read>, Arc<Metrics>) {
+    let raw: Vec<(String, Vec<u8>)> = messages
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_string().into_bytes()))
+        .collect();
+    consume_raw(&raw, rules, expected, |_| {}).await
+}
+
+/// [`consume`] with raw payloads and a hook to adjust the configuration.
+async fn consume_raw(
+    raw: &[(String, Vec<u8>)],
+    rules: RuleSet,
+    expected: usize,
+    adjust: impl FnOnce(&mut ConsumeConfig),
+) -> (Vec<Value>, Vec<common::kafka::Read>, Arc<Metrics>) {
+    let messages = raw;
     let kafka = EmbeddedKafka::start().unwrap();
     let brokers = kafka.bootstrap();
     for (t, p) in [
@@ -41,16 +56,12 @@ async fn consume(
     ] {
         kafka.create_topic(t, p).unwrap();
     }
-    let raw: Vec<(String, Vec<u8>)> = messages
-        .iter()
-        .map(|(k, v)| (k.clone(), v.to_string().into_bytes()))
-        .collect();
     let msgs: Vec<(Option<&[u8]>, &[u8])> = raw
         .iter()
         .map(|(k, v)| (Some(k.as_bytes()), v.as_slice()))
         .collect();
     produce_raw(&brokers, "calls", &msgs).await;
-    let config = ConsumeConfig::new(
+    let mut config = ConsumeConfig::new(
         &brokers,
         "g",
         "calls",
@@ -58,6 +69,7 @@ async fn consume(
         "call-features",
         "calls-dlq",
     );
+    adjust(&mut config);
     let (stop, mut stop_rx) = watch::channel(false);
     let (_rules_tx, rules_rx) = watch::channel(rules);
     let metrics = Arc::new(Metrics::new());
@@ -268,4 +280,51 @@ fn help_and_errors_do_not_print_secrets() {
     assert!(!o.status.success());
     assert!(err.contains("bad Kafka setting"), "{err}");
     assert!(!err.contains("hunter2"), "{err}");
+}
+
+/// Defect 3: a message too large for the broker is no poison pill. Its dead
+/// letter is cut to the payload limit (and says so), so it can always be
+/// produced; the valid events around it are decided and the consumer keeps
+/// running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_message_is_a_truncated_dead_letter_not_a_poison_pill() {
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:10".into()]).unwrap();
+    let caller = "+34911000777";
+    let t = now_ms() - 60_000;
+    let event = |id: &str, ts: i64| {
+        (
+            caller.to_string(),
+            json!({"call_id": id, "caller": caller, "ts": ts})
+                .to_string()
+                .into_bytes(),
+        )
+    };
+    let mut huge = br#"{"call_id":"big","caller":"+34911000777","ts":1,"pad":""#.to_vec();
+    huge.resize(300_000, b'x');
+    huge.extend_from_slice(b"\"}");
+    let raw = vec![
+        event("before", t),
+        (caller.to_string(), huge.clone()),
+        event("after", t + 1),
+    ];
+    let (decisions, dlq, metrics) = consume_raw(&raw, rules, 2, |c| {
+        // What a broker with message.max.bytes = 100000 refuses.
+        c.kafka_settings = vec![("message.max.bytes".into(), "100000".into())];
+    })
+    .await;
+    let ids: std::collections::HashSet<&str> = decisions
+        .iter()
+        .map(|d| d["call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["before", "after"].into_iter().collect());
+    assert_eq!(dlq.len(), 1);
+    let dead = &dlq[0];
+    assert_eq!(dead.headers["callguard.error_kind"], "oversized");
+    assert_eq!(
+        dead.headers["callguard.truncated_from"],
+        huge.len().to_string()
+    );
+    assert_eq!(dead.payload.len(), 65_536);
+    assert_eq!(dead.payload[..], huge[..65_536]);
+    assert!(metrics.encode().contains("callguard_dlq_failures_total 0"));
 }

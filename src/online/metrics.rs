@@ -52,6 +52,8 @@ pub struct Metrics {
     pub events: Family<DecisionLabels, Counter>,
     /// Events sent to the dead-letter topic, by error kind.
     pub dlq: Family<KindLabel, Counter>,
+    /// Dead letters that could not be produced (dropped, logged).
+    pub dlq_failures: Counter,
     /// Redelivered call ids answered from the store.
     pub duplicates: Counter,
     /// Events later than the grace period.
@@ -87,6 +89,7 @@ impl Metrics {
         let events = Family::<DecisionLabels, Counter>::default();
         let dlq = Family::<KindLabel, Counter>::default();
         let duplicates = Counter::default();
+        let dlq_failures = Counter::default();
         let late = Counter::default();
         let degraded = Counter::default();
         let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
@@ -98,6 +101,11 @@ impl Metrics {
         let rule_reloads = Family::<KindLabel, Counter>::default();
         registry.register("events", "Decided call events", events.clone());
         registry.register("dlq", "Events sent to the dead-letter topic", dlq.clone());
+        registry.register(
+            "dlq_failures",
+            "Dead letters that could not be produced (dropped and logged)",
+            dlq_failures.clone(),
+        );
         registry.register(
             "duplicates",
             "Redelivered call ids answered from the store",
@@ -132,6 +140,7 @@ impl Metrics {
             registry,
             events,
             dlq,
+            dlq_failures,
             duplicates,
             late,
             degraded,

@@ -27,6 +27,15 @@ pub(super) struct OutRecord {
     pub payload: Vec<u8>,
     /// Headers (dead letters only).
     pub headers: Option<OwnedHeaders>,
+    /// A dead letter: if it cannot be produced it is logged and counted,
+    /// and the batch goes on (a poison pill must not stop the consumer).
+    pub dead_letter: bool,
+}
+
+/// What a delivery report refers to.
+pub(super) struct Delivery {
+    pending: Arc<Pending>,
+    dead_letter: bool,
 }
 
 /// A batch produced and awaiting acknowledgement.
@@ -45,6 +54,10 @@ impl Pending {
             remaining: AtomicUsize::new(records),
             failure: Mutex::new(None),
         })
+    }
+
+    fn done(&self) {
+        self.remaining.fetch_sub(1, Ordering::AcqRel);
     }
 
     fn fail(&self, why: String) {
@@ -184,19 +197,36 @@ impl ConsumerContext for ConsumerCtx {
 }
 
 /// Producer callbacks: delivery reports count down their batch.
-pub(super) struct ProducerCtx;
+pub(super) struct ProducerCtx {
+    pub metrics: Arc<Metrics>,
+}
+
+impl ProducerCtx {
+    /// A record failed for good: a dead letter is logged and counted (the
+    /// batch goes on), any other record fails its batch.
+    fn failed(&self, d: &Delivery, topic: &str, why: String) {
+        if d.dead_letter {
+            self.metrics.dlq_failures.inc();
+            error!(topic, error = %why, "a dead letter could not be produced; it is dropped, the batch goes on");
+            d.pending.done();
+        } else {
+            d.pending.fail(format!("cannot produce to {topic}: {why}"));
+        }
+    }
+}
 
 impl ClientContext for ProducerCtx {}
 
 impl ProducerContext for ProducerCtx {
-    type DeliveryOpaque = Arc<Pending>;
+    type DeliveryOpaque = Box<Delivery>;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, pending: Arc<Pending>) {
+    fn delivery(&self, result: &DeliveryResult<'_>, d: Box<Delivery>) {
         match result {
-            Err((e, _)) => pending.fail(e.to_string()),
-            Ok(_) => {
-                pending.remaining.fetch_sub(1, Ordering::AcqRel);
+            Err((e, m)) => {
+                use rdkafka::message::Message;
+                self.failed(&d, m.topic(), e.to_string());
             }
+            Ok(_) => d.pending.done(),
         }
     }
 }
@@ -208,7 +238,11 @@ pub(super) async fn send(
     pending: &Arc<Pending>,
 ) {
     loop {
-        let mut r = BaseRecord::with_opaque_to(&rec.topic, pending.clone())
+        let delivery = Box::new(Delivery {
+            pending: pending.clone(),
+            dead_letter: rec.dead_letter,
+        });
+        let mut r = BaseRecord::with_opaque_to(&rec.topic, delivery)
             .key(&rec.key)
             .payload(&rec.payload);
         if let Some(h) = &rec.headers {
@@ -223,9 +257,11 @@ pub(super) async fn send(
                 // Let deliveries drain, then try again.
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            Err((e, _)) => {
-                // Not retryable (e.g. too large for the broker): the batch fails as a whole.
-                pending.fail(format!("cannot produce to {}: {e}", rec.topic));
+            Err((e, r)) => {
+                // Not retryable (e.g. too large for the broker).
+                producer
+                    .context()
+                    .failed(&r.delivery_opaque, &rec.topic, e.to_string());
                 return;
             }
         }

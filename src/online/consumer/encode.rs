@@ -46,9 +46,25 @@ pub fn decode_message(m: &OwnedMessage, config: &ConsumeConfig) -> Result<CallEv
     Ok(event)
 }
 
+/// Longest key a dead letter keeps, bytes.
+const MAX_DEAD_KEY: usize = 1024;
+/// Most bytes of original headers a dead letter keeps.
+const MAX_DEAD_HEADERS: usize = 16 * 1024;
+
 /// The dead letter of a message: its original key and bytes, the error and
-/// where it came from in headers.
-pub(super) fn dead_letter(m: &OwnedMessage, err: &EventError, topic: &str) -> OutRecord {
+/// where it came from in headers. It is always small enough to produce: a
+/// payload over `max_payload` bytes is cut to that many (header
+/// `callguard.truncated_from` gives the original size; the source topic,
+/// partition and offset still point at the whole message), a key over 1 KiB
+/// likewise, and original headers beyond 16 KiB are left out.
+pub(super) fn dead_letter(
+    m: &OwnedMessage,
+    err: &EventError,
+    topic: &str,
+    max_payload: usize,
+) -> OutRecord {
+    let payload = m.payload().unwrap_or_default();
+    let key = m.key().unwrap_or_default();
     let mut headers = OwnedHeaders::new()
         .insert(Header {
             key: "callguard.error",
@@ -70,9 +86,30 @@ pub(super) fn dead_letter(m: &OwnedMessage, err: &EventError, topic: &str) -> Ou
             key: "callguard.offset",
             value: Some(m.offset().to_string().as_str()),
         });
+    if payload.len() > max_payload {
+        headers = headers.insert(Header {
+            key: "callguard.truncated_from",
+            value: Some(payload.len().to_string().as_str()),
+        });
+    }
+    if key.len() > MAX_DEAD_KEY {
+        headers = headers.insert(Header {
+            key: "callguard.key_truncated_from",
+            value: Some(key.len().to_string().as_str()),
+        });
+    }
     if let Some(h) = m.headers() {
+        let mut kept = 0;
         for i in 0..h.count() {
             let hdr = h.get(i);
+            kept += hdr.key.len() + hdr.value.map_or(0, <[u8]>::len);
+            if kept > MAX_DEAD_HEADERS {
+                headers = headers.insert(Header {
+                    key: "callguard.headers_dropped",
+                    value: Some((h.count() - i).to_string().as_str()),
+                });
+                break;
+            }
             headers = headers.insert(Header {
                 key: hdr.key,
                 value: hdr.value,
@@ -81,9 +118,10 @@ pub(super) fn dead_letter(m: &OwnedMessage, err: &EventError, topic: &str) -> Ou
     }
     OutRecord {
         topic: topic.to_string(),
-        key: m.key().unwrap_or_default().to_vec(),
-        payload: m.payload().unwrap_or_default().to_vec(),
+        key: key[..key.len().min(MAX_DEAD_KEY)].to_vec(),
+        payload: payload[..payload.len().min(max_payload)].to_vec(),
         headers: Some(headers),
+        dead_letter: true,
     }
 }
 
@@ -127,12 +165,14 @@ impl Encoder {
                 key: key.to_vec(),
                 payload: self.decisions.to_json(row).to_string().into_bytes(),
                 headers: None,
+                dead_letter: false,
             });
             out.push(OutRecord {
                 topic: config.features_topic.clone(),
                 key: key.to_vec(),
                 payload: self.features.to_json(row).to_string().into_bytes(),
                 headers: None,
+                dead_letter: false,
             });
         }
     }

@@ -247,8 +247,10 @@ fn connect(
         .set("linger.ms", "5")
         .set("compression.type", "lz4");
     let producer: Arc<ThreadedProducer<ProducerCtx>> = Arc::new(
-        pcfg.create_with_context(ProducerCtx)
-            .map_err(client_err("creating the producer"))?,
+        pcfg.create_with_context(ProducerCtx {
+            metrics: metrics.clone(),
+        })
+        .map_err(client_err("creating the producer"))?,
     );
     let mut ccfg = client_config(&config.brokers, &config.kafka_settings);
     ccfg.set("group.id", &config.group)
@@ -330,7 +332,12 @@ fn decode_batch(
             Err(err) => {
                 Metrics::inc(&metrics.dlq, err.kind());
                 stats.dead_letters += 1;
-                out.push(dead_letter(m, &err, &config.dlq_topic));
+                out.push(dead_letter(
+                    m,
+                    &err,
+                    &config.dlq_topic,
+                    config.max_payload_bytes,
+                ));
             }
         }
     }
