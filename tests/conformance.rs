@@ -137,6 +137,48 @@ async fn edges_of_the_time_range_match_memory() {
     }
 }
 
+/// Defect 6 of the reliability issue: a reload that changes rules' windows
+/// (same names, same number of rules) must not carry the old counters
+/// over in memory: Redis keys per-rule state by name and window, and so
+/// must the memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_with_changed_windows_matches_redis() {
+    let server = RedisServer::start(&[]);
+    let before = RuleSet::from_args(
+        None,
+        &["a:sliding-approx:10s:5".into(), "f:fixed:10s:5".into()],
+    )
+    .unwrap();
+    let after = RuleSet::from_args(
+        None,
+        &["a:sliding-approx:60s:5".into(), "f:fixed:60s:5".into()],
+    )
+    .unwrap();
+    let mut memory = MemoryStore::new();
+    let mut redis = RedisStore::connect(config(vec![server.url()], "reload:"))
+        .await
+        .unwrap();
+    let mut rejected = 0;
+    for i in 0..90 {
+        let rules = if i < 45 { &before } else { &after };
+        let e = ev("+34911000001", &format!("c{i}"), T0 + 30_000 + 1_000 * i);
+        let m = memory
+            .apply_batch(rules, std::slice::from_ref(&e))
+            .await
+            .unwrap();
+        let r = redis
+            .apply_batch(rules, std::slice::from_ref(&e))
+            .await
+            .unwrap();
+        assert_eq!(m, r, "call #{i}");
+        rejected += usize::from(m[0].record.would_reject() && i >= 45);
+    }
+    assert!(
+        rejected > 30,
+        "the 60 s rules reject after the reload: {rejected}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_random_sequences_match_memory() {
     let server = RedisServer::start(&[]);

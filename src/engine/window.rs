@@ -40,7 +40,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::{
     Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
 };
-use crate::engine::rules::{CountPolicy, Judgement, RuleSet, WindowKind};
+use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleSet, WindowKind};
 
 /// State of the two-bucket approximate counter of one rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -93,6 +93,35 @@ fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, String) {
     }
 }
 
+/// What per-rule state is kept under: the rule's name and window, as in
+/// its Redis keys (`f:<name>:<W>:<bucket>`, `a:<name>:<W>:`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct RuleId {
+    name: String,
+    window_ms: i64,
+}
+
+/// The state kept for rule `rule` in `slots`, created empty if missing.
+fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut T {
+    let at = match slots
+        .iter()
+        .position(|(id, _)| id.window_ms == rule.window_ms && id.name == rule.name)
+    {
+        Some(at) => at,
+        None => {
+            slots.push((
+                RuleId {
+                    name: rule.name.clone(),
+                    window_ms: rule.window_ms,
+                },
+                T::default(),
+            ));
+            slots.len() - 1
+        }
+    };
+    &mut slots[at].1
+}
+
 /// All window state of one caller.
 #[derive(Debug, Clone, Default)]
 pub struct CallerState {
@@ -100,10 +129,12 @@ pub struct CallerState {
     /// Sorted event times of recorded events (shared by all sliding rules);
     /// a deque, as calls in time order append at the back and trim the front.
     log: VecDeque<i64>,
-    /// Per rule: fixed bucket → recorded count.
-    fixed: Vec<BTreeMap<i64, u64>>,
-    /// Per rule: approximate counter.
-    approx: Vec<Approx>,
+    /// Per fixed rule, by identity (name, window): bucket → recorded count.
+    /// Keyed by identity, as the Redis keys are, so a reload that changes a
+    /// rule's window never reads counters kept for the old one.
+    fixed: Vec<(RuleId, BTreeMap<i64, u64>)>,
+    /// Per sliding-approx rule, by identity: its counters.
+    approx: Vec<(RuleId, Approx)>,
     /// Idempotency: call id → the verdict it got.
     seen: HashMap<String, Verdict>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
@@ -188,10 +219,6 @@ impl CallerState {
             self.start_afresh();
         }
         self.trim(rules, &h);
-        if self.fixed.len() != rules.rules.len() {
-            self.fixed = vec![BTreeMap::new(); rules.rules.len()];
-            self.approx = vec![Approx::default(); rules.rules.len()];
-        }
         let distinct_callees = rules
             .tracks_callees()
             .then(|| self.distinct_callees(rules, ev));
@@ -289,10 +316,15 @@ impl CallerState {
                 if bucket_end(b, w, rules.grace_ms) <= l_new {
                     1
                 } else {
-                    1 + self.fixed[i].get(&b).copied().unwrap_or(0)
+                    1 + slot(&mut self.fixed, &rules.rules[i])
+                        .get(&b)
+                        .copied()
+                        .unwrap_or(0)
                 }
             }
-            WindowKind::SlidingApprox => self.approx[i].advance_and_count(t, w),
+            WindowKind::SlidingApprox => {
+                slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w)
+            }
         }
     }
 
@@ -301,18 +333,18 @@ impl CallerState {
             let pos = self.log.partition_point(|&x| x <= t);
             self.log.insert(pos, t);
         }
-        for (i, rule) in rules.rules.iter().enumerate() {
+        for rule in &rules.rules {
             let w = rule.window_ms;
             let b = bucket_of(t, w);
             match rule.kind {
                 WindowKind::Sliding => {}
                 WindowKind::Fixed => {
                     if bucket_end(b, w, rules.grace_ms) > l_new {
-                        *self.fixed[i].entry(b).or_insert(0) += 1;
+                        *slot(&mut self.fixed, rule).entry(b).or_insert(0) += 1;
                     }
                 }
                 WindowKind::SlidingApprox => {
-                    let a = &mut self.approx[i];
+                    let a = slot(&mut self.approx, rule);
                     match a.bucket {
                         Some(cb) if cb == b => a.cur += 1,
                         Some(cb) if cb == b + 1 => a.prev += 1,
@@ -356,11 +388,9 @@ impl CallerState {
         let (horizon, dedup_horizon, l_new) = (h.retention, h.dedup, h.latest);
         let cut = self.log.partition_point(|&x| x <= horizon);
         self.log.drain(..cut);
-        for (i, rule) in rules.rules.iter().enumerate() {
-            if let Some(map) = self.fixed.get_mut(i) {
-                let w = rule.window_ms;
-                map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
-            }
+        for (id, map) in &mut self.fixed {
+            let w = id.window_ms;
+            map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
         }
         while self
             .callees_by_ts
