@@ -328,3 +328,140 @@ async fn an_oversized_message_is_a_truncated_dead_letter_not_a_poison_pill() {
     assert_eq!(dead.payload[..], huge[..65_536]);
     assert!(metrics.encode().contains("callguard_dlq_failures_total 0"));
 }
+
+/// Defects 7 and 11 under cooperative rebalancing: when a second member
+/// joins, the first keeps some partitions, so it stays ready (`/readyz`),
+/// and what it read from the partitions it keeps is not dropped; every call
+/// is decided once in effect, equal to the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() {
+    use callguard::engine::record::{Row, Schema};
+    use callguard::store::redis::{RedisConfig, RedisStore};
+    let redis = common::RedisServer::start(&[]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    let brokers = kafka.bootstrap();
+    for (t, p) in [
+        ("calls", 4),
+        ("call-decisions", 2),
+        ("call-features", 2),
+        ("calls-dlq", 1),
+    ] {
+        kafka.create_topic(t, p).unwrap();
+    }
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
+    // 40 callers, 100 calls each, in time order per caller.
+    let start = now_ms() - 3_600_000;
+    let mut events = Vec::new();
+    for i in 0..100 {
+        for c in 0..40 {
+            events.push(CallEvent {
+                call_id: format!("c{c}-{i}"),
+                caller: format!("+3491100{c:04}"),
+                ts_ms: start + i * 2_000 + c,
+                callee: None,
+                duration_ms: None,
+                label: None,
+            });
+        }
+    }
+    let member = |health: Arc<Health>, store: RedisStore| {
+        let mut config = ConsumeConfig::new(
+            &brokers,
+            "coop",
+            "calls",
+            "call-decisions",
+            "call-features",
+            "calls-dlq",
+        );
+        config.batch_size = 50;
+        config.kafka_settings = vec![
+            (
+                "partition.assignment.strategy".into(),
+                "cooperative-sticky".into(),
+            ),
+            ("session.timeout.ms".into(), "6000".into()),
+        ];
+        let (stop, mut stop_rx) = watch::channel(false);
+        let (_rules_tx, rules_rx) = watch::channel(rules.clone());
+        let task = tokio::spawn(consumer::run(
+            config,
+            store,
+            rules_rx,
+            Arc::new(Metrics::new()),
+            health,
+            async move {
+                let _ = stop_rx.wait_for(|s| *s).await;
+                drop(_rules_tx);
+            },
+        ));
+        (stop, task)
+    };
+    let wait_ready = |h: Arc<Health>| async move {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !h.ready() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        h.ready()
+    };
+    let first_health = Arc::new(Health::default());
+    let connect = || {
+        RedisStore::connect(RedisConfig {
+            urls: vec![redis.url()],
+            ..RedisConfig::default()
+        })
+    };
+    let (stop_a, task_a) = member(first_health.clone(), connect().await.unwrap());
+    assert!(
+        wait_ready(first_health.clone()).await,
+        "first member never ready"
+    );
+    // Half the calls while it is alone, then a second member joins.
+    let half = events.len() / 2;
+    callguard::online::produce::produce(events[..half].iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let second_health = Arc::new(Health::default());
+    let (stop_b, task_b) = member(second_health.clone(), connect().await.unwrap());
+    let mut first_unready = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !second_health.ready() && std::time::Instant::now() < deadline {
+        first_unready += usize::from(!first_health.ready());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(second_health.ready(), "second member never got partitions");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        first_health.ready(),
+        "the first member keeps partitions: ready"
+    );
+    assert_eq!(
+        first_unready, 0,
+        "readiness dropped during a cooperative rebalance"
+    );
+    callguard::online::produce::produce(events[half..].iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        events.len(),
+        Duration::from_secs(120),
+    )
+    .await;
+    let _ = stop_a.send(true);
+    let _ = stop_b.send(true);
+    task_a.await.unwrap().unwrap();
+    task_b.await.unwrap().unwrap();
+    let got = common::kafka::by_call_id(&records);
+    assert_eq!(got.len(), events.len(), "every call decided");
+    let mut store = MemoryStore::new();
+    let schema = Schema::decisions(&rules);
+    for event in &events {
+        let verdict = store.apply(&rules, event);
+        let expected = schema.to_json(Row {
+            event,
+            verdict: &verdict,
+        });
+        assert_eq!(got[&event.call_id], expected, "call {}", event.call_id);
+    }
+}

@@ -2,7 +2,7 @@
 //! is acknowledged: the at-least-once half of the consumer.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -71,8 +71,11 @@ impl Pending {
 /// State shared between the loop and the librdkafka callbacks.
 pub(super) struct Shared {
     in_flight: Mutex<VecDeque<Arc<Pending>>>,
-    /// Set by a rebalance; the loop drops what it read before it.
-    pub rebalanced: AtomicBool,
+    /// Partitions revoked since the loop last looked: it drops what it read
+    /// from them and has not decided yet (their new owner reads it again).
+    /// Under cooperative rebalancing the partitions it keeps are not here,
+    /// so their messages stay in the batch and their fetch positions hold.
+    revoked: Mutex<Vec<(String, i32)>>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     drain_timeout: Duration,
@@ -82,7 +85,7 @@ impl Shared {
     pub fn new(metrics: Arc<Metrics>, health: Arc<Health>, drain_timeout: Duration) -> Self {
         Shared {
             in_flight: Mutex::new(VecDeque::new()),
-            rebalanced: AtomicBool::new(false),
+            revoked: Mutex::new(Vec::new()),
             metrics,
             health,
             drain_timeout,
@@ -97,9 +100,26 @@ impl Shared {
             .push_back(pending);
     }
 
+    /// Drops from `batch` the messages of partitions revoked since the last
+    /// call.
+    pub fn drop_revoked(&self, batch: &mut Vec<rdkafka::message::OwnedMessage>) {
+        use rdkafka::message::Message;
+        let revoked = std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()));
+        if !revoked.is_empty() {
+            batch.retain(|m| {
+                !revoked
+                    .iter()
+                    .any(|(t, p)| *p == m.partition() && t == m.topic())
+            });
+        }
+    }
+
     /// Stores the offsets of the acknowledged batches at the head of the
     /// queue; returns how many batches are still in flight, or the first
-    /// delivery failure.
+    /// delivery failure. A failed batch stays at the head, failed: neither
+    /// its offsets nor those of any later batch are ever stored, so nothing
+    /// past it is committed (the process stops and its successor re-reads
+    /// from the last commit).
     pub fn settle<C: ConsumerContext, K: Consumer<C>>(
         &self,
         consumer: &K,
@@ -113,9 +133,9 @@ impl Shared {
                 .failure
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .take()
+                .as_ref()
             {
-                return Err(KafkaError::Delivery(msg));
+                return Err(KafkaError::Delivery(msg.clone()));
             }
             for (topic, partition, offset) in &head.offsets {
                 if let Err(e) = consumer.store_offset(topic, *partition, *offset) {
@@ -157,17 +177,26 @@ impl ClientContext for ConsumerCtx {
 
 impl ConsumerContext for ConsumerCtx {
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        self.shared.rebalanced.store(true, Ordering::Release);
         let metrics = &self.shared.metrics;
         match rebalance {
             Rebalance::Revoke(tpl) => {
                 Metrics::inc(&metrics.rebalances, "revoke");
-                self.shared.health.assigned.store(false, Ordering::Relaxed);
+                self.shared
+                    .revoked
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(
+                        tpl.elements()
+                            .iter()
+                            .map(|e| (e.topic().to_string(), e.partition())),
+                    );
                 // Drain: wait for every produced record, store what completed, commit.
                 if let Err(e) = self.producer.flush(self.shared.drain_timeout) {
                     warn!(error = %e, "flush before revoke did not finish");
                 }
                 if let Err(e) = self.shared.settle::<Self, _>(consumer) {
+                    // Nothing from the failed batch on is stored: the commit
+                    // below covers only batches before it.
                     error!(error = %e, "a batch failed delivery before revoke; it will be re-read");
                 }
                 if let Err(e) = consumer.commit_consumer_state(CommitMode::Sync) {
@@ -186,13 +215,14 @@ impl ConsumerContext for ConsumerCtx {
         }
     }
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(tpl) = rebalance {
-            self.shared
-                .health
-                .assigned
-                .store(tpl.count() > 0, Ordering::Relaxed);
-        }
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, _rebalance: &Rebalance<'_>) {
+        // Ready while anything is assigned: under cooperative rebalancing a
+        // revoke takes some partitions and leaves the others.
+        let owned = consumer.assignment().map_or(0, |a| a.count());
+        self.shared
+            .health
+            .assigned
+            .store(owned > 0, Ordering::Relaxed);
     }
 }
 
@@ -265,5 +295,61 @@ pub(super) async fn send(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+    use rdkafka::{Offset, TopicPartitionList};
+
+    use super::*;
+    use crate::online::kafka::{client_config, EmbeddedKafka};
+
+    /// A batch whose delivery failed stays failed: later calls of `settle`
+    /// (the revoke handler's, the loop's) never store its offsets, so a
+    /// commit never moves past it.
+    #[test]
+    fn a_failed_batch_is_never_stored_or_committed() {
+        let kafka = EmbeddedKafka::start().unwrap();
+        kafka.create_topic("t", 1).unwrap();
+        let consumer: BaseConsumer = client_config(&kafka.bootstrap(), &[])
+            .set("group.id", "g")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .create()
+            .unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset("t", 0, Offset::Beginning).unwrap();
+        consumer.assign(&tpl).unwrap();
+        let _ = consumer.poll(Duration::from_millis(500));
+        let shared = Shared::new(
+            Arc::new(Metrics::new()),
+            Arc::new(Health::default()),
+            Duration::from_secs(1),
+        );
+        let ok = Pending::new(vec![("t".into(), 0, 9)], 1);
+        let failed = Pending::new(vec![("t".into(), 0, 19)], 2);
+        let later = Pending::new(vec![("t".into(), 0, 29)], 1);
+        for p in [&ok, &failed, &later] {
+            shared.push(p.clone());
+        }
+        ok.done();
+        failed.done();
+        failed.fail("broker said no".into());
+        later.done();
+        for _ in 0..3 {
+            let e = shared.settle::<_, _>(&consumer).unwrap_err();
+            assert!(e.to_string().contains("broker said no"), "{e}");
+        }
+        consumer.commit_consumer_state(CommitMode::Sync).unwrap();
+        let committed = consumer
+            .committed_offsets(tpl, Duration::from_secs(5))
+            .unwrap();
+        let offset = committed.find_partition("t", 0).unwrap().offset();
+        // The batch before the failed one is committed (next offset 10), nothing after it.
+        assert_eq!(offset, Offset::Offset(10));
     }
 }

@@ -200,6 +200,9 @@ pub async fn run<S: WindowStore>(
         let Some(batch) = next_batch(&clients, &config, &mut shutdown).await? else {
             break;
         };
+        if batch.is_empty() {
+            continue; // all of it came from partitions revoked meanwhile
+        }
         let current_rules = rules.borrow().clone();
         encoder.follow(&current_rules);
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
@@ -299,11 +302,9 @@ async fn next_batch<F: Future<Output = ()>>(
                     clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
                 }
                 Ok(Ok(m)) => {
-                    if clients.shared.rebalanced.swap(false, Ordering::AcqRel) {
-                        // What was read before the rebalance is read again from the
-                        // committed offsets; this message already comes from the new assignment.
-                        batch.clear();
-                    }
+                    // What was read from partitions revoked meanwhile is read again
+                    // by their new owner; this message comes from the current assignment.
+                    clients.shared.drop_revoked(&mut batch);
                     batch.push(m.detach());
                     deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.batch_linger);
                 }
@@ -314,6 +315,7 @@ async fn next_batch<F: Future<Output = ()>>(
             }
         }
     }
+    clients.shared.drop_revoked(&mut batch);
     Ok(Some(batch))
 }
 
