@@ -1,3 +1,4 @@
+#!lua
 -- callguard window script: decides one call of one caller atomically.
 --
 -- A line-by-line port of CallerState::apply (src/engine/window.rs), which defines
@@ -33,7 +34,9 @@
 --   decision 0 allow, 1 reject; shadow and late 0/1; prev_ts_ms empty when the
 --   caller has no state within the retention; distinct_callees empty when
 --   callees are not kept; counts comma-separated in rule order.
--- Needs Redis >= 6.2 (ZADD GT).
+-- Needs Redis >= 7.0: the #!lua shebang (no flags) makes Redis refuse the
+-- whole call up front with an OOM error when maxmemory is reached, instead
+-- of failing at its first write with part of it applied; retries are exact.
 -- Numbers travel through Lua doubles: exact below 2^53. Event times are
 -- checked to lie in 2000-01-01 .. 2100-01-01 before they get here (the
 -- decoder's range), and bounds are formatted with %d, never tostring.

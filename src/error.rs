@@ -119,6 +119,13 @@ pub enum StoreError {
         #[source]
         source: Option<redis::RedisError>,
     },
+    /// Redis refuses writes: `maxmemory` is reached. Transient: it passes
+    /// when keys expire or an operator raises the limit.
+    #[error("Redis is out of memory (maxmemory reached; raise it or add memory)")]
+    OutOfMemory {
+        /// The Redis error.
+        source: redis::RedisError,
+    },
     /// A failure that will not go away by retrying (bad script, auth, bad config).
     #[error("fatal store error: {context}")]
     Fatal {
@@ -133,7 +140,19 @@ pub enum StoreError {
 impl StoreError {
     /// Whether retrying the same call may succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Transient { .. })
+        matches!(
+            self,
+            StoreError::Transient { .. } | StoreError::OutOfMemory { .. }
+        )
+    }
+
+    /// The metric label: `transient`, `oom` or `fatal`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StoreError::Transient { .. } => "transient",
+            StoreError::OutOfMemory { .. } => "oom",
+            StoreError::Fatal { .. } => "fatal",
+        }
     }
 
     /// A transient error with no underlying cause.

@@ -465,3 +465,124 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
         assert_eq!(got[&event.call_id], expected, "call {}", event.call_id);
     }
 }
+
+/// Defect 8: Redis out of memory is a store failure the default `block`
+/// policy waits out (counted as `kind="oom"`), not a fatal error: once
+/// memory is available again every call is decided, equal to the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_out_of_memory_is_waited_out_under_block() {
+    use callguard::engine::record::{Row, Schema};
+    use callguard::store::redis::{RedisConfig, RedisStore};
+    let redis = common::RedisServer::start(&["--maxmemory-policy", "noeviction"]);
+    let used: u64 = common::raw_command(redis.port, "INFO memory")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // Room for a few hundred callers' state, not for all 3,000.
+    let cap = used + 400_000;
+    let ok = common::raw_command(redis.port, &format!("CONFIG SET maxmemory {cap}")).unwrap();
+    assert!(ok.starts_with("+OK"), "{ok}");
+
+    let kafka = EmbeddedKafka::start().unwrap();
+    let brokers = kafka.bootstrap();
+    for (t, p) in [
+        ("calls", 2),
+        ("call-decisions", 2),
+        ("call-features", 2),
+        ("calls-dlq", 1),
+    ] {
+        kafka.create_topic(t, p).unwrap();
+    }
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:3".into()]).unwrap();
+    let start = now_ms() - 600_000;
+    let events: Vec<CallEvent> = (0..3_000)
+        .map(|i| CallEvent {
+            call_id: format!("c{i}"),
+            caller: format!("+349110{:05}", i % 1_500),
+            ts_ms: start + i,
+            callee: Some(format!("+346000{i:05}")),
+            duration_ms: None,
+            label: None,
+        })
+        .collect();
+    callguard::online::produce::produce(events.iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let store = RedisStore::connect(RedisConfig {
+        urls: vec![redis.url()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    let (stop, mut stop_rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(rules.clone());
+    let metrics = Arc::new(Metrics::new());
+    let task = tokio::spawn(consumer::run(
+        ConsumeConfig::new(
+            &brokers,
+            "oom",
+            "calls",
+            "call-decisions",
+            "call-features",
+            "calls-dlq",
+        ),
+        store,
+        rules_rx,
+        metrics.clone(),
+        Arc::new(Health::default()),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    ));
+    // Wait until the consumer is blocked on OOM, and still running.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !metrics.encode().contains("kind=\"oom\"") && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let text = metrics.encode();
+    if task.is_finished() {
+        let e = task.await.unwrap().unwrap_err();
+        panic!("consumer stopped: {}", callguard::error::chain(&e));
+    }
+    assert!(
+        text.contains("callguard_store_errors_total{kind=\"oom\"}"),
+        "finished: {} {text}",
+        task.is_finished()
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        !task.is_finished(),
+        "an out-of-memory Redis must not stop the consumer"
+    );
+    let ok = common::raw_command(redis.port, "CONFIG SET maxmemory 0").unwrap();
+    assert!(ok.starts_with("+OK"), "{ok}");
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        events.len(),
+        Duration::from_secs(120),
+    )
+    .await;
+    let _ = stop.send(true);
+    task.await.unwrap().unwrap();
+    let got = common::kafka::by_call_id(&records);
+    assert_eq!(got.len(), events.len());
+    let mut replay = MemoryStore::new();
+    let schema = Schema::decisions(&rules);
+    for event in &events {
+        let verdict = replay.apply(&rules, event);
+        assert_eq!(
+            got[&event.call_id],
+            schema.to_json(Row {
+                event,
+                verdict: &verdict
+            }),
+            "{}",
+            event.call_id
+        );
+    }
+}

@@ -115,24 +115,63 @@ pub struct RedisStore {
     config: RedisConfig,
 }
 
-/// Classifies a Redis error as transient (retry) or fatal.
+/// Server error codes that retrying may get past.
+const TRANSIENT_CODES: [&str; 8] = [
+    "LOADING",
+    "BUSY",
+    "TRYAGAIN",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "READONLY",
+    "MOVED",
+    "ASK",
+];
+
+/// Classifies a Redis error as transient (retry), out of memory (retry
+/// later) or fatal. A pipeline's error carries one server error per failed
+/// call: it is out of memory or transient only if every one of them is, and
+/// it is summarised by its first failure, not printed whole.
 pub fn classify(e: RedisError) -> StoreError {
-    let transient_codes = [
-        "LOADING",
-        "BUSY",
-        "TRYAGAIN",
-        "CLUSTERDOWN",
-        "MASTERDOWN",
-        "READONLY",
-        "MOVED",
-        "ASK",
-    ];
+    let failures = e
+        .clone()
+        .into_server_errors()
+        .unwrap_or_else(|| Vec::new().into());
+    if failures.len() > 1 {
+        let codes: Vec<&str> = failures.iter().map(|(_, f)| f.code()).collect();
+        let first = RedisError::from(failures[0].1.clone());
+        let context = format!("{} calls of a pipeline failed; the first", failures.len());
+        return if codes
+            .iter()
+            .all(|c| *c == "OOM" || TRANSIENT_CODES.contains(c))
+        {
+            if codes.contains(&"OOM") {
+                StoreError::OutOfMemory { source: first }
+            } else {
+                StoreError::Transient {
+                    context,
+                    source: Some(first),
+                }
+            }
+        } else {
+            StoreError::Fatal {
+                context,
+                source: Some(first),
+            }
+        };
+    }
+    let code = failures
+        .first()
+        .map(|(_, f)| f.code().to_string())
+        .or_else(|| e.code().map(str::to_string));
+    if code.as_deref() == Some("OOM") {
+        return StoreError::OutOfMemory { source: e };
+    }
     if e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
         || e.is_cluster_error()
-        || e.code().is_some_and(|c| transient_codes.contains(&c))
+        || code.is_some_and(|c| TRANSIENT_CODES.contains(&c.as_str()))
     {
         StoreError::Transient {
             context: "Redis call failed".into(),

@@ -41,12 +41,7 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
             }
             Err(e) => e,
         };
-        let kind = if err.is_transient() {
-            "transient"
-        } else {
-            "fatal"
-        };
-        Metrics::inc(&metrics.store_errors, kind);
+        Metrics::inc(&metrics.store_errors, err.kind());
         health.store_ok.store(false, Ordering::Relaxed);
         let why = chain(&err);
         if let Ok(mut d) = health.detail.lock() {
