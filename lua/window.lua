@@ -26,7 +26,8 @@
 --      restarts, rebalances, lag) do not expire state the contract still needs
 --   13 distinct callees kept: 0/1                14 callee ('' for none)
 --   15 longest window Wmax (ms)
---   16 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   16 most distinct callees kept per caller (a new one beyond it is not kept)
+--   17 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
 -- Returns: { duplicate (0/1), record } where record is its fields joined by '|'
 --   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
@@ -56,7 +57,8 @@ local slack = tonumber(ARGV[12])
 local track_callees = ARGV[13] == '1'
 local callee = ARGV[14]
 local wmax = tonumber(ARGV[15])
-local n = tonumber(ARGV[16])
+local max_callees = tonumber(ARGV[16])
+local n = tonumber(ARGV[17])
 local meta, log, ids, rec, callees = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 
 local latest = tonumber(redis.call('HGET', meta, 'L'))
@@ -91,7 +93,12 @@ local distinct = ''
 if track_callees then
   redis.call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
   if callee ~= '' then
-    redis.call('ZADD', callees, 'GT', t, callee)
+    -- A new callee only while fewer than the cap are kept; known ones are raised.
+    if redis.call('ZCARD', callees) < max_callees then
+      redis.call('ZADD', callees, 'GT', t, callee)
+    else
+      redis.call('ZADD', callees, 'XX', 'GT', t, callee)
+    end
     redis.call('PEXPIRE', callees, retention + slack)
   end
   distinct = string.format('%d', redis.call('ZCOUNT', callees, '(' .. string.format('%d', t - wmax), '+inf'))
@@ -99,7 +106,7 @@ end
 
 local counts, approx = {}, {}
 for i = 1, n do
-  local base = 16 + (i - 1) * 4
+  local base = 17 + (i - 1) * 4
   local kind = tonumber(ARGV[base + 1])
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
@@ -143,7 +150,7 @@ elseif listed == 1 then
   reason = 'allowlist'
 else
   for i = 1, n do
-    local base = 16 + (i - 1) * 4
+    local base = 17 + (i - 1) * 4
     if counts[i] > tonumber(ARGV[base + 3]) then
       would, reason = 1, ARGV[base + 4]
       break
@@ -157,7 +164,7 @@ if (not admitted) or would == 0 then
     redis.call('PEXPIRE', log, retention + slack)
   end
   for i = 1, n do
-    local base = 16 + (i - 1) * 4
+    local base = 17 + (i - 1) * 4
     local kind = tonumber(ARGV[base + 1])
     local w = tonumber(ARGV[base + 2])
     if kind == 0 then

@@ -179,6 +179,31 @@ async fn reload_with_changed_windows_matches_redis() {
     );
 }
 
+/// Defect 4 of the reliability issue: with a small cap on distinct callees
+/// (the random sequences use eight), Redis keeps and counts exactly the
+/// callees memory does, as entries age out and new ones take their place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capped_callee_sets_match_memory() {
+    let server = RedisServer::start(&[]);
+    for seed in 0..12u64 {
+        let (rules, events) = random::case(seed, 400, 3);
+        let rules = rules
+            .with_distinct_callees(true)
+            .with_max_distinct_callees(3)
+            .unwrap();
+        let mut redis = RedisStore::connect(config(vec![server.url()], &format!("cap{seed}:")))
+            .await
+            .unwrap();
+        assert_same(&mut redis, &rules, &events, 64, &format!("cap seed {seed}")).await;
+        let saturated = memory_run(&rules, &events)
+            .await
+            .iter()
+            .filter(|v| v.distinct_callees == Some(3))
+            .count();
+        assert!(saturated > 0, "seed {seed}: the cap is never reached");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn standalone_random_sequences_match_memory() {
     let server = RedisServer::start(&[]);

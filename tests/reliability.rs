@@ -586,3 +586,100 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
         );
     }
 }
+
+/// Defect 4: callees are normalised like callers, and one that cannot be
+/// (garbage, an extension without a country code, 50 KB of text) leaves
+/// the call valid and the feature without it.
+#[test]
+fn callees_are_normalised_and_bad_ones_dropped() {
+    let d = callguard::engine::event::Decoder::default();
+    let decode = |callee: Value| {
+        d.decode_json(
+            json!({"call_id": "a", "caller": "+34911000001", "ts": MIN_TS_MS, "callee": callee})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap()
+        .callee
+    };
+    assert_eq!(
+        decode(json!("0034 600-000-001")),
+        Some("+34600000001".into())
+    );
+    // National numbers need a country code, as for callers.
+    assert_eq!(decode(json!(600000001i64)), None);
+    let spain =
+        callguard::engine::event::Decoder::new(Default::default(), Some("34".into())).unwrap();
+    let national = spain
+        .decode_json(
+            br#"{"call_id":"a","caller":"+34911000001","ts":946684800000,"callee":600000001}"#,
+        )
+        .unwrap();
+    assert_eq!(national.callee.as_deref(), Some("+34600000001"));
+    assert_eq!(decode(json!("s")), None);
+    assert_eq!(decode(json!("100")), None);
+    assert_eq!(decode(json!("+34".repeat(20_000))), None);
+}
+
+/// Defect 4 against a real Redis: 300 calls with 50 KB callees leave Redis
+/// memory flat, and 3,000 distinct valid callees in a minute saturate the
+/// feature at the cap (1,000 by default) instead of growing the set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn callee_sets_stay_bounded_in_redis() {
+    use callguard::store::redis::{RedisConfig, RedisStore};
+    use callguard::store::WindowStore;
+    let redis = common::RedisServer::start(&[]);
+    let used = || -> i64 {
+        common::raw_command(redis.port, "INFO memory")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let mut store = RedisStore::connect(RedisConfig {
+        urls: vec![redis.url()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:100000".into()]).unwrap();
+    let decoder = callguard::engine::event::Decoder::default();
+    let start = now_ms() - 600_000;
+    let before = used();
+    let huge: Vec<CallEvent> = (0..300)
+        .map(|i| {
+            let callee = format!("+34{i:03}{}", "9".repeat(50_000));
+            let payload = json!({"call_id": format!("h{i}"), "caller": "+34911000001", "ts": start + i, "callee": callee});
+            decoder.decode_json(payload.to_string().as_bytes()).unwrap()
+        })
+        .collect();
+    for chunk in huge.chunks(50) {
+        store.apply_batch(&rules, chunk).await.unwrap();
+    }
+    let grown = used() - before;
+    assert!(
+        grown < 1_000_000,
+        "300 huge callees grew Redis by {grown} bytes"
+    );
+
+    let many: Vec<CallEvent> = (0..3_000)
+        .map(|i| CallEvent {
+            call_id: format!("m{i}"),
+            caller: "+34911000002".into(),
+            ts_ms: start + 10 * i,
+            callee: Some(format!("+3460{i:07}")),
+            duration_ms: None,
+            label: None,
+        })
+        .collect();
+    let mut last = None;
+    for chunk in many.chunks(500) {
+        last = store.apply_batch(&rules, chunk).await.unwrap().pop();
+    }
+    assert_eq!(last.unwrap().distinct_callees, Some(1_000));
+    let card = common::raw_command(redis.port, "ZCARD cg:{+34911000002}:c").unwrap();
+    assert_eq!(card.trim(), ":1000");
+}

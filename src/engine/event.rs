@@ -15,6 +15,10 @@ use crate::error::EventError;
 /// Longest accepted `call_id`, in bytes.
 pub const MAX_CALL_ID_LEN: usize = 256;
 
+/// Longest callee text considered for normalisation, bytes; longer ones
+/// are dropped (an E.164 number with separators fits easily).
+pub const MAX_CALLEE_INPUT_LEN: usize = 64;
+
 /// Earliest accepted event time: 2000-01-01T00:00:00Z, epoch ms.
 pub const MIN_TS_MS: i64 = 946_684_800_000;
 /// First rejected event time: 2100-01-01T00:00:00Z, epoch ms. Times in
@@ -47,7 +51,8 @@ pub struct CallEvent {
     pub caller: String,
     /// Event time, epoch milliseconds.
     pub ts_ms: i64,
-    /// The called number as given (trimmed), if present.
+    /// The called number, normalised to E.164 like the caller; `None` when
+    /// absent or not a valid number (the call itself stays valid).
     pub callee: Option<String>,
     /// Call duration in milliseconds, if present.
     pub duration_ms: Option<i64>,
@@ -194,8 +199,8 @@ impl Decoder {
         let ts_ms = check_ts_range(parse_ts(field("ts"))?)?;
         let callee = match field("callee") {
             v if v.is_null() => None,
-            RawValue::Str(s) => Some(s.trim().to_string()),
-            RawValue::Int(i) => Some(i.to_string()),
+            RawValue::Str(s) => self.callee(s),
+            RawValue::Int(i) => self.callee(&i.to_string()),
             v => {
                 return Err(EventError::WrongType {
                     field: "callee",
@@ -231,6 +236,17 @@ impl Decoder {
             duration_ms,
             label,
         })
+    }
+
+    /// The callee normalised like a caller; `None` when it cannot be (an
+    /// internal extension without a country code, `s`, garbage) or is
+    /// longer than [`MAX_CALLEE_INPUT_LEN`]: the call stays valid, the
+    /// distinct-callees feature skips it.
+    fn callee(&self, raw: &str) -> Option<String> {
+        if raw.len() > MAX_CALLEE_INPUT_LEN {
+            return None;
+        }
+        normalize_number(raw, self.default_country_code.as_deref()).ok()
     }
 
     /// Decodes a JSON payload (a Kafka message value).

@@ -9,6 +9,7 @@
 //! grace = "5s"         # allowed lateness
 //! shadow = false       # true: decide, report, but always allow
 //! distinct_callees = true  # false: skip the distinct-callees feature
+//! max_distinct_callees = 1000  # callees kept per caller; the feature saturates there
 //! allow = ["+34910000000"]   # numbers or number prefixes
 //! deny  = ["+882"]
 //!
@@ -34,6 +35,10 @@ pub const RESERVED_NAMES: [&str; 3] = ["ok", "allowlist", "denylist"];
 /// Default allowed lateness.
 pub const DEFAULT_GRACE_MS: i64 = 5_000;
 
+/// Default cap on the distinct callees kept per caller: the feature
+/// saturates there (a wangiri burst to thousands of numbers reads 1000).
+pub const DEFAULT_MAX_DISTINCT_CALLEES: u64 = 1_000;
+
 /// Default idempotency horizon (at least the retention is always kept).
 pub const DEFAULT_DEDUP_MS: i64 = 3_600_000;
 
@@ -56,6 +61,8 @@ pub struct RuleSet {
     dedup: Option<i64>,
     /// Whether the distinct-callees feature is kept (`distinct_callees`).
     callees: bool,
+    /// Most distinct callees kept per caller (`max_distinct_callees`).
+    max_callees: u64,
     version: String,
 }
 
@@ -69,6 +76,7 @@ struct RuleFile {
     shadow: bool,
     dedup: Option<String>,
     distinct_callees: Option<bool>,
+    max_distinct_callees: Option<u64>,
     #[serde(default)]
     allow: Vec<String>,
     #[serde(default)]
@@ -177,6 +185,7 @@ impl RuleSet {
             shadow,
             dedup: None,
             callees: true,
+            max_callees: DEFAULT_MAX_DISTINCT_CALLEES,
             version: String::new(),
         };
         set.version = set.compute_version();
@@ -210,7 +219,10 @@ impl RuleSet {
             file.deny,
             file.shadow,
         )?;
-        let set = set.with_distinct_callees(file.distinct_callees.unwrap_or(true));
+        let mut set = set.with_distinct_callees(file.distinct_callees.unwrap_or(true));
+        if let Some(cap) = file.max_distinct_callees {
+            set = set.with_max_distinct_callees(cap)?;
+        }
         match file.dedup {
             Some(d) => set.with_dedup(parse_duration_ms(&d)?),
             None => Ok(set),
@@ -223,6 +235,25 @@ impl RuleSet {
         set.callees = on;
         set.version = set.compute_version();
         set
+    }
+
+    /// A copy that keeps at most `cap` distinct callees per caller.
+    pub fn with_max_distinct_callees(&self, cap: u64) -> Result<Self, RulesError> {
+        if !(1..=100_000).contains(&cap) {
+            return Err(RulesError::Invalid(
+                "max_distinct_callees must be 1 to 100000".into(),
+            ));
+        }
+        let mut set = self.clone();
+        set.max_callees = cap;
+        set.version = set.compute_version();
+        Ok(set)
+    }
+
+    /// Most distinct callees kept per caller: a new callee beyond it is not
+    /// kept, so the feature saturates at this value.
+    pub fn max_distinct_callees(&self) -> u64 {
+        self.max_callees
     }
 
     /// Whether the distinct-callees feature is kept: each caller's callees
@@ -253,7 +284,9 @@ impl RuleSet {
 
     /// Carries the set-wide options that `new` does not take over from `from`.
     fn keep_extras(self, from: &RuleSet) -> Result<Self, RulesError> {
-        let set = self.with_distinct_callees(from.callees);
+        let set = self
+            .with_distinct_callees(from.callees)
+            .with_max_distinct_callees(from.max_callees)?;
         match from.dedup {
             Some(d) => set.with_dedup(d),
             None => Ok(set),
@@ -408,14 +441,17 @@ impl RuleSet {
             "shadow": self.shadow,
             "dedup_ms": self.dedup_ms(),
         });
-        // Added only when off, so versions of existing rule sets stay the same.
-        let canonical = match (self.callees, canonical) {
-            (false, serde_json::Value::Object(mut m)) => {
+        // Added only when not the default, so versions of existing rule sets
+        // stay the same.
+        let mut canonical = canonical;
+        if let serde_json::Value::Object(m) = &mut canonical {
+            if !self.callees {
                 m.insert("distinct_callees".into(), false.into());
-                serde_json::Value::Object(m)
             }
-            (_, c) => c,
-        };
+            if self.max_callees != DEFAULT_MAX_DISTINCT_CALLEES {
+                m.insert("max_distinct_callees".into(), self.max_callees.into());
+            }
+        }
         let digest = Sha256::digest(canonical.to_string().as_bytes());
         digest.iter().take(6).map(|b| format!("{b:02x}")).collect()
     }

@@ -30,7 +30,9 @@
 //!   whatever its decision, and trimmed at `H` like the rest. The feature is
 //!   the number of callees whose latest call time is after `t - Wmax`
 //!   (`Wmax` the longest window), this call's callee included. For calls in
-//!   time order that is the distinct callees in `(t - Wmax, t]`.
+//!   time order that is the distinct callees in `(t - Wmax, t]`. A caller
+//!   keeps at most `max_distinct_callees` callees (after trimming): a new
+//!   callee beyond that is not kept, so the feature saturates there.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -288,7 +290,7 @@ impl CallerState {
     fn distinct_callees(&mut self, rules: &RuleSet, ev: &CallEvent) -> u64 {
         let t = ev.ts_ms;
         if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
-            self.note_callee(callee, t);
+            self.note_callee(callee, t, rules.max_distinct_callees());
         }
         // Live entries not after t - Wmax lie between the horizon and
         // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
@@ -355,8 +357,10 @@ impl CallerState {
         }
     }
 
-    /// Raises the callee's latest call time to `t` (never lowers it).
-    fn note_callee(&mut self, callee: &str, t: i64) {
+    /// Raises the callee's latest call time to `t` (never lowers it); a new
+    /// callee is kept only while fewer than `cap` are.
+    fn note_callee(&mut self, callee: &str, t: i64, cap: u64) {
+        let kept = self.callees.len() as u64;
         match self.callees.get_mut(callee) {
             Some(latest) if *latest >= t => {}
             Some(latest) => {
@@ -370,10 +374,11 @@ impl CallerState {
                 }
                 self.insert_callee(t, callee.to_string());
             }
-            None => {
+            None if kept < cap => {
                 self.callees.insert(callee.to_string(), t);
                 self.insert_callee(t, callee.to_string());
             }
+            None => {}
         }
     }
 

@@ -397,6 +397,7 @@ impl RedisStore {
             .arg(u8::from(rules.tracks_callees()))
             .arg(ev.callee.as_deref().unwrap_or(""))
             .arg(rules.max_window_ms())
+            .arg(rules.max_distinct_callees())
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())
