@@ -38,6 +38,10 @@ struct Sample {
 }
 
 async fn sample(rows: usize, seed: u64) -> Sample {
+    sample_with(rows, seed, &rules_path()).await
+}
+
+async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
     callguard::offline::generate::write_csv(
@@ -47,7 +51,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
     .unwrap();
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
-    let rules = RuleSet::from_file(&rules_path()).unwrap();
+    let rules = RuleSet::from_file(rules).unwrap();
     let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
@@ -304,6 +308,24 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_random_points_still_one_decision_per_call() {
+    sigkill_rounds(&rules_path(), 13, "g-crash").await;
+}
+
+/// Defect 13 of the reliability issue: a day of calls consumed at full
+/// speed covers hours of event time per second; with the default one-hour
+/// idempotency horizon (`data/rules.toml`), a SIGKILL between two timed
+/// commits used to redeliver calls whose callers had moved on by more than
+/// the horizon, decided again, differently. The consumer now commits
+/// whenever a partition's uncommitted events span a quarter of the horizon.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catch_up_crashes_with_the_default_horizon_decide_each_call_once() {
+    sigkill_rounds(std::path::Path::new("data/rules.toml"), 21, "g-catchup").await;
+}
+
+/// Consumes a 30,000-call day with four SIGKILLs at random points, then a
+/// clean run; every call must have exactly one distinct record, equal to the
+/// replay.
+async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
     // On the mock cluster (hosted by this test process, reached over TCP by the
     // consumer processes): it expires killed group members after the session
     // timeout, which tansu 0.6 does not do for members killed mid-join.
@@ -313,7 +335,7 @@ async fn sigkill_at_random_points_still_one_decision_per_call() {
         kafka.create_topic(t, 4).unwrap();
     }
     let brokers = kafka.bootstrap();
-    let s = sample(30_000, 13).await;
+    let s = sample_with(30_000, seed, rules).await;
     callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
         &brokers,
@@ -322,17 +344,36 @@ async fn sigkill_at_random_points_still_one_decision_per_call() {
     )
     .await
     .unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
-    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 7 + 1);
     for round in 0..4 {
-        let mut child = spawn_consumer(&brokers, &redis.url(), "g-crash", &rules_path(), &extra);
-        let wait = rng.random_range(1_500..5_000);
+        // Killed while consuming: once it owns partitions (a member killed
+        // earlier holds them until its session times out), a random while
+        // into the work.
+        let port = common::free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let extra = [
+            "-X",
+            "session.timeout.ms=6000",
+            "--batch-size",
+            "200",
+            "--metrics-addr",
+            &addr,
+        ];
+        let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !common::http_get(port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let wait = rng.random_range(300..2_500);
         tokio::time::sleep(Duration::from_millis(wait)).await;
         signal(&child, "KILL");
         let _ = child.wait();
-        eprintln!("round {round}: killed after {wait} ms");
+        eprintln!("round {round}: killed {wait} ms after it was ready");
     }
-    let mut child = spawn_consumer(&brokers, &redis.url(), "g-crash", &rules_path(), &extra);
+    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+    let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
     let records =
         read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
     signal(&child, "TERM");

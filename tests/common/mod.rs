@@ -41,6 +41,17 @@ fn require(binary: &str) {
     }
 }
 
+/// A plain HTTP/1.1 GET on loopback; the whole response, if any.
+pub fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
 /// Sends one inline command and returns the raw reply.
 pub fn raw_command(port: u16, cmd: &str) -> Option<String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::ThreadedProducer;
+use rdkafka::types::RDKafkaErrorCode;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
@@ -170,6 +171,40 @@ pub struct ConsumeStats {
     pub batches: u64,
 }
 
+/// Event time decided per partition since the last synchronous commit.
+///
+/// A redelivered call is recognised only while its caller has moved on by
+/// less than the idempotency horizon `D` in event time. Catching up on a
+/// backlog covers hours of event time per second, so a crash between two
+/// timed commits could redeliver calls whose callers moved on by more than
+/// `D`, and they would be decided again, differently. So whenever a
+/// partition's uncommitted events span more than `D / 4` of event time, the
+/// consumer waits for its batches' acknowledgements and commits
+/// synchronously: exactness does not depend on how fast it runs.
+#[derive(Debug, Default)]
+struct Uncommitted {
+    /// (topic, partition) → (earliest, latest) event time since the commit.
+    spans: HashMap<(String, i32), (i64, i64)>,
+}
+
+impl Uncommitted {
+    fn note(&mut self, topic: &str, partition: i32, ts: i64) {
+        let span = self
+            .spans
+            .entry((topic.to_string(), partition))
+            .or_insert((ts, ts));
+        span.0 = span.0.min(ts);
+        span.1 = span.1.max(ts);
+    }
+
+    /// Whether some partition's uncommitted events span more than `limit` ms.
+    fn due(&self, limit: i64) -> bool {
+        self.spans
+            .values()
+            .any(|(lo, hi)| hi.saturating_sub(*lo) > limit)
+    }
+}
+
 /// The Kafka clients of a run.
 struct Clients {
     consumer: StreamConsumer<ConsumerCtx>,
@@ -195,6 +230,7 @@ pub async fn run<S: WindowStore>(
 
     let mut stats = ConsumeStats::default();
     let mut encoder = Encoder::new(&rules.borrow());
+    let mut uncommitted = Uncommitted::default();
     tokio::pin!(shutdown);
     loop {
         let Some(batch) = next_batch(&clients, &config, &mut shutdown).await? else {
@@ -206,7 +242,14 @@ pub async fn run<S: WindowStore>(
         let current_rules = rules.borrow().clone();
         encoder.follow(&current_rules);
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
-        let events = decode_batch(&batch, &config, &metrics, &mut stats, &mut out);
+        let events = decode_batch(
+            &batch,
+            &config,
+            &metrics,
+            &mut stats,
+            &mut out,
+            &mut uncommitted,
+        );
         let policy = config.on_store_error;
         let decided = decide::decide(
             &mut store,
@@ -229,6 +272,11 @@ pub async fn run<S: WindowStore>(
         produce_batch(&clients, &batch, &out).await;
         stats.batches += 1;
         wait_for_room(&clients, config.max_in_flight).await?;
+        if uncommitted.due(current_rules.dedup_ms() / 4)
+            && commit_now(&clients, config.drain_timeout).await?
+        {
+            uncommitted = Uncommitted::default();
+        }
     }
     drain(&clients, config.drain_timeout).await?;
     Ok(stats)
@@ -320,17 +368,22 @@ async fn next_batch<F: Future<Output = ()>>(
 }
 
 /// Decodes a batch; undecodable messages become dead letters in `out`.
+/// Event times are noted per partition in `uncommitted`.
 fn decode_batch(
     batch: &[OwnedMessage],
     config: &ConsumeConfig,
     metrics: &Metrics,
     stats: &mut ConsumeStats,
     out: &mut Vec<OutRecord>,
+    uncommitted: &mut Uncommitted,
 ) -> Vec<CallEvent> {
     let mut events = Vec::with_capacity(batch.len());
     for m in batch {
         match decode_message(m, config) {
-            Ok(e) => events.push(e),
+            Ok(e) => {
+                uncommitted.note(m.topic(), m.partition(), e.ts_ms);
+                events.push(e);
+            }
             Err(err) => {
                 Metrics::inc(&metrics.dlq, err.kind());
                 stats.dead_letters += 1;
@@ -372,6 +425,31 @@ async fn wait_for_room(clients: &Clients, max_in_flight: usize) -> Result<(), Ka
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     Ok(())
+}
+
+/// Waits for every batch in flight to be acknowledged (their offsets are
+/// then stored) and commits synchronously: a checkpoint (see
+/// [`Uncommitted`]). Returns whether everything decided is committed now.
+/// A delivery failure stops the consumer, as anywhere.
+async fn commit_now(clients: &Clients, timeout: Duration) -> Result<bool, KafkaError> {
+    let deadline = Instant::now() + timeout;
+    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? > 0 {
+        if Instant::now() >= deadline {
+            warn!("checkpoint: batches still unacknowledged; trying again after the next batch");
+            return Ok(false);
+        }
+        clients.producer.poll(Duration::from_millis(1));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    match clients.consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) => Ok(true),
+        // Everything stored was committed already (by the timed commit).
+        Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(true),
+        Err(e) => {
+            debug!(error = %e, "checkpoint not committed; trying again after the next batch");
+            Ok(false)
+        }
+    }
 }
 
 /// Waits for the last acknowledgements within the deadline, stores their
