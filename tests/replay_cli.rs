@@ -250,3 +250,152 @@ fn ordered_chunks_equal_the_sorted_log() {
         ]
     );
 }
+
+/// Defect 12 of the reliability issue: row-level problems (invalid UTF-8,
+/// too few or too many fields) become rows of `<output>.invalid.csv` with
+/// their row numbers, and the run goes on.
+#[test]
+fn bad_rows_are_listed_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("calls.csv");
+    let mut bytes = b"call_id,caller,ts\n\
+        a,+34911000001,2025-12-01T00:00:00Z\n\
+        b,+34911000001\n"
+        .to_vec();
+    bytes.extend_from_slice(b"c,+34911\xff000001,2025-12-01T00:00:02Z\n");
+    bytes.extend_from_slice(b"d,+34911000001,2025-12-01T00:00:03Z,extra,fields\n");
+    bytes.extend_from_slice(b"e,+34911000001,2025-12-01T00:00:04Z\n");
+    std::fs::write(&input, bytes).unwrap();
+    let out = dir.path().join("d.csv");
+    let o = replay(&[
+        "-i",
+        input.to_str().unwrap(),
+        "--rule",
+        "m:sliding:60s:5",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let decided = std::fs::read_to_string(&out).unwrap();
+    let ids: Vec<&str> = decided
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').next().unwrap())
+        .collect();
+    assert_eq!(ids, ["a", "d", "e"]);
+    let invalid = std::fs::read_to_string(dir.path().join("d.invalid.csv")).unwrap();
+    let rows: Vec<&str> = invalid
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').take(2).collect::<Vec<_>>().join(","))
+        .map(|l| Box::leak(l.into_boxed_str()) as &str)
+        .collect();
+    assert_eq!(rows, ["2,missing_field", "3,bad_number"]);
+}
+
+/// Defect 12: a file that cannot be read at all gives one clear error with
+/// its line (exit 2), a wrong delimiter is named, `--delimiter` reads it,
+/// and a rules file error names the file.
+#[test]
+fn unreadable_files_give_one_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str, text: &str, extra: &[&str]| {
+        let input = dir.path().join(name);
+        std::fs::write(&input, text).unwrap();
+        let out = dir.path().join(format!("{name}.out.csv"));
+        let mut args = vec!["-i", input.to_str().unwrap(), "-o", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        if !extra.contains(&"--rules") {
+            args.extend_from_slice(&["--rule", "m:sliding:60s:5"]);
+        }
+        let o = replay(&args);
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+            out,
+        )
+    };
+    let (code, err, out) = run(
+        "quote.csv",
+        "call_id,caller,ts\na,+34911000001,1764547200000\n\"b,+34911000001,1764547201000\nc,+34911000001,1764547202000\n",
+        &[],
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("line 3") && err.contains("never closed"),
+        "{err}"
+    );
+    assert!(!out.exists());
+
+    let semi = "call_id;caller;ts\na;+34911000001;1764547200000\n";
+    let (code, err, _) = run("semi.csv", semi, &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--delimiter ';'"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let (code, err, out) = run("semi2.csv", semi, &["--delimiter", ";"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(std::fs::read_to_string(out).unwrap().lines().count(), 2);
+
+    let (code, err, _) = run("empty.csv", "", &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert_eq!(err.matches("empty CSV").count(), 1, "said once: {err}");
+
+    let rules = dir.path().join("bad-rules.toml");
+    std::fs::write(&rules, "[[rule]]\nname='m'\nkind='sliding'\nwindow=1\n").unwrap();
+    let (code, err, _) = run(
+        "ok.csv",
+        "call_id,caller,ts\na,+34911000001,1764547200000\n",
+        &["--rules", rules.to_str().unwrap()],
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("bad-rules.toml"), "the file is named: {err}");
+}
+
+/// Defect 12: a run that fails midway (here Redis runs out of memory) leaves
+/// the previous output as it was and no partial or temporary file.
+#[test]
+fn a_failed_run_leaves_no_truncated_output() {
+    let server = RedisServer::start(&["--maxmemory-policy", "noeviction"]);
+    let used: u64 = common::raw_command(server.port, "INFO memory")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let set = format!("CONFIG SET maxmemory {}", used + 2_000_000);
+    assert!(common::raw_command(server.port, &set)
+        .unwrap()
+        .starts_with("+OK"));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("decisions.csv");
+    std::fs::write(&out, "the previous run's output\n").unwrap();
+    let o = replay(&[
+        "-i",
+        "data/calls.csv",
+        "--rules",
+        "data/rules.toml",
+        "--store",
+        "redis",
+        "--redis-url",
+        &server.url(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "the replay should run out of Redis memory"
+    );
+    assert!(err.contains("out of memory"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&out).unwrap(),
+        "the previous run's output\n"
+    );
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["decisions.csv"]);
+}

@@ -91,6 +91,22 @@ pub struct InputArgs {
     /// Time zone of naive local times (Asterisk `start`), e.g. Europe/Madrid; default UTC.
     #[arg(long)]
     pub timezone: Option<chrono_tz::Tz>,
+    /// Field delimiter of CSV input, one character: `,` (default), `;`
+    /// (common in European CDR exports), `\t` or `|`. A header that looks
+    /// separated by another one is reported with the delimiter to pass.
+    #[arg(long, default_value = ",", value_parser = parse_delimiter)]
+    pub delimiter: u8,
+}
+
+/// Parses `--delimiter`: one ASCII character, or `\t` for a tab.
+fn parse_delimiter(s: &str) -> Result<u8, String> {
+    match s {
+        "\\t" | "tab" => Ok(b'\t'),
+        _ if s.len() == 1 && s.is_ascii() && s != "\"" && s != "\n" => Ok(s.as_bytes()[0]),
+        _ => Err(format!(
+            "`{s}`: one ASCII character (not a quote or newline), or \\t"
+        )),
+    }
 }
 
 impl InputArgs {
@@ -105,6 +121,7 @@ impl InputArgs {
             },
             decoder: self.decoder.decoder()?,
             timezone: self.timezone,
+            delimiter: self.delimiter,
             progress,
         })
     }

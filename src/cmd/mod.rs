@@ -91,6 +91,26 @@ pub async fn run(command: Command) -> Result<()> {
     }
 }
 
+/// The exit status for an error: 2 when the input cannot be used (a file
+/// that cannot be read, rules that do not load, a bad field mapping), as for
+/// bad arguments; 1 for anything else (a store or broker failure).
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    use callguard::error::{DemoError, EventError, IoError, ReplayError, RulesError, TuneError};
+    let bad_input = e.chain().any(|c| {
+        c.is::<IoError>()
+            || c.is::<RulesError>()
+            || c.is::<EventError>()
+            || c.is::<TuneError>()
+            || matches!(c.downcast_ref::<ReplayError>(), Some(ReplayError::Io(_)))
+            || matches!(c.downcast_ref::<DemoError>(), Some(DemoError::Io(_)))
+    });
+    if bad_input {
+        2
+    } else {
+        1
+    }
+}
+
 /// Progress bars are drawn only when stderr is a terminal.
 pub fn progress_wanted() -> bool {
     std::io::stderr().is_terminal()

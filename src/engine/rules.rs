@@ -299,7 +299,12 @@ impl RuleSet {
             path: path.display().to_string(),
             source,
         })?;
-        Self::from_toml(&text)
+        // Say which file: the parser's messages give lines, not the file.
+        Self::from_toml(&text).map_err(|e| match e {
+            RulesError::Toml(m) => RulesError::Toml(format!("{}: {m}", path.display())),
+            RulesError::Invalid(m) => RulesError::Invalid(format!("{}: {m}", path.display())),
+            other => other,
+        })
     }
 
     /// Builds the rule set from CLI arguments: a file, shorthands, or both (shorthands are appended).

@@ -41,7 +41,7 @@ impl OrderedLog {
         let mut decoder = opts.decoder.clone();
         decoder.map = effective_map(opts.format, &opts.decoder.map);
         let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
-        let mut frame = read_frame_columns(path, opts.format, Some(&wanted))?;
+        let mut frame = read_frame_columns(path, opts.format, opts.delimiter, Some(&wanted))?;
         if frame.height() > IdxSize::MAX as usize {
             return Err(IoError::BadShape {
                 path: path.to_path_buf(),

@@ -62,6 +62,8 @@ pub struct ReadOptions {
     pub decoder: Decoder,
     /// Time zone of naive `YYYY-MM-DD HH:MM:SS` times (Asterisk); UTC if unset.
     pub timezone: Option<Tz>,
+    /// Field delimiter of CSV input (`,`; European exports often use `;`).
+    pub delimiter: u8,
     /// Show a progress bar (only drawn on a terminal).
     pub progress: bool,
 }
@@ -72,6 +74,7 @@ impl Default for ReadOptions {
             format: InputFormat::Auto,
             decoder: Decoder::default(),
             timezone: None,
+            delimiter: b',',
             progress: false,
         }
     }
@@ -116,9 +119,91 @@ pub fn polars_err(context: impl Into<String>) -> impl FnOnce(PolarsError) -> IoE
     move |source| IoError::Polars { context, source }
 }
 
-/// Reads a whole file into a data frame of text columns.
+/// Reads a whole comma-separated (or Parquet) file into a data frame of
+/// text columns.
 pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError> {
-    read_frame_columns(path, format, None)
+    read_frame_columns(path, format, b',', None)
+}
+
+/// The CSV reader's options: every cell as text (no type inference, so a
+/// `+34...` or `0034...` number keeps its digits), invalid UTF-8 replaced
+/// by U+FFFD (the row then fails decoding and is listed with its number),
+/// and rows with more fields than the header cut to the header's width
+/// (rows with fewer get nulls: a missing field, listed too).
+fn csv_options(has_header: bool, delimiter: u8) -> CsvReadOptions {
+    CsvReadOptions::default()
+        .with_has_header(has_header)
+        .with_infer_schema_length(Some(0))
+        .with_parse_options(
+            CsvParseOptions::default()
+                .with_separator(delimiter)
+                .with_encoding(CsvEncoding::LossyUtf8)
+                .with_truncate_ragged_lines(true),
+        )
+}
+
+/// Reads a CSV file with `options`, turning a polars failure into an error
+/// that names the file and, for an unclosed quote, its line.
+fn read_csv(path: &Path, options: CsvReadOptions) -> Result<DataFrame, IoError> {
+    let ctx = format!("reading {}", path.display());
+    let read = options
+        .try_into_reader_with_file_path(Some(path.into()))
+        .and_then(|r| r.finish());
+    read.map_err(|source| match unclosed_quote_line(path) {
+        Some(line) => IoError::BadShape {
+            path: path.to_path_buf(),
+            problem: format!(
+                "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
+            ),
+        },
+        None => IoError::Polars {
+            context: ctx,
+            source,
+        },
+    })
+}
+
+/// The line (1-based) where a `"` opens a field that is never closed.
+fn unclosed_quote_line(path: &Path) -> Option<u64> {
+    let bytes = std::fs::read(path).ok()?;
+    let (mut line, mut open_at, mut quoted) = (1u64, 0u64, false);
+    for &b in &bytes {
+        match b {
+            b'"' => {
+                quoted = !quoted;
+                if quoted {
+                    open_at = line;
+                }
+            }
+            b'\n' => line += 1,
+            _ => {}
+        }
+    }
+    quoted.then_some(open_at)
+}
+
+/// A header of one column that contains another common delimiter means the
+/// file was read with the wrong one: say which to pass.
+fn check_delimiter(path: &Path, names: &[String], delimiter: u8) -> Result<(), IoError> {
+    if let [only] = names {
+        for d in [b';', b'\t', b'|', b','] {
+            if d != delimiter && only.as_bytes().contains(&d) {
+                let shown = if d == b'\t' {
+                    "\\t".to_string()
+                } else {
+                    (d as char).to_string()
+                };
+                return Err(IoError::BadShape {
+                    path: path.to_path_buf(),
+                    problem: format!(
+                        "the header is one column `{}`: the file looks `{shown}`-separated; pass --delimiter '{shown}'",
+                        only.chars().take(80).collect::<String>()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Reads a file into a data frame of text columns; with `wanted`, only those
@@ -127,6 +212,7 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
 pub fn read_frame_columns(
     path: &Path,
     format: InputFormat,
+    delimiter: u8,
     wanted: Option<&[&str]>,
 ) -> Result<DataFrame, IoError> {
     let ctx = format!("reading {}", path.display());
@@ -154,13 +240,7 @@ pub fn read_frame_columns(
             to_text_columns(df).map_err(polars_err(ctx))?
         }
         InputFormat::Asterisk => {
-            let mut df = CsvReadOptions::default()
-                .with_has_header(false)
-                .with_infer_schema_length(Some(0))
-                .try_into_reader_with_file_path(Some(path.into()))
-                .map_err(polars_err(ctx.clone()))?
-                .finish()
-                .map_err(polars_err(ctx.clone()))?;
+            let mut df = read_csv(path, csv_options(false, b','))?;
             let width = df.width();
             if width < ASTERISK_COLUMNS.len() {
                 return Err(IoError::BadShape {
@@ -182,35 +262,34 @@ pub fn read_frame_columns(
             df
         }
         _ => {
-            let csv = || {
-                CsvReadOptions::default()
-                    .with_has_header(true)
-                    .with_infer_schema_length(Some(0))
-            };
+            // The header alone tells the delimiter is right and which
+            // wanted columns exist.
+            let header = read_csv(path, csv_options(true, delimiter).with_n_rows(Some(0)))?;
+            let names: Vec<String> = header
+                .get_column_names()
+                .iter()
+                .map(|n| n.to_string())
+                .collect();
+            check_delimiter(path, &names, delimiter)?;
             let columns = match wanted {
                 Some(wanted) => {
-                    // The header alone tells which wanted columns exist.
-                    let header = csv()
-                        .with_n_rows(Some(0))
-                        .try_into_reader_with_file_path(Some(path.into()))
-                        .map_err(polars_err(ctx.clone()))?
-                        .finish()
-                        .map_err(polars_err(ctx.clone()))?;
                     let present: Vec<PlSmallStr> = wanted
                         .iter()
-                        .filter(|w| header.column(w).is_ok())
+                        .filter(|w| names.iter().any(|n| n == *w))
                         .map(|w| (*w).into())
                         .collect();
+                    if present.is_empty() {
+                        return Err(IoError::MissingColumn {
+                            column: wanted.first().copied().unwrap_or("call_id").to_string(),
+                            field: "call_id",
+                            columns: names.join(", "),
+                        });
+                    }
                     Some(present.into())
                 }
                 None => None,
             };
-            csv()
-                .with_columns(columns)
-                .try_into_reader_with_file_path(Some(path.into()))
-                .map_err(polars_err(ctx.clone()))?
-                .finish()
-                .map_err(polars_err(ctx))?
+            read_csv(path, csv_options(true, delimiter).with_columns(columns))?
         }
     };
     Ok(df)
@@ -271,7 +350,7 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
     let mut decoder = opts.decoder.clone();
     decoder.map = effective_map(opts.format, &opts.decoder.map);
     let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
-    let df = read_frame_columns(path, opts.format, Some(&wanted))?;
+    let df = read_frame_columns(path, opts.format, opts.delimiter, Some(&wanted))?;
     decode_frame(&df, &decoder, opts.timezone, opts.progress)
 }
 

@@ -96,13 +96,61 @@ impl TableFormat {
     }
 }
 
+/// A file written under a temporary name beside its final path and renamed
+/// over it once complete: a failed run leaves the previous file (or none),
+/// never a truncated one. Dropped before [`Staged::commit`], the temporary
+/// file is removed.
+pub struct Staged {
+    tmp: tempfile::NamedTempFile,
+    path: PathBuf,
+}
+
+impl Staged {
+    /// Creates the temporary file for `path`; returns it and a handle to write.
+    pub fn create(path: &Path) -> Result<(Self, File), IoError> {
+        let io = |source| IoError::Io {
+            context: format!("writing {}", path.display()),
+            source,
+        };
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let name = path
+            .file_name()
+            .map_or_else(|| "output".into(), |n| n.to_string_lossy());
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{name}."))
+            .suffix(".part")
+            .tempfile_in(dir)
+            .map_err(io)?;
+        let file = tmp.as_file().try_clone().map_err(io)?;
+        Ok((
+            Staged {
+                tmp,
+                path: path.to_path_buf(),
+            },
+            file,
+        ))
+    }
+
+    /// Renames the complete file to its final path.
+    pub fn commit(self) -> Result<(), IoError> {
+        let path = self.path;
+        self.tmp
+            .persist(&path)
+            .map(|_| ())
+            .map_err(|e| IoError::Io {
+                context: format!("writing {}", path.display()),
+                source: e.error,
+            })
+    }
+}
+
 /// Writes a frame as CSV or Parquet, chosen by the file extension.
 pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
     let ctx = format!("writing {}", path.display());
-    let file = File::create(path).map_err(|source| IoError::Io {
-        context: ctx.clone(),
-        source,
-    })?;
+    let (staged, file) = Staged::create(path)?;
     match TableFormat::from_path(path) {
         TableFormat::Csv => CsvWriter::new(file)
             .include_header(true)
@@ -115,13 +163,14 @@ pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
                 .map_err(polars_err(ctx))?;
         }
     }
-    Ok(())
+    staged.commit()
 }
 
 /// Writes a table a batch at a time, as CSV or Parquet by the file extension
 /// (a Parquet row group per batch), so a large output is never one frame.
 pub struct TableWriter {
     inner: TableSink,
+    staged: Staged,
     context: String,
     rows: u64,
 }
@@ -132,13 +181,11 @@ enum TableSink {
 }
 
 impl TableWriter {
-    /// Creates `path` for tables of `schema`.
+    /// Creates `path` for tables of `schema` (written under a temporary
+    /// name until [`TableWriter::finish`]; see [`Staged`]).
     pub fn create(path: &Path, schema: &Schema) -> Result<Self, IoError> {
         let context = format!("writing {}", path.display());
-        let file = File::create(path).map_err(|source| IoError::Io {
-            context: context.clone(),
-            source,
-        })?;
+        let (staged, file) = Staged::create(path)?;
         let inner = match TableFormat::from_path(path) {
             TableFormat::Csv => TableSink::Csv(
                 CsvWriter::new(file)
@@ -155,6 +202,7 @@ impl TableWriter {
         };
         Ok(TableWriter {
             inner,
+            staged,
             context,
             rows: 0,
         })
@@ -182,16 +230,27 @@ impl TableWriter {
             TableSink::Parquet(w) => w.finish().map(|_| ()),
         }
         .map_err(polars_err(self.context.clone()))?;
+        drop(self.inner);
+        self.staged.commit()?;
         Ok(self.rows)
     }
 }
 
 /// A [`TableWriter`] on a thread of its own: each item is turned into a
 /// batch (`build`) and written there while the sender goes on, at most two
-/// items behind.
+/// items behind. The file is complete (renamed to its path) only after
+/// [`BackgroundWriter::finish`]; dropped before that, it is discarded.
 pub struct BackgroundWriter<T> {
-    tx: Option<std::sync::mpsc::SyncSender<T>>,
+    tx: Option<std::sync::mpsc::SyncSender<Batch<T>>>,
     handle: Option<std::thread::JoinHandle<Result<u64, IoError>>>,
+}
+
+/// What the writer thread receives.
+enum Batch<T> {
+    /// The next item.
+    Item(T),
+    /// Everything was sent: complete the file.
+    Done,
 }
 
 impl<T: Send + 'static> BackgroundWriter<T> {
@@ -202,12 +261,17 @@ impl<T: Send + 'static> BackgroundWriter<T> {
         mut build: impl FnMut(T) -> Result<DataFrame, IoError> + Send + 'static,
     ) -> Result<Self, IoError> {
         let mut out = TableWriter::create(path, schema)?;
-        let (tx, rx) = std::sync::mpsc::sync_channel::<T>(2);
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Batch<T>>(2);
         let handle = std::thread::spawn(move || {
-            for item in rx {
-                out.write(&mut build(item)?)?;
+            for batch in rx {
+                match batch {
+                    Batch::Item(item) => out.write(&mut build(item)?)?,
+                    Batch::Done => return out.finish(),
+                }
             }
-            out.finish()
+            // The sender went away without finishing (its run failed): the
+            // staged file is dropped, the previous output stays.
+            Err(IoError::WorkerLost("table writer"))
         });
         Ok(BackgroundWriter {
             tx: Some(tx),
@@ -217,7 +281,10 @@ impl<T: Send + 'static> BackgroundWriter<T> {
 
     /// Hands over the next item; if the writer has failed, its error.
     pub fn send(&mut self, item: T) -> Result<(), IoError> {
-        let sent = self.tx.as_ref().is_some_and(|tx| tx.send(item).is_ok());
+        let sent = self
+            .tx
+            .as_ref()
+            .is_some_and(|tx| tx.send(Batch::Item(item)).is_ok());
         if sent {
             return Ok(());
         }
@@ -230,7 +297,10 @@ impl<T: Send + 'static> BackgroundWriter<T> {
 
     /// Waits for every batch to be written; returns the rows written.
     pub fn finish(mut self) -> Result<u64, IoError> {
-        self.tx = None;
+        if let Some(tx) = self.tx.take() {
+            // A failed writer has hung up already: join reports why.
+            let _ = tx.send(Batch::Done);
+        }
         self.join()
     }
 
@@ -278,14 +348,12 @@ pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<Pat
     )
     .map_err(polars_err("building the invalid-rows table"))?;
     let ctx = format!("writing {}", path.display());
-    let file = File::create(&path).map_err(|source| IoError::Io {
-        context: ctx.clone(),
-        source,
-    })?;
+    let (staged, file) = Staged::create(&path)?;
     CsvWriter::new(file)
         .include_header(true)
         .finish(&mut df)
         .map_err(polars_err(ctx))?;
+    staged.commit()?;
     Ok(Some(path))
 }
 
