@@ -132,7 +132,7 @@ fn asterisk_master_csv_preset() {
         timezone: tz,
         decoder: callguard::engine::event::Decoder::new(Default::default(), Some("34".into()))
             .unwrap(),
-        progress: false,
+        ..ReadOptions::default()
     };
     let path = std::path::Path::new("tests/golden/Master.csv");
     let mut log = read_call_log(path, &opts(Some(chrono_tz::Europe::Madrid))).unwrap();

@@ -627,7 +627,6 @@ fn callees_are_normalised_and_bad_ones_dropped() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn callee_sets_stay_bounded_in_redis() {
     use callguard::store::redis::{RedisConfig, RedisStore};
-    use callguard::store::WindowStore;
     let redis = common::RedisServer::start(&[]);
     let used = || -> i64 {
         common::raw_command(redis.port, "INFO memory")
