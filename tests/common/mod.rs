@@ -228,6 +228,30 @@ pub struct Tansu {
 impl Tansu {
     /// Starts tansu with in-memory storage on a free loopback port.
     pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        Self::start_on(free_port(), dir, false)
+    }
+
+    /// Starts tansu with sqlite storage in its directory (topics, offsets
+    /// and groups survive a restart) on a free loopback port.
+    pub fn start_sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        Self::start_on(free_port(), dir, true)
+    }
+
+    /// Kills the broker (SIGKILL) and starts it again on the same port and
+    /// storage.
+    pub fn restart(mut self) -> Self {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let port = self.port;
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().expect("temp dir"));
+        drop(self);
+        // The port is ours again once the killed process is gone.
+        Self::start_on(port, dir, true)
+    }
+
+    fn start_on(port: u16, dir: tempfile::TempDir, sqlite: bool) -> Self {
         let found = Command::new("tansu")
             .arg("--help")
             .stdout(Stdio::null())
@@ -239,9 +263,13 @@ impl Tansu {
                  (cargo install tansu --locked --features dynostore,libsql). The README's test command installs it."
             );
         }
-        let port = free_port();
-        let dir = tempfile::tempdir().expect("temp dir");
         let url = format!("tcp://127.0.0.1:{port}");
+        // tansu resolves the sqlite path against its working directory.
+        let storage = if sqlite {
+            "sqlite://tansu.db".to_string()
+        } else {
+            "memory://tansu/".to_string()
+        };
         let child = Command::new("tansu")
             .args([
                 "broker",
@@ -250,7 +278,8 @@ impl Tansu {
                 "--advertised-listener-url",
                 &url,
             ])
-            .args(["--storage-engine", "memory://tansu/"])
+            .args(["--storage-engine", &storage])
+            .current_dir(dir.path())
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
             .stderr(Stdio::null())

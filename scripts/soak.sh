@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Soak run (not part of the test command): `callguard consume` against tansu
+# and redis-server on loopback for MINUTES (default 10) at a steady offered
+# load of RATE events/s (default 2000), recording the consumer's RSS, Redis
+# memory and decided events every 10 s to out/soak.csv. Memory should be
+# flat once the windows are warm (TTLs expire idle callers).
+#
+#   scripts/soak.sh [MINUTES] [RATE]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+minutes="${1:-10}"
+rate="${2:-2000}"
+seconds=$((minutes * 60))
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
+cargo build --release --bin callguard --example loadgen -q
+bin="$CARGO_TARGET_DIR/release/callguard"
+loadgen="$CARGO_TARGET_DIR/release/examples/loadgen"
+mkdir -p out
+work="$(mktemp -d)"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+kport=$(free_port); rport=$(free_port); mport=$(free_port)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+
+redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" \
+  --maxmemory-policy noeviction --daemonize no > "$work/redis.log" 2>&1 &
+pids+=($!)
+tansu broker --listener-url "tcp://127.0.0.1:$kport" --advertised-listener-url "tcp://127.0.0.1:$kport" \
+  --storage-engine memory://tansu/ > "$work/tansu.log" 2>&1 &
+pids+=($!)
+sleep 2
+for t in calls call-decisions call-features; do tansu topic create "$t" --partitions 4 --broker "tcp://127.0.0.1:$kport" >/dev/null; done
+tansu topic create calls-dlq --partitions 1 --broker "tcp://127.0.0.1:$kport" >/dev/null
+
+"$bin" consume --brokers "127.0.0.1:$kport" --redis-url "redis://127.0.0.1:$rport" \
+  --rules scripts/soak-rules.toml --ttl-slack-s 30 --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=50 \
+  > "$work/consume.log" 2>&1 &
+cpid=$!
+pids+=($cpid)
+sleep 3
+"$loadgen" "127.0.0.1:$kport" calls "$rate" "$seconds" > "$work/loadgen.log" 2>&1 &
+pids+=($!)
+
+out=out/soak.csv
+echo "elapsed_s,consumer_rss_kib,redis_used_memory,decided,keys" > "$out"
+start=$(date +%s)
+while [ $(( $(date +%s) - start )) -le "$seconds" ]; do
+  sleep 10
+  rss=$(ps -o rss= -p "$cpid" | tr -d ' ')
+  used=$(redis-cli -p "$rport" info memory | awk -F: '/^used_memory:/ {print $2}' | tr -d '\r')
+  keys=$(redis-cli -p "$rport" dbsize | tr -d '\r')
+  decided=$(curl -s "127.0.0.1:$mport/metrics" | awk '/^callguard_events_total/ {s += $NF} END {print s+0}')
+  line="$(( $(date +%s) - start )),$rss,$used,$decided,$keys"
+  echo "$line" >> "$out"
+  echo "$line"
+done
+cat "$work/loadgen.log"
+echo "samples in $out"

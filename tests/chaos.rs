@@ -1,0 +1,182 @@
+//! Chaos on the real components (reliability issue): tansu on its sqlite
+//! storage (topics, offsets and groups survive) and redis-server with the
+//! AOF, each killed (SIGKILL) and restarted while the consumer works. Every
+//! call must be decided exactly once in effect: one distinct record per
+//! call, equal to `replay`.
+//!
+//! tansu 0.6 never expires a group member killed while joining; these tests
+//! kill the broker and Redis, never a member, and start killing only once
+//! decisions flow (the member has joined).
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use callguard::engine::event::CallEvent;
+use callguard::engine::record::{Row, Schema};
+use callguard::engine::rules::RuleSet;
+use callguard::online::consumer::{self, ConsumeConfig};
+use callguard::online::metrics::{Health, Metrics};
+use callguard::store::memory::MemoryStore;
+use callguard::store::redis::{RedisConfig, RedisStore};
+use common::kafka::{by_call_id, read_decisions};
+use common::{RedisServer, Tansu};
+use serde_json::Value;
+use tokio::sync::watch;
+
+const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
+
+/// A day of generated calls in processing order, and the replay's records.
+fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, Value>) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    callguard::offline::generate::write_csv(
+        &path,
+        &callguard::offline::generate::generate(rows, seed),
+    )
+    .unwrap();
+    let log = callguard::offline::order::OrderedLog::open(&path, &Default::default())
+        .unwrap()
+        .read_all()
+        .unwrap();
+    let events: Vec<CallEvent> = log.events.into_iter().map(|(_, e)| e).collect();
+    let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
+    let schema = Schema::decisions(&rules);
+    let mut store = MemoryStore::new();
+    let expected = events
+        .iter()
+        .map(|event| {
+            let verdict = store.apply(&rules, event);
+            (
+                event.call_id.clone(),
+                schema.to_json(Row {
+                    event,
+                    verdict: &verdict,
+                }),
+            )
+        })
+        .collect();
+    (events, rules, expected)
+}
+
+fn assert_parity(expected: &HashMap<String, Value>, records: &[Value]) {
+    let got = by_call_id(records);
+    assert_eq!(got.len(), expected.len(), "distinct decided calls");
+    let differ = expected
+        .iter()
+        .filter(|(id, want)| got.get(*id) != Some(want))
+        .count();
+    assert_eq!(differ, 0, "{differ} decisions differ from the replay");
+}
+
+struct Running {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<Result<consumer::ConsumeStats, callguard::error::ConsumeError>>,
+}
+
+async fn start(brokers: &str, redis_url: &str, rules: RuleSet, group: &str) -> Running {
+    let store = RedisStore::connect(RedisConfig {
+        urls: vec![redis_url.to_string()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut config = ConsumeConfig::new(brokers, group, TOPICS[0], TOPICS[1], TOPICS[2], TOPICS[3]);
+    config.batch_size = 100;
+    config.kafka_settings = vec![("session.timeout.ms".into(), "10000".into())];
+    let (stop, mut stop_rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(rules);
+    let task = tokio::spawn(consumer::run(
+        config,
+        store,
+        rules_rx,
+        Arc::new(Metrics::new()),
+        Arc::new(Health::default()),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+            drop(_rules_tx);
+        },
+    ));
+    Running { stop, task }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_killed_and_restarted_mid_run_loses_nothing() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start_sqlite();
+    for t in TOPICS {
+        tansu.create_topic(t, 2);
+    }
+    let brokers = tansu.bootstrap();
+    let (events, rules, expected) = sample(15_000, 31);
+    let (first, second) = events.split_at(events.len() / 2);
+    callguard::online::produce::produce(first.iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let run = start(&brokers, &redis.url(), rules, "g-broker-chaos").await;
+    let partial = read_decisions(&brokers, "call-decisions", 2_000, Duration::from_secs(180)).await;
+    assert!(
+        by_call_id(&partial).len() >= 2_000,
+        "decisions flow before the kill"
+    );
+    let tansu = tansu.restart();
+    // The second half goes to the restarted broker: the consumer must carry
+    // on past the restart to decide it.
+    callguard::online::produce::produce(second.iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        events.len(),
+        Duration::from_secs(600),
+    )
+    .await;
+    let _ = run.stop.send(true);
+    run.task.await.unwrap().unwrap();
+    assert_parity(&expected, &records);
+    drop(tansu);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_killed_and_restarted_mid_run_loses_nothing() {
+    let aof = ["--appendonly", "yes", "--appendfsync", "always"];
+    let redis = RedisServer::start(&aof);
+    let tansu = Tansu::start_sqlite();
+    for t in TOPICS {
+        tansu.create_topic(t, 2);
+    }
+    let brokers = tansu.bootstrap();
+    let (events, rules, expected) = sample(15_000, 32);
+    let (first, second) = events.split_at(events.len() / 2);
+    callguard::online::produce::produce(first.iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    let run = start(&brokers, &redis.url(), rules, "g-redis-chaos").await;
+    let partial = read_decisions(&brokers, "call-decisions", 2_000, Duration::from_secs(180)).await;
+    assert!(
+        by_call_id(&partial).len() >= 2_000,
+        "decisions flow before the kill"
+    );
+    let (port, dir) = redis.stop();
+    // The second half arrives while Redis is down: the consumer blocks on
+    // it and decides it after the restart, from the windows the AOF kept.
+    callguard::online::produce::produce(second.iter(), &brokers, &[], "calls")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let redis = RedisServer::start_in(port, dir, &aof);
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        events.len(),
+        Duration::from_secs(600),
+    )
+    .await;
+    let _ = run.stop.send(true);
+    run.task.await.unwrap().unwrap();
+    assert_parity(&expected, &records);
+    drop(redis);
+}
