@@ -45,6 +45,7 @@ fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
         callee: None,
         duration_ms: None,
         label: None,
+        list_number: None,
     }
 }
 

@@ -64,6 +64,9 @@ pub enum EventError {
     /// A `--map` entry is malformed.
     #[error("bad field mapping {0}: expected FIELD=COLUMN")]
     BadMapping(String),
+    /// The pseudonymisation key is too short.
+    #[error("the number-hashing key has {0} bytes; it needs at least 16 (e.g. 32 random bytes)")]
+    BadHashKey(usize),
     /// The default country code is not 1 to 3 digits.
     #[error("bad default country code {0:?}: expected 1 to 3 digits")]
     BadCountryCode(String),
@@ -84,6 +87,7 @@ impl EventError {
             EventError::Oversized { .. } => "oversized",
             EventError::BadMapping(_) => "bad_mapping",
             EventError::BadCountryCode(_) => "bad_country_code",
+            EventError::BadHashKey(_) => "bad_hash_key",
         }
     }
 }

@@ -182,6 +182,7 @@ fn extreme_times_do_not_overflow_the_engine() {
                 callee: Some("+34911000002".into()),
                 duration_ms: None,
                 label: None,
+                list_number: None,
             },
         );
         assert!(v.record.counts.iter().all(|&c| c >= 1), "{v:?}");
@@ -361,6 +362,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
                 callee: None,
                 duration_ms: None,
                 label: None,
+                list_number: None,
             });
         }
     }
@@ -507,6 +509,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
             callee: Some(format!("+346000{i:05}")),
             duration_ms: None,
             label: None,
+            list_number: None,
         })
         .collect();
     callguard::online::produce::produce(events.iter(), &brokers, &[], "calls")
@@ -672,6 +675,7 @@ async fn callee_sets_stay_bounded_in_redis() {
             callee: Some(format!("+3460{i:07}")),
             duration_ms: None,
             label: None,
+            list_number: None,
         })
         .collect();
     let mut last = None;
@@ -681,4 +685,139 @@ async fn callee_sets_stay_bounded_in_redis() {
     assert_eq!(last.unwrap().distinct_callees, Some(1_000));
     let card = common::raw_command(redis.port, "ZCARD cg:{+34911000002}:c").unwrap();
     assert_eq!(card.trim(), ":1000");
+}
+
+/// Pseudonymised numbers: with `--hash-numbers`, `replay` (key from the
+/// environment) and the consumer (the same key) give the same records, with
+/// every caller and callee a pseudonym; the denylist still matches the real
+/// number; no real number reaches Redis, the decisions or the features.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hashed_numbers_agree_online_and_offline_and_never_leave_the_process() {
+    use callguard::engine::event::{Decoder, NumberHasher};
+    use callguard::store::redis::{RedisConfig, RedisStore};
+    const KEY: &str = "a test key of thirty-two bytes!!";
+    let dir = tempfile::tempdir().unwrap();
+    let rules_path = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules_path,
+        "deny = [\"+34911000009\"]\n[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
+    )
+    .unwrap();
+    let start = now_ms() - 600_000;
+    let mut csv = String::from("call_id,caller,callee,ts\n");
+    let mut messages = Vec::new();
+    for i in 0..300i64 {
+        let caller = format!("+3491100{:04}", i % 12);
+        let callee = format!("+3460000{:04}", i % 7);
+        let ts = start + i * 500;
+        csv.push_str(&format!("c{i},{caller},{callee},{ts}\n"));
+        messages.push((
+            caller.clone(),
+            json!({"call_id": format!("c{i}"), "caller": caller, "callee": callee, "ts": ts}),
+        ));
+    }
+    let input = dir.path().join("calls.csv");
+    std::fs::write(&input, &csv).unwrap();
+    let replayed = dir.path().join("decisions.csv");
+    let features = dir.path().join("features.csv");
+    for (cmd, out) in [("replay", &replayed), ("features", &features)] {
+        let o = std::process::Command::new(common::bin())
+            .args([cmd, "--hash-numbers", "-i"])
+            .arg(&input)
+            .arg("--rules")
+            .arg(&rules_path)
+            .arg("-o")
+            .arg(out)
+            .env("CALLGUARD_HASH_KEY", KEY)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let decisions = std::fs::read_to_string(&replayed).unwrap();
+    let feature_text = std::fs::read_to_string(&features).unwrap();
+    for text in [&decisions, &feature_text] {
+        assert!(!text.contains("+34"), "a real number in an output:\n{text}");
+    }
+    assert!(
+        decisions.contains(",denylist,"),
+        "the denylist matches the real number"
+    );
+    let hasher = NumberHasher::new(KEY.as_bytes()).unwrap();
+    assert!(decisions.contains(&hasher.hash("+34911000009")));
+
+    // Online: the same events, the same key, a real Redis.
+    let redis = common::RedisServer::start(&[]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    let brokers = kafka.bootstrap();
+    for (t, p) in [
+        ("calls", 2),
+        ("call-decisions", 2),
+        ("call-features", 2),
+        ("calls-dlq", 1),
+    ] {
+        kafka.create_topic(t, p).unwrap();
+    }
+    let raw: Vec<(String, Vec<u8>)> = messages
+        .iter()
+        .map(|(k, v)| (k.clone(), v.to_string().into_bytes()))
+        .collect();
+    let msgs: Vec<(Option<&[u8]>, &[u8])> = raw
+        .iter()
+        .map(|(k, v)| (Some(k.as_bytes()), v.as_slice()))
+        .collect();
+    produce_raw(&brokers, "calls", &msgs).await;
+    let mut config = ConsumeConfig::new(
+        &brokers,
+        "g-hash",
+        "calls",
+        "call-decisions",
+        "call-features",
+        "calls-dlq",
+    );
+    config.decoder = Decoder {
+        hasher: Some(hasher.clone()),
+        ..Decoder::default()
+    };
+    let store = RedisStore::connect(RedisConfig {
+        urls: vec![redis.url()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    let rules = RuleSet::from_file(&rules_path).unwrap();
+    let (stop, mut stop_rx) = watch::channel(false);
+    let (_rules_tx, rules_rx) = watch::channel(rules);
+    let task = tokio::spawn(consumer::run(
+        config,
+        store,
+        rules_rx,
+        Arc::new(Metrics::new()),
+        Arc::new(Health::default()),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+        },
+    ));
+    let online = read_decisions(&brokers, "call-decisions", 300, Duration::from_secs(60)).await;
+    let _ = stop.send(true);
+    task.await.unwrap().unwrap();
+    let online = common::kafka::by_call_id(&online);
+    assert_eq!(online.len(), 300);
+    for line in decisions.lines().skip(1) {
+        let f: Vec<&str> = line.split(',').collect();
+        let o = &online[f[0]];
+        assert_eq!(
+            o["caller"], f[1],
+            "call {}: the same pseudonym online",
+            f[0]
+        );
+        assert_eq!(o["decision"], f[3], "call {}", f[0]);
+        assert_eq!(o["reason"], f[4], "call {}", f[0]);
+        assert_eq!(o["count_minute"].to_string(), f[5], "call {}", f[0]);
+    }
+    let keys = common::raw_command(redis.port, "KEYS *").unwrap();
+    assert!(keys.contains("{h"), "{keys}");
+    assert!(
+        !keys.contains("+34"),
+        "a real number in a Redis key: {keys}"
+    );
 }

@@ -80,6 +80,7 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
             callee: None,
             duration_ms: None,
             label: Some(fraud),
+            list_number: None,
         },
     )
 }

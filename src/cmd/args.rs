@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
-use callguard::engine::event::{Decoder, FieldMap};
+use callguard::engine::event::{Decoder, FieldMap, NumberHasher};
 use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
@@ -73,6 +73,51 @@ impl DecoderArgs {
             FieldMap::parse(&self.map)?,
             self.default_country_code.clone(),
         )
+    }
+}
+
+/// Pseudonymised numbers.
+#[derive(Debug, Clone, Args)]
+pub struct PrivacyArgs {
+    /// Replace every caller and callee, in Redis keys, records, features and
+    /// logs, by an HMAC-SHA256 pseudonym of the normalised number (`h` and
+    /// 32 hex digits) under a secret key (CALLGUARD_HASH_KEY, or
+    /// --hash-key-file). Allow and deny lists still match the real numbers.
+    /// Use the same key online and offline for equal pseudonyms. Dead
+    /// letters keep the original bytes.
+    #[arg(long, env = "CALLGUARD_HASH_NUMBERS")]
+    pub hash_numbers: bool,
+    /// File holding the key (at least 16 bytes; a trailing newline is
+    /// dropped); otherwise CALLGUARD_HASH_KEY.
+    #[arg(long, env = "CALLGUARD_HASH_KEY_FILE")]
+    pub hash_key_file: Option<PathBuf>,
+}
+
+impl PrivacyArgs {
+    /// Sets the decoder's hasher when `--hash-numbers` is given.
+    pub fn apply(&self, decoder: &mut Decoder) -> Result<()> {
+        if !self.hash_numbers {
+            return Ok(());
+        }
+        let key = match &self.hash_key_file {
+            Some(path) => {
+                let mut key = std::fs::read(path)
+                    .with_context(|| format!("reading the hash key file {}", path.display()))?;
+                while key.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
+                    key.pop();
+                }
+                key
+            }
+            None => std::env::var("CALLGUARD_HASH_KEY")
+                .map(String::into_bytes)
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "--hash-numbers needs a key: set CALLGUARD_HASH_KEY or pass --hash-key-file"
+                    )
+                })?,
+        };
+        decoder.hasher = Some(NumberHasher::new(&key)?);
+        Ok(())
     }
 }
 

@@ -10,7 +10,7 @@ use callguard::online::kafka::{parse_settings, EmbeddedKafka};
 use callguard::online::metrics::{self, Health, Metrics};
 use callguard::online::reload;
 
-use crate::cmd::args::{DecoderArgs, KafkaArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::args::{DecoderArgs, KafkaArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
 use crate::cmd::shutdown_signal;
 
 /// Run the stream processor: consume call events from Kafka, decide
@@ -45,6 +45,9 @@ pub struct ConsumeArgs {
     /// Field names of the JSON payload and number normalisation.
     #[command(flatten)]
     pub decoder: DecoderArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
     /// What to do when the window store fails: `block` (stop and retry,
     /// commit nothing: nothing is lost), `allow` or `reject` (decide
     /// `degraded = true` and keep going).
@@ -104,6 +107,7 @@ impl ConsumeArgs {
         };
         config.max_payload_bytes = self.max_payload_bytes;
         config.decoder = self.decoder.decoder()?;
+        self.privacy.apply(&mut config.decoder)?;
         config.max_future_skew = (self.max_future_skew_s > 0)
             .then(|| std::time::Duration::from_secs(self.max_future_skew_s));
         config.drain_timeout = std::time::Duration::from_secs(self.drain_timeout_s);

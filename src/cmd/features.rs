@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use crate::cmd::args::{InputArgs, RuleArgs};
+use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs};
 use crate::cmd::{progress_wanted, report_invalid};
 
 /// Export point-in-time features of every call of a call log (Parquet
@@ -20,6 +20,9 @@ pub struct FeaturesArgs {
     /// Rule options.
     #[command(flatten)]
     pub rules: RuleArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
     /// Feature table: `.parquet` (recommended: typed timestamps) or `.csv`.
     #[arg(long, short)]
     pub output: PathBuf,
@@ -28,7 +31,8 @@ pub struct FeaturesArgs {
 /// Runs `callguard features`.
 pub async fn run(args: FeaturesArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
-    let read = args.input.read_options(progress_wanted())?;
+    let mut read = args.input.read_options(progress_wanted())?;
+    args.privacy.apply(&mut read.decoder)?;
     let report =
         callguard::offline::features::export(&args.input.input, &read, &rules, &args.output)
             .await?;

@@ -8,7 +8,7 @@ use clap::Args;
 use callguard::engine::record::Schema;
 use callguard::offline::replay::to_table;
 
-use crate::cmd::args::{InputArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
 use crate::cmd::{describe_rules, progress_wanted, report_invalid};
 
 /// Decide every call of a historical call log, offline, with the same
@@ -24,6 +24,9 @@ pub struct ReplayArgs {
     /// Store options.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
     /// Decision records: `.csv` or `.parquet`. Invalid rows go to
     /// `<name>.invalid.csv` beside it.
     #[arg(long, short)]
@@ -33,7 +36,8 @@ pub struct ReplayArgs {
 /// Runs `callguard replay`.
 pub async fn run(args: ReplayArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
-    let read = args.input.read_options(progress_wanted())?;
+    let mut read = args.input.read_options(progress_wanted())?;
+    args.privacy.apply(&mut read.decoder)?;
     let mut store = args.store.open(StoreKind::Memory, false).await?;
     let schema = Schema::decisions(&rules);
     let report = to_table(

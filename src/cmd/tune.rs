@@ -10,7 +10,7 @@ use callguard::offline::order::OrderedLog;
 use callguard::offline::table::write_frame;
 use callguard::offline::tune::{render_table, sweep_frame, sweep_ordered, Target};
 
-use crate::cmd::args::{InputArgs, RuleArgs};
+use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs};
 use crate::cmd::progress_wanted;
 
 /// Sweep a rule's limit N over a range on a call log and recommend one:
@@ -25,6 +25,9 @@ pub struct TuneArgs {
     /// Rule options; the other rules keep their limits while one is swept.
     #[command(flatten)]
     pub rules: RuleArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
     /// Which rule to sweep (default: the first).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -92,10 +95,9 @@ pub fn run(args: TuneArgs) -> Result<()> {
         input.decoder.map.push(format!("label={col}"));
     }
     let progress = progress_wanted();
-    let log = Arc::new(OrderedLog::open(
-        &input.input,
-        &input.read_options(progress)?,
-    )?);
+    let mut read = input.read_options(progress)?;
+    args.privacy.apply(&mut read.decoder)?;
+    let log = Arc::new(OrderedLog::open(&input.input, &read)?);
     let rows = log.rows();
     let started = std::time::Instant::now();
     let (result, invalid) = sweep_ordered(log, &rules, index, &limits, target, progress)?;

@@ -42,6 +42,52 @@ pub fn check_ts_range(ts: i64) -> Result<i64, EventError> {
     }
 }
 
+/// Pseudonymises telephone numbers (numbers are personal data): the
+/// HMAC-SHA256 of the normalised number under a secret key, as `h` and 32
+/// hex digits (128 bits). The same key gives the same pseudonym online and
+/// offline; without the key a pseudonym cannot be turned back into a number.
+#[derive(Clone)]
+pub struct NumberHasher {
+    key: std::sync::Arc<[u8]>,
+}
+
+/// Shortest accepted pseudonymisation key, bytes.
+pub const MIN_HASH_KEY_LEN: usize = 16;
+
+impl NumberHasher {
+    /// A hasher with `key` (at least [`MIN_HASH_KEY_LEN`] bytes).
+    pub fn new(key: &[u8]) -> Result<Self, EventError> {
+        if key.len() < MIN_HASH_KEY_LEN {
+            return Err(EventError::BadHashKey(key.len()));
+        }
+        Ok(NumberHasher { key: key.into() })
+    }
+
+    /// The pseudonym of a normalised number.
+    pub fn hash(&self, number: &str) -> String {
+        use hmac::Mac;
+        // HMAC takes keys of any length: this cannot fail.
+        let mut mac = match hmac::Hmac::<sha2::Sha256>::new_from_slice(&self.key) {
+            Ok(m) => m,
+            Err(_) => return String::new(),
+        };
+        mac.update(number.as_bytes());
+        let digest = mac.finalize().into_bytes();
+        let mut out = String::with_capacity(33);
+        out.push('h');
+        for b in &digest[..16] {
+            out.push_str(&format!("{b:02x}"));
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for NumberHasher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NumberHasher(key: ***)")
+    }
+}
+
 /// One call attempt, decoded and normalised.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallEvent {
@@ -58,6 +104,17 @@ pub struct CallEvent {
     pub duration_ms: Option<i64>,
     /// Ground truth for tuning: `true` for fraud, if present.
     pub label: Option<bool>,
+    /// With pseudonymised numbers: the caller's real normalised number, for
+    /// allow- and denylist matching only (it is never stored or emitted).
+    pub list_number: Option<String>,
+}
+
+impl CallEvent {
+    /// The number the allow- and denylists are matched against: the real
+    /// caller, also when `caller` is a pseudonym.
+    pub fn number_for_lists(&self) -> &str {
+        self.list_number.as_deref().unwrap_or(&self.caller)
+    }
 }
 
 /// A field value as found in the input, before decoding.
@@ -156,6 +213,8 @@ pub struct Decoder {
     pub map: FieldMap,
     /// Country code (digits, no `+`) for national numbers, e.g. `34`.
     pub default_country_code: Option<String>,
+    /// Pseudonymise callers and callees (`--hash-numbers`).
+    pub hasher: Option<NumberHasher>,
 }
 
 impl Decoder {
@@ -171,6 +230,7 @@ impl Decoder {
             map,
             default_country_code: default_country_code
                 .map(|c| c.trim_start_matches('+').to_string()),
+            hasher: None,
         })
     }
 
@@ -228,6 +288,12 @@ impl Decoder {
             }
         };
         let label = parse_label(field("label"))?;
+        let (caller, callee, list_number) = match &self.hasher {
+            // After normalisation, so a number has one pseudonym however it
+            // was written; the real number stays only for list matching.
+            Some(h) => (h.hash(&caller), callee.map(|c| h.hash(&c)), Some(caller)),
+            None => (caller, callee, None),
+        };
         Ok(CallEvent {
             call_id,
             caller,
@@ -235,6 +301,7 @@ impl Decoder {
             callee,
             duration_ms,
             label,
+            list_number,
         })
     }
 
@@ -388,6 +455,30 @@ pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pseudonyms_are_keyed_stable_and_never_show_the_key() {
+        assert!(NumberHasher::new(b"short").is_err());
+        let a = NumberHasher::new(b"0123456789abcdef").unwrap();
+        let b = NumberHasher::new(b"0123456789abcdeF").unwrap();
+        let h = a.hash("+34911234567");
+        assert_eq!(h, a.hash("+34911234567"));
+        assert_ne!(h, b.hash("+34911234567"));
+        assert_ne!(h, a.hash("+34911234568"));
+        assert!(h.starts_with('h') && h.len() == 33, "{h}");
+        assert!(!format!("{a:?}").contains("0123"));
+        // Written differently, one number has one pseudonym; lists see the real one.
+        let d = Decoder {
+            hasher: Some(a.clone()),
+            ..Decoder::default()
+        };
+        let e = d
+            .decode_json(br#"{"call_id":"x","caller":"0034 911 234 567","ts":1764547200000,"callee":"+34600000001"}"#)
+            .unwrap();
+        assert_eq!(e.caller, h);
+        assert_eq!(e.callee, Some(a.hash("+34600000001")));
+        assert_eq!(e.number_for_lists(), "+34911234567");
+    }
 
     #[test]
     fn normalises_numbers() {

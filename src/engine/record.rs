@@ -497,6 +497,7 @@ mod tests {
             callee: None,
             duration_ms: None,
             label: None,
+            list_number: None,
         };
         let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
         assert_eq!(v.record.decision, Decision::Reject);

@@ -228,7 +228,7 @@ impl CallerState {
         let counts: Vec<u64> = (0..rules.rules.len())
             .map(|i| self.count(rules, i, t, h.latest))
             .collect();
-        let (would, reason) = outcome(rules, rules.judge(&ev.caller, &counts, None));
+        let (would, reason) = outcome(rules, rules.judge(ev.number_for_lists(), &counts, None));
         if rules.count == CountPolicy::Attempts || would == Decision::Allow {
             self.record(rules, t, h.latest);
         }

@@ -377,7 +377,7 @@ impl RedisStore {
                 cmd.arg(self.key(&ev.caller, "m"));
             }
         }
-        let listed = match rules.listed(&ev.caller) {
+        let listed = match rules.listed(ev.number_for_lists()) {
             Listed::No => 0,
             Listed::Allow => 1,
             Listed::Deny => 2,

@@ -208,6 +208,7 @@ pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
         callee: None,
         duration_ms: None,
         label: None,
+        list_number: None,
     }
 }
 

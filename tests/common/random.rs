@@ -92,6 +92,7 @@ pub fn random_events(rng: &mut StdRng, n: usize, callers: usize) -> Vec<CallEven
             callee,
             duration_ms: None,
             label: None,
+            list_number: None,
         });
     }
     out

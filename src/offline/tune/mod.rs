@@ -245,7 +245,7 @@ impl Sweeper {
         let h = &mut self.histogram;
         match self
             .rules
-            .judge(&e.caller, &v.record.counts, Some(self.index))
+            .judge(e.number_for_lists(), &v.record.counts, Some(self.index))
         {
             Judgement::Allowlisted => {}
             Judgement::Denylisted | Judgement::Exceeded(_) => {
