@@ -125,28 +125,64 @@ pub(super) fn dead_letter(
     }
 }
 
-/// Encodes decided calls as decision and feature records, with the schemas
-/// of the rule set in force (rebuilt only when its version changes).
-pub(super) struct Encoder {
+/// How many rule sets' schemas the encoder remembers.
+const SCHEMAS_KEPT: usize = 16;
+
+/// The decision and feature schemas of one rule set.
+struct Schemas {
     version: String,
     decisions: Schema,
     features: Schema,
 }
 
-impl Encoder {
-    pub fn new(rules: &RuleSet) -> Self {
-        Encoder {
+impl Schemas {
+    fn of(rules: &RuleSet) -> Self {
+        Schemas {
             version: rules.version().to_string(),
             decisions: Schema::decisions(rules),
             features: Schema::features(rules),
         }
     }
+}
+
+/// Encodes decided calls as decision and feature records. Each record is
+/// encoded with the schema of the rule set that decided it: a call
+/// redelivered after a reload gets its first record back, whose counts are
+/// those of the old rules, under the old rules' names. The schemas of the
+/// last 16 rule sets are kept; a record of a set older than that (or from
+/// before a restart with other rules) is encoded with the current names.
+pub(super) struct Encoder {
+    /// Most recent first; the current rule set's at the front.
+    schemas: std::collections::VecDeque<Schemas>,
+}
+
+impl Encoder {
+    pub fn new(rules: &RuleSet) -> Self {
+        Encoder {
+            schemas: std::iter::once(Schemas::of(rules)).collect(),
+        }
+    }
 
     /// Follows a rule reload.
     pub fn follow(&mut self, rules: &RuleSet) {
-        if rules.version() != self.version {
-            *self = Encoder::new(rules);
+        if self
+            .schemas
+            .front()
+            .is_some_and(|s| s.version == rules.version())
+        {
+            return;
         }
+        self.schemas.retain(|s| s.version != rules.version());
+        self.schemas.push_front(Schemas::of(rules));
+        self.schemas.truncate(SCHEMAS_KEPT);
+    }
+
+    /// The schemas for a record decided under `version`.
+    fn for_version(&self, version: &str) -> Option<&Schemas> {
+        self.schemas
+            .iter()
+            .find(|s| s.version == version)
+            .or(self.schemas.front())
     }
 
     /// One decision record and one feature record per call, keyed by caller.
@@ -158,22 +194,84 @@ impl Encoder {
         out: &mut Vec<OutRecord>,
     ) {
         for (event, verdict) in events.iter().zip(verdicts) {
+            let Some(schemas) = self.for_version(&verdict.record.rules_version) else {
+                continue;
+            };
             let row = Row { event, verdict };
             let key = event.caller.as_bytes();
             out.push(OutRecord {
                 topic: config.decisions_topic.clone(),
                 key: key.to_vec(),
-                payload: self.decisions.to_json(row).to_string().into_bytes(),
+                payload: schemas.decisions.to_json(row).to_string().into_bytes(),
                 headers: None,
                 dead_letter: false,
             });
             out.push(OutRecord {
                 topic: config.features_topic.clone(),
                 key: key.to_vec(),
-                payload: self.features.to_json(row).to_string().into_bytes(),
+                payload: schemas.features.to_json(row).to_string().into_bytes(),
                 headers: None,
                 dead_letter: false,
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::record::{Decision, DecisionRecord};
+
+    fn verdict(rules: &RuleSet, counts: Vec<u64>) -> Verdict {
+        Verdict {
+            record: DecisionRecord {
+                call_id: "c1".into(),
+                caller: "+34911000001".into(),
+                ts_ms: 1_764_547_200_000,
+                decision: Decision::Allow,
+                reason: "ok".into(),
+                counts,
+                shadow: false,
+                late: false,
+                degraded: false,
+                rules_version: rules.version().to_string(),
+            },
+            prev_ts_ms: None,
+            distinct_callees: None,
+            duplicate: true,
+        }
+    }
+
+    /// A record decided before a reload keeps its rules' column names.
+    #[test]
+    fn records_are_encoded_with_the_rules_that_decided_them() {
+        let before = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
+        let after = RuleSet::from_args(None, &["hour:sliding:1h:50".into()]).unwrap();
+        let mut encoder = Encoder::new(&before);
+        encoder.follow(&after);
+        let config = ConsumeConfig::new("b", "g", "calls", "d", "f", "dlq");
+        let event = CallEvent {
+            call_id: "c1".into(),
+            caller: "+34911000001".into(),
+            ts_ms: 1_764_547_200_000,
+            callee: None,
+            duration_ms: None,
+            label: None,
+            list_number: None,
+        };
+        let mut out = Vec::new();
+        let events = [event.clone(), event];
+        encoder.encode(
+            &events,
+            &[verdict(&before, vec![4]), verdict(&after, vec![7])],
+            &config,
+            &mut out,
+        );
+        let decision =
+            |i: usize| -> serde_json::Value { serde_json::from_slice(&out[i].payload).unwrap() };
+        assert_eq!(decision(0)["count_minute"], 4);
+        assert!(decision(0).get("count_hour").is_none());
+        assert_eq!(decision(2)["count_hour"], 7);
+        assert!(decision(2).get("count_minute").is_none());
     }
 }
