@@ -375,6 +375,12 @@ pub fn normalize_number(
     raw: &str,
     default_country_code: Option<&str>,
 ) -> Result<String, EventError> {
+    // Fast path: already E.164 (most call records), one allocation.
+    if let Some(digits) = raw.strip_prefix('+') {
+        if (6..=15).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Ok(raw.to_string());
+        }
+    }
     let bad = |why: &str| EventError::BadNumber {
         field: "caller",
         value: format!("{} ({why})", printable(raw)),

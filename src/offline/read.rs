@@ -126,10 +126,9 @@ pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError
 }
 
 /// The CSV reader's options: every cell as text (no type inference, so a
-/// `+34...` or `0034...` number keeps its digits), invalid UTF-8 replaced
-/// by U+FFFD (the row then fails decoding and is listed with its number),
-/// and rows with more fields than the header cut to the header's width
-/// (rows with fewer get nulls: a missing field, listed too).
+/// `+34...` or `0034...` number keeps its digits), and rows with more fields
+/// than the header cut to the header's width (rows with fewer get nulls: a
+/// missing field, listed as an invalid row).
 fn csv_options(has_header: bool, delimiter: u8) -> CsvReadOptions {
     CsvReadOptions::default()
         .with_has_header(has_header)
@@ -137,18 +136,34 @@ fn csv_options(has_header: bool, delimiter: u8) -> CsvReadOptions {
         .with_parse_options(
             CsvParseOptions::default()
                 .with_separator(delimiter)
-                .with_encoding(CsvEncoding::LossyUtf8)
                 .with_truncate_ragged_lines(true),
         )
 }
 
 /// Reads a CSV file with `options`, turning a polars failure into an error
-/// that names the file and, for an unclosed quote, its line.
+/// that names the file and, for an unclosed quote, its line. A file with
+/// invalid UTF-8 is read again with the bad bytes replaced by U+FFFD (the
+/// rows holding them then fail decoding and are listed with their numbers);
+/// strict decoding first, as it is markedly faster on clean files.
 fn read_csv(path: &Path, options: CsvReadOptions) -> Result<DataFrame, IoError> {
     let ctx = format!("reading {}", path.display());
-    let read = options
-        .try_into_reader_with_file_path(Some(path.into()))
-        .and_then(|r| r.finish());
+    let attempt = |options: CsvReadOptions| {
+        options
+            .try_into_reader_with_file_path(Some(path.into()))
+            .and_then(|r| r.finish())
+    };
+    let read = attempt(options.clone()).or_else(|e| {
+        if e.to_string().contains("utf-8") {
+            let lossy = options
+                .parse_options
+                .as_ref()
+                .clone()
+                .with_encoding(CsvEncoding::LossyUtf8);
+            attempt(options.with_parse_options(lossy))
+        } else {
+            Err(e)
+        }
+    });
     read.map_err(|source| match unclosed_quote_line(path) {
         Some(line) => IoError::BadShape {
             path: path.to_path_buf(),

@@ -183,25 +183,32 @@ pub struct ConsumeStats {
 /// synchronously: exactness does not depend on how fast it runs.
 #[derive(Debug, Default)]
 struct Uncommitted {
-    /// (topic, partition) → (earliest, latest) event time since the commit.
-    spans: HashMap<(String, i32), (i64, i64)>,
+    /// (topic, partition, earliest, latest event time) since the commit; a
+    /// consumer owns a few partitions, so a vector searched in place (no
+    /// allocation per event).
+    spans: Vec<(String, i32, i64, i64)>,
 }
 
 impl Uncommitted {
     fn note(&mut self, topic: &str, partition: i32, ts: i64) {
-        let span = self
+        match self
             .spans
-            .entry((topic.to_string(), partition))
-            .or_insert((ts, ts));
-        span.0 = span.0.min(ts);
-        span.1 = span.1.max(ts);
+            .iter_mut()
+            .find(|(t, p, _, _)| *p == partition && t == topic)
+        {
+            Some((_, _, lo, hi)) => {
+                *lo = (*lo).min(ts);
+                *hi = (*hi).max(ts);
+            }
+            None => self.spans.push((topic.to_string(), partition, ts, ts)),
+        }
     }
 
     /// Whether some partition's uncommitted events span more than `limit` ms.
     fn due(&self, limit: i64) -> bool {
         self.spans
-            .values()
-            .any(|(lo, hi)| hi.saturating_sub(*lo) > limit)
+            .iter()
+            .any(|(_, _, lo, hi)| hi.saturating_sub(*lo) > limit)
     }
 }
 
