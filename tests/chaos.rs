@@ -11,20 +11,17 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::{Row, Schema};
 use callguard::engine::rules::RuleSet;
-use callguard::online::consumer::{self, ConsumeConfig};
-use callguard::online::metrics::{Health, Metrics};
+use callguard::online::consumer::ConsumeConfig;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use common::kafka::{by_call_id, read_decisions};
 use common::{RedisServer, Tansu};
 use serde_json::Value;
-use tokio::sync::watch;
 
 const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
 
@@ -71,12 +68,12 @@ fn assert_parity(expected: &HashMap<String, Value>, records: &[Value]) {
     assert_eq!(differ, 0, "{differ} decisions differ from the replay");
 }
 
-struct Running {
-    stop: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<Result<consumer::ConsumeStats, callguard::error::ConsumeError>>,
-}
-
-async fn start(brokers: &str, redis_url: &str, rules: RuleSet, group: &str) -> Running {
+async fn start(
+    brokers: &str,
+    redis_url: &str,
+    rules: RuleSet,
+    group: &str,
+) -> common::kafka::InProcess {
     let store = RedisStore::connect(RedisConfig {
         urls: vec![redis_url.to_string()],
         ..RedisConfig::default()
@@ -86,20 +83,7 @@ async fn start(brokers: &str, redis_url: &str, rules: RuleSet, group: &str) -> R
     let mut config = ConsumeConfig::new(brokers, group, TOPICS[0], TOPICS[1], TOPICS[2], TOPICS[3]);
     config.batch_size = 100;
     config.kafka_settings = vec![("session.timeout.ms".into(), "10000".into())];
-    let (stop, mut stop_rx) = watch::channel(false);
-    let (_rules_tx, rules_rx) = watch::channel(rules);
-    let task = tokio::spawn(consumer::run(
-        config,
-        store,
-        rules_rx,
-        Arc::new(Metrics::new()),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-            drop(_rules_tx);
-        },
-    ));
-    Running { stop, task }
+    common::kafka::in_process(config, store, rules)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -134,8 +118,7 @@ async fn broker_killed_and_restarted_mid_run_loses_nothing() {
         Duration::from_secs(600),
     )
     .await;
-    let _ = run.stop.send(true);
-    run.task.await.unwrap().unwrap();
+    run.stop().await;
     assert_parity(&expected, &records);
     drop(tansu);
 }
@@ -175,8 +158,7 @@ async fn redis_killed_and_restarted_mid_run_loses_nothing() {
         Duration::from_secs(600),
     )
     .await;
-    let _ = run.stop.send(true);
-    run.task.await.unwrap().unwrap();
+    run.stop().await;
     assert_parity(&expected, &records);
     drop(redis);
 }

@@ -9,13 +9,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use callguard::engine::event::{CallEvent, MAX_TS_MS, MIN_TS_MS};
 use callguard::engine::rules::RuleSet;
-use callguard::online::consumer::{self, ConsumeConfig};
+use callguard::online::consumer::ConsumeConfig;
 use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::store::memory::MemoryStore;
 use common::kafka::{produce_raw, read_decisions, read_topic};
 use serde_json::{json, Value};
-use tokio::sync::watch;
 
 fn now_ms() -> i64 {
     SystemTime::now()
@@ -46,16 +45,12 @@ async fn consume_raw(
     adjust: impl FnOnce(&mut ConsumeConfig),
 ) -> (Vec<Value>, Vec<common::kafka::Read>, Arc<Metrics>) {
     let messages = raw;
-    let kafka = EmbeddedKafka::start().unwrap();
-    let brokers = kafka.bootstrap();
-    for (t, p) in [
+    let (_kafka, brokers) = common::kafka::mock_cluster(&[
         ("calls", 2),
         ("call-decisions", 2),
         ("call-features", 2),
         ("calls-dlq", 1),
-    ] {
-        kafka.create_topic(t, p).unwrap();
-    }
+    ]);
     let msgs: Vec<(Option<&[u8]>, &[u8])> = raw
         .iter()
         .map(|(k, v)| (Some(k.as_bytes()), v.as_slice()))
@@ -70,19 +65,7 @@ async fn consume_raw(
         "calls-dlq",
     );
     adjust(&mut config);
-    let (stop, mut stop_rx) = watch::channel(false);
-    let (_rules_tx, rules_rx) = watch::channel(rules);
-    let metrics = Arc::new(Metrics::new());
-    let worker = tokio::spawn(consumer::run(
-        config,
-        MemoryStore::keeping_all(),
-        rules_rx,
-        metrics.clone(),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        },
-    ));
+    let run = common::kafka::in_process(config, MemoryStore::keeping_all(), rules);
     let decisions = read_decisions(
         &brokers,
         "call-decisions",
@@ -97,8 +80,8 @@ async fn consume_raw(
         n >= dead
     })
     .await;
-    let _ = stop.send(true);
-    worker.await.unwrap().unwrap();
+    let metrics = run.metrics.clone();
+    run.stop().await;
     (decisions, dlq, metrics)
 }
 
@@ -366,7 +349,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
             });
         }
     }
-    let member = |health: Arc<Health>, store: RedisStore| {
+    let member = |store: RedisStore| {
         let mut config = ConsumeConfig::new(
             &brokers,
             "coop",
@@ -383,20 +366,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
             ),
             ("session.timeout.ms".into(), "6000".into()),
         ];
-        let (stop, mut stop_rx) = watch::channel(false);
-        let (_rules_tx, rules_rx) = watch::channel(rules.clone());
-        let task = tokio::spawn(consumer::run(
-            config,
-            store,
-            rules_rx,
-            Arc::new(Metrics::new()),
-            health,
-            async move {
-                let _ = stop_rx.wait_for(|s| *s).await;
-                drop(_rules_tx);
-            },
-        ));
-        (stop, task)
+        common::kafka::in_process(config, store, rules.clone())
     };
     let wait_ready = |h: Arc<Health>| async move {
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
@@ -405,14 +375,14 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
         }
         h.ready()
     };
-    let first_health = Arc::new(Health::default());
     let connect = || {
         RedisStore::connect(RedisConfig {
             urls: vec![redis.url()],
             ..RedisConfig::default()
         })
     };
-    let (stop_a, task_a) = member(first_health.clone(), connect().await.unwrap());
+    let first = member(connect().await.unwrap());
+    let first_health = first.health.clone();
     assert!(
         wait_ready(first_health.clone()).await,
         "first member never ready"
@@ -422,8 +392,8 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
     callguard::online::produce::produce(events[..half].iter(), &brokers, &[], "calls")
         .await
         .unwrap();
-    let second_health = Arc::new(Health::default());
-    let (stop_b, task_b) = member(second_health.clone(), connect().await.unwrap());
+    let second = member(connect().await.unwrap());
+    let second_health = second.health.clone();
     let mut first_unready = 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !second_health.ready() && std::time::Instant::now() < deadline {
@@ -450,10 +420,8 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
         Duration::from_secs(120),
     )
     .await;
-    let _ = stop_a.send(true);
-    let _ = stop_b.send(true);
-    task_a.await.unwrap().unwrap();
-    task_b.await.unwrap().unwrap();
+    first.stop().await;
+    second.stop().await;
     let got = common::kafka::by_call_id(&records);
     assert_eq!(got.len(), events.len(), "every call decided");
     let mut store = MemoryStore::new();
@@ -476,18 +444,8 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     use callguard::engine::record::{Row, Schema};
     use callguard::store::redis::{RedisConfig, RedisStore};
     let redis = common::RedisServer::start(&["--maxmemory-policy", "noeviction"]);
-    let used: u64 = common::raw_command(redis.port, "INFO memory")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
     // Room for a few hundred callers' state, not for all 3,000.
-    let cap = used + 400_000;
-    let ok = common::raw_command(redis.port, &format!("CONFIG SET maxmemory {cap}")).unwrap();
-    assert!(ok.starts_with("+OK"), "{ok}");
+    redis.cap_memory_above_use(400_000);
 
     let kafka = EmbeddedKafka::start().unwrap();
     let brokers = kafka.bootstrap();
@@ -521,44 +479,34 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     })
     .await
     .unwrap();
-    let (stop, mut stop_rx) = watch::channel(false);
-    let (_rules_tx, rules_rx) = watch::channel(rules.clone());
-    let metrics = Arc::new(Metrics::new());
-    let task = tokio::spawn(consumer::run(
-        ConsumeConfig::new(
-            &brokers,
-            "oom",
-            "calls",
-            "call-decisions",
-            "call-features",
-            "calls-dlq",
-        ),
-        store,
-        rules_rx,
-        metrics.clone(),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        },
-    ));
+    let config = ConsumeConfig::new(
+        &brokers,
+        "oom",
+        "calls",
+        "call-decisions",
+        "call-features",
+        "calls-dlq",
+    );
+    let run = common::kafka::in_process(config, store, rules.clone());
+    let metrics = run.metrics.clone();
     // Wait until the consumer is blocked on OOM, and still running.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !metrics.encode().contains("kind=\"oom\"") && std::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let text = metrics.encode();
-    if task.is_finished() {
-        let e = task.await.unwrap().unwrap_err();
+    if run.task.is_finished() {
+        let e = run.task.await.unwrap().unwrap_err();
         panic!("consumer stopped: {}", callguard::error::chain(&e));
     }
     assert!(
         text.contains("callguard_store_errors_total{kind=\"oom\"}"),
         "finished: {} {text}",
-        task.is_finished()
+        run.task.is_finished()
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(
-        !task.is_finished(),
+        !run.task.is_finished(),
         "an out-of-memory Redis must not stop the consumer"
     );
     let ok = common::raw_command(redis.port, "CONFIG SET maxmemory 0").unwrap();
@@ -570,8 +518,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
         Duration::from_secs(120),
     )
     .await;
-    let _ = stop.send(true);
-    task.await.unwrap().unwrap();
+    run.stop().await;
     let got = common::kafka::by_call_id(&records);
     assert_eq!(got.len(), events.len());
     let mut replay = MemoryStore::new();
@@ -631,16 +578,7 @@ fn callees_are_normalised_and_bad_ones_dropped() {
 async fn callee_sets_stay_bounded_in_redis() {
     use callguard::store::redis::{RedisConfig, RedisStore};
     let redis = common::RedisServer::start(&[]);
-    let used = || -> i64 {
-        common::raw_command(redis.port, "INFO memory")
-            .unwrap()
-            .lines()
-            .find_map(|l| l.strip_prefix("used_memory:"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap()
-    };
+    let used = || redis.used_memory();
     let mut store = RedisStore::connect(RedisConfig {
         urls: vec![redis.url()],
         ..RedisConfig::default()
@@ -785,21 +723,9 @@ async fn hashed_numbers_agree_online_and_offline_and_never_leave_the_process() {
     .await
     .unwrap();
     let rules = RuleSet::from_file(&rules_path).unwrap();
-    let (stop, mut stop_rx) = watch::channel(false);
-    let (_rules_tx, rules_rx) = watch::channel(rules);
-    let task = tokio::spawn(consumer::run(
-        config,
-        store,
-        rules_rx,
-        Arc::new(Metrics::new()),
-        Arc::new(Health::default()),
-        async move {
-            let _ = stop_rx.wait_for(|s| *s).await;
-        },
-    ));
+    let run = common::kafka::in_process(config, store, rules);
     let online = read_decisions(&brokers, "call-decisions", 300, Duration::from_secs(60)).await;
-    let _ = stop.send(true);
-    task.await.unwrap().unwrap();
+    run.stop().await;
     let online = common::kafka::by_call_id(&online);
     assert_eq!(online.len(), 300);
     for line in decisions.lines().skip(1) {

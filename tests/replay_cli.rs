@@ -356,18 +356,7 @@ fn unreadable_files_give_one_clear_error() {
 #[test]
 fn a_failed_run_leaves_no_truncated_output() {
     let server = RedisServer::start(&["--maxmemory-policy", "noeviction"]);
-    let used: u64 = common::raw_command(server.port, "INFO memory")
-        .unwrap()
-        .lines()
-        .find_map(|l| l.strip_prefix("used_memory:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    let set = format!("CONFIG SET maxmemory {}", used + 2_000_000);
-    assert!(common::raw_command(server.port, &set)
-        .unwrap()
-        .starts_with("+OK"));
+    server.cap_memory_above_use(2_000_000);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("decisions.csv");
     std::fs::write(&out, "the previous run's output\n").unwrap();

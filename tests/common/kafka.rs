@@ -184,3 +184,71 @@ fn log_file(group: &str) -> Stdio {
         Err(_) => Stdio::null(),
     }
 }
+
+/// A stream processor running in this process (see [`in_process`]).
+pub struct InProcess {
+    stop: tokio::sync::watch::Sender<bool>,
+    /// The running consumer.
+    pub task: tokio::task::JoinHandle<
+        Result<callguard::online::consumer::ConsumeStats, callguard::error::ConsumeError>,
+    >,
+    /// Its metrics.
+    pub metrics: std::sync::Arc<callguard::online::metrics::Metrics>,
+    /// Its readiness.
+    pub health: std::sync::Arc<callguard::online::metrics::Health>,
+}
+
+/// Starts `consumer::run` in this process with fixed rules.
+pub fn in_process<S>(
+    config: callguard::online::consumer::ConsumeConfig,
+    store: S,
+    rules: callguard::engine::rules::RuleSet,
+) -> InProcess
+where
+    S: callguard::store::WindowStore + 'static,
+{
+    use std::sync::Arc;
+    let (stop, mut stop_rx) = tokio::sync::watch::channel(false);
+    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
+    let metrics = Arc::new(callguard::online::metrics::Metrics::new());
+    let health = Arc::new(callguard::online::metrics::Health::default());
+    let task = tokio::spawn(callguard::online::consumer::run(
+        config,
+        store,
+        rules_rx,
+        metrics.clone(),
+        health.clone(),
+        async move {
+            let _ = stop_rx.wait_for(|s| *s).await;
+            drop(rules_tx);
+        },
+    ));
+    InProcess {
+        stop,
+        task,
+        metrics,
+        health,
+    }
+}
+
+impl InProcess {
+    /// Asks it to stop, waits, and returns its stats (it must not have failed).
+    pub async fn stop(self) -> callguard::online::consumer::ConsumeStats {
+        let _ = self.stop.send(true);
+        self.task
+            .await
+            .expect("consumer task")
+            .expect("consumer run")
+    }
+}
+
+/// The embedded mock cluster with these topics (name, partitions), and its
+/// bootstrap address.
+pub fn mock_cluster(topics: &[(&str, i32)]) -> (callguard::online::kafka::EmbeddedKafka, String) {
+    let kafka = callguard::online::kafka::EmbeddedKafka::start().expect("mock cluster");
+    for (t, p) in topics {
+        kafka.create_topic(t, *p).expect("create topic");
+    }
+    let brokers = kafka.bootstrap();
+    (kafka, brokers)
+}

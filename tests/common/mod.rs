@@ -120,6 +120,25 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// `INFO memory`'s `used_memory`, bytes.
+    pub fn used_memory(&self) -> i64 {
+        raw_command(self.port, "INFO memory")
+            .expect("INFO memory")
+            .lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("used_memory in INFO memory")
+    }
+
+    /// Caps memory at `extra` bytes above what is used now (with
+    /// `--maxmemory-policy noeviction`, writes beyond it are refused).
+    pub fn cap_memory_above_use(&self, extra: i64) {
+        let cap = self.used_memory() + extra;
+        let ok =
+            raw_command(self.port, &format!("CONFIG SET maxmemory {cap}")).expect("CONFIG SET");
+        assert!(ok.starts_with("+OK"), "{ok}");
+    }
+
     /// Stops the server (SIGKILL) and hands back its directory for a restart.
     pub fn stop(mut self) -> (u16, tempfile::TempDir) {
         let _ = self.child.kill();
