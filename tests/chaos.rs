@@ -14,10 +14,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use callguard::engine::event::CallEvent;
-use callguard::engine::record::{Row, Schema};
 use callguard::engine::rules::RuleSet;
 use callguard::online::consumer::ConsumeConfig;
-use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use common::kafka::{by_call_id, read_decisions};
 use common::{RedisServer, Tansu};
@@ -40,32 +38,8 @@ fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, V
         .unwrap();
     let events: Vec<CallEvent> = log.events.into_iter().map(|(_, e)| e).collect();
     let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
-    let schema = Schema::decisions(&rules);
-    let mut store = MemoryStore::new();
-    let expected = events
-        .iter()
-        .map(|event| {
-            let verdict = store.apply(&rules, event);
-            (
-                event.call_id.clone(),
-                schema.to_json(Row {
-                    event,
-                    verdict: &verdict,
-                }),
-            )
-        })
-        .collect();
+    let expected = common::replay_records(&events, &rules);
     (events, rules, expected)
-}
-
-fn assert_parity(expected: &HashMap<String, Value>, records: &[Value]) {
-    let got = by_call_id(records);
-    assert_eq!(got.len(), expected.len(), "distinct decided calls");
-    let differ = expected
-        .iter()
-        .filter(|(id, want)| got.get(*id) != Some(want))
-        .count();
-    assert_eq!(differ, 0, "{differ} decisions differ from the replay");
 }
 
 async fn start(
@@ -119,7 +93,7 @@ async fn broker_killed_and_restarted_mid_run_loses_nothing() {
     )
     .await;
     run.stop().await;
-    assert_parity(&expected, &records);
+    common::assert_records_equal_replay(&records, &expected);
     drop(tansu);
 }
 
@@ -159,6 +133,6 @@ async fn redis_killed_and_restarted_mid_run_loses_nothing() {
     )
     .await;
     run.stop().await;
-    assert_parity(&expected, &records);
+    common::assert_records_equal_replay(&records, &expected);
     drop(redis);
 }

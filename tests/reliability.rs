@@ -319,7 +319,6 @@ async fn an_oversized_message_is_a_truncated_dead_letter_not_a_poison_pill() {
 /// is decided once in effect, equal to the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() {
-    use callguard::engine::record::{Row, Schema};
     use callguard::store::redis::{RedisConfig, RedisStore};
     let redis = common::RedisServer::start(&[]);
     let kafka = EmbeddedKafka::start().unwrap();
@@ -422,18 +421,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
     .await;
     first.stop().await;
     second.stop().await;
-    let got = common::kafka::by_call_id(&records);
-    assert_eq!(got.len(), events.len(), "every call decided");
-    let mut store = MemoryStore::new();
-    let schema = Schema::decisions(&rules);
-    for event in &events {
-        let verdict = store.apply(&rules, event);
-        let expected = schema.to_json(Row {
-            event,
-            verdict: &verdict,
-        });
-        assert_eq!(got[&event.call_id], expected, "call {}", event.call_id);
-    }
+    common::assert_records_equal_replay(&records, &common::replay_records(&events, &rules));
 }
 
 /// Defect 8: Redis out of memory is a store failure the default `block`
@@ -441,7 +429,6 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
 /// memory is available again every call is decided, equal to the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_out_of_memory_is_waited_out_under_block() {
-    use callguard::engine::record::{Row, Schema};
     use callguard::store::redis::{RedisConfig, RedisStore};
     let redis = common::RedisServer::start(&["--maxmemory-policy", "noeviction"]);
     // Room for a few hundred callers' state, not for all 3,000.
@@ -519,22 +506,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     )
     .await;
     run.stop().await;
-    let got = common::kafka::by_call_id(&records);
-    assert_eq!(got.len(), events.len());
-    let mut replay = MemoryStore::new();
-    let schema = Schema::decisions(&rules);
-    for event in &events {
-        let verdict = replay.apply(&rules, event);
-        assert_eq!(
-            got[&event.call_id],
-            schema.to_json(Row {
-                event,
-                verdict: &verdict
-            }),
-            "{}",
-            event.call_id
-        );
-    }
+    common::assert_records_equal_replay(&records, &common::replay_records(&events, &rules));
 }
 
 /// Defect 4: callees are normalised like callers, and one that cannot be

@@ -349,3 +349,47 @@ impl Drop for Tansu {
         let _ = self.child.wait();
     }
 }
+
+/// The decision records `replay` gives for events in processing order, as
+/// JSON by call id (the consumer's encoding).
+pub fn replay_records(
+    events: &[CallEvent],
+    rules: &callguard::engine::rules::RuleSet,
+) -> std::collections::HashMap<String, serde_json::Value> {
+    use callguard::engine::record::{Row, Schema};
+    let schema = Schema::decisions(rules);
+    let mut store = callguard::store::memory::MemoryStore::new();
+    events
+        .iter()
+        .map(|event| {
+            let verdict = store.apply(rules, event);
+            (
+                event.call_id.clone(),
+                schema.to_json(Row {
+                    event,
+                    verdict: &verdict,
+                }),
+            )
+        })
+        .collect()
+}
+
+/// Every call has one distinct record (the decisions topic may repeat a
+/// redelivered one identically), equal to the replay's.
+pub fn assert_records_equal_replay(
+    records: &[serde_json::Value],
+    expected: &std::collections::HashMap<String, serde_json::Value>,
+) {
+    let got = kafka::by_call_id(records);
+    assert_eq!(got.len(), expected.len(), "distinct decided calls");
+    let mut differ = 0;
+    for (id, want) in expected {
+        if got.get(id) != Some(want) {
+            if differ < 3 {
+                eprintln!("call {id}: got {:?}, replay says {want}", got.get(id));
+            }
+            differ += 1;
+        }
+    }
+    assert_eq!(differ, 0, "{differ} decisions differ from the replay");
+}
