@@ -47,12 +47,18 @@ use tracing::{debug, info, warn};
 
 use crate::engine::event::{CallEvent, Decoder};
 use crate::engine::rules::RuleSet;
-use crate::error::{ConsumeError, KafkaError};
+use crate::error::{ConsumeError, EventError, KafkaError};
 use crate::online::kafka::{client_config, client_err, producer_config};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 use delivery::{ConsumerCtx, OutRecord, Pending, ProducerCtx, Shared};
 use encode::{dead_letter, decode_message, Encoder};
+
+/// Most messages held undecided while a checkpoint waits for its commit.
+const MAX_HELD: usize = 100_000;
+
+/// How long to wait before trying a failed checkpoint commit again.
+const CHECKPOINT_RETRY: Duration = Duration::from_millis(50);
 
 /// How often an idle consumer stores the offsets of acknowledged batches.
 const IDLE_SETTLE: Duration = Duration::from_millis(100);
@@ -171,6 +177,31 @@ pub struct ConsumeStats {
     pub batches: u64,
 }
 
+/// How many messages of `batch` can be decided before some partition's
+/// uncommitted events would span more than `limit` ms of event time (at
+/// least one, so the consumer always moves on: a single event spans
+/// nothing).
+fn span_cut(
+    batch: &[OwnedMessage],
+    decoded: &[Result<CallEvent, EventError>],
+    uncommitted: &Uncommitted,
+    limit: i64,
+) -> usize {
+    let mut spans = Uncommitted {
+        spans: uncommitted.spans.clone(),
+    };
+    for (i, (m, e)) in batch.iter().zip(decoded).enumerate() {
+        let Ok(e) = e else {
+            continue; // a dead letter decides nothing
+        };
+        spans.note(m.topic(), m.partition(), e.ts_ms);
+        if i > 0 && spans.due(limit) {
+            return i;
+        }
+    }
+    batch.len()
+}
+
 /// Event time decided per partition since the last synchronous commit.
 ///
 /// A redelivered call is recognised only while its caller has moved on by
@@ -238,19 +269,50 @@ pub async fn run<S: WindowStore>(
     let mut stats = ConsumeStats::default();
     let mut encoder = Encoder::new(&rules.borrow());
     let mut uncommitted = Uncommitted::default();
+    // A checkpoint is due but not committed yet; messages read meanwhile.
+    let mut checkpoint_due = false;
+    let mut held: Vec<OwnedMessage> = Vec::new();
     tokio::pin!(shutdown);
     loop {
-        let Some(batch) = next_batch(&clients, &config, &mut shutdown).await? else {
+        let Some(batch) = next_batch(&clients, &config, &mut shutdown, held).await? else {
             break;
         };
+        held = Vec::new();
         if batch.is_empty() {
             continue; // all of it came from partitions revoked meanwhile
         }
+        if checkpoint_due {
+            // A checkpoint could not be committed: decide nothing more until
+            // it is (a rebalance usually; reading on serves it). What was
+            // read meanwhile waits, undecided; what a revoke takes is
+            // dropped from it and re-read by the new owner.
+            if commit_now(&clients, config.drain_timeout).await? {
+                checkpoint_due = false;
+                uncommitted = Uncommitted::default();
+            } else {
+                held = batch;
+                tokio::time::sleep(CHECKPOINT_RETRY).await;
+                continue;
+            }
+        }
         let current_rules = rules.borrow().clone();
         encoder.follow(&current_rules);
+        let span_limit = current_rules.dedup_ms() / 4;
+        // Where sparse traffic makes one batch cover more event time than
+        // the checkpoint allows, decide only up to there: the rest waits
+        // for the checkpoint that follows.
+        let mut batch = batch;
+        let mut decoded: Vec<Result<CallEvent, EventError>> =
+            batch.iter().map(|m| decode_message(m, &config)).collect();
+        let cut = span_cut(&batch, &decoded, &uncommitted, span_limit);
+        if cut < batch.len() {
+            held = batch.split_off(cut);
+            decoded.truncate(cut);
+        }
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
-        let events = decode_batch(
+        let events = sort_decoded(
             &batch,
+            decoded,
             &config,
             &metrics,
             &mut stats,
@@ -279,10 +341,12 @@ pub async fn run<S: WindowStore>(
         produce_batch(&clients, &batch, &out).await;
         stats.batches += 1;
         wait_for_room(&clients, config.max_in_flight).await?;
-        if uncommitted.due(current_rules.dedup_ms() / 4)
-            && commit_now(&clients, config.drain_timeout).await?
-        {
-            uncommitted = Uncommitted::default();
+        if uncommitted.due(span_limit) || !held.is_empty() {
+            if commit_now(&clients, config.drain_timeout).await? {
+                uncommitted = Uncommitted::default();
+            } else {
+                checkpoint_due = true;
+            }
         }
     }
     drain(&clients, config.drain_timeout).await?;
@@ -343,10 +407,21 @@ async fn next_batch<F: Future<Output = ()>>(
     clients: &Clients,
     config: &ConsumeConfig,
     shutdown: &mut Pin<&mut F>,
+    held: Vec<OwnedMessage>,
 ) -> Result<Option<Vec<OwnedMessage>>, KafkaError> {
-    let mut batch: Vec<OwnedMessage> = Vec::with_capacity(config.batch_size);
-    let mut deadline: Option<tokio::time::Instant> = None;
-    while batch.len() < config.batch_size {
+    // Held messages (see `checkpoint_due` in `run`) come first; while they
+    // wait, reading goes on one message at a time, as that serves rebalances
+    // (the held list grows by at most a batch's worth per retry).
+    let limit = if held.len() >= MAX_HELD {
+        held.len() // hold no more: wait for the commit without reading
+    } else {
+        held.len() + config.batch_size
+    };
+    let mut batch = held;
+    clients.shared.drop_revoked(&mut batch);
+    let mut deadline: Option<tokio::time::Instant> =
+        (!batch.is_empty()).then(|| tokio::time::Instant::now() + config.batch_linger);
+    while batch.len() < limit {
         let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + IDLE_SETTLE);
         tokio::select! {
             biased;
@@ -374,10 +449,12 @@ async fn next_batch<F: Future<Output = ()>>(
     Ok(Some(batch))
 }
 
-/// Decodes a batch; undecodable messages become dead letters in `out`.
-/// Event times are noted per partition in `uncommitted`.
-fn decode_batch(
+/// Sorts a decoded batch: events to decide, and dead letters (in `out`)
+/// for messages that did not decode. Event times are noted per partition
+/// in `uncommitted`.
+fn sort_decoded(
     batch: &[OwnedMessage],
+    decoded: Vec<Result<CallEvent, EventError>>,
     config: &ConsumeConfig,
     metrics: &Metrics,
     stats: &mut ConsumeStats,
@@ -385,8 +462,8 @@ fn decode_batch(
     uncommitted: &mut Uncommitted,
 ) -> Vec<CallEvent> {
     let mut events = Vec::with_capacity(batch.len());
-    for m in batch {
-        match decode_message(m, config) {
+    for (m, result) in batch.iter().zip(decoded) {
+        match result {
             Ok(e) => {
                 uncommitted.note(m.topic(), m.partition(), e.ts_ms);
                 events.push(e);
@@ -442,7 +519,7 @@ async fn commit_now(clients: &Clients, timeout: Duration) -> Result<bool, KafkaE
     let deadline = Instant::now() + timeout;
     while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? > 0 {
         if Instant::now() >= deadline {
-            warn!("checkpoint: batches still unacknowledged; trying again after the next batch");
+            warn!("checkpoint: batches still unacknowledged; trying again");
             return Ok(false);
         }
         clients.producer.poll(Duration::from_millis(1));
@@ -453,7 +530,7 @@ async fn commit_now(clients: &Clients, timeout: Duration) -> Result<bool, KafkaE
         // Everything stored was committed already (by the timed commit).
         Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(true),
         Err(e) => {
-            debug!(error = %e, "checkpoint not committed; trying again after the next batch");
+            warn!(error = %e, "checkpoint not committed; deciding nothing more until it is");
             Ok(false)
         }
     }
