@@ -409,13 +409,13 @@ async fn next_batch<F: Future<Output = ()>>(
     shutdown: &mut Pin<&mut F>,
     held: Vec<OwnedMessage>,
 ) -> Result<Option<Vec<OwnedMessage>>, KafkaError> {
-    // Held messages (see `checkpoint_due` in `run`) come first; while they
-    // wait, reading goes on one message at a time, as that serves rebalances
-    // (the held list grows by at most a batch's worth per retry).
+    // Held messages (see `checkpoint_due` in `run`) come first, topped up to
+    // a batch; while a checkpoint waits, at least one more message is read
+    // per retry, as reading serves rebalances.
     let limit = if held.len() >= MAX_HELD {
         held.len() // hold no more: wait for the commit without reading
     } else {
-        held.len() + config.batch_size
+        config.batch_size.max(held.len() + 1)
     };
     let mut batch = held;
     clients.shared.drop_revoked(&mut batch);
