@@ -14,8 +14,12 @@
 --                (trimmed at the idempotency horizon D, TTL D)
 --   KEYS[4]      idempotency records: hash call_id -> encoded record
 --   KEYS[5]      callees: sorted set, member callee, score its latest call time
---   KEYS[5+i]    rule i's fixed-window counter for the event's bucket
---                (any caller key for other kinds; it is not touched)
+--   KEYS[6]      block key (<prefix>block:{<caller>}): on a reject with a
+--                retry-after, set to the reason with that TTL (ARGV[17])
+--   KEYS[6+i]    rule i's fixed-window counter for the event's bucket, named
+--                <...>:<bucket> (any caller key for other kinds; not touched).
+--                A reject reads the counters of the live buckets after it,
+--                named alike (same hash tag, so the same Cluster slot).
 -- ARGV:
 --   1 t (event time, ms)        2 call_id           3 listed: 0 no, 1 allow, 2 deny
 --   4 policy: 0 attempts, 1 admitted               5 grace (ms)
@@ -27,14 +31,16 @@
 --   13 distinct callees kept: 0/1                14 callee ('' for none)
 --   15 longest window Wmax (ms)
 --   16 most distinct callees kept per caller (a new one beyond it is not kept)
---   17 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+--   17 block keys: 0/1
+--   18 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
 -- Returns: { duplicate (0/1), record } where record is its fields joined by '|'
 --   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
---   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts
+--   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts retry_after_ms
 --   decision 0 allow, 1 reject; shadow and late 0/1; prev_ts_ms empty when the
 --   caller has no state within the retention; distinct_callees empty when
---   callees are not kept; counts comma-separated in rule order.
+--   callees are not kept; counts comma-separated in rule order;
+--   retry_after_ms empty unless a rule rejected (the contract's retry-after).
 -- Needs Redis >= 7.0: the #!lua shebang (no flags) makes Redis refuse the
 -- whole call up front with an OOM error when maxmemory is reached, instead
 -- of failing at its first write with part of it applied; retries are exact.
@@ -58,8 +64,10 @@ local track_callees = ARGV[13] == '1'
 local callee = ARGV[14]
 local wmax = tonumber(ARGV[15])
 local max_callees = tonumber(ARGV[16])
-local n = tonumber(ARGV[17])
+local block = ARGV[17] == '1'
+local n = tonumber(ARGV[18])
 local meta, log, ids, rec, callees = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local R = 18
 
 local latest = tonumber(redis.call('HGET', meta, 'L'))
 local lnew = t
@@ -106,7 +114,7 @@ end
 
 local counts, approx = {}, {}
 for i = 1, n do
-  local base = 17 + (i - 1) * 4
+  local base = R + (i - 1) * 4
   local kind = tonumber(ARGV[base + 1])
   local w = tonumber(ARGV[base + 2])
   local b = math.floor(t / w)
@@ -116,7 +124,7 @@ for i = 1, n do
     if (b + 1) * w + grace <= lnew then
       counts[i] = 1
     else
-      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[5 + i])) or 0)
+      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[6 + i])) or 0)
     end
   else
     local f = 'a:' .. ARGV[base + 4] .. ':' .. w .. ':'
@@ -150,7 +158,7 @@ elseif listed == 1 then
   reason = 'allowlist'
 else
   for i = 1, n do
-    local base = 17 + (i - 1) * 4
+    local base = R + (i - 1) * 4
     if counts[i] > tonumber(ARGV[base + 3]) then
       would, reason = 1, ARGV[base + 4]
       break
@@ -164,14 +172,14 @@ if (not admitted) or would == 0 then
     redis.call('PEXPIRE', log, retention + slack)
   end
   for i = 1, n do
-    local base = 17 + (i - 1) * 4
+    local base = R + (i - 1) * 4
     local kind = tonumber(ARGV[base + 1])
     local w = tonumber(ARGV[base + 2])
     if kind == 0 then
       local b = math.floor(t / w)
       if (b + 1) * w + grace > lnew then
-        if redis.call('INCR', KEYS[5 + i]) == 1 then
-          redis.call('PEXPIRE', KEYS[5 + i], w + grace + slack)
+        if redis.call('INCR', KEYS[6 + i]) == 1 then
+          redis.call('PEXPIRE', KEYS[6 + i], w + grace + slack)
         end
       end
     elseif kind == 2 then
@@ -193,11 +201,88 @@ local shadow = 0
 if shadow_mode and would == 1 then shadow = 1 end
 local decision = would
 if shadow == 1 then decision = 0 end
+-- Retry-after (window.rs retry_after): the last time s > t at which a call
+-- would still exceed a rule, over all rules, plus one, minus t.
+local function sliding_until(w, lim)
+  local m = 0
+  while true do
+    local lo = redis.call('ZRANGE', log, -lim - m, -lim - m, 'WITHSCORES')
+    if #lo == 0 then return nil end
+    local e_end = tonumber(lo[2]) + w - 1
+    if e_end <= t then return nil end
+    local hi = redis.call('ZRANGE', log, -1 - m, -1 - m, 'WITHSCORES')
+    if tonumber(hi[2]) <= e_end then return e_end end
+    m = m + 1
+  end
+end
+local function fixed_until(key, w, lim)
+  local stem = string.match(key, '^(.*:)%-?%d+$')
+  local bb = math.floor(lnew / w)
+  while (bb + 1) * w + grace > lnew and (bb + 1) * w - 1 > t do
+    local c = tonumber(redis.call('GET', stem .. string.format('%d', bb))) or 0
+    if c >= lim then return (bb + 1) * w - 1 end
+    bb = bb - 1
+  end
+  return nil
+end
+local function ceil_div(a, b)
+  local r = a % b
+  return (a - r) / b + ((r > 0) and 1 or 0)
+end
+local function last_offset(x, extra, w, lim)
+  if extra > lim then return w - 1 end
+  if x == 0 then return nil end
+  local r = w - 1 - ceil_div((lim + 1 - extra) * w, x)
+  if r < 0 then return nil end
+  return r
+end
+local function approx_until(a, w, lim)
+  local cb, cur, pv = a[2], a[3], a[4]
+  local expires = lnew + retention
+  local segs = {
+    {cb + 1, last_offset(cur, 1, w, lim)},
+    {cb, last_offset(pv, cur + 1, w, lim)},
+    {cb - 1, (pv + 1 > lim) and (w - 1) or nil},
+  }
+  for j = 1, 3 do
+    local r = segs[j][2]
+    if r then
+      local st = segs[j][1] * w
+      local s = math.min(st + r, expires - 1)
+      if s >= st then return s end
+    end
+  end
+  return nil
+end
+
+local retry = ''
+if decision == 1 and reason ~= 'denylist' then
+  local last = t
+  for i = 1, n do
+    local base = R + (i - 1) * 4
+    local kind = tonumber(ARGV[base + 1])
+    local w = tonumber(ARGV[base + 2])
+    local lim = tonumber(ARGV[base + 3])
+    local s
+    if kind == 1 then
+      s = sliding_until(w, lim)
+    elseif kind == 0 then
+      s = fixed_until(KEYS[6 + i], w, lim)
+    else
+      s = approx_until(approx[i], w, lim)
+    end
+    if s and s > last then last = s end
+  end
+  local ra = last + 1 - t
+  retry = string.format('%d', ra)
+  if block then redis.call('SET', KEYS[6], reason, 'PX', ra) end
+end
+
 local parts = {}
 for i = 1, n do parts[i] = string.format('%d', counts[i]) end
 local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. late
   .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. distinct
-  .. '|' .. table.concat(parts, ',')
+  .. '|' .. table.concat(parts, ',') .. '|' .. retry
 if idem then
   redis.call('HSET', rec, id, encoded)
   redis.call('PEXPIRE', rec, dedup + slack)

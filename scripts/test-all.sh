@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of callguard on a Debian machine, installing what the tests
-# need first: redis-server (Debian package), tansu (a Kafka-protocol broker,
-# from crates.io) and the notebook's Python packages (in a virtualenv). Safe
-# to run again: installed tools are skipped and the build directory is reused.
+# need first: redis-server, Kamailio (with its http_client and ndb_redis
+# modules) and SIPp (Debian packages), tansu (a Kafka-protocol broker, from
+# crates.io) and the notebook's Python packages (in a virtualenv). Safe to
+# run again: installed tools are skipped and the build directory is reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,10 +12,15 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null || [ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]; then
-  echo "== installing redis-server"
+packages=(redis-server fonts-dejavu-core kamailio kamailio-utils-modules kamailio-redis-modules sip-tester)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "== installing ${missing[*]}"
   as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server fonts-dejavu-core
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
 if ! command -v tansu >/dev/null; then

@@ -24,6 +24,7 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
         timeout: Duration::from_secs(5),
         ttl_slack: Duration::ZERO,
         tls_ca: None,
+        block_keys: true,
     }
 }
 

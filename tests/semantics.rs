@@ -82,8 +82,21 @@ fn idle_callers_are_swept() {
 }
 
 fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), TestCaseError> {
-    let (rules, events) = random::case(seed, n, callers);
-    let expected = reference::decide_all(&rules, &events);
+    check_case(seed, random::case(seed, n, callers), false)
+}
+
+/// Compares the engine with the reference; `retry` also compares the
+/// retry-afters (a search over every later millisecond: short windows only).
+fn check_case(
+    seed: u64,
+    (rules, events): (callguard::engine::rules::RuleSet, Vec<callguard::engine::event::CallEvent>),
+    retry: bool,
+) -> Result<(), TestCaseError> {
+    let expected = if retry {
+        reference::decide_all_with_retry(&rules, &events)
+    } else {
+        reference::decide_all(&rules, &events)
+    };
     let mut store = MemoryStore::new();
     for (i, (e, x)) in events.iter().zip(&expected).enumerate() {
         let v = store.apply(&rules, e);
@@ -97,6 +110,7 @@ fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), Te
             prev_ts_ms: v.prev_ts_ms,
             distinct_callees: v.distinct_callees,
             duplicate: v.duplicate,
+            retry_after_ms: v.record.retry_after_ms.filter(|_| retry),
         };
         prop_assert_eq!(
             &got,
@@ -117,6 +131,41 @@ proptest! {
     fn engine_matches_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
         check_against_reference(seed, n, callers)?;
     }
+
+    /// Windows of 5 to 100 ms, so the reference can find each reject's
+    /// retry-after by deciding a probe call at every later millisecond.
+    #[test]
+    fn retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..3) {
+        check_case(seed, random::case_scaled(seed, n, callers, 100), true)?;
+    }
+}
+
+#[test]
+fn retry_after_is_checked_for_every_rule_kind_and_policy() {
+    // Guard: the scaled random cases reach rejects with a retry-after for
+    // each kind and both policies, in order and late.
+    use callguard::engine::rules::{CountPolicy, WindowKind};
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..400 {
+        let (rules, events) = random::case_scaled(seed, 120, 2, 100);
+        let expected = reference::decide_all_with_retry(&rules, &events);
+        for x in expected.iter().filter(|x| x.retry_after_ms.is_some()) {
+            let rule = rules.rules.iter().find(|r| r.name == x.reason).unwrap();
+            let kind = match rule.kind {
+                WindowKind::Fixed => 0,
+                WindowKind::Sliding => 1,
+                WindowKind::SlidingApprox => 2,
+            };
+            seen.insert((kind, rules.count == CountPolicy::Attempts, x.late));
+            assert!(x.retry_after_ms.unwrap() >= 1);
+        }
+    }
+    for kind in 0..3 {
+        for attempts in [false, true] {
+            assert!(seen.contains(&(kind, attempts, false)), "kind {kind} attempts {attempts} never rejected");
+        }
+    }
+    assert!(seen.iter().any(|s| s.2), "no late reject");
 }
 
 #[test]

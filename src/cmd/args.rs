@@ -276,6 +276,14 @@ pub struct StoreArgs {
     /// Timeout of every Redis call, in milliseconds.
     #[arg(long, env = "CALLGUARD_REDIS_TIMEOUT_MS", default_value_t = redis::DEFAULT_TIMEOUT_MS)]
     pub redis_timeout_ms: u64,
+    /// On each reject by a rule, also set the Redis key
+    /// `<prefix>block:{<caller>}` to the reason, expiring after the
+    /// retry-after, in the same atomic script call: a switch (Kamailio
+    /// ndb_redis, OpenSIPS cachedb_redis, FreeSWITCH mod_hiredis) can then
+    /// refuse the caller's next calls with one EXISTS. The switch must keep
+    /// publishing the calls it refuses: they count under `attempts`.
+    #[arg(long, env = "CALLGUARD_BLOCK_KEYS")]
+    pub block_keys: bool,
 }
 
 impl StoreArgs {
@@ -294,6 +302,7 @@ impl StoreArgs {
             timeout: Duration::from_millis(self.redis_timeout_ms),
             ttl_slack: Duration::from_secs(self.ttl_slack_s),
             tls_ca: self.redis_ca.clone(),
+            block_keys: self.block_keys,
         }
     }
 
@@ -301,12 +310,18 @@ impl StoreArgs {
     /// A Redis URL with `--store memory` is an error: the user meant one of
     /// them, and silently dropping the URL would keep windows in process.
     pub fn kind(&self, default: StoreKind) -> Result<StoreKind> {
+        if self.block_keys && self.store == Some(StoreKind::Memory) {
+            anyhow::bail!(
+                "--block-keys sets keys in Redis, but --store memory keeps the windows in this process: drop one of them"
+            );
+        }
         match (self.store, self.redis_url.is_empty()) {
             (Some(StoreKind::Memory), false) => anyhow::bail!(
                 "--redis-url (or CALLGUARD_REDIS_URL) is set, but --store memory keeps the windows in this process: drop one of them"
             ),
             (Some(kind), _) => Ok(kind),
             (None, false) => Ok(StoreKind::Redis),
+            (None, true) if self.block_keys => Ok(StoreKind::Redis),
             (None, true) => Ok(default),
         }
     }

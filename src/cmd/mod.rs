@@ -9,6 +9,7 @@ pub mod features;
 pub mod generate;
 pub mod produce;
 pub mod replay;
+pub mod serve;
 pub mod tune;
 
 use std::io::IsTerminal;
@@ -52,6 +53,10 @@ pub enum Command {
     /// them against per-caller windows, and produce decisions, features and
     /// dead letters.
     Consume(Box<consume::ConsumeArgs>),
+    /// Answer a switch's check per call in the same request: an HTTP API
+    /// (POST or GET /v1/check) on the same rules and window store as
+    /// `consume`, for Kamailio, OpenSIPS, FreeSWITCH or Asterisk.
+    Serve(Box<serve::ServeArgs>),
     /// Load a call log into a Kafka topic, keyed by caller, in the replay's
     /// processing order (stable by event time).
     Produce(Box<produce::ProduceArgs>),
@@ -83,6 +88,7 @@ pub async fn run(command: Command) -> Result<()> {
     match command {
         Command::Replay(args) => replay::run(*args).await,
         Command::Consume(args) => consume::run(*args).await,
+        Command::Serve(args) => serve::run(*args).await,
         Command::Produce(args) => produce::run(*args).await,
         Command::Demo(args) => demo::run(*args).await,
         Command::Tune(args) => tune::run(*args),

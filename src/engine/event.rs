@@ -318,6 +318,16 @@ impl Decoder {
 
     /// Decodes a JSON payload (a Kafka message value).
     pub fn decode_json(&self, payload: &[u8]) -> Result<CallEvent, EventError> {
+        self.decode_json_at(payload, None)
+    }
+
+    /// [`Decoder::decode_json`], where a payload without a time (the field
+    /// missing or null) takes `default_ts_ms` if given.
+    pub fn decode_json_at(
+        &self,
+        payload: &[u8],
+        default_ts_ms: Option<i64>,
+    ) -> Result<CallEvent, EventError> {
         let text = std::str::from_utf8(payload)
             .map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
         let value: serde_json::Value =
@@ -336,10 +346,31 @@ impl Decoder {
                 }
             }
         }
+        let ts_name = self.map.source("ts");
         self.decode(|name| {
-            obj.get(name)
+            let v = obj
+                .get(name)
                 .and_then(RawValue::from_json)
-                .unwrap_or(RawValue::Null)
+                .unwrap_or(RawValue::Null);
+            match default_ts_ms {
+                Some(now) if name == ts_name && v == RawValue::Null => RawValue::Int(now),
+                _ => v,
+            }
+        })
+    }
+
+    /// Decodes an event from text fields (a query string's parameters);
+    /// without a time, `default_ts_ms` if given.
+    pub fn decode_fields(
+        &self,
+        fields: &HashMap<String, String>,
+        default_ts_ms: Option<i64>,
+    ) -> Result<CallEvent, EventError> {
+        let ts_name = self.map.source("ts");
+        self.decode(|name| match (fields.get(name), default_ts_ms) {
+            (Some(v), _) => RawValue::Str(v),
+            (None, Some(now)) if name == ts_name => RawValue::Int(now),
+            (None, _) => RawValue::Null,
         })
     }
 }

@@ -76,6 +76,11 @@ pub struct DecisionRecord {
     pub degraded: bool,
     /// Version of the rule set that decided.
     pub rules_version: String,
+    /// On a reject by a rule: milliseconds until a call from this caller
+    /// would be allowed again if it placed no further call (the window
+    /// contract's Retry-After, in [`crate::engine::window`]). `None` for
+    /// allowed calls (shadow ones included) and denylist rejects.
+    pub retry_after_ms: Option<i64>,
 }
 
 impl DecisionRecord {
@@ -124,6 +129,7 @@ impl Verdict {
                 late: false,
                 degraded: true,
                 rules_version: rules.version().to_string(),
+                retry_after_ms: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,
@@ -166,6 +172,8 @@ pub enum Field {
     Decision,
     /// `reason`.
     Reason,
+    /// `retry_after_ms`: see [`DecisionRecord::retry_after_ms`].
+    RetryAfterMs,
     /// `shadow`.
     Shadow,
     /// `late`.
@@ -218,7 +226,7 @@ impl Field {
             | Field::Decision
             | Field::Reason
             | Field::RulesVersion => Kind::Text,
-            Field::TsMs | Field::SincePrevMs | Field::DurationMs => Kind::Int,
+            Field::TsMs | Field::SincePrevMs | Field::DurationMs | Field::RetryAfterMs => Kind::Int,
             Field::Count(_) | Field::DistinctCallees => Kind::UInt,
             Field::Shadow | Field::Late | Field::Degraded | Field::Label => Kind::Bool,
             Field::EventTime => Kind::Time,
@@ -241,6 +249,7 @@ impl Field {
             Field::DurationMs => Value::Int(row.event.duration_ms),
             Field::Decision => Value::Text(Some(r.decision.as_str())),
             Field::Reason => Value::Text(Some(&r.reason)),
+            Field::RetryAfterMs => Value::Int(r.retry_after_ms),
             Field::Shadow => Value::Bool(Some(r.shadow)),
             Field::Late => Value::Bool(Some(r.late)),
             Field::Degraded => Value::Bool(Some(r.degraded)),
@@ -304,6 +313,7 @@ impl Schema {
                 Field::DurationMs => "duration_ms",
                 Field::Decision => "decision",
                 Field::Reason => "reason",
+                Field::RetryAfterMs => "retry_after_ms",
                 Field::Shadow => "shadow",
                 Field::Late => "late",
                 Field::Degraded => "degraded",
@@ -319,7 +329,7 @@ impl Schema {
     }
 
     /// Decision records (`call-decisions`, `replay`): `call_id, caller,
-    /// ts_ms, decision, reason, count_<rule>..., shadow, late, degraded,
+    /// ts_ms, decision, reason, retry_after_ms, count_<rule>..., shadow, late, degraded,
     /// rules_version`.
     pub fn decisions(rules: &RuleSet) -> Self {
         Self::build(
@@ -330,6 +340,7 @@ impl Schema {
                 Field::TsMs,
                 Field::Decision,
                 Field::Reason,
+                Field::RetryAfterMs,
                 Field::Count(0),
                 Field::Shadow,
                 Field::Late,
@@ -341,7 +352,7 @@ impl Schema {
 
     /// Point-in-time features (`call-features`, `features`): `call_id,
     /// caller, event_time, ts_ms, count_<rule>..., since_prev_ms,
-    /// distinct_callees, callee, duration_ms, decision, reason, late,
+    /// distinct_callees, callee, duration_ms, decision, reason, retry_after_ms, late,
     /// degraded, label, rules_version`.
     pub fn features(rules: &RuleSet) -> Self {
         Self::build(
@@ -358,6 +369,7 @@ impl Schema {
                 Field::DurationMs,
                 Field::Decision,
                 Field::Reason,
+                Field::RetryAfterMs,
                 Field::Late,
                 Field::Degraded,
                 Field::Label,
@@ -384,7 +396,7 @@ impl Schema {
 /// The fields of the Redis script's reply record, in order, `|`-separated
 /// (`counts` is comma-separated). `lua/window.lua` documents the same list;
 /// a test holds the two together.
-pub const REPLY_FIELDS: [&str; 9] = [
+pub const REPLY_FIELDS: [&str; 10] = [
     "ts_ms",
     "decision",
     "reason",
@@ -394,14 +406,20 @@ pub const REPLY_FIELDS: [&str; 9] = [
     "prev_ts_ms",
     "distinct_callees",
     "counts",
+    "retry_after_ms",
 ];
 
 impl Verdict {
     /// Rebuilds a verdict from a store's encoded reply record (see
     /// [`REPLY_FIELDS`]); `None` if it is malformed.
     pub fn from_reply(encoded: &str, event: &CallEvent, duplicate: bool) -> Option<Self> {
-        let parts: Vec<&str> = encoded.split('|').collect();
-        let [ts, decision, reason, shadow, late, version, prev, distinct, counts] = parts[..]
+        let mut parts: Vec<&str> = encoded.split('|').collect();
+        if parts.len() == REPLY_FIELDS.len() - 1 {
+            // Kept by a version before retry_after_ms (a redelivery across an upgrade).
+            parts.push("");
+        }
+        let [ts, decision, reason, shadow, late, version, prev, distinct, counts, retry] =
+            parts[..]
         else {
             return None;
         };
@@ -432,6 +450,7 @@ impl Verdict {
                 late: late == "1",
                 degraded: false,
                 rules_version: version.to_string(),
+                retry_after_ms: optional(retry)?,
             },
             prev_ts_ms: optional(prev)?,
             distinct_callees: optional(distinct)?.map(|d| d as u64),
@@ -479,6 +498,7 @@ mod tests {
                 "ts_ms",
                 "decision",
                 "reason",
+                "retry_after_ms",
                 "count_m",
                 "shadow",
                 "late",

@@ -25,6 +25,25 @@
 //!   exceeds its limit; shadow mode emits `allow` instead of `reject`.
 //! * Recording: every event under `attempts`; under `admitted` only events
 //!   whose decision (before shadow) is allow.
+//! * Retry-after, on a reject by a rule (not shadow, not the denylist): the
+//!   smallest `d >= 1` such that a call of this caller at any time `>= t + d`
+//!   would pass every rule, given the state after this call and no further
+//!   calls. Per rule, the last time `s > t` at which such a call would still
+//!   exceed the limit, then the largest over the rules, plus one:
+//!   * sliding (limit `N`, recorded times `e_1 <= ... <= e_k`): a call at `s`
+//!     is over the limit iff `N` recorded calls lie in `(s - W, s]`, i.e.
+//!     `e_{i+N-1} <= s <= e_i + W - 1` for some `i`; the last such `s` is
+//!     `e_i + W - 1` for the largest `i` with `e_{i+N-1} <= e_i + W - 1`
+//!     (for calls in time order, `i = k - N + 1`: "until the `N`-th newest
+//!     recorded call leaves the window").
+//!   * fixed: a live bucket `b` (`(b + 1) * W + grace > L'`) holding `>= N`
+//!     recorded calls rejects until its end, `(b + 1) * W - 1`.
+//!   * sliding-approx (bucket `B`, counters `cur`, `prev` after this call):
+//!     in bucket `B + 1` the estimate is `floor(cur * (W - r - 1) / W) + 1`,
+//!     in `B` it is `floor(prev * (W - r - 1) / W) + cur + 1`, in `B - 1`
+//!     `prev + 1`, elsewhere 1; each falls with `r`, so the last rejecting
+//!     time is found from the latest of these buckets back. A caller whose
+//!     state expires (`s >= L' + R`) starts afresh and is allowed.
 //! * Distinct callees (a feature, when the rule set keeps it): each callee's
 //!   latest call time is kept for every non-duplicate call that names one,
 //!   whatever its decision, and trimmed at `H` like the rest. The feature is
@@ -164,6 +183,64 @@ fn bucket_end(b: i64, w: i64, grace: i64) -> i64 {
     b.saturating_add(1).saturating_mul(w).saturating_add(grace)
 }
 
+/// The last time after which a sliding rule (window `w`, limit `n`) stops
+/// rejecting, given the sorted recorded times `log`: the largest `e_i + w - 1`
+/// with `e_{i+n-1} <= e_i + w - 1`, if it is after `t`.
+fn sliding_rejects_until(log: &VecDeque<i64>, w: i64, n: u64, t: i64) -> Option<i64> {
+    let n = usize::try_from(n).ok()?;
+    let k = log.len();
+    if n == 0 || k < n {
+        return None;
+    }
+    for i in (0..=k - n).rev() {
+        let end = log[i].saturating_add(w - 1);
+        if end <= t {
+            return None;
+        }
+        if log[i + n - 1] <= end {
+            return Some(end);
+        }
+    }
+    None
+}
+
+/// The last time a sliding-approx rule (window `w`, limit `n`) rejects, for
+/// counters `cur` and `prev` of bucket `cb` and no further calls; `expires`
+/// is when the caller's state expires (from then on every call counts 1).
+fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i64) -> Option<i64> {
+    let wu = w as u128;
+    // Within a bucket the estimate is floor(x * (w - r - 1) / w) + extra,
+    // over the limit while x * (w - r - 1) >= (n - extra + 1) * w... i.e. the
+    // last rejecting offset is w - 1 - ceil((n + 1 - extra) * w / x).
+    let last_offset = |x: u64, extra: u64| -> Option<i64> {
+        if extra > n {
+            return Some(w - 1);
+        }
+        if x == 0 {
+            return None;
+        }
+        let need = (n + 1 - extra) as u128 * wu;
+        let ceil = need.div_ceil(x as u128);
+        let r = wu.checked_sub(1)?.checked_sub(ceil)?;
+        Some(r as i64)
+    };
+    let start = |b: i64| b.saturating_mul(w);
+    let segments = [
+        (cb + 1, last_offset(cur, 1)),
+        (cb, last_offset(prev, cur + 1)),
+        (cb - 1, (prev + 1 > n).then_some(w - 1)),
+    ];
+    for (b, offset) in segments {
+        if let Some(r) = offset {
+            let s = start(b).saturating_add(r).min(expires - 1);
+            if s >= start(b) {
+                return Some(s);
+            }
+        }
+    }
+    None
+}
+
 /// The sliding-approx estimate from the counters (integer arithmetic, as in Lua).
 pub fn approx_estimate(prev: u64, cur: u64, w: i64, r: i64) -> u64 {
     let weight = (w - r - 1).max(0) as u128;
@@ -235,6 +312,8 @@ impl CallerState {
         self.latest = Some(h.latest);
 
         let shadow = rules.shadow && would == Decision::Reject;
+        let retry_after_ms = (would == Decision::Reject && !shadow && reason != REASON_DENYLIST)
+            .then(|| self.retry_after(rules, t, h.latest));
         let verdict = Verdict {
             record: DecisionRecord {
                 call_id: ev.call_id.clone(),
@@ -247,6 +326,7 @@ impl CallerState {
                 late,
                 degraded: false,
                 rules_version: rules.version().to_string(),
+                retry_after_ms,
             },
             prev_ts_ms: prev,
             distinct_callees,
@@ -256,6 +336,33 @@ impl CallerState {
             self.remember(t, &ev.call_id, &verdict);
         }
         verdict
+    }
+
+    /// Milliseconds from `t` until a call would pass every rule from then on
+    /// (the contract's retry-after), from the state after the call at `t`.
+    fn retry_after(&mut self, rules: &RuleSet, t: i64, l_new: i64) -> i64 {
+        let expires = l_new.saturating_add(rules.retention_ms());
+        let mut last = t;
+        for rule in &rules.rules {
+            let (w, n) = (rule.window_ms, rule.limit);
+            let rejects_until = match rule.kind {
+                WindowKind::Sliding => sliding_rejects_until(&self.log, w, n, t),
+                WindowKind::Fixed => slot(&mut self.fixed, rule)
+                    .iter()
+                    .rev()
+                    .find(|(&b, &c)| c >= n && bucket_end(b, w, rules.grace_ms) > l_new)
+                    .map(|(&b, _)| b.saturating_add(1).saturating_mul(w) - 1),
+                WindowKind::SlidingApprox => {
+                    let a = *slot(&mut self.approx, rule);
+                    a.bucket
+                        .and_then(|cb| approx_rejects_until(cb, a.cur, a.prev, w, n, expires))
+                }
+            };
+            if let Some(s) = rejects_until {
+                last = last.max(s);
+            }
+        }
+        last + 1 - t
     }
 
     /// The record a call id got before, if it is newer than the idempotency
@@ -422,5 +529,65 @@ impl CallerState {
                 self.seen.remove(&id);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: i64 = 1_764_547_200_000; // a multiple of 10 s
+
+    fn call(id: &str, ts_ms: i64) -> CallEvent {
+        CallEvent {
+            call_id: id.into(),
+            caller: "+34911000001".into(),
+            ts_ms,
+            callee: None,
+            duration_ms: None,
+            label: None,
+            list_number: None,
+        }
+    }
+
+    /// The retry-after of a third call at +2 s after calls at +0 and +1 s,
+    /// limit 2 in 10 s, under `attempts`.
+    fn third_call_retry(kind: &str) -> Option<i64> {
+        let rules = RuleSet::from_args(None, &[format!("r:{kind}:10s:2")]).unwrap();
+        let mut state = CallerState::default();
+        for (i, dt) in [0, 1_000].into_iter().enumerate() {
+            let v = state.apply(&rules, &call(&format!("c{i}"), T0 + dt));
+            assert_eq!(v.record.decision, Decision::Allow);
+            assert_eq!(v.record.retry_after_ms, None);
+        }
+        let v = state.apply(&rules, &call("c2", T0 + 2_000));
+        assert_eq!(v.record.decision, Decision::Reject);
+        v.record.retry_after_ms
+    }
+
+    #[test]
+    fn retry_after_per_kind() {
+        // Sliding: the call at +1 s leaves the window at +11 s.
+        assert_eq!(third_call_retry("sliding"), Some(9_000));
+        // Fixed: the bucket [0, 10 s) ends.
+        assert_eq!(third_call_retry("fixed"), Some(8_000));
+        // Approx: in the next bucket the estimate floor(3 * (W - r - 1) / W) + 1
+        // drops to 2 at r = 3333 ms, i.e. at +13.333 s.
+        assert_eq!(third_call_retry("sliding-approx"), Some(11_333));
+    }
+
+    #[test]
+    fn denylist_and_shadow_rejects_carry_no_retry_after() {
+        let text = "deny = [\"+34911\"]\n[[rule]]\nname = \"r\"\nkind = \"sliding\"\nwindow = \"10s\"\nlimit = 1\n";
+        let rules = RuleSet::from_toml(text).unwrap();
+        let v = CallerState::default().apply(&rules, &call("d", T0));
+        assert_eq!((v.record.decision, v.record.retry_after_ms), (Decision::Reject, None));
+        let text = "shadow = true\n[[rule]]\nname = \"r\"\nkind = \"sliding\"\nwindow = \"10s\"\nlimit = 1\n";
+        let rules = RuleSet::from_toml(text).unwrap();
+        let mut s = CallerState::default();
+        s.apply(&rules, &call("a", T0));
+        let v = s.apply(&rules, &call("b", T0));
+        assert!(v.record.shadow);
+        assert_eq!(v.record.retry_after_ms, None);
     }
 }

@@ -16,6 +16,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use crate::engine::record::Verdict;
 
 /// Default address of `/metrics`, `/healthz` and `/readyz`.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:9898";
@@ -74,6 +75,9 @@ pub struct Metrics {
     pub rebalances: Family<KindLabel, Counter>,
     /// Rule reloads by result (`ok`, `error`).
     pub rule_reloads: Family<KindLabel, Counter>,
+    /// `serve`: records of decided calls that could not be produced to
+    /// Kafka (dropped and logged; the answer was given).
+    pub publish_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -99,6 +103,7 @@ impl Metrics {
         let lag = Family::<PartitionLabels, Gauge>::default();
         let rebalances = Family::<KindLabel, Counter>::default();
         let rule_reloads = Family::<KindLabel, Counter>::default();
+        let publish_failures = Counter::default();
         registry.register("events", "Decided call events", events.clone());
         registry.register("dlq", "Events sent to the dead-letter topic", dlq.clone());
         registry.register(
@@ -136,6 +141,11 @@ impl Metrics {
             rebalances.clone(),
         );
         registry.register("rule_reloads", "Rule set reloads", rule_reloads.clone());
+        registry.register(
+            "publish_failures",
+            "Records of calls decided by serve that could not be produced",
+            publish_failures.clone(),
+        );
         Metrics {
             registry,
             events,
@@ -151,6 +161,27 @@ impl Metrics {
             lag,
             rebalances,
             rule_reloads,
+            publish_failures,
+        }
+    }
+
+    /// Counts one decided call by decision and reason, and its flags.
+    pub fn count_decided(&self, v: &Verdict) {
+        let r = &v.record;
+        self.events
+            .get_or_create(&DecisionLabels {
+                decision: r.decision.as_str().to_string(),
+                reason: r.reason.clone(),
+            })
+            .inc();
+        if v.duplicate {
+            self.duplicates.inc();
+        }
+        if r.late {
+            self.late.inc();
+        }
+        if r.degraded {
+            self.degraded.inc();
         }
     }
 
@@ -223,6 +254,15 @@ async fn ready_handler(State(s): State<AppState>) -> impl IntoResponse {
     }
 }
 
+/// The `/metrics`, `/healthz` and `/readyz` routes.
+pub fn routes(metrics: Arc<Metrics>, health: Arc<Health>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready_handler))
+        .with_state(AppState { metrics, health })
+}
+
 /// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown` resolves.
 pub async fn serve(
     addr: SocketAddr,
@@ -230,11 +270,7 @@ pub async fn serve(
     health: Arc<Health>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<SocketAddr> {
-    let app = Router::new()
-        .route("/metrics", get(metrics_handler))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(ready_handler))
-        .with_state(AppState { metrics, health });
+    let app = routes(metrics, health);
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     tokio::spawn(async move {

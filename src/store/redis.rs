@@ -58,6 +58,11 @@ pub struct RedisConfig {
     /// PEM file of the CA that signed the server certificate (`rediss://`
     /// with a private CA); the system trust store otherwise.
     pub tls_ca: Option<std::path::PathBuf>,
+    /// On a reject by a rule, set the caller's block key
+    /// (`<prefix>block:{<caller>}`, see [`RedisStore::block_key`]) to the
+    /// reason with a TTL of the retry-after, in the same script call, so a
+    /// switch can refuse the caller's next calls with one `EXISTS`.
+    pub block_keys: bool,
 }
 
 /// A URL with its password replaced by `***`, for logs.
@@ -85,6 +90,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("timeout", &self.timeout)
             .field("ttl_slack", &self.ttl_slack)
             .field("tls_ca", &self.tls_ca)
+            .field("block_keys", &self.block_keys)
             .finish()
     }
 }
@@ -99,6 +105,7 @@ impl Default for RedisConfig {
             timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
             ttl_slack: Duration::from_secs(DEFAULT_TTL_SLACK_S),
             tls_ca: None,
+            block_keys: false,
         }
     }
 }
@@ -356,16 +363,24 @@ impl RedisStore {
         format!("{}{{{}}}:{}", self.config.key_prefix, caller, suffix)
     }
 
+    /// The block key of a caller: `<prefix>block:{<caller>}`. Set (with
+    /// [`RedisConfig::block_keys`]) to the reason of a reject, expiring when
+    /// the caller's retry-after ends.
+    pub fn block_key(&self, caller: &str) -> String {
+        format!("{}block:{{{}}}", self.config.key_prefix, caller)
+    }
+
     /// The `EVALSHA` of the window script for one event (keys and arguments
     /// as documented in `lua/window.lua`); benchmarks replay it elsewhere.
     pub fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(5 + rules.rules.len());
+        cmd.arg(&self.sha).arg(6 + rules.rules.len());
         cmd.arg(self.key(&ev.caller, "m"))
             .arg(self.key(&ev.caller, "l"))
             .arg(self.key(&ev.caller, "i"))
             .arg(self.key(&ev.caller, "r"))
-            .arg(self.key(&ev.caller, "c"));
+            .arg(self.key(&ev.caller, "c"))
+            .arg(self.block_key(&ev.caller));
         for rule in &rules.rules {
             if rule.kind == WindowKind::Fixed {
                 let b = crate::engine::window::bucket_of(ev.ts_ms, rule.window_ms);
@@ -398,6 +413,7 @@ impl RedisStore {
             .arg(ev.callee.as_deref().unwrap_or(""))
             .arg(rules.max_window_ms())
             .arg(rules.max_distinct_callees())
+            .arg(u8::from(self.config.block_keys))
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())

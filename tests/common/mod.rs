@@ -393,3 +393,109 @@ pub fn assert_records_equal_replay(
     }
     assert_eq!(differ, 0, "{differ} decisions differ from the replay");
 }
+
+/// One HTTP/1.1 response: status, headers (lowercase names) and body.
+#[derive(Debug, Clone)]
+pub struct HttpResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: String,
+}
+
+impl HttpResponse {
+    /// A header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+/// A keep-alive HTTP/1.1 connection on loopback (requests with a body
+/// carry Content-Length; responses are read by their Content-Length).
+pub struct HttpConn {
+    stream: std::io::BufReader<TcpStream>,
+}
+
+impl HttpConn {
+    /// Connects to `127.0.0.1:port`.
+    pub fn connect(port: u16) -> Self {
+        let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to the HTTP server");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_nodelay(true).unwrap();
+        HttpConn {
+            stream: std::io::BufReader::new(s),
+        }
+    }
+
+    /// Sends one request and reads its response.
+    pub fn request(&mut self, method: &str, path: &str, body: &[u8]) -> HttpResponse {
+        use std::io::BufRead;
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let s = self.stream.get_mut();
+        s.write_all(head.as_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        let mut line = String::new();
+        self.stream.read_line(&mut line).expect("status line");
+        let status: u16 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("bad status line {line:?}"));
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            self.stream.read_line(&mut line).expect("header line");
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((n, v)) = l.split_once(':') {
+                headers.push((n.trim().to_ascii_lowercase(), v.trim().to_string()));
+            }
+        }
+        let len: usize = headers
+            .iter()
+            .find(|(n, _)| n == "content-length")
+            .and_then(|(_, v)| v.parse().ok())
+            .unwrap_or(0);
+        let mut buf = vec![0; len];
+        self.stream.read_exact(&mut buf).expect("body");
+        HttpResponse {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&buf).into_owned(),
+        }
+    }
+
+    /// POSTs a JSON body.
+    pub fn post(&mut self, path: &str, body: &str) -> HttpResponse {
+        self.request("POST", path, body.as_bytes())
+    }
+
+    /// GETs a path.
+    pub fn get(&mut self, path: &str) -> HttpResponse {
+        self.request("GET", path, b"")
+    }
+}
+
+/// Percent-encodes a query value (everything but unreserved characters).
+pub fn query_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

@@ -19,6 +19,7 @@ pub struct Expected {
     pub prev_ts_ms: Option<i64>,
     pub distinct_callees: Option<u64>,
     pub duplicate: bool,
+    pub retry_after_ms: Option<i64>,
 }
 
 struct Past {
@@ -30,12 +31,81 @@ struct Past {
     expected: Expected,
 }
 
-/// Decides `events` in order by brute force.
+/// Decides `events` in order by brute force, without retry-afters (every
+/// `retry_after_ms` is `None`).
 pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
+    decide(rules, events, false)
+}
+
+/// [`decide_all`] with the retry-after of every reject, found by deciding a
+/// probe call at every later millisecond until the caller's state would
+/// expire (so keep windows short).
+pub fn decide_all_with_retry(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
+    decide(rules, events, true)
+}
+
+fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
     let mut history: Vec<Past> = Vec::new();
     let mut out = Vec::new();
-    let retention = rules.retention_ms();
     for e in events {
+        let mut expected = decide_one(rules, &history, e);
+        if expected.duplicate {
+            out.push(expected);
+            continue;
+        }
+        let recorded = rules.count == CountPolicy::Attempts
+            || (expected.decision == Decision::Allow && !expected.shadow);
+        history.push(Past {
+            caller: e.caller.clone(),
+            call_id: e.call_id.clone(),
+            callee: e.callee.clone(),
+            ts: e.ts_ms,
+            recorded,
+            expected: expected.clone(),
+        });
+        if retry && expected.decision == Decision::Reject && expected.reason != REASON_DENYLIST {
+            expected.retry_after_ms = Some(retry_after(rules, &history, e));
+            history.last_mut().expect("just pushed").expected = expected.clone();
+        }
+        out.push(expected);
+    }
+    out
+}
+
+/// The smallest `d >= 1` such that a probe call at every time `>= t + d`
+/// is allowed, given `history` (which ends with the call at `t`).
+fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
+    let t = e.ts_ms;
+    let latest = history
+        .iter()
+        .filter(|p| p.caller == e.caller)
+        .map(|p| p.ts)
+        .max()
+        .unwrap_or(t);
+    // From latest + retention on, the caller starts afresh: every call counts 1.
+    let end = latest + rules.retention_ms();
+    let mut last_reject = t;
+    for s in t + 1..end {
+        let probe = CallEvent {
+            call_id: "probe-never-used".into(),
+            ts_ms: s,
+            callee: None,
+            ..e.clone()
+        };
+        let x = decide_one(rules, history, &probe);
+        assert!(!x.duplicate, "a probe is no duplicate");
+        if x.decision == Decision::Reject {
+            last_reject = s;
+        }
+    }
+    last_reject + 1 - t
+}
+
+/// What the contract says of `e` after `history` (for a duplicate, the
+/// record it got before).
+fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
+    let retention = rules.retention_ms();
+    {
         let t = e.ts_ms;
         let prior: Vec<&Past> = history.iter().filter(|p| p.caller == e.caller).collect();
         let latest = prior.iter().map(|p| p.ts).max();
@@ -48,8 +118,7 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
         {
             let mut x = p.expected.clone();
             x.duplicate = true;
-            out.push(x);
-            continue;
+            return x;
         }
         let prev = latest.filter(|&l| l > h);
         // Events since the caller's state last started afresh.
@@ -150,16 +219,8 @@ pub fn decide_all(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expected> {
             prev_ts_ms: prev,
             distinct_callees,
             duplicate: false,
+            retry_after_ms: None,
         };
-        out.push(expected.clone());
-        history.push(Past {
-            caller: e.caller.clone(),
-            call_id: e.call_id.clone(),
-            callee: e.callee.clone(),
-            ts: t,
-            recorded: rules.count == CountPolicy::Attempts || would == Decision::Allow,
-            expected,
-        });
+        expected
     }
-    out
 }

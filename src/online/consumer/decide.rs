@@ -13,7 +13,7 @@ use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeStats, StoreErrorPolicy};
-use crate::online::metrics::{DecisionLabels, Health, Metrics};
+use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 
 /// Longest wait between retries of a blocked store.
@@ -73,23 +73,7 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
 
 /// Counts one decided call in the stats and metrics.
 pub(super) fn count(metrics: &Metrics, stats: &mut ConsumeStats, v: &Verdict) {
-    let r = &v.record;
     stats.decided += 1;
-    stats.rejected += u64::from(r.decision == Decision::Reject);
-    metrics
-        .events
-        .get_or_create(&DecisionLabels {
-            decision: r.decision.as_str().to_string(),
-            reason: r.reason.clone(),
-        })
-        .inc();
-    if v.duplicate {
-        metrics.duplicates.inc();
-    }
-    if r.late {
-        metrics.late.inc();
-    }
-    if r.degraded {
-        metrics.degraded.inc();
-    }
+    stats.rejected += u64::from(v.record.decision == Decision::Reject);
+    metrics.count_decided(v);
 }

@@ -235,6 +235,7 @@ mod tests {
                 late: false,
                 degraded: false,
                 rules_version: rules.version().to_string(),
+                retry_after_ms: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Check-API benchmark: `callguard serve` on loopback with its own
+# redis-server and the example rule set (data/rules.toml), under an
+# open-loop load from examples/bench_serve.rs (latency from each check's
+# scheduled send time). Prints, in one run:
+#   * the HTTP floor: GET /healthz on the same server at the same rate;
+#   * checks at 5,000/s (target: p99 under 2 ms), with the ratio to the floor;
+#   * a ramp of rates, and the highest whose p99 stays under 10 ms.
+# Client, server and Redis share the machine's cores, as on an SBC host.
+#
+#   scripts/bench-serve.sh [SECONDS per step, default 15]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs="${1:-15}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
+cargo build --release --quiet --bin callguard --example bench_serve
+bin="$CARGO_TARGET_DIR/release/callguard"
+load="$CARGO_TARGET_DIR/release/examples/bench_serve"
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+work="$(mktemp -d)"
+rport="$(free_port)"
+hport="$(free_port)"
+cleanup() { kill "${serve_pid:-}" "${redis_pid:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" >/dev/null &
+redis_pid=$!
+until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
+"$bin" serve --listen "127.0.0.1:$hport" --redis-url "redis://127.0.0.1:$rport" \
+  --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve.log" &
+serve_pid=$!
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$hport/readyz" >/dev/null && break; sleep 0.1; done
+
+echo "== redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"
+"$load" "$hport" 5000 3 64 20000 >/dev/null   # warm-up
+floor="$("$load" "$hport" 5000 "$secs" 64 20000 healthz)"
+echo "healthz 5000/s: $floor"
+at5k="$("$load" "$hport" 5000 "$secs" 64 20000)"
+echo "check   5000/s: $at5k"
+p99() { sed -E 's/.* p99 ([0-9.]+) ms.*/\1/' <<<"$1"; }
+echo "p99 at 5,000/s: $(p99 "$at5k") ms (target < 2 ms); HTTP floor $(p99 "$floor") ms; ratio $(python3 -c "print(round($(p99 "$at5k")/max($(p99 "$floor"),0.001),2))")"
+best=0
+for rate in 10000 15000 20000 25000 30000 40000; do
+  line="$("$load" "$hport" "$rate" "$secs" 128 20000)"
+  echo "check $rate/s: $line"
+  p="$(p99 "$line")"
+  errors="$(sed -E 's/.* errors ([0-9]+).*/\1/' <<<"$line")"
+  if python3 -c "import sys; sys.exit(0 if $p < 10 and $errors == 0 else 1)"; then best=$rate; else break; fi
+done
+echo "highest sustained rate with p99 < 10 ms: $best checks/s"
+echo "redis: $(redis-cli -p "$rport" info commandstats | grep -E '^cmdstat_evalsha' || true)"

@@ -1,0 +1,175 @@
+//! `callguard serve`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::http::StatusCode;
+use clap::{Args, ValueEnum};
+
+use callguard::online::consumer::{self, StoreErrorPolicy};
+use callguard::online::kafka::parse_settings;
+use callguard::online::metrics::{Health, Metrics};
+use callguard::online::reload;
+use callguard::online::serve::{self, ServeConfig, ServeTopics};
+
+use crate::cmd::args::{DecoderArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::consume::PolicyArg;
+use crate::cmd::shutdown_signal;
+
+/// Answer a switch's check per call in the same request: an HTTP API on
+/// the same rules and window store as `consume`.
+///
+/// `POST /v1/check` with a call event as JSON (the Kafka payload's fields;
+/// `ts` optional, default this server's clock in ms), or
+/// `GET /v1/check?call_id=..&caller=..[&callee=..][&ts=..]`, answers the
+/// decision record as JSON (plus `duplicate`). A SIP retransmission with
+/// the same call id gets the same record back. Also `/metrics`, `/healthz`
+/// and `/readyz` on the same address.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "CALLGUARD_LISTEN", default_value = serve::DEFAULT_ADDR)]
+    pub listen: std::net::SocketAddr,
+    /// Answer rejects with this status and a `Retry-After` header (seconds,
+    /// rounded up) instead of 200; the body is the record either way.
+    #[arg(long, value_enum, env = "CALLGUARD_REJECT_STATUS")]
+    pub reject_status: Option<RejectStatus>,
+    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Store options.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Field names of the JSON body (and query) and number normalisation.
+    #[command(flatten)]
+    pub decoder: DecoderArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
+    /// What to answer when the window store fails: `block` (503 with a
+    /// Retry-After: the switch applies its own fallback), `allow` or
+    /// `reject` (a record flagged `degraded = true`).
+    #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
+    pub on_store_error: PolicyArg,
+    /// Largest request body, bytes (larger: 413).
+    #[arg(long, env = "CALLGUARD_MAX_BODY_BYTES", default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+    /// Largest batch of checks per store round trip. Checks that arrive
+    /// while a batch is at the store form the next one.
+    #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = serve::DEFAULT_BATCH_SIZE)]
+    pub batch_size: usize,
+    /// Extra wait for more checks after the first of a batch, microseconds
+    /// (0: none; batches form from checks that arrive meanwhile).
+    #[arg(long, env = "CALLGUARD_BATCH_LINGER_US", default_value_t = serve::DEFAULT_LINGER_US)]
+    pub batch_linger_us: u64,
+    /// Event times more than this many seconds ahead of the wall clock are
+    /// refused (400, `ts_out_of_range`); 0 turns the check off.
+    #[arg(long, env = "CALLGUARD_MAX_FUTURE_SKEW_S", default_value_t = consumer::DEFAULT_MAX_FUTURE_SKEW_S)]
+    pub max_future_skew_s: u64,
+    /// Also produce every decided call to Kafka (events, decisions and
+    /// features topics, keyed by caller), as `consume` would: bootstrap
+    /// servers HOST:PORT,... Off when not given.
+    #[arg(long, env = "CALLGUARD_BROKERS")]
+    pub brokers: Option<String>,
+    /// Any librdkafka setting, KEY=VALUE; repeatable (see `consume`).
+    #[arg(
+        short = 'X',
+        value_name = "KEY=VALUE",
+        env = "CALLGUARD_KAFKA_SETTINGS",
+        value_delimiter = '\n',
+        hide_env_values = true
+    )]
+    pub settings: Vec<String>,
+    /// Topic the decided calls' events go to.
+    #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = consumer::DEFAULT_INPUT_TOPIC)]
+    pub events_topic: String,
+    /// Topic of decision records.
+    #[arg(long, env = "CALLGUARD_DECISIONS_TOPIC", default_value = consumer::DEFAULT_DECISIONS_TOPIC)]
+    pub decisions_topic: String,
+    /// Topic of feature records.
+    #[arg(long, env = "CALLGUARD_FEATURES_TOPIC", default_value = consumer::DEFAULT_FEATURES_TOPIC)]
+    pub features_topic: String,
+}
+
+/// `--reject-status` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RejectStatus {
+    /// 403 Forbidden.
+    #[value(name = "403")]
+    Forbidden,
+    /// 429 Too Many Requests.
+    #[value(name = "429")]
+    TooMany,
+    /// 503 Service Unavailable.
+    #[value(name = "503")]
+    Unavailable,
+}
+
+impl ServeArgs {
+    fn config(&self) -> Result<ServeConfig> {
+        let mut decoder = self.decoder.decoder()?;
+        self.privacy.apply(&mut decoder)?;
+        let topics = match &self.brokers {
+            Some(brokers) => Some(ServeTopics {
+                brokers: brokers.clone(),
+                settings: parse_settings(&self.settings)?,
+                events: self.events_topic.clone(),
+                decisions: self.decisions_topic.clone(),
+                features: self.features_topic.clone(),
+            }),
+            None => None,
+        };
+        Ok(ServeConfig {
+            decoder,
+            on_store_error: match self.on_store_error {
+                PolicyArg::Block => StoreErrorPolicy::Block,
+                PolicyArg::Allow => StoreErrorPolicy::Allow,
+                PolicyArg::Reject => StoreErrorPolicy::Reject,
+            },
+            reject_status: self.reject_status.map(|s| match s {
+                RejectStatus::Forbidden => StatusCode::FORBIDDEN,
+                RejectStatus::TooMany => StatusCode::TOO_MANY_REQUESTS,
+                RejectStatus::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            }),
+            max_body_bytes: self.max_body_bytes,
+            batch_size: self.batch_size.max(1),
+            linger: Duration::from_micros(self.batch_linger_us),
+            max_future_skew: (self.max_future_skew_s > 0)
+                .then(|| Duration::from_secs(self.max_future_skew_s)),
+            topics,
+        })
+    }
+}
+
+/// Runs `callguard serve` until SIGINT or SIGTERM.
+pub async fn run(args: ServeArgs) -> Result<()> {
+    let rules = args.rules.rule_set()?;
+    let config = args.config()?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::default());
+    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
+    let rule_args = args.rules.clone();
+    reload::spawn(
+        move || rule_args.rule_set(),
+        args.rules.rules.clone(),
+        rules_tx,
+        metrics.clone(),
+    )?;
+    let store = args.store.open(StoreKind::Redis, true).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    serve::run(
+        listener,
+        config,
+        store,
+        rules_rx,
+        metrics,
+        health,
+        shutdown_signal(),
+    )
+    .await?;
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,435 @@
+//! `callguard serve`: the check API a switch calls while the INVITE waits.
+//!
+//! An SBC or PBX (Kamailio `http_client`, OpenSIPS `rest_client`,
+//! FreeSWITCH `mod_curl`, Asterisk `CURL()`) sends one call event and gets
+//! its decision record back in the same request, decided by the same rules
+//! and window store as `consume` and `replay`:
+//!
+//! * `POST /v1/check` with the Kafka payload's JSON (`ts` optional: the
+//!   server's clock in ms);
+//! * `GET /v1/check?call_id=...&caller=...[&callee=...][&ts=...]` for
+//!   dialplans that can only GET.
+//!
+//! The answer is the `call-decisions` record as JSON plus `duplicate`.
+//! Rejects answer 200 unless [`ServeConfig::reject_status`] is set, then
+//! that status with a `Retry-After` header (seconds, rounded up). An invalid
+//! event answers 400 with `{"error", "kind"}` (the dead-letter kinds).
+//!
+//! Requests are decided by one batcher task in arrival order: requests that
+//! arrive while a batch is at the store (and within
+//! [`ServeConfig::linger`] of the first) form the next batch, one pipelined
+//! round trip. A caller's calls are therefore decided in arrival order, and
+//! a call id sent twice (a SIP retransmission, two racing requests) is
+//! decided once: the second gets the first's record back, flagged
+//! `duplicate` (with the store's idempotency on, as by default).
+//!
+//! With Kafka topics configured, every decided call (not duplicates, not
+//! calls the store could not decide) is also produced to the events,
+//! decisions and features topics, keyed by caller, as `consume` would have:
+//! calls decided inline feed replays and training data like consumed ones.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch};
+use tracing::{info, warn};
+
+use crate::engine::event::{CallEvent, Decoder};
+use crate::engine::record::{Decision, Row, Schema, Verdict};
+use crate::engine::rules::RuleSet;
+use crate::error::{chain, EventError, KafkaError};
+use crate::online::consumer::StoreErrorPolicy;
+use crate::online::kafka::{client_err, producer_config};
+use crate::online::metrics::{self, Health, Metrics};
+use crate::online::produce::event_json;
+use crate::store::WindowStore;
+
+/// Default listening address.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:8080";
+/// Default largest request body, bytes.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 * 1024;
+/// Default largest batch of requests per store round trip.
+pub const DEFAULT_BATCH_SIZE: usize = 256;
+/// Default extra wait for more requests after the first of a batch.
+pub const DEFAULT_LINGER_US: u64 = 0;
+/// Requests queued for the batcher at most; beyond, answers 503.
+const QUEUE: usize = 16_384;
+/// Retry-After (seconds) of a 503 when the store fails under `block`.
+const STORE_RETRY_AFTER_S: u64 = 1;
+
+/// Where decided calls are produced (optional).
+#[derive(Debug, Clone)]
+pub struct ServeTopics {
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// Extra librdkafka settings.
+    pub settings: Vec<(String, String)>,
+    /// Call events (canonical JSON, as `callguard produce` writes).
+    pub events: String,
+    /// Decision records.
+    pub decisions: String,
+    /// Feature records.
+    pub features: String,
+}
+
+/// Configuration of the check API.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Field names and number normalisation, as for Kafka payloads.
+    pub decoder: Decoder,
+    /// What to answer when the store fails: `block` answers 503 with a
+    /// Retry-After; `allow` and `reject` answer degraded records.
+    pub on_store_error: StoreErrorPolicy,
+    /// Status of a reject (with a `Retry-After` header); `None`: 200.
+    pub reject_status: Option<StatusCode>,
+    /// Largest request body; larger ones are refused (413).
+    pub max_body_bytes: usize,
+    /// Largest batch per store round trip.
+    pub batch_size: usize,
+    /// Extra wait for more requests after the first of a batch.
+    pub linger: Duration,
+    /// Event times further ahead of the wall clock are refused (400).
+    pub max_future_skew: Option<Duration>,
+    /// Produce decided calls to these topics.
+    pub topics: Option<ServeTopics>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            decoder: Decoder::default(),
+            on_store_error: StoreErrorPolicy::Block,
+            reject_status: None,
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            batch_size: DEFAULT_BATCH_SIZE,
+            linger: Duration::from_micros(DEFAULT_LINGER_US),
+            max_future_skew: Some(Duration::from_secs(300)),
+            topics: None,
+        }
+    }
+}
+
+/// What the batcher answers for one request.
+enum Outcome {
+    /// Decided, with the columns of the rules that decided.
+    Decided(Verdict, Arc<Schema>),
+    /// The store failed under `block`: not decided.
+    Unavailable(String),
+}
+
+/// One request waiting for its decision.
+struct Job {
+    event: CallEvent,
+    reply: oneshot::Sender<Outcome>,
+}
+
+#[derive(Clone)]
+struct AppState {
+    jobs: mpsc::Sender<Job>,
+    config: Arc<ServeConfig>,
+    metrics: Arc<Metrics>,
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Serves the check API on `listener` until `shutdown` resolves, then
+/// answers the requests already queued and returns.
+pub async fn run<S: WindowStore + 'static>(
+    listener: TcpListener,
+    config: ServeConfig,
+    store: S,
+    rules: watch::Receiver<RuleSet>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), KafkaError> {
+    let producer = match &config.topics {
+        Some(t) => Some((producer(t)?, t.clone())),
+        None => None,
+    };
+    health.assigned.store(true, Ordering::Relaxed);
+    health.store_ok.store(true, Ordering::Relaxed);
+    let config = Arc::new(config);
+    let (tx, rx) = mpsc::channel(QUEUE);
+    let batcher = tokio::spawn(batcher(
+        rx,
+        store,
+        rules,
+        config.clone(),
+        metrics.clone(),
+        health.clone(),
+        producer,
+    ));
+    let state = AppState {
+        jobs: tx,
+        config: config.clone(),
+        metrics: metrics.clone(),
+    };
+    let app = Router::new()
+        .route("/v1/check", post(check_post).get(check_get))
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .with_state(state)
+        .merge(metrics::routes(metrics, health));
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, "check API on /v1/check; metrics on /metrics, health on /healthz and /readyz");
+    }
+    if let Err(e) = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+    {
+        warn!(error = %e, "check API server failed");
+    }
+    // The router (and its job sender) is gone: the batcher ends once the
+    // queued requests are answered.
+    let _ = batcher.await;
+    Ok(())
+}
+
+fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
+    let mut cfg = producer_config(&t.brokers, &t.settings);
+    cfg.set("linger.ms", "5");
+    cfg.create().map_err(client_err("creating the producer"))
+}
+
+async fn check_post(State(s): State<AppState>, body: Bytes) -> Response {
+    let decoded = s
+        .config
+        .decoder
+        .decode_json_at(&body, Some(now_ms()))
+        .and_then(|e| check_skew(e, &s.config));
+    decide(&s, decoded).await
+}
+
+async fn check_get(
+    State(s): State<AppState>,
+    Query(fields): Query<HashMap<String, String>>,
+) -> Response {
+    let decoded = s
+        .config
+        .decoder
+        .decode_fields(&fields, Some(now_ms()))
+        .and_then(|e| check_skew(e, &s.config));
+    decide(&s, decoded).await
+}
+
+/// Refuses event times too far ahead of the wall clock, as `consume` does.
+fn check_skew(e: CallEvent, config: &ServeConfig) -> Result<CallEvent, EventError> {
+    if let Some(skew) = config.max_future_skew {
+        let now = now_ms();
+        if e.ts_ms > now.saturating_add(skew.as_millis() as i64) {
+            return Err(EventError::TsOutOfRange {
+                ts: e.ts_ms,
+                why: format!(
+                    "more than {} s ahead of the wall clock ({now} ms)",
+                    skew.as_secs()
+                ),
+            });
+        }
+    }
+    Ok(e)
+}
+
+async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Response {
+    let event = match decoded {
+        Ok(e) => e,
+        Err(e) => {
+            Metrics::inc(&s.metrics.dlq, e.kind());
+            let body = json!({ "error": e.to_string(), "kind": e.kind() });
+            return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+        }
+    };
+    let (reply, answer) = oneshot::channel();
+    if s.jobs.try_send(Job { event, reply }).is_err() {
+        return unavailable("too many requests queued");
+    }
+    match answer.await {
+        Ok(Outcome::Decided(v, schema)) => decided(&v, &schema, s.config.reject_status),
+        Ok(Outcome::Unavailable(why)) => unavailable(&why),
+        Err(_) => unavailable("shutting down"),
+    }
+}
+
+/// 503 with a Retry-After: the call was not decided.
+fn unavailable(why: &str) -> Response {
+    let body = json!({ "error": why, "kind": "unavailable" });
+    let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(STORE_RETRY_AFTER_S));
+    r
+}
+
+/// The decision record as JSON; a reject with its status and Retry-After.
+fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> Response {
+    // The decision columns read only the record; an event is needed for the row.
+    let event = CallEvent {
+        call_id: String::new(),
+        caller: String::new(),
+        ts_ms: v.record.ts_ms,
+        callee: None,
+        duration_ms: None,
+        label: None,
+        list_number: None,
+    };
+    let mut body = schema.to_json(Row {
+        event: &event,
+        verdict: v,
+    });
+    body["duplicate"] = json!(v.duplicate);
+    let status = match (v.record.decision, reject_status) {
+        (Decision::Reject, Some(s)) => s,
+        _ => StatusCode::OK,
+    };
+    let mut r = (status, axum::Json(body)).into_response();
+    if status != StatusCode::OK {
+        if let Some(ms) = v.record.retry_after_ms {
+            let secs = (ms.max(0) as u64).div_ceil(1000);
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+    }
+    r
+}
+
+/// Decides queued requests in arrival order, a batch per store round trip.
+async fn batcher<S: WindowStore>(
+    mut rx: mpsc::Receiver<Job>,
+    mut store: S,
+    mut rules: watch::Receiver<RuleSet>,
+    config: Arc<ServeConfig>,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    producer: Option<(FutureProducer, ServeTopics)>,
+) {
+    let mut current = rules.borrow_and_update().clone();
+    let mut schema = Arc::new(Schema::decisions(&current));
+    let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
+    while let Some(first) = rx.recv().await {
+        jobs.push(first);
+        let deadline = Instant::now() + config.linger;
+        while jobs.len() < config.batch_size {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) if config.linger.is_zero() => break,
+                Err(_) => match tokio::time::timeout_at(deadline.into(), rx.recv()).await {
+                    Ok(Some(j)) => jobs.push(j),
+                    _ => break,
+                },
+            }
+        }
+        if rules.has_changed().unwrap_or(false) {
+            current = rules.borrow_and_update().clone();
+            schema = Arc::new(Schema::decisions(&current));
+        }
+        let events: Vec<CallEvent> = jobs.iter().map(|j| j.event.clone()).collect();
+        metrics.batch_size.observe(events.len() as f64);
+        let start = Instant::now();
+        let result = store.apply_batch(&current, &events).await;
+        metrics
+            .store_latency
+            .observe(start.elapsed().as_secs_f64());
+        let verdicts = match result {
+            Ok(v) => {
+                health.store_ok.store(true, Ordering::Relaxed);
+                v
+            }
+            Err(e) => {
+                Metrics::inc(&metrics.store_errors, e.kind());
+                health.store_ok.store(false, Ordering::Relaxed);
+                let why = chain(&e);
+                if let Ok(mut d) = health.detail.lock() {
+                    d.clone_from(&why);
+                }
+                let decision = match config.on_store_error {
+                    StoreErrorPolicy::Block => {
+                        warn!(error = %why, calls = jobs.len(), "store failed; answering 503");
+                        for j in jobs.drain(..) {
+                            let _ = j.reply.send(Outcome::Unavailable(format!(
+                                "window store failed: {why}"
+                            )));
+                        }
+                        continue;
+                    }
+                    StoreErrorPolicy::Allow => Decision::Allow,
+                    StoreErrorPolicy::Reject => Decision::Reject,
+                };
+                warn!(error = %why, policy = ?config.on_store_error, "store failed; deciding degraded");
+                events
+                    .iter()
+                    .map(|e| Verdict::degraded(e, &current, decision))
+                    .collect()
+            }
+        };
+        if let Some((p, topics)) = &producer {
+            publish(p, topics, &current, &events, &verdicts, &metrics);
+        }
+        for (j, v) in jobs.drain(..).zip(verdicts) {
+            metrics.count_decided(&v);
+            let _ = j.reply.send(Outcome::Decided(v, schema.clone()));
+        }
+    }
+}
+
+/// Produces the decided calls of a batch (not duplicates) to the events,
+/// decisions and features topics, keyed by caller; delivery failures are
+/// logged and counted (`publish_failures`), never block an answer.
+fn publish(
+    producer: &FutureProducer,
+    topics: &ServeTopics,
+    rules: &RuleSet,
+    events: &[CallEvent],
+    verdicts: &[Verdict],
+    metrics: &Arc<Metrics>,
+) {
+    let decisions = Schema::decisions(rules);
+    let features = Schema::features(rules);
+    let mut pending = Vec::new();
+    for (e, v) in events.iter().zip(verdicts).filter(|(_, v)| !v.duplicate) {
+        let row = Row { event: e, verdict: v };
+        let out = [
+            (&topics.events, event_json(e)),
+            (&topics.decisions, decisions.to_json(row).to_string()),
+            (&topics.features, features.to_json(row).to_string()),
+        ];
+        for (topic, payload) in out {
+            let record = FutureRecord::to(topic).key(&e.caller).payload(&payload);
+            match producer.send_result(record) {
+                Ok(f) => pending.push(f),
+                Err((err, _)) => {
+                    warn!(error = %err, topic, "could not queue a record");
+                    metrics.publish_failures.inc();
+                }
+            }
+        }
+    }
+    let metrics = metrics.clone();
+    tokio::spawn(async move {
+        for f in pending {
+            match f.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((err, _))) => {
+                    warn!(error = %err, "a record was not delivered");
+                    metrics.publish_failures.inc();
+                }
+                Err(_) => {
+                    metrics.publish_failures.inc();
+                }
+            }
+        }
+    });
+}

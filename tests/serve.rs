@@ -1,0 +1,347 @@
+//! `callguard serve`, the check API, against a real redis-server: parity
+//! with replay over HTTP (POST and GET), idempotency under racing
+//! retransmissions, reject statuses with Retry-After, block keys, invalid
+//! input, a failing store.
+
+mod common;
+
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use callguard::engine::event::CallEvent;
+use callguard::engine::rules::RuleSet;
+use callguard::online::consumer::StoreErrorPolicy;
+use callguard::online::metrics::{Health, Metrics};
+use callguard::online::produce::event_json;
+use callguard::online::serve::{self, ServeConfig};
+use callguard::store::redis::{RedisConfig, RedisStore};
+use common::scenarios::T0;
+use common::{query_escape, random, HttpConn, RedisServer};
+
+/// A check API running in process on a free port, stopped on drop.
+struct Served {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Served {
+    fn start(config: ServeConfig, redis: RedisConfig, rules: RuleSet) -> Self {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let port = rt.block_on(async {
+            let store = RedisStore::connect(redis).await.expect("connect to Redis");
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let (_tx, rx) = tokio::sync::watch::channel(rules);
+            tokio::spawn(async move {
+                let _keep = _tx;
+                serve::run(
+                    listener,
+                    config,
+                    store,
+                    rx,
+                    Arc::new(Metrics::new()),
+                    Arc::new(Health::default()),
+                    async move {
+                        let _ = stopped.await;
+                    },
+                )
+                .await
+                .unwrap();
+            });
+            port
+        });
+        Served {
+            port,
+            stop: Some(stop),
+            rt,
+        }
+    }
+
+    fn conn(&self) -> HttpConn {
+        HttpConn::connect(self.port)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = &self.rt;
+    }
+}
+
+fn redis_config(server: &RedisServer) -> RedisConfig {
+    RedisConfig {
+        urls: vec![server.url()],
+        ttl_slack: Duration::ZERO,
+        ..RedisConfig::default()
+    }
+}
+
+/// No skew check: the test events lie in the past or near future of T0.
+fn config() -> ServeConfig {
+    ServeConfig {
+        max_future_skew: None,
+        ..ServeConfig::default()
+    }
+}
+
+fn get_path(e: &CallEvent) -> String {
+    let mut p = format!(
+        "/v1/check?call_id={}&caller={}&ts={}",
+        query_escape(&e.call_id),
+        query_escape(&e.caller),
+        e.ts_ms
+    );
+    if let Some(c) = &e.callee {
+        p.push_str(&format!("&callee={}", query_escape(c)));
+    }
+    p
+}
+
+/// The record without `duplicate`, for comparing with a replay's.
+fn record(mut v: serde_json::Value) -> serde_json::Value {
+    v.as_object_mut().unwrap().remove("duplicate");
+    v
+}
+
+#[test]
+fn checks_over_http_equal_replay_post_and_get() {
+    let redis = RedisServer::start(&[]);
+    for seed in [3_u64, 17, 99] {
+        let (rules, events) = random::case(seed, 500, 5);
+        let prefix = format!("s{seed}:");
+        let served = Served::start(
+            config(),
+            RedisConfig {
+                key_prefix: prefix,
+                ..redis_config(&redis)
+            },
+            rules.clone(),
+        );
+        // The replay's record of each event, in order (a call id redelivered
+        // after a short idempotency horizon is decided again).
+        let schema = callguard::engine::record::Schema::decisions(&rules);
+        let mut memory = callguard::store::memory::MemoryStore::new();
+        let expected: Vec<serde_json::Value> = events
+            .iter()
+            .map(|event| {
+                let verdict = memory.apply(&rules, event);
+                schema.to_json(callguard::engine::record::Row {
+                    event,
+                    verdict: &verdict,
+                })
+            })
+            .collect();
+        let mut conn = served.conn();
+        let (mut rejects, mut dups) = (0, 0);
+        for (i, e) in events.iter().enumerate() {
+            let r = if i % 2 == 0 {
+                conn.post("/v1/check", &event_json(e))
+            } else {
+                conn.get(&get_path(e))
+            };
+            assert_eq!(r.status, 200, "seed {seed} event #{i}: {}", r.body);
+            let got = r.json();
+            dups += usize::from(got["duplicate"] == true);
+            rejects += usize::from(got["decision"] == "reject");
+            assert_eq!(
+                record(got),
+                expected[i],
+                "seed {seed} event #{i} {e:?}"
+            );
+        }
+        assert!(rejects > 0 && dups > 0, "seed {seed}: {rejects} rejects, {dups} duplicates");
+    }
+}
+
+#[test]
+fn racing_retransmissions_of_a_call_are_decided_once() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
+    let served = Served::start(config(), redis_config(&redis), rules);
+    let threads = 12;
+    for call in 0..10 {
+        let barrier = Arc::new(Barrier::new(threads));
+        let answers: Vec<serde_json::Value> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let barrier = barrier.clone();
+                    let port = served.port;
+                    s.spawn(move || {
+                        let mut conn = HttpConn::connect(port);
+                        let body = serde_json::json!({
+                            "call_id": format!("invite-{call}@10.0.0.1"),
+                            "caller": "+34911000001",
+                            "callee": "+34600000001",
+                            "ts": T0 + call * 1000,
+                        })
+                        .to_string();
+                        barrier.wait();
+                        let r = conn.post("/v1/check", &body);
+                        assert_eq!(r.status, 200, "{}", r.body);
+                        r.json()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let firsts = answers.iter().filter(|a| a["duplicate"] == false).count();
+        assert_eq!(firsts, 1, "call {call}: one request decides, the others get its record");
+        let records: Vec<_> = answers.into_iter().map(record).collect();
+        assert!(records.windows(2).all(|w| w[0] == w[1]), "call {call}: {records:?}");
+        // Each call was counted once: the count climbs by one per call.
+        assert_eq!(records[0]["count_minute"], call + 1, "call {call}");
+        let expect = if call < 5 { "allow" } else { "reject" };
+        assert_eq!(records[0]["decision"], expect, "call {call}");
+    }
+}
+
+#[test]
+fn rejects_answer_the_configured_status_with_retry_after() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["burst:sliding:10s:2".into()]).unwrap();
+    let served = Served::start(
+        ServeConfig {
+            reject_status: Some(axum::http::StatusCode::TOO_MANY_REQUESTS),
+            ..config()
+        },
+        RedisConfig {
+            block_keys: true,
+            ..redis_config(&redis)
+        },
+        rules,
+    );
+    let mut conn = served.conn();
+    let check = |conn: &mut HttpConn, id: &str, dt: i64| {
+        conn.get(&format!(
+            "/v1/check?call_id={id}&caller=%2B34911000002&ts={}",
+            T0 + dt
+        ))
+    };
+    for (id, dt) in [("a", 0), ("b", 1_000)] {
+        let r = check(&mut conn, id, dt);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.json()["retry_after_ms"], serde_json::Value::Null);
+        assert_eq!(r.header("retry-after"), None);
+    }
+    // Third call at +2 s: over the limit until the call at +1 s leaves the
+    // 10 s window, at +11 s: 9,000 ms from now.
+    let r = check(&mut conn, "c", 2_000);
+    assert_eq!(r.status, 429, "{}", r.body);
+    let body = r.json();
+    assert_eq!(body["decision"], "reject");
+    assert_eq!(body["reason"], "burst");
+    assert_eq!(body["retry_after_ms"], 9_000);
+    assert_eq!(r.header("retry-after"), Some("9"));
+    // The block key says why, and expires with the retry-after.
+    let key = "cg:block:{+34911000002}";
+    let got = common::raw_command(redis.port, &format!("GET {key}")).unwrap();
+    assert!(got.contains("burst"), "{got}");
+    let pttl: i64 = common::raw_command(redis.port, &format!("PTTL {key}"))
+        .unwrap()
+        .trim_start_matches(':')
+        .trim()
+        .parse()
+        .unwrap();
+    assert!((8_000..=9_000).contains(&pttl), "PTTL {pttl}");
+    // A retransmission answers the same, status included.
+    let again = check(&mut conn, "c", 2_000);
+    assert_eq!(again.status, 429);
+    assert_eq!(record(again.json()), record(body));
+    // Retry-After rounds up: at +2.5 s, the rejected call at +2 s (recorded:
+    // `attempts`) is the second newest; it leaves at +12 s, 9,500 ms later.
+    let r = check(&mut conn, "d", 2_500);
+    assert_eq!(r.json()["retry_after_ms"], 9_500);
+    assert_eq!(r.header("retry-after"), Some("10"));
+}
+
+#[test]
+fn invalid_checks_answer_400_with_the_dead_letter_kind() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let served = Served::start(
+        ServeConfig {
+            max_body_bytes: 2048,
+            ..ServeConfig::default()
+        },
+        redis_config(&redis),
+        rules,
+    );
+    let mut conn = served.conn();
+    let cases = [
+        (r#"{"call_id":"x","ts":1764547200000}"#, "missing_field"),
+        (r#"{"call_id":"x","caller":"+34911","#, "bad_json"),
+        (r#"{"call_id":"x","caller":"not a number"}"#, "bad_number"),
+        (r#"{"call_id":"x","caller":"+34911000003","ts":4102444800000}"#, "ts_out_of_range"),
+        (r#"{"call_id":["x"],"caller":"+34911000003"}"#, "wrong_type"),
+    ];
+    for (body, kind) in cases {
+        let r = conn.post("/v1/check", body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let v = r.json();
+        assert_eq!(v["kind"], kind, "{body}: {v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    }
+    let r = conn.get("/v1/check?call_id=y");
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["kind"], "missing_field");
+    // Oversized bodies are refused before decoding.
+    let mut big = HttpConn::connect(served.port);
+    let r = big.post("/v1/check", &format!(r#"{{"call_id":"{}"}}"#, "x".repeat(4096)));
+    assert_eq!(r.status, 413);
+    // Without `ts` the server's clock decides the time.
+    let before = chrono::Utc::now().timestamp_millis();
+    let r = conn.post("/v1/check", r#"{"call_id":"now","caller":"+34911000003"}"#);
+    let after = chrono::Utc::now().timestamp_millis();
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ts = r.json()["ts_ms"].as_i64().unwrap();
+    assert!((before..=after).contains(&ts), "{before} <= {ts} <= {after}");
+}
+
+#[test]
+fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let blocking = Served::start(config(), redis_config(&redis), rules.clone());
+    let allowing = Served::start(
+        ServeConfig {
+            on_store_error: StoreErrorPolicy::Allow,
+            ..config()
+        },
+        redis_config(&redis),
+        rules,
+    );
+    let body = |id: &str| format!(r#"{{"call_id":"{id}","caller":"+34911000004","ts":{T0}}}"#);
+    assert_eq!(blocking.conn().post("/v1/check", &body("ok")).status, 200);
+    let (port, dir) = redis.stop();
+    let r = blocking.conn().post("/v1/check", &body("down-1"));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(r.json()["kind"], "unavailable");
+    let r = allowing.conn().post("/v1/check", &body("down-2"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["decision"], "allow");
+    assert_eq!(v["degraded"], true);
+    assert_eq!(v["reason"], "store_error");
+    // Back up: decided again.
+    let _redis = RedisServer::start_in(port, dir, &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = blocking.conn().post("/v1/check", &body("up"));
+        if r.status == 200 {
+            assert_eq!(r.json()["degraded"], false);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still {}", r.status);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

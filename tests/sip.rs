@@ -1,0 +1,329 @@
+//! Real SIP: Kamailio (Debian's 5.6) in front of `callguard serve`, driven
+//! by SIPp, on loopback. The SIP answers (603 Decline with Retry-After, or
+//! 200) must equal callguard's records and `callguard replay` on the same
+//! calls; with the block-key config, Kamailio alone declines a blocked
+//! caller until the key expires.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::UdpSocket;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, free_port, query_escape, raw_command, HttpConn, RedisServer};
+
+fn require(binary: &str, package: &str) {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {binary}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        found,
+        "`{binary}` is not installed: the SIP tests need it (Debian: apt-get install {package}). \
+         The README's test command installs it."
+    );
+}
+
+fn repo(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free UDP port on loopback.
+fn free_udp_port() -> u16 {
+    UdpSocket::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `callguard serve` on a free port, ready.
+fn start_serve(redis: &RedisServer, rules: &Path, extra: &[&str]) -> (Proc, u16) {
+    let port = free_port();
+    let child = Command::new(bin())
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--redis-url", &redis.url(), "--rules"])
+        .arg(rules)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start callguard serve");
+    let p = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "callguard serve not ready in 20 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (p, port)
+}
+
+/// Kamailio with `config` on a free UDP port, answering OPTIONS.
+fn start_kamailio(dir: &Path, config: &str, defines: &[String]) -> (Proc, u16) {
+    require("kamailio", "kamailio kamailio-utils-modules kamailio-redis-modules");
+    let port = free_udp_port();
+    let run = dir.join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let mut cmd = Command::new("kamailio");
+    cmd.arg("-f")
+        .arg(repo(config))
+        .args(["-l", &format!("udp:127.0.0.1:{port}"), "-DD", "-E"])
+        .arg("-Y")
+        .arg(&run)
+        .args(["-A", "SIP_ANSWER"]);
+    for d in defines {
+        cmd.args(["-A", d]);
+    }
+    let log = std::fs::File::create(dir.join("kamailio.log")).unwrap();
+    let child = cmd
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start kamailio");
+    let p = Proc(child);
+    // Ready when an OPTIONS is answered.
+    let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let local = sock.local_addr().unwrap();
+    let options = format!(
+        "OPTIONS sip:ping@127.0.0.1:{port} SIP/2.0\r\nVia: SIP/2.0/UDP {local};branch=z9hG4bK-ping\r\n\
+         From: <sip:ping@{local}>;tag=1\r\nTo: <sip:ping@127.0.0.1:{port}>\r\nCall-ID: ping@test\r\n\
+         CSeq: 1 OPTIONS\r\nMax-Forwards: 70\r\nContent-Length: 0\r\n\r\n"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut buf = [0u8; 2048];
+    loop {
+        sock.send_to(options.as_bytes(), ("127.0.0.1", port)).unwrap();
+        if let Ok(n) = sock.recv(&mut buf) {
+            if String::from_utf8_lossy(&buf[..n]).starts_with("SIP/2.0 200") {
+                return (p, port);
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kamailio did not answer OPTIONS in 20 s; its log: {}",
+            std::fs::read_to_string(dir.join("kamailio.log")).unwrap_or_default()
+        );
+    }
+}
+
+/// One SIP call as SIPp logged it.
+#[derive(Debug)]
+struct SipCall {
+    call_id: String,
+    caller: String,
+    status: u16,
+    retry_after_s: Option<u64>,
+}
+
+/// Runs SIPp's check scenario: one call per line of `callers` (caller,
+/// callee), one at a time, at `rate` calls/s; the answers it logged.
+fn run_sipp(dir: &Path, name: &str, sip_port: u16, callers: &[(&str, &str)], rate: u32) -> Vec<SipCall> {
+    require("sipp", "sip-tester");
+    let inf = dir.join(format!("{name}.csv"));
+    let mut text = String::from("SEQUENTIAL\n");
+    for (a, b) in callers {
+        text.push_str(&format!("{a};{b};\n"));
+    }
+    std::fs::write(&inf, text).unwrap();
+    let log = dir.join(format!("{name}.log"));
+    let out = Command::new("sipp")
+        .arg(format!("127.0.0.1:{sip_port}"))
+        .arg("-sf")
+        .arg(repo("integrations/sipp/uac-check.xml"))
+        .arg("-inf")
+        .arg(&inf)
+        .args(["-m", &callers.len().to_string(), "-l", "1", "-r", &rate.to_string()])
+        .args(["-i", "127.0.0.1", "-p", &free_udp_port().to_string()])
+        .args(["-nostdin", "-timeout", "60s", "-timeout_error", "-trace_logs"])
+        .arg("-log_file")
+        .arg(&log)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run sipp");
+    assert!(
+        out.status.success(),
+        "sipp failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let calls: Vec<SipCall> = std::fs::read_to_string(&log)
+        .expect("sipp's log")
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let f: Vec<&str> = l.trim().split(';').collect();
+            SipCall {
+                call_id: f[0].to_string(),
+                caller: f[1].to_string(),
+                status: f[2].parse().unwrap(),
+                retry_after_s: f.get(3).and_then(|s| s.parse().ok()),
+            }
+        })
+        .collect();
+    assert_eq!(calls.len(), callers.len(), "every call answered");
+    calls
+}
+
+#[test]
+fn kamailio_declines_exactly_the_calls_callguard_rejects() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(&[]);
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
+    )
+    .unwrap();
+    let (_serve, http) = start_serve(&redis, &rules, &["--reject-status", "429"]);
+    let url = format!("CALLGUARD_URL=\"http://127.0.0.1:{http}/v1/check\"");
+    let (_kam, sip) = start_kamailio(dir.path(), "integrations/kamailio/callguard-http.cfg", &[url]);
+
+    // A robocaller (8 calls), a busy subscriber (4), a quiet one (2), interleaved.
+    let (a, b, c) = ("+34911000101", "+34911000102", "+34911000103");
+    let mut plan = Vec::new();
+    for i in 0..8 {
+        plan.push((a, "+34600000001"));
+        if i % 2 == 0 {
+            plan.push((b, "+34600000002"));
+        }
+        if i == 3 || i == 6 {
+            plan.push((c, "+34600000003"));
+        }
+    }
+    let calls = run_sipp(dir.path(), "http", sip, &plan, 25);
+
+    // callguard's record of each call: asked again with the same call id,
+    // the API answers the record it gave Kamailio (flagged duplicate).
+    let mut conn = HttpConn::connect(http);
+    let mut log = String::from("call_id,caller,ts\n");
+    let mut records = HashMap::new();
+    for call in &calls {
+        let r = conn.get(&format!(
+            "/v1/check?call_id={}&caller={}",
+            query_escape(&call.call_id),
+            query_escape(&call.caller)
+        ));
+        let v = r.json();
+        assert_eq!(v["duplicate"], true, "Kamailio checked {}", call.call_id);
+        let want = if v["decision"] == "reject" { 603 } else { 200 };
+        assert_eq!(call.status, want, "{call:?} vs {v}");
+        if want == 603 {
+            let ms = v["retry_after_ms"].as_u64().unwrap();
+            assert_eq!(call.retry_after_s, Some(ms.div_ceil(1000)), "{call:?} vs {v}");
+        }
+        log.push_str(&format!("\"{}\",{},{}\n", call.call_id, call.caller, v["ts_ms"]));
+        records.insert(call.call_id.clone(), v);
+    }
+    let declined: Vec<&str> = calls
+        .iter()
+        .filter(|c| c.status == 603)
+        .map(|c| c.caller.as_str())
+        .collect();
+    assert_eq!(declined.len(), 5 + 1, "a: 5 over the limit, b: 1, c: none ({declined:?})");
+    assert!(!declined.contains(&c));
+
+    // The same calls through `callguard replay` decide the same.
+    let input = dir.path().join("sip-calls.csv");
+    std::fs::write(&input, log).unwrap();
+    let output = dir.path().join("replayed.csv");
+    let st = Command::new(bin())
+        .args(["replay", "--input"])
+        .arg(&input)
+        .arg("--rules")
+        .arg(&rules)
+        .arg("--output")
+        .arg(&output)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let replayed = std::fs::read_to_string(&output).unwrap();
+    let mut lines = replayed.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let (id_col, decision_col, retry_col) = (col("call_id"), col("decision"), col("retry_after_ms"));
+    let mut n = 0;
+    for line in lines {
+        let f: Vec<&str> = line.split(',').collect();
+        let v = &records[f[id_col].trim_matches('"')];
+        assert_eq!(v["decision"], f[decision_col], "{line}");
+        assert_eq!(v["retry_after_ms"].to_string().replace("null", ""), f[retry_col], "{line}");
+        n += 1;
+    }
+    assert_eq!(n, calls.len());
+}
+
+#[test]
+fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(&[]);
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"3s\"\nlimit = 2\n",
+    )
+    .unwrap();
+    let (_serve, http) = start_serve(&redis, &rules, &["--block-keys"]);
+    let server = format!("REDIS_SERVER=\"name=cg;addr=127.0.0.1;port={}\"", redis.port);
+    let (_kam, sip) = start_kamailio(
+        dir.path(),
+        "integrations/kamailio/callguard-blockkey.cfg",
+        &[server],
+    );
+    let (a, b) = ("+34911000201", "+34911000202");
+    // The platform reports a's calls to callguard (here straight to the
+    // API): the third is rejected and blocks a.
+    let mut conn = HttpConn::connect(http);
+    let mut last = serde_json::Value::Null;
+    for i in 0..3 {
+        last = conn
+            .post("/v1/check", &format!(r#"{{"call_id":"k{i}","caller":"{a}"}}"#))
+            .json();
+    }
+    assert_eq!(last["decision"], "reject", "{last}");
+    let retry_ms = last["retry_after_ms"].as_i64().unwrap();
+    assert!((1..=3_000).contains(&retry_ms), "{last}");
+    let decided = |conn: &mut HttpConn| {
+        conn.get("/metrics")
+            .body
+            .lines()
+            .filter(|l| l.starts_with("callguard_events_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    let before = decided(&mut conn);
+
+    let calls = run_sipp(dir.path(), "blocked", sip, &[(a, "+34600000001"), (b, "+34600000002")], 10);
+    assert_eq!(calls[0].status, 603, "{:?}", calls[0]);
+    assert!(calls[0].retry_after_s.is_some_and(|s| (1..=3).contains(&s)), "{:?}", calls[0]);
+    assert_eq!(calls[1].status, 200, "{:?}", calls[1]);
+    assert_eq!(decided(&mut conn), before, "Kamailio decided without callguard");
+
+    // Once the key expires, a's next call goes through.
+    let key = format!("PTTL cg:block:{{{a}}}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !raw_command(redis.port, &key).is_some_and(|r| r.starts_with(":-2")) {
+        assert!(Instant::now() < deadline, "block key still there after 10 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let calls = run_sipp(dir.path(), "expired", sip, &[(a, "+34600000001")], 10);
+    assert_eq!(calls[0].status, 200, "{:?}", calls[0]);
+}
