@@ -40,8 +40,8 @@ echo "check   5000/s: $at5k"
 p99() { sed -E 's/.* p99 ([0-9.]+) ms.*/\1/' <<<"$1"; }
 echo "p99 at 5,000/s: $(p99 "$at5k") ms (target < 2 ms); HTTP floor $(p99 "$floor") ms; ratio $(python3 -c "print(round($(p99 "$at5k")/max($(p99 "$floor"),0.001),2))")"
 best=0
-for rate in 10000 15000 20000 25000 30000 40000; do
-  line="$("$load" "$hport" "$rate" "$secs" 128 20000)"
+for rate in 6000 7000 8000 9000 10000 12000 15000 20000; do
+  line="$("$load" "$hport" "$rate" "$secs" 64 20000)"
   echo "check $rate/s: $line"
   p="$(p99 "$line")"
   errors="$(sed -E 's/.* errors ([0-9]+).*/\1/' <<<"$line")"

@@ -707,7 +707,8 @@ async fn hashed_numbers_agree_online_and_offline_and_never_leave_the_process() {
         let f: Vec<&str> = line.split(',').collect();
         let o = &online[f[0]];
         assert_eq!(
-            o["caller"], f[col("caller")],
+            o["caller"],
+            f[col("caller")],
             "call {}: the same pseudonym online",
             f[0]
         );

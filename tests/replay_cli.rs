@@ -91,8 +91,14 @@ fn parquet_output_holds_the_same_records() {
     };
     let retry = text(&a);
     assert_eq!(retry, text(&b));
-    assert!(retry.iter().any(|r| !r.is_empty()), "some rejects carry a retry-after");
-    let (a, b) = (a.drop("retry_after_ms").unwrap(), b.drop("retry_after_ms").unwrap());
+    assert!(
+        retry.iter().any(|r| !r.is_empty()),
+        "some rejects carry a retry-after"
+    );
+    let (a, b) = (
+        a.drop("retry_after_ms").unwrap(),
+        b.drop("retry_after_ms").unwrap(),
+    );
     assert!(a.equals(&b), "parquet and csv outputs differ");
 }
 

@@ -89,7 +89,10 @@ fn check_against_reference(seed: u64, n: usize, callers: usize) -> Result<(), Te
 /// retry-afters (a search over every later millisecond: short windows only).
 fn check_case(
     seed: u64,
-    (rules, events): (callguard::engine::rules::RuleSet, Vec<callguard::engine::event::CallEvent>),
+    (rules, events): (
+        callguard::engine::rules::RuleSet,
+        Vec<callguard::engine::event::CallEvent>,
+    ),
     retry: bool,
 ) -> Result<(), TestCaseError> {
     let expected = if retry {
@@ -162,7 +165,10 @@ fn retry_after_is_checked_for_every_rule_kind_and_policy() {
     }
     for kind in 0..3 {
         for attempts in [false, true] {
-            assert!(seen.contains(&(kind, attempts, false)), "kind {kind} attempts {attempts} never rejected");
+            assert!(
+                seen.contains(&(kind, attempts, false)),
+                "kind {kind} attempts {attempts} never rejected"
+            );
         }
     }
     assert!(seen.iter().any(|s| s.2), "no late reject");

@@ -152,13 +152,12 @@ fn checks_over_http_equal_replay_post_and_get() {
             let got = r.json();
             dups += usize::from(got["duplicate"] == true);
             rejects += usize::from(got["decision"] == "reject");
-            assert_eq!(
-                record(got),
-                expected[i],
-                "seed {seed} event #{i} {e:?}"
-            );
+            assert_eq!(record(got), expected[i], "seed {seed} event #{i} {e:?}");
         }
-        assert!(rejects > 0 && dups > 0, "seed {seed}: {rejects} rejects, {dups} duplicates");
+        assert!(
+            rejects > 0 && dups > 0,
+            "seed {seed}: {rejects} rejects, {dups} duplicates"
+        );
     }
 }
 
@@ -194,9 +193,15 @@ fn racing_retransmissions_of_a_call_are_decided_once() {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let firsts = answers.iter().filter(|a| a["duplicate"] == false).count();
-        assert_eq!(firsts, 1, "call {call}: one request decides, the others get its record");
+        assert_eq!(
+            firsts, 1,
+            "call {call}: one request decides, the others get its record"
+        );
         let records: Vec<_> = answers.into_iter().map(record).collect();
-        assert!(records.windows(2).all(|w| w[0] == w[1]), "call {call}: {records:?}");
+        assert!(
+            records.windows(2).all(|w| w[0] == w[1]),
+            "call {call}: {records:?}"
+        );
         // Each call was counted once: the count climbs by one per call.
         assert_eq!(records[0]["count_minute"], call + 1, "call {call}");
         let expect = if call < 5 { "allow" } else { "reject" };
@@ -280,7 +285,10 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
         (r#"{"call_id":"x","ts":1764547200000}"#, "missing_field"),
         (r#"{"call_id":"x","caller":"+34911","#, "bad_json"),
         (r#"{"call_id":"x","caller":"not a number"}"#, "bad_number"),
-        (r#"{"call_id":"x","caller":"+34911000003","ts":4102444800000}"#, "ts_out_of_range"),
+        (
+            r#"{"call_id":"x","caller":"+34911000003","ts":4102444800000}"#,
+            "ts_out_of_range",
+        ),
         (r#"{"call_id":["x"],"caller":"+34911000003"}"#, "wrong_type"),
     ];
     for (body, kind) in cases {
@@ -295,7 +303,10 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
     assert_eq!(r.json()["kind"], "missing_field");
     // Oversized bodies are refused before decoding.
     let mut big = HttpConn::connect(served.port);
-    let r = big.post("/v1/check", &format!(r#"{{"call_id":"{}"}}"#, "x".repeat(4096)));
+    let r = big.post(
+        "/v1/check",
+        &format!(r#"{{"call_id":"{}"}}"#, "x".repeat(4096)),
+    );
     assert_eq!(r.status, 413);
     // Without `ts` the server's clock decides the time.
     let before = chrono::Utc::now().timestamp_millis();
@@ -303,7 +314,10 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
     let after = chrono::Utc::now().timestamp_millis();
     assert_eq!(r.status, 200, "{}", r.body);
     let ts = r.json()["ts_ms"].as_i64().unwrap();
-    assert!((before..=after).contains(&ts), "{before} <= {ts} <= {after}");
+    assert!(
+        (before..=after).contains(&ts),
+        "{before} <= {ts} <= {after}"
+    );
 }
 
 #[test]

@@ -65,7 +65,10 @@ fn start_serve(redis: &RedisServer, rules: &Path, extra: &[&str]) -> (Proc, u16)
     let p = Proc(child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
-        assert!(Instant::now() < deadline, "callguard serve not ready in 20 s");
+        assert!(
+            Instant::now() < deadline,
+            "callguard serve not ready in 20 s"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     (p, port)
@@ -73,7 +76,10 @@ fn start_serve(redis: &RedisServer, rules: &Path, extra: &[&str]) -> (Proc, u16)
 
 /// Kamailio with `config` on a free UDP port, answering OPTIONS.
 fn start_kamailio(dir: &Path, config: &str, defines: &[String]) -> (Proc, u16) {
-    require("kamailio", "kamailio kamailio-utils-modules kamailio-redis-modules");
+    require(
+        "kamailio",
+        "kamailio kamailio-utils-modules kamailio-redis-modules",
+    );
     let port = free_udp_port();
     let run = dir.join("run");
     std::fs::create_dir_all(&run).unwrap();
@@ -107,7 +113,8 @@ fn start_kamailio(dir: &Path, config: &str, defines: &[String]) -> (Proc, u16) {
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut buf = [0u8; 2048];
     loop {
-        sock.send_to(options.as_bytes(), ("127.0.0.1", port)).unwrap();
+        sock.send_to(options.as_bytes(), ("127.0.0.1", port))
+            .unwrap();
         if let Ok(n) = sock.recv(&mut buf) {
             if String::from_utf8_lossy(&buf[..n]).starts_with("SIP/2.0 200") {
                 return (p, port);
@@ -132,7 +139,13 @@ struct SipCall {
 
 /// Runs SIPp's check scenario: one call per line of `callers` (caller,
 /// callee), one at a time, at `rate` calls/s; the answers it logged.
-fn run_sipp(dir: &Path, name: &str, sip_port: u16, callers: &[(&str, &str)], rate: u32) -> Vec<SipCall> {
+fn run_sipp(
+    dir: &Path,
+    name: &str,
+    sip_port: u16,
+    callers: &[(&str, &str)],
+    rate: u32,
+) -> Vec<SipCall> {
     require("sipp", "sip-tester");
     let inf = dir.join(format!("{name}.csv"));
     let mut text = String::from("SEQUENTIAL\n");
@@ -147,9 +160,22 @@ fn run_sipp(dir: &Path, name: &str, sip_port: u16, callers: &[(&str, &str)], rat
         .arg(repo("integrations/sipp/uac-check.xml"))
         .arg("-inf")
         .arg(&inf)
-        .args(["-m", &callers.len().to_string(), "-l", "1", "-r", &rate.to_string()])
+        .args([
+            "-m",
+            &callers.len().to_string(),
+            "-l",
+            "1",
+            "-r",
+            &rate.to_string(),
+        ])
         .args(["-i", "127.0.0.1", "-p", &free_udp_port().to_string()])
-        .args(["-nostdin", "-timeout", "60s", "-timeout_error", "-trace_logs"])
+        .args([
+            "-nostdin",
+            "-timeout",
+            "60s",
+            "-timeout_error",
+            "-trace_logs",
+        ])
         .arg("-log_file")
         .arg(&log)
         .current_dir(dir)
@@ -194,7 +220,11 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
     .unwrap();
     let (_serve, http) = start_serve(&redis, &rules, &["--reject-status", "429"]);
     let url = format!("CALLGUARD_URL=\"http://127.0.0.1:{http}/v1/check\"");
-    let (_kam, sip) = start_kamailio(dir.path(), "integrations/kamailio/callguard-http.cfg", &[url]);
+    let (_kam, sip) = start_kamailio(
+        dir.path(),
+        "integrations/kamailio/callguard-http.cfg",
+        &[url],
+    );
 
     // A robocaller (8 calls), a busy subscriber (4), a quiet one (2), interleaved.
     let (a, b, c) = ("+34911000101", "+34911000102", "+34911000103");
@@ -227,9 +257,16 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
         assert_eq!(call.status, want, "{call:?} vs {v}");
         if want == 603 {
             let ms = v["retry_after_ms"].as_u64().unwrap();
-            assert_eq!(call.retry_after_s, Some(ms.div_ceil(1000)), "{call:?} vs {v}");
+            assert_eq!(
+                call.retry_after_s,
+                Some(ms.div_ceil(1000)),
+                "{call:?} vs {v}"
+            );
         }
-        log.push_str(&format!("\"{}\",{},{}\n", call.call_id, call.caller, v["ts_ms"]));
+        log.push_str(&format!(
+            "\"{}\",{},{}\n",
+            call.call_id, call.caller, v["ts_ms"]
+        ));
         records.insert(call.call_id.clone(), v);
     }
     let declined: Vec<&str> = calls
@@ -237,7 +274,11 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
         .filter(|c| c.status == 603)
         .map(|c| c.caller.as_str())
         .collect();
-    assert_eq!(declined.len(), 5 + 1, "a: 5 over the limit, b: 1, c: none ({declined:?})");
+    assert_eq!(
+        declined.len(),
+        5 + 1,
+        "a: 5 over the limit, b: 1, c: none ({declined:?})"
+    );
     assert!(!declined.contains(&c));
 
     // The same calls through `callguard replay` decide the same.
@@ -259,13 +300,18 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
     let mut lines = replayed.lines();
     let header: Vec<&str> = lines.next().unwrap().split(',').collect();
     let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
-    let (id_col, decision_col, retry_col) = (col("call_id"), col("decision"), col("retry_after_ms"));
+    let (id_col, decision_col, retry_col) =
+        (col("call_id"), col("decision"), col("retry_after_ms"));
     let mut n = 0;
     for line in lines {
         let f: Vec<&str> = line.split(',').collect();
         let v = &records[f[id_col].trim_matches('"')];
         assert_eq!(v["decision"], f[decision_col], "{line}");
-        assert_eq!(v["retry_after_ms"].to_string().replace("null", ""), f[retry_col], "{line}");
+        assert_eq!(
+            v["retry_after_ms"].to_string().replace("null", ""),
+            f[retry_col],
+            "{line}"
+        );
         n += 1;
     }
     assert_eq!(n, calls.len());
@@ -282,7 +328,10 @@ fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
     )
     .unwrap();
     let (_serve, http) = start_serve(&redis, &rules, &["--block-keys"]);
-    let server = format!("REDIS_SERVER=\"name=cg;addr=127.0.0.1;port={}\"", redis.port);
+    let server = format!(
+        "REDIS_SERVER=\"name=cg;addr=127.0.0.1;port={}\"",
+        redis.port
+    );
     let (_kam, sip) = start_kamailio(
         dir.path(),
         "integrations/kamailio/callguard-blockkey.cfg",
@@ -295,7 +344,10 @@ fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
     let mut last = serde_json::Value::Null;
     for i in 0..3 {
         last = conn
-            .post("/v1/check", &format!(r#"{{"call_id":"k{i}","caller":"{a}"}}"#))
+            .post(
+                "/v1/check",
+                &format!(r#"{{"call_id":"k{i}","caller":"{a}"}}"#),
+            )
             .json();
     }
     assert_eq!(last["decision"], "reject", "{last}");
@@ -311,17 +363,34 @@ fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
     };
     let before = decided(&mut conn);
 
-    let calls = run_sipp(dir.path(), "blocked", sip, &[(a, "+34600000001"), (b, "+34600000002")], 10);
+    let calls = run_sipp(
+        dir.path(),
+        "blocked",
+        sip,
+        &[(a, "+34600000001"), (b, "+34600000002")],
+        10,
+    );
     assert_eq!(calls[0].status, 603, "{:?}", calls[0]);
-    assert!(calls[0].retry_after_s.is_some_and(|s| (1..=3).contains(&s)), "{:?}", calls[0]);
+    assert!(
+        calls[0].retry_after_s.is_some_and(|s| (1..=3).contains(&s)),
+        "{:?}",
+        calls[0]
+    );
     assert_eq!(calls[1].status, 200, "{:?}", calls[1]);
-    assert_eq!(decided(&mut conn), before, "Kamailio decided without callguard");
+    assert_eq!(
+        decided(&mut conn),
+        before,
+        "Kamailio decided without callguard"
+    );
 
     // Once the key expires, a's next call goes through.
     let key = format!("PTTL cg:block:{{{a}}}");
     let deadline = Instant::now() + Duration::from_secs(10);
     while !raw_command(redis.port, &key).is_some_and(|r| r.starts_with(":-2")) {
-        assert!(Instant::now() < deadline, "block key still there after 10 s");
+        assert!(
+            Instant::now() < deadline,
+            "block key still there after 10 s"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let calls = run_sipp(dir.path(), "expired", sip, &[(a, "+34600000001")], 10);

@@ -581,7 +581,10 @@ mod tests {
         let text = "deny = [\"+34911\"]\n[[rule]]\nname = \"r\"\nkind = \"sliding\"\nwindow = \"10s\"\nlimit = 1\n";
         let rules = RuleSet::from_toml(text).unwrap();
         let v = CallerState::default().apply(&rules, &call("d", T0));
-        assert_eq!((v.record.decision, v.record.retry_after_ms), (Decision::Reject, None));
+        assert_eq!(
+            (v.record.decision, v.record.retry_after_ms),
+            (Decision::Reject, None)
+        );
         let text = "shadow = true\n[[rule]]\nname = \"r\"\nkind = \"sliding\"\nwindow = \"10s\"\nlimit = 1\n";
         let rules = RuleSet::from_toml(text).unwrap();
         let mut s = CallerState::default();

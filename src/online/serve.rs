@@ -39,6 +39,7 @@ use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
+use axum::serve::ListenerExt;
 use axum::Router;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::json;
@@ -189,6 +190,12 @@ pub async fn run<S: WindowStore + 'static>(
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "check API on /v1/check; metrics on /metrics, health on /healthz and /readyz");
     }
+    // No Nagle delay on answers: a switch waits on each one.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            warn!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
     if let Err(e) = axum::serve(listener, app)
         .with_graceful_shutdown(shutdown)
         .await
@@ -340,9 +347,7 @@ async fn batcher<S: WindowStore>(
         metrics.batch_size.observe(events.len() as f64);
         let start = Instant::now();
         let result = store.apply_batch(&current, &events).await;
-        metrics
-            .store_latency
-            .observe(start.elapsed().as_secs_f64());
+        metrics.store_latency.observe(start.elapsed().as_secs_f64());
         let verdicts = match result {
             Ok(v) => {
                 health.store_ok.store(true, Ordering::Relaxed);
@@ -359,9 +364,9 @@ async fn batcher<S: WindowStore>(
                     StoreErrorPolicy::Block => {
                         warn!(error = %why, calls = jobs.len(), "store failed; answering 503");
                         for j in jobs.drain(..) {
-                            let _ = j.reply.send(Outcome::Unavailable(format!(
-                                "window store failed: {why}"
-                            )));
+                            let _ = j
+                                .reply
+                                .send(Outcome::Unavailable(format!("window store failed: {why}")));
                         }
                         continue;
                     }
@@ -400,7 +405,10 @@ fn publish(
     let features = Schema::features(rules);
     let mut pending = Vec::new();
     for (e, v) in events.iter().zip(verdicts).filter(|(_, v)| !v.duplicate) {
-        let row = Row { event: e, verdict: v };
+        let row = Row {
+            event: e,
+            verdict: v,
+        };
         let out = [
             (&topics.events, event_json(e)),
             (&topics.decisions, decisions.to_json(row).to_string()),

@@ -209,7 +209,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                 .count() as u64
         });
         let shadow = rules.shadow && would == Decision::Reject;
-        let expected = Expected {
+        Expected {
             ts_ms: t,
             decision: if shadow { Decision::Allow } else { would },
             reason,
@@ -220,7 +220,6 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
             distinct_callees,
             duplicate: false,
             retry_after_ms: None,
-        };
-        expected
+        }
     }
 }
