@@ -359,3 +359,80 @@ fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn decided_calls_are_produced_like_consumed_ones() {
+    use callguard::online::serve::ServeTopics;
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) =
+        common::kafka::mock_cluster(&[("calls", 4), ("call-decisions", 4), ("call-features", 4)]);
+    let rules = RuleSet::from_args(
+        None,
+        &["burst:fixed:1s:2".into(), "minute:sliding:60s:5".into()],
+    )
+    .unwrap();
+    let served = Served::start(
+        ServeConfig {
+            topics: Some(ServeTopics {
+                brokers: brokers.clone(),
+                settings: vec![],
+                events: "calls".into(),
+                decisions: "call-decisions".into(),
+                features: "call-features".into(),
+            }),
+            ..config()
+        },
+        redis_config(&redis),
+        rules.clone(),
+    );
+    let (_, events) = random::case(5, 300, 4);
+    let mut conn = served.conn();
+    let mut answered = std::collections::HashMap::new();
+    for e in &events {
+        let v = conn.post("/v1/check", &event_json(e)).json();
+        if v["duplicate"] == false {
+            answered.insert(e.call_id.clone(), record(v));
+        }
+    }
+    assert!(answered.len() > 200, "{} decided", answered.len());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let timeout = Duration::from_secs(30);
+    let n = answered.len();
+    let decisions = rt.block_on(common::kafka::read_decisions(
+        &brokers,
+        "call-decisions",
+        n,
+        timeout,
+    ));
+    let features = rt.block_on(common::kafka::read_decisions(
+        &brokers,
+        "call-features",
+        n,
+        timeout,
+    ));
+    let produced = rt.block_on(common::kafka::read_topic(&brokers, "calls", timeout, {
+        let mut seen = 0;
+        move |_| {
+            seen += 1;
+            seen >= n
+        }
+    }));
+    // Exactly the decided calls, once each, with the records answered.
+    assert_eq!(decisions.len(), n);
+    assert_eq!(common::kafka::by_call_id(&decisions), answered);
+    let features = common::kafka::by_call_id(&features);
+    assert_eq!(features.len(), n);
+    for (id, f) in &features {
+        assert_eq!(f["decision"], answered[id]["decision"], "{id}");
+        assert_eq!(f["retry_after_ms"], answered[id]["retry_after_ms"], "{id}");
+    }
+    // The events topic replays to the same records (a caller's events are
+    // in one partition, in the order they were decided).
+    assert_eq!(produced.len(), n);
+    let decoder = callguard::engine::event::Decoder::default();
+    let replayed: Vec<CallEvent> = produced
+        .iter()
+        .map(|m| decoder.decode_json(&m.payload).unwrap())
+        .collect();
+    assert_eq!(common::replay_records(&replayed, &rules), answered);
+}

@@ -22,6 +22,14 @@ pub struct KafkaArgs {
     /// in-process mock cluster (topics are created on it).
     #[arg(long, env = "CALLGUARD_BROKERS", default_value = "localhost:9092")]
     pub brokers: String,
+    /// librdkafka settings.
+    #[command(flatten)]
+    pub settings: KafkaSettingsArgs,
+}
+
+/// Extra librdkafka settings (`-X`).
+#[derive(Debug, Clone, Args)]
+pub struct KafkaSettingsArgs {
     /// Any librdkafka setting, KEY=VALUE (SASL, SSL, client.id, ...);
     /// repeatable. Values are taken whole (a password may contain `;`). In
     /// CALLGUARD_KAFKA_SETTINGS, put one setting per line. Never echoed.
@@ -33,6 +41,13 @@ pub struct KafkaArgs {
         hide_env_values = true
     )]
     pub settings: Vec<String>,
+}
+
+impl KafkaSettingsArgs {
+    /// The settings as (key, value) pairs.
+    pub fn parse(&self) -> Result<Vec<(String, String)>, callguard::error::KafkaError> {
+        callguard::online::kafka::parse_settings(&self.settings)
+    }
 }
 
 /// Input layouts.

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
 use callguard::online::consumer::{self, ConsumeConfig, StoreErrorPolicy};
-use callguard::online::kafka::{parse_settings, EmbeddedKafka};
+use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{self, Health, Metrics};
 use callguard::online::reload;
 
@@ -86,6 +86,16 @@ pub enum PolicyArg {
     Reject,
 }
 
+impl From<PolicyArg> for StoreErrorPolicy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Block => StoreErrorPolicy::Block,
+            PolicyArg::Allow => StoreErrorPolicy::Allow,
+            PolicyArg::Reject => StoreErrorPolicy::Reject,
+        }
+    }
+}
+
 impl ConsumeArgs {
     /// The consumer configuration for these bootstrap servers.
     fn config(&self, brokers: &str) -> Result<ConsumeConfig> {
@@ -97,14 +107,10 @@ impl ConsumeArgs {
             &self.features_topic,
             &self.dlq_topic,
         );
-        config.kafka_settings = parse_settings(&self.kafka.settings)?;
+        config.kafka_settings = self.kafka.settings.parse()?;
         config.batch_size = self.batch_size.max(1);
         config.max_in_flight = self.max_in_flight.max(1);
-        config.on_store_error = match self.on_store_error {
-            PolicyArg::Block => StoreErrorPolicy::Block,
-            PolicyArg::Allow => StoreErrorPolicy::Allow,
-            PolicyArg::Reject => StoreErrorPolicy::Reject,
-        };
+        config.on_store_error = self.on_store_error.into();
         config.max_payload_bytes = self.max_payload_bytes;
         config.decoder = self.decoder.decoder()?;
         self.privacy.apply(&mut config.decoder)?;
@@ -199,7 +205,10 @@ mod tests {
     #[test]
     fn kafka_settings_keep_semicolons() {
         let c = consume(&["-X", "sasl.password=pa;ss", "-X", "client.id=cg"]);
-        assert_eq!(c.kafka.settings, ["sasl.password=pa;ss", "client.id=cg"]);
+        assert_eq!(
+            c.kafka.settings.settings,
+            ["sasl.password=pa;ss", "client.id=cg"]
+        );
     }
 
     #[test]

@@ -5,7 +5,6 @@ use clap::Args;
 
 use callguard::offline::order::{OrderedLog, CHUNK_ROWS};
 use callguard::online::consumer::DEFAULT_INPUT_TOPIC;
-use callguard::online::kafka::parse_settings;
 use callguard::online::produce::Loader;
 
 use crate::cmd::args::{InputArgs, KafkaArgs};
@@ -30,7 +29,7 @@ pub struct ProduceArgs {
 pub async fn run(args: ProduceArgs) -> Result<()> {
     let progress = progress_wanted();
     let log = OrderedLog::open(&args.input.input, &args.input.read_options(progress)?)?;
-    let settings = parse_settings(&args.kafka.settings)?;
+    let settings = args.kafka.settings.parse()?;
     let mut loader = Loader::new(
         &args.kafka.brokers,
         &settings,

@@ -7,13 +7,14 @@ use anyhow::{Context, Result};
 use axum::http::StatusCode;
 use clap::{Args, ValueEnum};
 
-use callguard::online::consumer::{self, StoreErrorPolicy};
-use callguard::online::kafka::parse_settings;
+use callguard::online::consumer;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::reload;
 use callguard::online::serve::{self, ServeConfig, ServeTopics};
 
-use crate::cmd::args::{DecoderArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::args::{
+    DecoderArgs, KafkaSettingsArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind,
+};
 use crate::cmd::consume::PolicyArg;
 use crate::cmd::shutdown_signal;
 
@@ -72,15 +73,9 @@ pub struct ServeArgs {
     /// servers HOST:PORT,... Off when not given.
     #[arg(long, env = "CALLGUARD_BROKERS")]
     pub brokers: Option<String>,
-    /// Any librdkafka setting, KEY=VALUE; repeatable (see `consume`).
-    #[arg(
-        short = 'X',
-        value_name = "KEY=VALUE",
-        env = "CALLGUARD_KAFKA_SETTINGS",
-        value_delimiter = '\n',
-        hide_env_values = true
-    )]
-    pub settings: Vec<String>,
+    /// librdkafka settings (with `--brokers`).
+    #[command(flatten)]
+    pub settings: KafkaSettingsArgs,
     /// Topic the decided calls' events go to.
     #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = consumer::DEFAULT_INPUT_TOPIC)]
     pub events_topic: String,
@@ -113,7 +108,7 @@ impl ServeArgs {
         let topics = match &self.brokers {
             Some(brokers) => Some(ServeTopics {
                 brokers: brokers.clone(),
-                settings: parse_settings(&self.settings)?,
+                settings: self.settings.parse()?,
                 events: self.events_topic.clone(),
                 decisions: self.decisions_topic.clone(),
                 features: self.features_topic.clone(),
@@ -122,11 +117,7 @@ impl ServeArgs {
         };
         Ok(ServeConfig {
             decoder,
-            on_store_error: match self.on_store_error {
-                PolicyArg::Block => StoreErrorPolicy::Block,
-                PolicyArg::Allow => StoreErrorPolicy::Allow,
-                PolicyArg::Reject => StoreErrorPolicy::Reject,
-            },
+            on_store_error: self.on_store_error.into(),
             reject_status: self.reject_status.map(|s| match s {
                 RejectStatus::Forbidden => StatusCode::FORBIDDEN,
                 RejectStatus::TooMany => StatusCode::TOO_MANY_REQUESTS,

@@ -210,8 +210,8 @@ fn sliding_rejects_until(log: &VecDeque<i64>, w: i64, n: u64, t: i64) -> Option<
 fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i64) -> Option<i64> {
     let wu = w as u128;
     // Within a bucket the estimate is floor(x * (w - r - 1) / w) + extra,
-    // over the limit while x * (w - r - 1) >= (n - extra + 1) * w... i.e. the
-    // last rejecting offset is w - 1 - ceil((n + 1 - extra) * w / x).
+    // over the limit while x * (w - r - 1) >= (n - extra + 1) * w, so the
+    // last rejecting offset is w - 1 - ceil((n - extra + 1) * w / x).
     let last_offset = |x: u64, extra: u64| -> Option<i64> {
         if extra > n {
             return Some(w - 1);
@@ -219,20 +219,23 @@ fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i
         if x == 0 {
             return None;
         }
-        let need = (n + 1 - extra) as u128 * wu;
+        let need = (n - extra + 1) as u128 * wu; // 1 <= extra <= n here
         let ceil = need.div_ceil(x as u128);
         let r = wu.checked_sub(1)?.checked_sub(ceil)?;
         Some(r as i64)
     };
     let start = |b: i64| b.saturating_mul(w);
     let segments = [
-        (cb + 1, last_offset(cur, 1)),
-        (cb, last_offset(prev, cur + 1)),
-        (cb - 1, (prev + 1 > n).then_some(w - 1)),
+        (cb.saturating_add(1), last_offset(cur, 1)),
+        (cb, last_offset(prev, cur.saturating_add(1))),
+        (
+            cb.saturating_sub(1),
+            (prev.saturating_add(1) > n).then_some(w - 1),
+        ),
     ];
     for (b, offset) in segments {
         if let Some(r) = offset {
-            let s = start(b).saturating_add(r).min(expires - 1);
+            let s = start(b).saturating_add(r).min(expires.saturating_sub(1));
             if s >= start(b) {
                 return Some(s);
             }
@@ -351,7 +354,7 @@ impl CallerState {
                     .iter()
                     .rev()
                     .find(|(&b, &c)| c >= n && bucket_end(b, w, rules.grace_ms) > l_new)
-                    .map(|(&b, _)| b.saturating_add(1).saturating_mul(w) - 1),
+                    .map(|(&b, _)| b.saturating_add(1).saturating_mul(w).saturating_sub(1)),
                 WindowKind::SlidingApprox => {
                     let a = *slot(&mut self.approx, rule);
                     a.bucket
@@ -362,7 +365,7 @@ impl CallerState {
                 last = last.max(s);
             }
         }
-        last + 1 - t
+        last.saturating_add(1).saturating_sub(t)
     }
 
     /// The record a call id got before, if it is newer than the idempotency
