@@ -436,3 +436,63 @@ fn decided_calls_are_produced_like_consumed_ones() {
         .collect();
     assert_eq!(common::replay_records(&replayed, &rules), answered);
 }
+
+#[test]
+fn the_binary_takes_its_settings_from_the_environment_and_reloads_rules() {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    let write = |limit: u32| {
+        std::fs::write(
+            &rules,
+            format!(
+                "[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = {limit}\n"
+            ),
+        )
+        .unwrap()
+    };
+    write(1);
+    let port = common::free_port();
+    let mut child = std::process::Command::new(common::bin())
+        .arg("serve")
+        .env("CALLGUARD_LISTEN", format!("127.0.0.1:{port}"))
+        .env("CALLGUARD_REDIS_URL", redis.url())
+        .env("CALLGUARD_RULES", &rules)
+        .env("CALLGUARD_REJECT_STATUS", "403")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(std::time::Instant::now() < deadline, "serve not ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut conn = HttpConn::connect(port);
+    let check = |conn: &mut HttpConn, id: &str| {
+        conn.post(
+            "/v1/check",
+            &format!(r#"{{"call_id":"{id}","caller":"+34911000009"}}"#),
+        )
+    };
+    assert_eq!(check(&mut conn, "a").status, 200);
+    let second = check(&mut conn, "b");
+    assert_eq!(second.status, 403, "limit 1: {}", second.body);
+    let first_version = second.json()["rules_version"].clone();
+    // A changed rules file is picked up without a restart.
+    write(100);
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let r = check(&mut conn, &format!("c{n}"));
+        if r.json()["rules_version"] != first_version {
+            assert_eq!(r.status, 200, "limit 100: {}", r.body);
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "rules not reloaded");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
