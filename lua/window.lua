@@ -18,8 +18,10 @@
 --                retry-after, set to the reason with that TTL (ARGV[17])
 --   KEYS[6+i]    rule i's fixed-window counter for the event's bucket, named
 --                <...>:<bucket> (any caller key for other kinds; not touched).
---                A reject reads the counters of the live buckets after it,
---                named alike (same hash tag, so the same Cluster slot).
+--                A reject reads the counters of the live buckets from the
+--                event's to the latest one, named alike (same hash tag, so
+--                the same Cluster slot): one for calls in time order, at
+--                most min(L' - t, grace) / W + 2 for a late one.
 -- ARGV:
 --   1 t (event time, ms)        2 call_id           3 listed: 0 no, 1 allow, 2 deny
 --   4 policy: 0 attempts, 1 admitted               5 grace (ms)
