@@ -8,7 +8,13 @@
 //!    and what 20 distinct callees add (the distinct-callees feature);
 //! 2. events/s through the pipelined batch API, beside `redis-benchmark`
 //!    running the same script with the same pipelining depth (the Redis
-//!    ceiling for that script) in the same run, as a ratio.
+//!    ceiling for that script) in the same run, as a ratio;
+//! 3. the store's events/s with one sliding rule and with `data/rules.toml`
+//!    (three rules, idempotency and distinct callees on) beside the seeds'
+//!    one-key sliding-window script (ZREMRANGEBYSCORE, ZCARD, ZADD,
+//!    PEXPIRE) through `redis-benchmark` (pipeline 256, 8 clients, 100,000
+//!    keys): the median of 3 alternating rounds, the ratios, and Redis CPU
+//!    microseconds per event (`INFO cpu` deltas). Issue #13's yardstick.
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -209,6 +215,123 @@ async fn main() {
     println!("| callguard batch API (1 connection) | {ours:.0} |");
     println!("| redis-benchmark, same script (1 connection) | {peer:.0} |");
     println!("\nratio callguard / redis-benchmark: {:.2}", ours / peer);
+
+    ceiling_comparison(&mut con, &url, port, total).await;
     let _ = server.kill();
     let _ = server.wait();
+}
+
+/// The seeds' one-key sliding-window script: the simple ceiling.
+const SEEDS_SCRIPT: &str =
+    "redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, tonumber(ARGV[1]) - tonumber(ARGV[2])) \
+local c = redis.call('ZCARD', KEYS[1]) \
+if c < tonumber(ARGV[3]) then redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4]) \
+redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end return 0";
+
+/// Redis CPU seconds so far (user + system).
+fn redis_cpu(con: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("cpu").query(con).expect("INFO cpu");
+    info.lines()
+        .filter_map(|l| {
+            l.strip_prefix("used_cpu_sys:")
+                .or_else(|| l.strip_prefix("used_cpu_user:"))
+        })
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Events/s and Redis CPU µs per event of the seeds' script.
+fn seeds_round(con: &mut redis::Connection, port: u16, total: usize) -> (f64, f64) {
+    let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
+    let sha: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(SEEDS_SCRIPT)
+        .query(con)
+        .expect("load");
+    let cpu = redis_cpu(con);
+    let out = Command::new("redis-benchmark")
+        .args(["-p", &port.to_string(), "-n", &total.to_string()])
+        .args(["-P", "256", "-c", "8", "-r", "100000", "-q"])
+        .args(["EVALSHA", &sha, "1", "seed:__rand_int__"])
+        .arg(T0.to_string())
+        .args(["60000", "20", "__rand_int__"])
+        .output()
+        .expect("redis-benchmark (package redis-tools) must be installed");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rate: f64 = text
+        .split_whitespace()
+        .zip(text.split_whitespace().skip(1))
+        .find(|(_, b)| *b == "requests")
+        .and_then(|(a, _)| a.parse().ok())
+        .unwrap_or_else(|| panic!("cannot read redis-benchmark output: {text}"));
+    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64)
+}
+
+/// Events/s and Redis CPU µs per event of the store on `rules`.
+async fn store_round(
+    con: &mut redis::Connection,
+    url: &str,
+    rules: &RuleSet,
+    total: usize,
+) -> (f64, f64) {
+    let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
+    let mut store = RedisStore::connect(RedisConfig {
+        urls: vec![url.to_string()],
+        ..RedisConfig::default()
+    })
+    .await
+    .expect("connect");
+    let events: Vec<CallEvent> = (0..total)
+        .map(|i| {
+            let mut e = event(i % 100_000, i, T0 + (i as i64) * 2);
+            e.callee = Some(format!("+3491{:07}", i % 5_000));
+            e
+        })
+        .collect();
+    let cpu = redis_cpu(con);
+    let start = Instant::now();
+    for chunk in events.chunks(PIPELINE) {
+        store.apply_batch(rules, chunk).await.expect("apply");
+    }
+    let rate = total as f64 / start.elapsed().as_secs_f64();
+    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64)
+}
+
+fn median(mut v: Vec<(f64, f64)>) -> (f64, f64) {
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v[v.len() / 2]
+}
+
+/// Section 3: the store against the seeds' one-key script, same run.
+async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, total: usize) {
+    let one = RuleSet::from_args(None, &["minute:sliding:60s:20".into()]).expect("rules");
+    let three = RuleSet::from_toml(include_str!("../data/rules.toml")).expect("rules");
+    let (mut seeds, mut s1, mut s3) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..3 {
+        seeds.push(seeds_round(con, port, total));
+        s1.push(store_round(con, url, &one, total).await);
+        s3.push(store_round(con, url, &three, total).await);
+    }
+    let (seeds, s1, s3) = (median(seeds), median(s1), median(s3));
+    println!(
+        "\n## Against the seeds' one-key sliding script, {total} events, median of 3 rounds\n"
+    );
+    println!("| what | events/s | ratio to the seeds' script | Redis CPU µs/event |");
+    println!("|---|---|---|---|");
+    println!(
+        "| seeds' script (redis-benchmark, P 256, 8 clients) | {:.0} | 1.00 | {:.1} |",
+        seeds.0, seeds.1
+    );
+    println!(
+        "| store, 1 sliding rule | {:.0} | {:.2} | {:.1} |",
+        s1.0,
+        s1.0 / seeds.0,
+        s1.1
+    );
+    println!(
+        "| store, data/rules.toml (3 rules) | {:.0} | {:.2} | {:.1} |",
+        s3.0,
+        s3.0 / seeds.0,
+        s3.1
+    );
 }
