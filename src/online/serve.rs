@@ -51,6 +51,7 @@ use crate::engine::event::{CallEvent, Decoder};
 use crate::engine::record::{Decision, Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, KafkaError};
+use crate::online::consumer::encode::{check_future_skew, now_ms};
 use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
@@ -143,12 +144,6 @@ struct AppState {
     metrics: Arc<Metrics>,
 }
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
 /// Serves the check API on `listener` until `shutdown` resolves, then
 /// answers the requests already queued and returns.
 pub async fn run<S: WindowStore + 'static>(
@@ -219,7 +214,7 @@ async fn check_post(State(s): State<AppState>, body: Bytes) -> Response {
         .config
         .decoder
         .decode_json_at(&body, Some(now_ms()))
-        .and_then(|e| check_skew(e, &s.config));
+        .and_then(|e| check_future_skew(e, s.config.max_future_skew));
     decide(&s, decoded).await
 }
 
@@ -231,25 +226,8 @@ async fn check_get(
         .config
         .decoder
         .decode_fields(&fields, Some(now_ms()))
-        .and_then(|e| check_skew(e, &s.config));
+        .and_then(|e| check_future_skew(e, s.config.max_future_skew));
     decide(&s, decoded).await
-}
-
-/// Refuses event times too far ahead of the wall clock, as `consume` does.
-fn check_skew(e: CallEvent, config: &ServeConfig) -> Result<CallEvent, EventError> {
-    if let Some(skew) = config.max_future_skew {
-        let now = now_ms();
-        if e.ts_ms > now.saturating_add(skew.as_millis() as i64) {
-            return Err(EventError::TsOutOfRange {
-                ts: e.ts_ms,
-                why: format!(
-                    "more than {} s ahead of the wall clock ({now} ms)",
-                    skew.as_secs()
-                ),
-            });
-        }
-    }
-    Ok(e)
 }
 
 async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Response {
@@ -325,6 +303,7 @@ async fn batcher<S: WindowStore>(
 ) {
     let mut current = rules.borrow_and_update().clone();
     let mut schema = Arc::new(Schema::decisions(&current));
+    let mut features = Schema::features(&current);
     let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
     while let Some(first) = rx.recv().await {
         jobs.push(first);
@@ -342,8 +321,10 @@ async fn batcher<S: WindowStore>(
         if rules.has_changed().unwrap_or(false) {
             current = rules.borrow_and_update().clone();
             schema = Arc::new(Schema::decisions(&current));
+            features = Schema::features(&current);
         }
-        let events: Vec<CallEvent> = jobs.iter().map(|j| j.event.clone()).collect();
+        let (events, replies): (Vec<CallEvent>, Vec<_>) =
+            jobs.drain(..).map(|j| (j.event, j.reply)).unzip();
         metrics.batch_size.observe(events.len() as f64);
         let start = Instant::now();
         let result = store.apply_batch(&current, &events).await;
@@ -362,10 +343,9 @@ async fn batcher<S: WindowStore>(
                 }
                 let decision = match config.on_store_error {
                     StoreErrorPolicy::Block => {
-                        warn!(error = %why, calls = jobs.len(), "store failed; answering 503");
-                        for j in jobs.drain(..) {
-                            let _ = j
-                                .reply
+                        warn!(error = %why, calls = replies.len(), "store failed; answering 503");
+                        for reply in replies {
+                            let _ = reply
                                 .send(Outcome::Unavailable(format!("window store failed: {why}")));
                         }
                         continue;
@@ -381,11 +361,18 @@ async fn batcher<S: WindowStore>(
             }
         };
         if let Some((p, topics)) = &producer {
-            publish(p, topics, &current, &events, &verdicts, &metrics);
+            publish(
+                p,
+                topics,
+                (&schema, &features),
+                &events,
+                &verdicts,
+                &metrics,
+            );
         }
-        for (j, v) in jobs.drain(..).zip(verdicts) {
+        for (reply, v) in replies.into_iter().zip(verdicts) {
             metrics.count_decided(&v);
-            let _ = j.reply.send(Outcome::Decided(v, schema.clone()));
+            let _ = reply.send(Outcome::Decided(v, schema.clone()));
         }
     }
 }
@@ -396,13 +383,11 @@ async fn batcher<S: WindowStore>(
 fn publish(
     producer: &FutureProducer,
     topics: &ServeTopics,
-    rules: &RuleSet,
+    (decisions, features): (&Schema, &Schema),
     events: &[CallEvent],
     verdicts: &[Verdict],
     metrics: &Arc<Metrics>,
 ) {
-    let decisions = Schema::decisions(rules);
-    let features = Schema::features(rules);
     let mut pending = Vec::new();
     for (e, v) in events.iter().zip(verdicts).filter(|(_, v)| !v.duplicate) {
         let row = Row {

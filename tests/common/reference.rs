@@ -105,121 +105,119 @@ fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
 /// record it got before).
 fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
     let retention = rules.retention_ms();
+    let t = e.ts_ms;
+    let prior: Vec<&Past> = history.iter().filter(|p| p.caller == e.caller).collect();
+    let latest = prior.iter().map(|p| p.ts).max();
+    let l_new = latest.map_or(t, |l| l.max(t));
+    let h = l_new - retention;
+    if let Some(p) = prior
+        .iter()
+        .rev()
+        .find(|p| p.call_id == e.call_id && p.ts > l_new - rules.dedup_ms())
     {
-        let t = e.ts_ms;
-        let prior: Vec<&Past> = history.iter().filter(|p| p.caller == e.caller).collect();
-        let latest = prior.iter().map(|p| p.ts).max();
-        let l_new = latest.map_or(t, |l| l.max(t));
-        let h = l_new - retention;
-        if let Some(p) = prior
-            .iter()
-            .rev()
-            .find(|p| p.call_id == e.call_id && p.ts > l_new - rules.dedup_ms())
-        {
-            let mut x = p.expected.clone();
-            x.duplicate = true;
-            return x;
-        }
-        let prev = latest.filter(|&l| l > h);
-        // Events since the caller's state last started afresh.
-        let mut epoch_start = 0;
-        {
-            let mut l: Option<i64> = None;
-            for (i, p) in prior.iter().enumerate() {
-                let ln = l.map_or(p.ts, |l| l.max(p.ts));
-                if l.is_none_or(|l| l <= ln - retention) {
-                    epoch_start = i;
-                }
-                l = Some(ln);
+        let mut x = p.expected.clone();
+        x.duplicate = true;
+        return x;
+    }
+    let prev = latest.filter(|&l| l > h);
+    // Events since the caller's state last started afresh.
+    let mut epoch_start = 0;
+    {
+        let mut l: Option<i64> = None;
+        for (i, p) in prior.iter().enumerate() {
+            let ln = l.map_or(p.ts, |l| l.max(p.ts));
+            if l.is_none_or(|l| l <= ln - retention) {
+                epoch_start = i;
             }
+            l = Some(ln);
         }
-        let live: Vec<&&Past> = if prev.is_some() {
-            prior[epoch_start..].iter().collect()
-        } else {
-            Vec::new()
-        };
-        let mut counts = Vec::new();
-        for rule in &rules.rules {
-            let w = rule.window_ms;
-            let b = t.div_euclid(w);
-            let rec_in = |bucket: i64| {
-                live.iter()
-                    .filter(|p| p.recorded && p.ts.div_euclid(w) == bucket)
-                    .count() as u64
-            };
-            let c = match rule.kind {
-                WindowKind::Sliding => {
-                    1 + live
-                        .iter()
-                        .filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t)
-                        .count() as u64
-                }
-                WindowKind::Fixed => {
-                    if (b + 1) * w + rules.grace_ms <= l_new {
-                        1
-                    } else {
-                        1 + rec_in(b)
-                    }
-                }
-                WindowKind::SlidingApprox => {
-                    let bmax = live
-                        .iter()
-                        .map(|p| p.ts.div_euclid(w))
-                        .max()
-                        .map_or(b, |m| m.max(b));
-                    if b == bmax {
-                        let r = t - b * w;
-                        rec_in(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + rec_in(b) + 1
-                    } else if b == bmax - 1 {
-                        rec_in(b) + 1
-                    } else {
-                        1
-                    }
-                }
-            };
-            counts.push(c);
-        }
-        let (would, reason) = match rules.listed(&e.caller) {
-            Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string()),
-            Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string()),
-            Listed::No => match rules.rules.iter().zip(&counts).find(|(r, &c)| c > r.limit) {
-                Some((r, _)) => (Decision::Reject, r.name.clone()),
-                None => (Decision::Allow, REASON_OK.to_string()),
-            },
-        };
-        let distinct_callees = rules.tracks_callees().then(|| {
-            // A callee's latest call time among this caller's decided calls;
-            // gone once at or below the horizon, then raised by this call.
-            let named = |c: &Option<String>| c.clone().filter(|c| !c.is_empty());
-            let mut latest: std::collections::HashMap<String, i64> = Default::default();
-            for p in &prior {
-                if let Some(c) = named(&p.callee) {
-                    let v = latest.entry(c).or_insert(p.ts);
-                    *v = (*v).max(p.ts);
-                }
-            }
-            latest.retain(|_, v| *v > h);
-            if let Some(c) = named(&e.callee) {
-                let v = latest.entry(c).or_insert(t);
-                *v = (*v).max(t);
-            }
-            latest
-                .values()
-                .filter(|&&v| v > t - rules.max_window_ms())
+    }
+    let live: Vec<&&Past> = if prev.is_some() {
+        prior[epoch_start..].iter().collect()
+    } else {
+        Vec::new()
+    };
+    let mut counts = Vec::new();
+    for rule in &rules.rules {
+        let w = rule.window_ms;
+        let b = t.div_euclid(w);
+        let rec_in = |bucket: i64| {
+            live.iter()
+                .filter(|p| p.recorded && p.ts.div_euclid(w) == bucket)
                 .count() as u64
-        });
-        let shadow = rules.shadow && would == Decision::Reject;
-        Expected {
-            ts_ms: t,
-            decision: if shadow { Decision::Allow } else { would },
-            reason,
-            counts,
-            shadow,
-            late: prev.is_some_and(|l| t < l - rules.grace_ms),
-            prev_ts_ms: prev,
-            distinct_callees,
-            duplicate: false,
-            retry_after_ms: None,
+        };
+        let c = match rule.kind {
+            WindowKind::Sliding => {
+                1 + live
+                    .iter()
+                    .filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t)
+                    .count() as u64
+            }
+            WindowKind::Fixed => {
+                if (b + 1) * w + rules.grace_ms <= l_new {
+                    1
+                } else {
+                    1 + rec_in(b)
+                }
+            }
+            WindowKind::SlidingApprox => {
+                let bmax = live
+                    .iter()
+                    .map(|p| p.ts.div_euclid(w))
+                    .max()
+                    .map_or(b, |m| m.max(b));
+                if b == bmax {
+                    let r = t - b * w;
+                    rec_in(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + rec_in(b) + 1
+                } else if b == bmax - 1 {
+                    rec_in(b) + 1
+                } else {
+                    1
+                }
+            }
+        };
+        counts.push(c);
+    }
+    let (would, reason) = match rules.listed(&e.caller) {
+        Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string()),
+        Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string()),
+        Listed::No => match rules.rules.iter().zip(&counts).find(|(r, &c)| c > r.limit) {
+            Some((r, _)) => (Decision::Reject, r.name.clone()),
+            None => (Decision::Allow, REASON_OK.to_string()),
+        },
+    };
+    let distinct_callees = rules.tracks_callees().then(|| {
+        // A callee's latest call time among this caller's decided calls;
+        // gone once at or below the horizon, then raised by this call.
+        let named = |c: &Option<String>| c.clone().filter(|c| !c.is_empty());
+        let mut latest: std::collections::HashMap<String, i64> = Default::default();
+        for p in &prior {
+            if let Some(c) = named(&p.callee) {
+                let v = latest.entry(c).or_insert(p.ts);
+                *v = (*v).max(p.ts);
+            }
         }
+        latest.retain(|_, v| *v > h);
+        if let Some(c) = named(&e.callee) {
+            let v = latest.entry(c).or_insert(t);
+            *v = (*v).max(t);
+        }
+        latest
+            .values()
+            .filter(|&&v| v > t - rules.max_window_ms())
+            .count() as u64
+    });
+    let shadow = rules.shadow && would == Decision::Reject;
+    Expected {
+        ts_ms: t,
+        decision: if shadow { Decision::Allow } else { would },
+        reason,
+        counts,
+        shadow,
+        late: prev.is_some_and(|l| t < l - rules.grace_ms),
+        prev_ts_ms: prev,
+        distinct_callees,
+        duplicate: false,
+        retry_after_ms: None,
     }
 }

@@ -28,20 +28,34 @@ pub fn decode_message(m: &OwnedMessage, config: &ConsumeConfig) -> Result<CallEv
         return Err(EventError::Json("empty payload".into()));
     }
     let event = config.decoder.decode_json(payload)?;
-    if let Some(skew) = config.max_future_skew {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64);
-        let limit = now_ms.saturating_add(skew.as_millis() as i64);
-        if event.ts_ms > limit {
-            return Err(EventError::TsOutOfRange {
-                ts: event.ts_ms,
-                why: format!(
-                    "more than {} s ahead of the wall clock ({now_ms} ms)",
-                    skew.as_secs()
-                ),
-            });
-        }
+    check_future_skew(event, config.max_future_skew)
+}
+
+/// The wall clock, epoch milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Refuses an event whose time is more than `skew` ahead of the wall clock
+/// (`ts_out_of_range`); `None` checks nothing.
+pub fn check_future_skew(
+    event: CallEvent,
+    skew: Option<std::time::Duration>,
+) -> Result<CallEvent, EventError> {
+    let Some(skew) = skew else {
+        return Ok(event);
+    };
+    let now = now_ms();
+    if event.ts_ms > now.saturating_add(skew.as_millis() as i64) {
+        return Err(EventError::TsOutOfRange {
+            ts: event.ts_ms,
+            why: format!(
+                "more than {} s ahead of the wall clock ({now} ms)",
+                skew.as_secs()
+            ),
+        });
     }
     Ok(event)
 }
