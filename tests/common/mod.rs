@@ -16,11 +16,22 @@ pub mod scenarios;
 use callguard::engine::event::CallEvent;
 
 /// A free loopback port whose cluster bus port (+10000) is free as well.
+///
+/// A port is handed out at most once per test process: tests run in
+/// parallel threads, and two of them starting a server on the same port
+/// would talk to each other's server.
 pub fn free_port() -> u16 {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
     for _ in 0..200 {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
         let port = l.local_addr().unwrap().port();
-        if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+        if port < 55_000
+            && !given.contains(&port)
+            && !given.contains(&(port + 10_000))
+            && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok()
+        {
+            given.extend([port, port + 10_000]);
             return port;
         }
     }
@@ -102,17 +113,31 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("start redis-server");
-        let server = RedisServer { child, port, dir };
+        let mut server = RedisServer { child, port, dir };
+        let pid = format!("process_id:{}\r\n", server.child.id());
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if raw_command(port, "PING")
-                .is_some_and(|r| r.starts_with("+PONG") || r.starts_with("-NOAUTH"))
-            {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!(
+                    "redis-server on port {port} exited at start ({status}): is the port taken?"
+                );
+            }
+            // The server that answers must be this child, not another
+            // process that holds the port.
+            // PING also waits out loading an append-only file.
+            let ours = match raw_command(port, "PING") {
+                Some(r) if r.starts_with("-NOAUTH") => true,
+                Some(r) if r.starts_with("+PONG") => {
+                    raw_command(port, "INFO server").is_some_and(|r| r.contains(&pid))
+                }
+                _ => false,
+            };
+            if ours {
                 return server;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        panic!("redis-server on port {port} did not answer PING within 10 s");
+        panic!("redis-server on port {port} did not answer within 10 s");
     }
 
     /// `redis://127.0.0.1:<port>`.
