@@ -178,7 +178,7 @@ async fn main() {
         ..template
     };
     let args: Vec<String> = store
-        .invocation(&rules, &template)
+        .invocation(&rules, &[&template])
         .args_iter()
         .map(|a| match a {
             redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),

@@ -1,42 +1,46 @@
 #!lua
--- callguard window script: decides one call of one caller atomically.
+-- callguard window script: decides a batch of calls atomically, in order.
 --
 -- A line-by-line port of CallerState::apply (src/engine/window.rs), which defines
 -- the semantics; the conformance tests demand identical records. Event time
 -- comes from ARGV; the Redis clock is never read. Every key written gets a
--- TTL in the same call.
+-- TTL in the same call. The events of one call are decided one after the
+-- other, exactly as if each had its own call; the rule set is sent and
+-- parsed once per call, not once per event.
 --
--- KEYS (all share the caller's hash tag, so they live in one Cluster slot):
---   KEYS[1]      meta hash: L = latest event time; a:<rule>:<W>:{b,c,p} =
---                sliding-approx bucket, current and previous counters
---   KEYS[2]      sliding log: sorted set, member call_id, score event time
---   KEYS[3]      idempotency index: sorted set, member call_id, score event time
---                (trimmed at the idempotency horizon D, TTL D)
---   KEYS[4]      idempotency records: hash call_id -> encoded record
---   KEYS[5]      callees: sorted set, member callee, score its latest call time
---   KEYS[6]      block key (<prefix>block:{<caller>}): on a reject with a
---                retry-after, set to the reason with that TTL (ARGV[17])
---   KEYS[6+i]    rule i's fixed-window counter for the event's bucket, named
---                <...>:<bucket> (any caller key for other kinds; not touched).
---                A reject reads the counters of the live buckets from the
---                event's to the latest one, named alike (same hash tag, so
---                the same Cluster slot): one for calls in time order, at
---                most min(L' - t, grace) / W + 2 for a late one.
--- ARGV:
---   1 t (event time, ms)        2 call_id           3 listed: 0 no, 1 allow, 2 deny
---   4 policy: 0 attempts, 1 admitted               5 grace (ms)
---   6 retention = longest window + grace (ms)      7 shadow: 0/1
---   8 idempotency: 0/1          9 rules version     10 any sliding rule: 0/1
---   11 idempotency horizon D >= retention (ms)
---   12 TTL slack (ms): added to every TTL so pauses in processing (Redis
---      restarts, rebalances, lag) do not expire state the contract still needs
---   13 distinct callees kept: 0/1                14 callee ('' for none)
---   15 longest window Wmax (ms)
---   16 most distinct callees kept per caller (a new one beyond it is not kept)
---   17 block keys: 0/1
---   18 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
+-- KEYS[j] (one per event j): the event's caller stem <prefix>{<caller>}. The
+--   caller's keys are the stem plus a suffix, so they share its hash tag and
+--   Cluster slot (on a Cluster, one call holds one slot's events):
+--   :m     meta hash: L = latest event time; O, I, C = a lower bound of the
+--          lowest score in :l, :i, :c ('' when that set is empty; absent when
+--          unknown), so a set is trimmed only when something in it is old;
+--          a:<rule>:<W>:{b,c,p} = sliding-approx bucket, current and
+--          previous counters; r:<call_id> = the call's encoded record
+--          (idempotency; trimmed at the idempotency horizon D, so the
+--          hash's TTL is D rather than the retention when records are kept)
+--   :l     sliding log: sorted set, member call_id, score event time
+--   :i     idempotency index: sorted set, member call_id, score event time
+--          (trimmed at the idempotency horizon D, TTL D)
+--   :c     callees: sorted set, member callee, score its latest call time
+--   :f:<rule>:<W>:<bucket>   fixed-window counter of one bucket
+--   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
+--   set to the reason with that TTL.
+-- ARGV, once per call:
+--   1 policy: 0 attempts, 1 admitted               2 grace (ms)
+--   3 retention = longest window + grace (ms)      4 shadow: 0/1
+--   5 idempotency: 0/1          6 rules version     7 any sliding rule: 0/1
+--   8 idempotency horizon D >= retention (ms)
+--   9 TTL slack (ms): added to every TTL so pauses in processing (Redis
+--     restarts, rebalances, lag) do not expire state the contract still needs
+--   10 distinct callees kept: 0/1                 11 longest window Wmax (ms)
+--   12 most distinct callees kept per caller (a new one beyond it is not kept)
+--   13 block keys: 0/1          14 key prefix
+--   15 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
 --   2 sliding-approx), window (ms), limit, name
--- Returns: { duplicate (0/1), record } where record is its fields joined by '|'
+-- then per event j, 4 values: t (event time, ms), call_id,
+--   listed (0 no, 1 allow, 2 deny), callee ('' for none).
+-- Returns: per event j, in order, duplicate (0/1) then record, where record is
+--   its fields joined by '|'
 --   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
 --   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts retry_after_ms
 --   decision 0 allow, 1 reject; shadow and late 0/1; prev_ts_ms empty when the
@@ -50,183 +54,84 @@
 -- checked to lie in 2000-01-01 .. 2100-01-01 before they get here (the
 -- decoder's range), and bounds are formatted with %d, never tostring.
 
-local t = tonumber(ARGV[1])
-local id = ARGV[2]
-local listed = tonumber(ARGV[3])
-local admitted = ARGV[4] == '1'
-local grace = tonumber(ARGV[5])
-local retention = tonumber(ARGV[6])
-local shadow_mode = ARGV[7] == '1'
-local idem = ARGV[8] == '1'
-local version = ARGV[9]
-local has_sliding = ARGV[10] == '1'
-local dedup = tonumber(ARGV[11])
-local slack = tonumber(ARGV[12])
-local track_callees = ARGV[13] == '1'
-local callee = ARGV[14]
-local wmax = tonumber(ARGV[15])
-local max_callees = tonumber(ARGV[16])
-local block = ARGV[17] == '1'
-local n = tonumber(ARGV[18])
-local meta, log, ids, rec, callees = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local R = 18
+local call, fmt, tonumber, floor = redis.call, string.format, tonumber, math.floor
 
-local latest = tonumber(redis.call('HGET', meta, 'L'))
-local lnew = t
-if latest and latest > t then lnew = latest end
-local horizon = lnew - retention
-local dedup_horizon = lnew - dedup
+local admitted = ARGV[1] == '1'
+local grace = tonumber(ARGV[2])
+local retention = tonumber(ARGV[3])
+local shadow_mode = ARGV[4] == '1'
+local idem = ARGV[5] == '1'
+local version = ARGV[6]
+local has_sliding = ARGV[7] == '1'
+local dedup = tonumber(ARGV[8])
+local slack = tonumber(ARGV[9])
+local track_callees = ARGV[10] == '1'
+local wmax = tonumber(ARGV[11])
+local max_callees = tonumber(ARGV[12])
+local block = ARGV[13] == '1'
+local prefix = ARGV[14]
+local n = tonumber(ARGV[15])
+local H = 15
 
-if idem then
-  local stored = redis.call('HGET', rec, id)
-  if stored then
-    local sts = tonumber(string.match(stored, '^(-?%d+)|'))
-    if sts > dedup_horizon then return {1, stored} end
-  end
-end
-
-local prev = nil
-if latest and latest > horizon then prev = latest end
-
--- Trim everything at or below the horizon.
-if has_sliding then redis.call('ZREMRANGEBYSCORE', log, '-inf', horizon) end
-if idem then
-  local old = redis.call('ZRANGEBYSCORE', ids, '-inf', dedup_horizon)
-  for s = 1, #old, 1000 do
-    redis.call('HDEL', rec, unpack(old, s, math.min(s + 999, #old)))
-  end
-  if #old > 0 then redis.call('ZREMRANGEBYSCORE', ids, '-inf', dedup_horizon) end
-end
-
--- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
-local distinct = ''
-if track_callees then
-  redis.call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
-  if callee ~= '' then
-    -- A new callee only while fewer than the cap are kept; known ones are raised.
-    if redis.call('ZCARD', callees) < max_callees then
-      redis.call('ZADD', callees, 'GT', t, callee)
-    else
-      redis.call('ZADD', callees, 'XX', 'GT', t, callee)
-    end
-    redis.call('PEXPIRE', callees, retention + slack)
-  end
-  distinct = string.format('%d', redis.call('ZCOUNT', callees, '(' .. string.format('%d', t - wmax), '+inf'))
-end
-
-local counts, approx = {}, {}
+-- The rule set, parsed once.
+local kinds, wins, lims, names, fsuffix, afield = {}, {}, {}, {}, {}, {}
+-- Meta fields read per event: L, the three lower bounds, approx counters.
+local mfields = {'L', 'O', 'I', 'C'}
 for i = 1, n do
-  local base = R + (i - 1) * 4
-  local kind = tonumber(ARGV[base + 1])
-  local w = tonumber(ARGV[base + 2])
-  local b = math.floor(t / w)
-  if kind == 1 then
-    counts[i] = 1 + redis.call('ZCOUNT', log, '(' .. string.format('%d', t - w), string.format('%d', t))
-  elseif kind == 0 then
-    if (b + 1) * w + grace <= lnew then
-      counts[i] = 1
-    else
-      counts[i] = 1 + (tonumber(redis.call('GET', KEYS[6 + i])) or 0)
-    end
-  else
-    local f = 'a:' .. ARGV[base + 4] .. ':' .. w .. ':'
-    local cb, cur, pv = nil, 0, 0
-    if prev then
-      local v = redis.call('HMGET', meta, f .. 'b', f .. 'c', f .. 'p')
-      cb, cur, pv = tonumber(v[1]), tonumber(v[2]) or 0, tonumber(v[3]) or 0
-    end
-    if not cb then
-      cb, cur, pv = b, 0, 0
-    elseif b > cb then
-      if b == cb + 1 then pv = cur else pv = 0 end
-      cur, cb = 0, b
-    end
-    if b == cb then
-      local a = pv * math.max(w - (t - b * w) - 1, 0)
-      counts[i] = (a - a % w) / w + cur + 1
-    elseif b == cb - 1 then
-      counts[i] = pv + 1
-    else
-      counts[i] = 1
-    end
-    approx[i] = {f, cb, cur, pv, b}
+  local base = H + (i - 1) * 4
+  kinds[i] = tonumber(ARGV[base + 1])
+  wins[i] = tonumber(ARGV[base + 2])
+  lims[i] = tonumber(ARGV[base + 3])
+  names[i] = ARGV[base + 4]
+  if kinds[i] == 0 then
+    fsuffix[i] = ':f:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
+  elseif kinds[i] == 2 then
+    local f = 'a:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
+    afield[i] = #mfields + 1
+    mfields[#mfields + 1] = f .. 'b'
+    mfields[#mfields + 1] = f .. 'c'
+    mfields[#mfields + 1] = f .. 'p'
   end
+end
+local E = H + 4 * n
+local NM = #mfields
+-- The meta hash holds the records too, so it lives as long as they must.
+local meta_ttl = retention + slack
+if idem then meta_ttl = dedup + slack end
+
+-- A set's lower bound as read from meta: a number, EMPTY, or nil (unknown).
+local EMPTY = false
+local function bound(v)
+  if v == false then return nil end
+  if v == '' then return EMPTY end
+  return tonumber(v)
+end
+local function bound_str(b)
+  if b == EMPTY then return '' end
+  return fmt('%d', b)
+end
+local function lower(b, t)
+  if b == EMPTY or t < b then return t end
+  return b
+end
+-- Whether to trim a set with lower bound b at h: when it may hold scores <= h
+-- (nil: unknown, so yes) and they matter now (a late call reads below h) or
+-- have piled up for a sixteenth of the span kept. Calls in time order never
+-- read at or below h (their windows start above it, and the callee cap counts
+-- above it), so old entries left a little longer change no record and set
+-- trims are amortised over many calls.
+local function due(b, h, span, late)
+  if b == nil then return true end
+  if b == EMPTY then return false end
+  return b <= h - floor(span / 16) or (late and b <= h)
+end
+-- The lowest score left in a sorted set, as a bound.
+local function lowest(key)
+  local lo = call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if #lo == 0 then return EMPTY end
+  return tonumber(lo[2])
 end
 
-local would, reason = 0, 'ok'
-if listed == 2 then
-  would, reason = 1, 'denylist'
-elseif listed == 1 then
-  reason = 'allowlist'
-else
-  for i = 1, n do
-    local base = R + (i - 1) * 4
-    if counts[i] > tonumber(ARGV[base + 3]) then
-      would, reason = 1, ARGV[base + 4]
-      break
-    end
-  end
-end
-
-if (not admitted) or would == 0 then
-  if has_sliding then
-    redis.call('ZADD', log, t, id)
-    redis.call('PEXPIRE', log, retention + slack)
-  end
-  for i = 1, n do
-    local base = R + (i - 1) * 4
-    local kind = tonumber(ARGV[base + 1])
-    local w = tonumber(ARGV[base + 2])
-    if kind == 0 then
-      local b = math.floor(t / w)
-      if (b + 1) * w + grace > lnew then
-        if redis.call('INCR', KEYS[6 + i]) == 1 then
-          redis.call('PEXPIRE', KEYS[6 + i], w + grace + slack)
-        end
-      end
-    elseif kind == 2 then
-      local a = approx[i]
-      if a[5] == a[2] then a[3] = a[3] + 1 elseif a[5] == a[2] - 1 then a[4] = a[4] + 1 end
-    end
-  end
-end
-for i = 1, n do
-  local a = approx[i]
-  if a then redis.call('HSET', meta, a[1] .. 'b', a[2], a[1] .. 'c', a[3], a[1] .. 'p', a[4]) end
-end
-redis.call('HSET', meta, 'L', lnew)
-redis.call('PEXPIRE', meta, retention + slack)
-
-local late = 0
-if prev and t < prev - grace then late = 1 end
-local shadow = 0
-if shadow_mode and would == 1 then shadow = 1 end
-local decision = would
-if shadow == 1 then decision = 0 end
--- Retry-after (window.rs retry_after): the last time s > t at which a call
--- would still exceed a rule, over all rules, plus one, minus t.
-local function sliding_until(w, lim)
-  local m = 0
-  while true do
-    local lo = redis.call('ZRANGE', log, -lim - m, -lim - m, 'WITHSCORES')
-    if #lo == 0 then return nil end
-    local e_end = tonumber(lo[2]) + w - 1
-    if e_end <= t then return nil end
-    local hi = redis.call('ZRANGE', log, -1 - m, -1 - m, 'WITHSCORES')
-    if tonumber(hi[2]) <= e_end then return e_end end
-    m = m + 1
-  end
-end
-local function fixed_until(key, w, lim)
-  local stem = string.match(key, '^(.*:)%-?%d+$')
-  local bb = math.floor(lnew / w)
-  while (bb + 1) * w + grace > lnew and (bb + 1) * w - 1 > t do
-    local c = tonumber(redis.call('GET', stem .. string.format('%d', bb))) or 0
-    if c >= lim then return (bb + 1) * w - 1 end
-    bb = bb - 1
-  end
-  return nil
-end
 local function ceil_div(a, b)
   local r = a % b
   return (a - r) / b + ((r > 0) and 1 or 0)
@@ -238,7 +143,32 @@ local function last_offset(x, extra, w, lim)
   if r < 0 then return nil end
   return r
 end
-local function approx_until(a, w, lim)
+
+-- Retry-after (window.rs retry_after): the last time s > t at which a call
+-- would still exceed a rule, over all rules, plus one, minus t. Each helper
+-- returns that time for one rule, or nil.
+local function sliding_until(log, t, w, lim)
+  local m = 0
+  while true do
+    local lo = call('ZRANGE', log, -lim - m, -lim - m, 'WITHSCORES')
+    if #lo == 0 then return nil end
+    local e_end = tonumber(lo[2]) + w - 1
+    if e_end <= t then return nil end
+    local hi = call('ZRANGE', log, -1 - m, -1 - m, 'WITHSCORES')
+    if tonumber(hi[2]) <= e_end then return e_end end
+    m = m + 1
+  end
+end
+local function fixed_until(stem_i, t, lnew, w, lim)
+  local bb = floor(lnew / w)
+  while (bb + 1) * w + grace > lnew and (bb + 1) * w - 1 > t do
+    local c = tonumber(call('GET', stem_i .. fmt('%d', bb))) or 0
+    if c >= lim then return (bb + 1) * w - 1 end
+    bb = bb - 1
+  end
+  return nil
+end
+local function approx_until(a, lnew, w, lim)
   local cb, cur, pv = a[2], a[3], a[4]
   local expires = lnew + retention
   local segs = {
@@ -257,38 +187,216 @@ local function approx_until(a, w, lim)
   return nil
 end
 
-local retry = ''
-if decision == 1 and reason ~= 'denylist' then
-  local last = t
-  for i = 1, n do
-    local base = R + (i - 1) * 4
-    local kind = tonumber(ARGV[base + 1])
-    local w = tonumber(ARGV[base + 2])
-    local lim = tonumber(ARGV[base + 3])
-    local s
-    if kind == 1 then
-      s = sliding_until(w, lim)
-    elseif kind == 0 then
-      s = fixed_until(KEYS[6 + i], w, lim)
-    else
-      s = approx_until(approx[i], w, lim)
+-- Decides one event of the caller whose keys start with stem.
+local function decide(stem, t, id, listed, callee)
+  local meta, log, ids, callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
+  local rfield = 'r:' .. id
+  mfields[NM + 1] = rfield
+  local mv = call('HMGET', meta, unpack(mfields, 1, NM + (idem and 1 or 0)))
+  local latest = tonumber(mv[1])
+  local lnew = t
+  if latest and latest > t then lnew = latest end
+  local horizon = lnew - retention
+  local dedup_horizon = lnew - dedup
+
+  if idem then
+    local stored = mv[NM + 1]
+    if stored then
+      local sts = tonumber(string.match(stored, '^(-?%d+)|'))
+      if sts > dedup_horizon then return 1, stored end
     end
-    if s and s > last then last = s end
   end
-  local ra = last + 1 - t
-  retry = string.format('%d', ra)
-  if block then redis.call('SET', KEYS[6], reason, 'PX', ra) end
+
+  local prev = nil
+  if latest and latest > horizon then prev = latest end
+  local late = prev ~= nil and t < prev - grace
+  local b_log, b_ids, b_callees = bound(mv[2]), bound(mv[3]), bound(mv[4])
+  if not mv[1] then
+    -- No meta: the log and the callees expire with it or before, so they are
+    -- empty; the index may outlive it.
+    b_log, b_callees = EMPTY, EMPTY
+  end
+  if idem and b_ids == nil then b_ids = lowest(ids) end
+
+  -- Trim what is at or below the horizons (see due).
+  if has_sliding and due(b_log, horizon, retention, late) then
+    call('ZREMRANGEBYSCORE', log, '-inf', horizon)
+    b_log = lowest(log)
+  end
+  if idem and due(b_ids, dedup_horizon, dedup, late) then
+    local old = call('ZRANGEBYSCORE', ids, '-inf', dedup_horizon)
+    for s = 1, #old, 1000 do
+      local fields = {}
+      for k = s, math.min(s + 999, #old) do fields[#fields + 1] = 'r:' .. old[k] end
+      call('HDEL', meta, unpack(fields))
+    end
+    if #old > 0 then call('ZREMRANGEBYSCORE', ids, '-inf', dedup_horizon) end
+    b_ids = lowest(ids)
+  end
+
+  -- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
+  local distinct = ''
+  if track_callees then
+    if due(b_callees, horizon, retention, late) then
+      call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
+      b_callees = lowest(callees)
+    end
+    if callee ~= '' then
+      -- A new callee only while fewer than the cap are kept (above the
+      -- horizon); known ones are raised.
+      if call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
+        call('ZADD', callees, 'GT', t, callee)
+      else
+        call('ZADD', callees, 'XX', 'GT', t, callee)
+      end
+      b_callees = lower(b_callees, t)
+      call('PEXPIRE', callees, retention + slack)
+    end
+    distinct = fmt('%d', call('ZCOUNT', callees, '(' .. fmt('%d', t - wmax), '+inf'))
+  end
+
+  local counts, approx, fkeys = {}, {}, {}
+  for i = 1, n do
+    local w = wins[i]
+    local b = floor(t / w)
+    local kind = kinds[i]
+    if kind == 1 then
+      counts[i] = 1 + call('ZCOUNT', log, '(' .. fmt('%d', t - w), fmt('%d', t))
+    elseif kind == 0 then
+      if (b + 1) * w + grace <= lnew then
+        counts[i] = 1
+      else
+        local key = stem .. fsuffix[i] .. fmt('%d', b)
+        fkeys[i] = key
+        if admitted then
+          counts[i] = 1 + (tonumber(call('GET', key)) or 0)
+        else
+          -- Under attempts every call in a live bucket counts: count it now.
+          counts[i] = call('INCR', key)
+          if counts[i] == 1 then call('PEXPIRE', key, w + grace + slack) end
+        end
+      end
+    else
+      local k = afield[i]
+      local cb, cur, pv = nil, 0, 0
+      if prev then
+        cb, cur, pv = tonumber(mv[k]), tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0
+      end
+      if not cb then
+        cb, cur, pv = b, 0, 0
+      elseif b > cb then
+        if b == cb + 1 then pv = cur else pv = 0 end
+        cur, cb = 0, b
+      end
+      if b == cb then
+        local a = pv * math.max(w - (t - b * w) - 1, 0)
+        counts[i] = (a - a % w) / w + cur + 1
+      elseif b == cb - 1 then
+        counts[i] = pv + 1
+      else
+        counts[i] = 1
+      end
+      approx[i] = {k, cb, cur, pv, b}
+    end
+  end
+
+  local would, reason = 0, 'ok'
+  if listed == '2' then
+    would, reason = 1, 'denylist'
+  elseif listed == '1' then
+    reason = 'allowlist'
+  else
+    for i = 1, n do
+      if counts[i] > lims[i] then
+        would, reason = 1, names[i]
+        break
+      end
+    end
+  end
+
+  if (not admitted) or would == 0 then
+    if has_sliding then
+      call('ZADD', log, t, id)
+      b_log = lower(b_log, t)
+      call('PEXPIRE', log, retention + slack)
+    end
+    for i = 1, n do
+      local kind = kinds[i]
+      if kind == 0 then
+        if admitted and fkeys[i] then
+          if call('INCR', fkeys[i]) == 1 then
+            call('PEXPIRE', fkeys[i], wins[i] + grace + slack)
+          end
+        end
+      elseif kind == 2 then
+        local a = approx[i]
+        if a[5] == a[2] then a[3] = a[3] + 1 elseif a[5] == a[2] - 1 then a[4] = a[4] + 1 end
+      end
+    end
+  end
+
+  local shadow = 0
+  if shadow_mode and would == 1 then shadow = 1 end
+  local decision = would
+  if shadow == 1 then decision = 0 end
+  local retry = ''
+  if decision == 1 and reason ~= 'denylist' then
+    local last = t
+    for i = 1, n do
+      local kind, w, lim = kinds[i], wins[i], lims[i]
+      local s
+      if kind == 1 then
+        s = sliding_until(log, t, w, lim)
+      elseif kind == 0 then
+        s = fixed_until(stem .. fsuffix[i], t, lnew, w, lim)
+      else
+        s = approx_until(approx[i], lnew, w, lim)
+      end
+      if s and s > last then last = s end
+    end
+    local ra = last + 1 - t
+    retry = fmt('%d', ra)
+    if block then
+      call('SET', prefix .. 'block:' .. string.sub(stem, #prefix + 1), reason, 'PX', ra)
+    end
+  end
+
+  local parts = {}
+  for i = 1, n do parts[i] = fmt('%d', counts[i]) end
+  local encoded = fmt('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. (late and 1 or 0)
+    .. '|' .. version .. '|' .. (prev and fmt('%d', prev) or '') .. '|' .. distinct
+    .. '|' .. table.concat(parts, ',') .. '|' .. retry
+  if idem then
+    call('ZADD', ids, t, id)
+    b_ids = lower(b_ids, t)
+    call('PEXPIRE', ids, dedup + slack)
+  end
+
+  -- One write of the meta hash: latest time, bounds, approx counters.
+  local mset = {'L', fmt('%d', lnew)}
+  if idem then mset[#mset + 1] = rfield; mset[#mset + 1] = encoded end
+  if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log) end
+  if idem then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids) end
+  if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees) end
+  for i = 1, n do
+    local a = approx[i]
+    if a then
+      local k = a[1]
+      mset[#mset + 1] = mfields[k]; mset[#mset + 1] = fmt('%d', a[2])
+      mset[#mset + 1] = mfields[k + 1]; mset[#mset + 1] = fmt('%d', a[3])
+      mset[#mset + 1] = mfields[k + 2]; mset[#mset + 1] = fmt('%d', a[4])
+    end
+  end
+  call('HSET', meta, unpack(mset))
+  call('PEXPIRE', meta, meta_ttl)
+  return 0, encoded
 end
 
-local parts = {}
-for i = 1, n do parts[i] = string.format('%d', counts[i]) end
-local encoded = string.format('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. late
-  .. '|' .. version .. '|' .. (prev and string.format('%d', prev) or '') .. '|' .. distinct
-  .. '|' .. table.concat(parts, ',') .. '|' .. retry
-if idem then
-  redis.call('HSET', rec, id, encoded)
-  redis.call('PEXPIRE', rec, dedup + slack)
-  redis.call('ZADD', ids, t, id)
-  redis.call('PEXPIRE', ids, dedup + slack)
+local out = {}
+for j = 1, #KEYS do
+  local base = E + (j - 1) * 4
+  local dup, encoded = decide(KEYS[j], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4])
+  out[#out + 1] = dup
+  out[#out + 1] = encoded
 end
-return {0, encoded}
+return out

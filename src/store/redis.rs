@@ -19,12 +19,17 @@ use redis::{RedisError, Value};
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
-use crate::engine::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+use crate::engine::rules::{CountPolicy, Listed, RuleSet};
 use crate::error::StoreError;
 use crate::store::WindowStore;
 
 /// The window script (see its header for KEYS, ARGV and the reply).
 pub const WINDOW_LUA: &str = include_str!("../../lua/window.lua");
+
+/// Most events decided by one script call. A call runs atomically, so it
+/// holds Redis for its whole batch (about 1-2 ms at this size); larger
+/// batches are split into pipelined calls.
+pub const EVENTS_PER_CALL: usize = 32;
 
 /// Default Redis URL.
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
@@ -310,14 +315,18 @@ impl RedisStore {
         let timeout = self.config.timeout * 2;
         let calls = groups.iter().map(|g| {
             let mut pipe = redis::pipe();
-            for &i in g {
-                pipe.add_command(self.invocation(rules, &events[i]));
+            for chunk in g.chunks(EVENTS_PER_CALL) {
+                let evs: Vec<&CallEvent> = chunk.iter().map(|&i| &events[i]).collect();
+                pipe.add_command(self.invocation(rules, &evs));
             }
             let mut conn = match &self.conn {
                 Conn::Single(c) => Conn::Single(c.clone()),
                 Conn::Cluster(c) => Conn::Cluster(c.clone()),
             };
-            async move { Self::query(&mut conn, &pipe, timeout).await }
+            async move {
+                let replies = Self::query(&mut conn, &pipe, timeout).await?;
+                Ok(per_event(replies))
+            }
         });
         futures::future::join_all(calls).await
     }
@@ -363,6 +372,12 @@ impl RedisStore {
         format!("{}{{{}}}:{}", self.config.key_prefix, caller, suffix)
     }
 
+    /// The stem of a caller's keys, `<prefix>{<caller>}`: the script names
+    /// each of the caller's keys by a suffix to it.
+    pub fn stem(&self, caller: &str) -> String {
+        format!("{}{{{}}}", self.config.key_prefix, caller)
+    }
+
     /// The block key of a caller: `<prefix>block:{<caller>}`. Set (with
     /// [`RedisConfig::block_keys`]) to the reason of a reject, expiring when
     /// the caller's retry-after ends.
@@ -370,37 +385,17 @@ impl RedisStore {
         format!("{}block:{{{}}}", self.config.key_prefix, caller)
     }
 
-    /// The `EVALSHA` of the window script for one event (keys and arguments
-    /// as documented in `lua/window.lua`); benchmarks replay it elsewhere.
-    pub fn invocation(&self, rules: &RuleSet, ev: &CallEvent) -> redis::Cmd {
+    /// The `EVALSHA` of the window script for `events`, decided in order in
+    /// one atomic call (keys and arguments as documented in
+    /// `lua/window.lua`); benchmarks replay it elsewhere. On a Cluster all
+    /// events must be in one hash slot.
+    pub fn invocation(&self, rules: &RuleSet, events: &[&CallEvent]) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(6 + rules.rules.len());
-        cmd.arg(self.key(&ev.caller, "m"))
-            .arg(self.key(&ev.caller, "l"))
-            .arg(self.key(&ev.caller, "i"))
-            .arg(self.key(&ev.caller, "r"))
-            .arg(self.key(&ev.caller, "c"))
-            .arg(self.block_key(&ev.caller));
-        for rule in &rules.rules {
-            if rule.kind == WindowKind::Fixed {
-                let b = crate::engine::window::bucket_of(ev.ts_ms, rule.window_ms);
-                cmd.arg(self.key(
-                    &ev.caller,
-                    &format!("f:{}:{}:{}", rule.name, rule.window_ms, b),
-                ));
-            } else {
-                cmd.arg(self.key(&ev.caller, "m"));
-            }
+        cmd.arg(&self.sha).arg(events.len());
+        for ev in events {
+            cmd.arg(self.stem(&ev.caller));
         }
-        let listed = match rules.listed(ev.number_for_lists()) {
-            Listed::No => 0,
-            Listed::Allow => 1,
-            Listed::Deny => 2,
-        };
-        cmd.arg(ev.ts_ms)
-            .arg(&ev.call_id)
-            .arg(listed)
-            .arg(u8::from(rules.count == CountPolicy::Admitted))
+        cmd.arg(u8::from(rules.count == CountPolicy::Admitted))
             .arg(rules.grace_ms)
             .arg(rules.retention_ms())
             .arg(u8::from(rules.shadow))
@@ -410,16 +405,27 @@ impl RedisStore {
             .arg(rules.dedup_ms())
             .arg(self.config.ttl_slack.as_millis() as u64)
             .arg(u8::from(rules.tracks_callees()))
-            .arg(ev.callee.as_deref().unwrap_or(""))
             .arg(rules.max_window_ms())
             .arg(rules.max_distinct_callees())
             .arg(u8::from(self.config.block_keys))
+            .arg(&self.config.key_prefix)
             .arg(rules.rules.len());
         for rule in &rules.rules {
             cmd.arg(rule.kind.code())
                 .arg(rule.window_ms)
                 .arg(rule.limit)
                 .arg(&rule.name);
+        }
+        for ev in events {
+            let listed = match rules.listed(ev.number_for_lists()) {
+                Listed::No => 0,
+                Listed::Allow => 1,
+                Listed::Deny => 2,
+            };
+            cmd.arg(ev.ts_ms)
+                .arg(&ev.call_id)
+                .arg(listed)
+                .arg(ev.callee.as_deref().unwrap_or(""));
         }
         cmd
     }
@@ -504,6 +510,25 @@ impl WindowStore for RedisStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         RedisStore::apply_batch(self, rules, events).await
     }
+}
+
+/// Splits the replies of script calls (each a flat array of duplicate flag
+/// and record per event) into one `[duplicate, record]` array per event. A
+/// reply of another shape is passed on as it is, for `parse_reply` to refuse.
+fn per_event(replies: Vec<Value>) -> Vec<Value> {
+    let mut out = Vec::with_capacity(replies.len() * 2);
+    for reply in replies {
+        match reply {
+            Value::Array(items) if items.len() % 2 == 0 => {
+                let mut it = items.into_iter();
+                while let (Some(dup), Some(rec)) = (it.next(), it.next()) {
+                    out.push(Value::Array(vec![dup, rec]));
+                }
+            }
+            other => out.push(other),
+        }
+    }
+    out
 }
 
 fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
