@@ -20,7 +20,8 @@
 --          hash's TTL is D rather than the retention when records are kept)
 --   :l     sliding log: sorted set, member call_id, score event time
 --   :i     idempotency index: sorted set, member call_id, score event time
---          (trimmed at the idempotency horizon D, TTL D)
+--          (trimmed at the idempotency horizon D, TTL D); not kept when the
+--          sliding log is the index (see log_is_index)
 --   :c     callees: sorted set, member callee, score its latest call time
 --   :f:<rule>:<W>:<bucket>   fixed-window counter of one bucket
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
@@ -95,6 +96,11 @@ for i = 1, n do
 end
 local E = H + 4 * n
 local NM = #mfields
+-- Under attempts with a sliding rule and D = retention, the sliding log holds
+-- exactly the call ids the index would (the same members, scores and
+-- trims): it serves as the index, and :i is not kept.
+local log_is_index = idem and has_sliding and (not admitted) and dedup == retention
+local index_apart = idem and not log_is_index
 -- The meta hash holds the records too, so it lives as long as they must.
 local meta_ttl = retention + slack
 if idem then meta_ttl = dedup + slack end
@@ -130,6 +136,19 @@ local function lowest(key)
   local lo = call('ZRANGE', key, 0, 0, 'WITHSCORES')
   if #lo == 0 then return EMPTY end
   return tonumber(lo[2])
+end
+
+-- Drops from meta the records of the calls in index at or below h, then the
+-- calls; returns the index's new lower bound.
+local function trim_index(meta, index, h)
+  local old = call('ZRANGEBYSCORE', index, '-inf', h)
+  for s = 1, #old, 1000 do
+    local fields = {}
+    for k = s, math.min(s + 999, #old) do fields[#fields + 1] = 'r:' .. old[k] end
+    call('HDEL', meta, unpack(fields))
+  end
+  if #old > 0 then call('ZREMRANGEBYSCORE', index, '-inf', h) end
+  return lowest(index)
 end
 
 local function ceil_div(a, b)
@@ -216,22 +235,19 @@ local function decide(stem, t, id, listed, callee)
     -- empty; the index may outlive it.
     b_log, b_callees = EMPTY, EMPTY
   end
-  if idem and b_ids == nil then b_ids = lowest(ids) end
+  if index_apart and b_ids == nil then b_ids = lowest(ids) end
 
   -- Trim what is at or below the horizons (see due).
   if has_sliding and due(b_log, horizon, retention, late) then
-    call('ZREMRANGEBYSCORE', log, '-inf', horizon)
-    b_log = lowest(log)
-  end
-  if idem and due(b_ids, dedup_horizon, dedup, late) then
-    local old = call('ZRANGEBYSCORE', ids, '-inf', dedup_horizon)
-    for s = 1, #old, 1000 do
-      local fields = {}
-      for k = s, math.min(s + 999, #old) do fields[#fields + 1] = 'r:' .. old[k] end
-      call('HDEL', meta, unpack(fields))
+    if log_is_index then
+      b_log = trim_index(meta, log, horizon)
+    else
+      call('ZREMRANGEBYSCORE', log, '-inf', horizon)
+      b_log = lowest(log)
     end
-    if #old > 0 then call('ZREMRANGEBYSCORE', ids, '-inf', dedup_horizon) end
-    b_ids = lowest(ids)
+  end
+  if index_apart and due(b_ids, dedup_horizon, dedup, late) then
+    b_ids = trim_index(meta, ids, dedup_horizon)
   end
 
   -- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
@@ -244,7 +260,7 @@ local function decide(stem, t, id, listed, callee)
     if callee ~= '' then
       -- A new callee only while fewer than the cap are kept (above the
       -- horizon); known ones are raised.
-      if call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
+      if (b_callees == EMPTY and max_callees > 0) or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
         call('ZADD', callees, 'GT', t, callee)
       else
         call('ZADD', callees, 'XX', 'GT', t, callee)
@@ -366,7 +382,7 @@ local function decide(stem, t, id, listed, callee)
   local encoded = fmt('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. (late and 1 or 0)
     .. '|' .. version .. '|' .. (prev and fmt('%d', prev) or '') .. '|' .. distinct
     .. '|' .. table.concat(parts, ',') .. '|' .. retry
-  if idem then
+  if index_apart then
     call('ZADD', ids, t, id)
     b_ids = lower(b_ids, t)
     call('PEXPIRE', ids, dedup + slack)
@@ -376,7 +392,7 @@ local function decide(stem, t, id, listed, callee)
   local mset = {'L', fmt('%d', lnew)}
   if idem then mset[#mset + 1] = rfield; mset[#mset + 1] = encoded end
   if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log) end
-  if idem then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids) end
+  if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids) end
   if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees) end
   for i = 1, n do
     local a = approx[i]
