@@ -12,8 +12,9 @@
 --   caller's keys are the stem plus a suffix, so they share its hash tag and
 --   Cluster slot (on a Cluster, one call holds one slot's events):
 --   :m     meta hash: L = latest event time; O, I, C = a lower bound of the
---          lowest score in :l, :i, :c ('' when that set is empty; absent when
---          unknown), so a set is trimmed only when something in it is old;
+--          lowest score in :l, :i, :c, as L minus it ('' when that set is
+--          empty; absent when unknown), so a set is trimmed only when
+--          something in it is old;
 --          a:<rule>:<W>:{b,c,p} = sliding-approx bucket, current and
 --          previous counters; r:<call_id> = the call's encoded record
 --          (idempotency; trimmed at the idempotency horizon D, so the
@@ -106,15 +107,16 @@ local meta_ttl = retention + slack
 if idem then meta_ttl = dedup + slack end
 
 -- A set's lower bound as read from meta: a number, EMPTY, or nil (unknown).
+-- Kept as its distance below the latest time L (fewer digits).
 local EMPTY = false
-local function bound(v)
-  if v == false then return nil end
+local function bound(v, latest)
+  if v == false or not latest then return nil end
   if v == '' then return EMPTY end
-  return tonumber(v)
+  return latest - tonumber(v)
 end
-local function bound_str(b)
+local function bound_str(b, lnew)
   if b == EMPTY then return '' end
-  return fmt('%d', b)
+  return fmt('%d', lnew - b)
 end
 local function lower(b, t)
   if b == EMPTY or t < b then return t end
@@ -229,7 +231,7 @@ local function decide(stem, t, id, listed, callee)
   local prev = nil
   if latest and latest > horizon then prev = latest end
   local late = prev ~= nil and t < prev - grace
-  local b_log, b_ids, b_callees = bound(mv[2]), bound(mv[3]), bound(mv[4])
+  local b_log, b_ids, b_callees = bound(mv[2], latest), bound(mv[3], latest), bound(mv[4], latest)
   if not mv[1] then
     -- No meta: the log and the callees expire with it or before, so they are
     -- empty; the index may outlive it.
@@ -391,9 +393,9 @@ local function decide(stem, t, id, listed, callee)
   -- One write of the meta hash: latest time, bounds, approx counters.
   local mset = {'L', fmt('%d', lnew)}
   if idem then mset[#mset + 1] = rfield; mset[#mset + 1] = encoded end
-  if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log) end
-  if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids) end
-  if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees) end
+  if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log, lnew) end
+  if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids, lnew) end
+  if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees, lnew) end
   for i = 1, n do
     local a = approx[i]
     if a then

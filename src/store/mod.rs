@@ -2,7 +2,7 @@
 //!
 //! One algorithm, two stores: [`memory::MemoryStore`] runs the reference
 //! algorithm of [`crate::engine::window`] in process; [`redis::RedisStore`] runs the
-//! same algorithm as one atomic Lua call per event. The conformance suite in
+//! same algorithm in atomic Lua calls of several events each. The conformance suite in
 //! `tests/` runs the same scenarios against both and demands identical records.
 
 pub mod memory;

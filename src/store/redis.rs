@@ -1,10 +1,12 @@
-//! The Redis store: the window algorithm as one atomic Lua call per event.
+//! The Redis store: the window algorithm as atomic Lua calls of up to
+//! [`EVENTS_PER_CALL`] events each.
 //!
 //! Every key of a caller carries the caller in a hash tag
 //! (`<prefix>{+34911234567}:m`), so all of a caller's state lives in one
 //! Redis Cluster slot and one script call can touch all of it. Event time is
 //! passed in; the script never reads the Redis clock. Batches go through one
-//! pipelined round trip of `EVALSHA` calls; a `NOSCRIPT` reply (a restarted or
+//! pipelined round trip of `EVALSHA` calls, each deciding its events in
+//! order with the rule set sent once; a `NOSCRIPT` reply (a restarted or
 //! flushed server) loads the script and retries the batch, which per-call
 //! idempotency makes safe.
 

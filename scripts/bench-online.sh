@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Online benchmark (not part of the test command). Starts its own
+# redis-server and tansu broker on loopback and prints, in one run:
+#   1. examples/bench_store.rs: Redis memory per caller per rule kind; the
+#      store beside the seeds' one-key sliding script (the simple-script
+#      ceiling) with one rule and with data/rules.toml, the ratios and Redis
+#      CPU microseconds per event (`INFO cpu` deltas), median of 3 rounds;
+#   2. end to end: EVENTS generated calls (default 200000) loaded into a
+#      4-partition topic, then `callguard consume` (data/rules.toml) timed
+#      until every call is decided, beside `callguard replay --store redis`
+#      on the same log and a fresh Redis (the store through the same batch
+#      path): events/s and the ratio;
+#   3. latency: `examples/loadgen.rs` offering RATE events/s (default 20000)
+#      for SECONDS (default 10) while consume runs; the time from each
+#      event's wall-clock stamp to its decision record's Kafka timestamp,
+#      p50/p90/p99/max (`examples/decision_latency.rs`), and how many were
+#      decided.
+#
+#   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+events="${1:-200000}"
+rate="${2:-20000}"
+seconds="${3:-10}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
+cargo build --release -q --bin callguard --example bench_store --example loadgen --example decision_latency
+bin="$CARGO_TARGET_DIR/release/callguard"
+ex="$CARGO_TARGET_DIR/release/examples"
+command -v tansu >/dev/null || { echo "tansu is not installed (see scripts/test-all.sh)" >&2; exit 1; }
+
+echo "# 1. Store against the simple-script ceiling"
+"$ex/bench_store" 100000
+
+work="$(mktemp -d)"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+kport=$(free_port); rport=$(free_port); mport=$(free_port)
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
+trap cleanup EXIT
+redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" \
+  --daemonize no > "$work/redis.log" 2>&1 &
+pids+=($!)
+tansu broker --listener-url "tcp://127.0.0.1:$kport" --advertised-listener-url "tcp://127.0.0.1:$kport" \
+  --storage-engine memory://tansu/ > "$work/tansu.log" 2>&1 &
+pids+=($!)
+sleep 2
+brokers="127.0.0.1:$kport"
+for t in calls call-decisions call-features load load-decisions load-features; do
+  tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
+done
+for t in calls-dlq load-dlq; do tansu topic create "$t" --partitions 1 --broker "tcp://$brokers" >/dev/null; done
+redis="redis://127.0.0.1:$rport"
+decided() { curl -s "127.0.0.1:$mport/metrics" | awk '/^callguard_events_total/ {s += $NF} END {print s+0}'; }
+now() { date +%s.%N; }
+
+echo
+echo "# 2. End to end, $events events, data/rules.toml"
+"$bin" generate --rows "$events" --seed 11 --output "$work/calls.csv" >/dev/null
+"$bin" produce -i "$work/calls.csv" --brokers "$brokers" --topic calls > /dev/null
+redis-cli -p "$rport" flushall > /dev/null
+t0=$(now)
+"$bin" replay -i "$work/calls.csv" --rules data/rules.toml --store redis --redis-url "$redis" \
+  -o "$work/replay.csv" > /dev/null
+t1=$(now)
+store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
+redis-cli -p "$rport" flushall > /dev/null
+"$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
+  --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 > "$work/consume.log" 2>&1 &
+cpid=$!
+pids+=($cpid)
+t0=""
+for _ in $(seq 1 6000); do
+  n=$(decided)
+  if [ -z "$t0" ] && [ "$n" -gt 0 ]; then t0=$(now); n0=$n; fi
+  [ "$n" -ge "$events" ] && break
+  sleep 0.05
+done
+t1=$(now)
+e2e_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
+printf '| what | events/s |\n|---|---|\n'
+printf '| replay --store redis (the store) | %.0f |\n' "$store_rate"
+printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
+printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
+kill "$cpid" 2>/dev/null || true
+wait "$cpid" 2>/dev/null || true
+
+echo
+echo "# 3. Latency at $rate events/s for $seconds s (loadgen -> consume -> decision record)"
+redis-cli -p "$rport" flushall > /dev/null
+"$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
+  --input-topic load --decisions-topic load-decisions --features-topic load-features --dlq-topic load-dlq \
+  --group callguard-latency --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 \
+  > "$work/consume2.log" 2>&1 &
+cpid=$!
+pids+=($cpid)
+sleep 5
+"$ex/loadgen" "$brokers" load "$rate" "$seconds" > "$work/loadgen.log" 2>&1
+sent=$((rate * seconds))
+sleep 3
+echo "consume decided $(decided) events"
+"$ex/decision_latency" "$brokers" load-decisions "$sent" 20
+echo "loadgen: $(tail -1 "$work/loadgen.log")"
