@@ -259,6 +259,7 @@ local function decide(stem, t, id, listed, callee)
       call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
       b_callees = lowest(callees)
     end
+    local none_kept = b_callees == EMPTY
     if callee ~= '' then
       -- A new callee only while fewer than the cap are kept (above the
       -- horizon); known ones are raised.
@@ -270,7 +271,12 @@ local function decide(stem, t, id, listed, callee)
       b_callees = lower(b_callees, t)
       call('PEXPIRE', callees, retention + slack)
     end
-    distinct = fmt('%d', call('ZCOUNT', callees, '(' .. fmt('%d', t - wmax), '+inf'))
+    if none_kept then
+      -- Nothing was kept before this call: it is the only callee, if any.
+      distinct = (callee ~= '' and max_callees > 0) and '1' or '0'
+    else
+      distinct = fmt('%d', call('ZCOUNT', callees, '(' .. fmt('%d', t - wmax), '+inf'))
+    end
   end
 
   local counts, approx, fkeys = {}, {}, {}
@@ -279,7 +285,11 @@ local function decide(stem, t, id, listed, callee)
     local b = floor(t / w)
     local kind = kinds[i]
     if kind == 1 then
-      counts[i] = 1 + call('ZCOUNT', log, '(' .. fmt('%d', t - w), fmt('%d', t))
+      if b_log == EMPTY then
+        counts[i] = 1
+      else
+        counts[i] = 1 + call('ZCOUNT', log, '(' .. fmt('%d', t - w), fmt('%d', t))
+      end
     elseif kind == 0 then
       if (b + 1) * w + grace <= lnew then
         counts[i] = 1
