@@ -15,6 +15,8 @@
 --          lowest score in :l, :i, :c, as L minus it ('' when that set is
 --          empty; absent when unknown), so a set is trimmed only when
 --          something in it is old;
+--          f:<rule>:<W> = a fixed rule's live buckets and their counts,
+--          "<bucket>=<count>,..." (dead buckets dropped at each write);
 --          a:<rule>:<W>:{b,c,p} = sliding-approx bucket, current and
 --          previous counters; r:<call_id> = the call's encoded record
 --          (idempotency; trimmed at the idempotency horizon D, so the
@@ -24,7 +26,6 @@
 --          (trimmed at the idempotency horizon D, TTL D); not kept when the
 --          sliding log is the index (see log_is_index)
 --   :c     callees: sorted set, member callee, score its latest call time
---   :f:<rule>:<W>:<bucket>   fixed-window counter of one bucket
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
 --   set to the reason with that TTL.
 -- ARGV, once per call:
@@ -76,7 +77,7 @@ local n = tonumber(ARGV[15])
 local H = 15
 
 -- The rule set, parsed once.
-local kinds, wins, lims, names, fsuffix, afield = {}, {}, {}, {}, {}, {}
+local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
 -- Meta fields read per event: L, the three lower bounds, approx counters.
 local mfields = {'L', 'O', 'I', 'C'}
 for i = 1, n do
@@ -86,7 +87,8 @@ for i = 1, n do
   lims[i] = tonumber(ARGV[base + 3])
   names[i] = ARGV[base + 4]
   if kinds[i] == 0 then
-    fsuffix[i] = ':f:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
+    ffield[i] = #mfields + 1
+    mfields[#mfields + 1] = 'f:' .. names[i] .. ':' .. fmt('%d', wins[i])
   elseif kinds[i] == 2 then
     local f = 'a:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
     afield[i] = #mfields + 1
@@ -153,6 +155,24 @@ local function trim_index(meta, index, h)
   return lowest(index)
 end
 
+-- A fixed rule's live buckets, kept in one meta field as "b=count,...":
+-- parsed into {[b] = count}; written back with the dead ones left out.
+local function parse_buckets(v)
+  local fb = {}
+  if v then
+    for bs, cs in string.gmatch(v, '(-?%d+)=(%d+)') do fb[tonumber(bs)] = tonumber(cs) end
+  end
+  return fb
+end
+local function format_buckets(fb, w, lnew)
+  local parts = {}
+  for b, c in pairs(fb) do
+    if (b + 1) * w + grace > lnew then parts[#parts + 1] = fmt('%d=%d', b, c) end
+  end
+  table.sort(parts)
+  return table.concat(parts, ',')
+end
+
 local function ceil_div(a, b)
   local r = a % b
   return (a - r) / b + ((r > 0) and 1 or 0)
@@ -180,10 +200,10 @@ local function sliding_until(log, t, w, lim)
     m = m + 1
   end
 end
-local function fixed_until(stem_i, t, lnew, w, lim)
+local function fixed_until(fb, t, lnew, w, lim)
   local bb = floor(lnew / w)
   while (bb + 1) * w + grace > lnew and (bb + 1) * w - 1 > t do
-    local c = tonumber(call('GET', stem_i .. fmt('%d', bb))) or 0
+    local c = fb[bb] or 0
     if c >= lim then return (bb + 1) * w - 1 end
     bb = bb - 1
   end
@@ -279,7 +299,7 @@ local function decide(stem, t, id, listed, callee)
     end
   end
 
-  local counts, approx, fkeys = {}, {}, {}
+  local counts, approx, fixed, fchanged = {}, {}, {}, false
   for i = 1, n do
     local w = wins[i]
     local b = floor(t / w)
@@ -291,17 +311,16 @@ local function decide(stem, t, id, listed, callee)
         counts[i] = 1 + call('ZCOUNT', log, '(' .. fmt('%d', t - w), fmt('%d', t))
       end
     elseif kind == 0 then
+      local fb = parse_buckets(mv[ffield[i]])
+      fixed[i] = fb
       if (b + 1) * w + grace <= lnew then
         counts[i] = 1
       else
-        local key = stem .. fsuffix[i] .. fmt('%d', b)
-        fkeys[i] = key
-        if admitted then
-          counts[i] = 1 + (tonumber(call('GET', key)) or 0)
-        else
+        counts[i] = (fb[b] or 0) + 1
+        if not admitted then
           -- Under attempts every call in a live bucket counts: count it now.
-          counts[i] = call('INCR', key)
-          if counts[i] == 1 then call('PEXPIRE', key, w + grace + slack) end
+          fb[b] = counts[i]
+          fchanged = true
         end
       end
     else
@@ -351,10 +370,10 @@ local function decide(stem, t, id, listed, callee)
     for i = 1, n do
       local kind = kinds[i]
       if kind == 0 then
-        if admitted and fkeys[i] then
-          if call('INCR', fkeys[i]) == 1 then
-            call('PEXPIRE', fkeys[i], wins[i] + grace + slack)
-          end
+        local b = floor(t / wins[i])
+        if admitted and (b + 1) * wins[i] + grace > lnew then
+          fixed[i][b] = counts[i]
+          fchanged = true
         end
       elseif kind == 2 then
         local a = approx[i]
@@ -376,7 +395,7 @@ local function decide(stem, t, id, listed, callee)
       if kind == 1 then
         s = sliding_until(log, t, w, lim)
       elseif kind == 0 then
-        s = fixed_until(stem .. fsuffix[i], t, lnew, w, lim)
+        s = fixed_until(fixed[i], t, lnew, w, lim)
       else
         s = approx_until(approx[i], lnew, w, lim)
       end
@@ -406,6 +425,14 @@ local function decide(stem, t, id, listed, callee)
   if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log, lnew) end
   if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids, lnew) end
   if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees, lnew) end
+  if fchanged then
+    for i = 1, n do
+      if kinds[i] == 0 then
+        mset[#mset + 1] = mfields[ffield[i]]
+        mset[#mset + 1] = format_buckets(fixed[i], wins[i], lnew)
+      end
+    end
+  end
   for i = 1, n do
     local a = approx[i]
     if a then

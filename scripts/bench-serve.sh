@@ -26,6 +26,8 @@ trap cleanup EXIT
 redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" >/dev/null &
 redis_pid=$!
 until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
+# Record Redis's own stalls of 1 ms or more (printed at the end).
+redis-cli -p "$rport" config set latency-monitor-threshold 1 >/dev/null
 "$bin" serve --listen "127.0.0.1:$hport" --redis-url "redis://127.0.0.1:$rport" \
   --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve.log" &
 serve_pid=$!
@@ -50,3 +52,5 @@ for rate in 6000 7000 8000 9000 10000 12000 15000 20000; do
 done
 echo "highest sustained rate with p99 < 10 ms: $best checks/s"
 echo "redis: $(redis-cli -p "$rport" info commandstats | grep -E '^cmdstat_evalsha' || true)"
+echo "redis stalls of 1 ms or more (event, last unix time, last ms, max ms):"
+redis-cli -p "$rport" latency latest | paste -d' ' - - - -
