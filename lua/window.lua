@@ -144,14 +144,24 @@ end
 
 -- Drops from meta the records of the calls in index at or below h, then the
 -- calls; returns the index's new lower bound.
-local function trim_index(meta, index, h)
-  local old = call('ZRANGEBYSCORE', index, '-inf', h)
+-- A call in time order drops at most TRIM_MAX (a late one drops all), so a
+-- flooding caller's pile of old records is cleared over several calls
+-- rather than in one long stall of Redis.
+local TRIM_MAX = 256
+local function trim_index(meta, index, h, late)
+  local old
+  if late then
+    old = call('ZRANGEBYSCORE', index, '-inf', h)
+  else
+    old = call('ZRANGEBYSCORE', index, '-inf', h, 'LIMIT', 0, TRIM_MAX)
+  end
   for s = 1, #old, 1000 do
     local fields = {}
     for k = s, math.min(s + 999, #old) do fields[#fields + 1] = 'r:' .. old[k] end
     call('HDEL', meta, unpack(fields))
   end
-  if #old > 0 then call('ZREMRANGEBYSCORE', index, '-inf', h) end
+  -- They are the lowest ranks (ZRANGEBYSCORE from -inf lists in rank order).
+  if #old > 0 then call('ZREMRANGEBYRANK', index, 0, #old - 1) end
   return lowest(index)
 end
 
@@ -262,14 +272,14 @@ local function decide(stem, t, id, listed, callee)
   -- Trim what is at or below the horizons (see due).
   if has_sliding and due(b_log, horizon, retention, late) then
     if log_is_index then
-      b_log = trim_index(meta, log, horizon)
+      b_log = trim_index(meta, log, horizon, late)
     else
       call('ZREMRANGEBYSCORE', log, '-inf', horizon)
       b_log = lowest(log)
     end
   end
   if index_apart and due(b_ids, dedup_horizon, dedup, late) then
-    b_ids = trim_index(meta, ids, dedup_horizon)
+    b_ids = trim_index(meta, ids, dedup_horizon, late)
   end
 
   -- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
