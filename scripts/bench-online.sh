@@ -26,25 +26,14 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release -q --bin callguard --example bench_store --example loadgen --example decision_latency
 bin="$CARGO_TARGET_DIR/release/callguard"
 ex="$CARGO_TARGET_DIR/release/examples"
-command -v tansu >/dev/null || { echo "tansu is not installed (see scripts/test-all.sh)" >&2; exit 1; }
 
 echo "# 1. Store against the simple-script ceiling"
 "$ex/bench_store" 100000
 
-work="$(mktemp -d)"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-kport=$(free_port); rport=$(free_port); mport=$(free_port)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" \
-  --daemonize no > "$work/redis.log" 2>&1 &
-pids+=($!)
-tansu broker --listener-url "tcp://127.0.0.1:$kport" --advertised-listener-url "tcp://127.0.0.1:$kport" \
-  --storage-engine memory://tansu/ > "$work/tansu.log" 2>&1 &
-pids+=($!)
-sleep 2
-brokers="127.0.0.1:$kport"
+source scripts/loopback.sh
+start_redis
+start_tansu
+mport=$(free_port)
 for t in calls call-decisions call-features load load-decisions load-features; do
   tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
 done
@@ -67,7 +56,7 @@ redis-cli -p "$rport" flushall > /dev/null
 "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
   --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 > "$work/consume.log" 2>&1 &
 cpid=$!
-pids+=($cpid)
+track "$cpid"
 t0=""
 for _ in $(seq 1 6000); do
   n=$(decided)
@@ -92,7 +81,7 @@ redis-cli -p "$rport" flushall > /dev/null
   --group callguard-latency --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 \
   > "$work/consume2.log" 2>&1 &
 cpid=$!
-pids+=($cpid)
+track "$cpid"
 sleep 5
 "$ex/loadgen" "$brokers" load "$rate" "$seconds" > "$work/loadgen.log" 2>&1
 sent=$((rate * seconds))

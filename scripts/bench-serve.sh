@@ -17,20 +17,14 @@ cargo build --release --quiet --bin callguard --example bench_serve
 bin="$CARGO_TARGET_DIR/release/callguard"
 load="$CARGO_TARGET_DIR/release/examples/bench_serve"
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-work="$(mktemp -d)"
-rport="$(free_port)"
+source scripts/loopback.sh
+start_redis
 hport="$(free_port)"
-cleanup() { kill "${serve_pid:-}" "${redis_pid:-}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" >/dev/null &
-redis_pid=$!
-until redis-cli -p "$rport" ping >/dev/null 2>&1; do sleep 0.1; done
 # Record Redis's own stalls of 1 ms or more (printed at the end).
 redis-cli -p "$rport" config set latency-monitor-threshold 1 >/dev/null
 "$bin" serve --listen "127.0.0.1:$hport" --redis-url "redis://127.0.0.1:$rport" \
   --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve.log" &
-serve_pid=$!
+track $!
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$hport/readyz" >/dev/null && break; sleep 0.1; done
 
 echo "== redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"

@@ -16,20 +16,10 @@ cargo build --release --bin callguard --example loadgen -q
 bin="$CARGO_TARGET_DIR/release/callguard"
 loadgen="$CARGO_TARGET_DIR/release/examples/loadgen"
 mkdir -p out
-work="$(mktemp -d)"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-kport=$(free_port); rport=$(free_port); mport=$(free_port)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
-trap cleanup EXIT
-
-redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$work" \
-  --maxmemory-policy noeviction --daemonize no > "$work/redis.log" 2>&1 &
-pids+=($!)
-tansu broker --listener-url "tcp://127.0.0.1:$kport" --advertised-listener-url "tcp://127.0.0.1:$kport" \
-  --storage-engine memory://tansu/ > "$work/tansu.log" 2>&1 &
-pids+=($!)
-sleep 2
+source scripts/loopback.sh
+start_redis --maxmemory-policy noeviction
+start_tansu
+mport=$(free_port)
 for t in calls call-decisions call-features; do tansu topic create "$t" --partitions 4 --broker "tcp://127.0.0.1:$kport" >/dev/null; done
 tansu topic create calls-dlq --partitions 1 --broker "tcp://127.0.0.1:$kport" >/dev/null
 
@@ -37,10 +27,10 @@ tansu topic create calls-dlq --partitions 1 --broker "tcp://127.0.0.1:$kport" >/
   --rules scripts/soak-rules.toml --ttl-slack-s 30 --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=50 \
   > "$work/consume.log" 2>&1 &
 cpid=$!
-pids+=($cpid)
+track "$cpid"
 sleep 3
 "$loadgen" "127.0.0.1:$kport" calls "$rate" "$seconds" > "$work/loadgen.log" 2>&1 &
-pids+=($!)
+track $!
 
 out=out/soak.csv
 echo "elapsed_s,consumer_rss_kib,redis_used_memory,decided,keys" > "$out"
