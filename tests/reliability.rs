@@ -597,6 +597,76 @@ async fn callee_sets_stay_bounded_in_redis() {
     assert_eq!(card.trim(), ":1000");
 }
 
+/// A flooding caller leaves thousands of records and logged calls behind
+/// when its window moves on; the store drops them at most 256 per call in
+/// time order (so no single script call stalls Redis), until none is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
+    use callguard::store::redis::{RedisConfig, RedisStore};
+    let redis = common::RedisServer::start(&[]);
+    let mut store = RedisStore::connect(RedisConfig {
+        urls: vec![redis.url()],
+        ..RedisConfig::default()
+    })
+    .await
+    .unwrap();
+    // Attempts, one sliding rule and D = retention: the log is the index.
+    let rules = RuleSet::from_args(None, &["s:sliding:1s:5".into()])
+        .unwrap()
+        .with_dedup(1)
+        .unwrap();
+    let start = now_ms() - 600_000;
+    let call = |i: i64, ts: i64| CallEvent {
+        call_id: format!("f{i}"),
+        caller: "+34911000003".into(),
+        ts_ms: ts,
+        callee: None,
+        duration_ms: None,
+        label: None,
+        list_number: None,
+    };
+    let flood: Vec<CallEvent> = (0..2_000).map(|i| call(i, start + i)).collect();
+    for chunk in flood.chunks(500) {
+        store.apply_batch(&rules, chunk).await.unwrap();
+    }
+    let mut con = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let kept = |con: &mut redis::Connection| -> (usize, i64) {
+        let fields: Vec<String> = redis::cmd("HKEYS")
+            .arg("cg:{+34911000003}:m")
+            .query(con)
+            .unwrap();
+        let logged: i64 = redis::cmd("ZCARD")
+            .arg("cg:{+34911000003}:l")
+            .query(con)
+            .unwrap();
+        (
+            fields.iter().filter(|f| f.starts_with("r:")).count(),
+            logged,
+        )
+    };
+    assert_eq!(kept(&mut con), (2_000, 2_000));
+    // Far later, one call at a time: each drops 256 old ones and adds itself.
+    let later = start + 100_000;
+    let mut last = None;
+    for k in 1..=8i64 {
+        let v = store
+            .apply_batch(&rules, &[call(10_000 + k, later + k)])
+            .await
+            .unwrap();
+        let expect = (2_000 - 255 * k).max(k) as usize;
+        if k < 8 {
+            assert_eq!(kept(&mut con), (expect, expect as i64), "after call {k}");
+        }
+        last = v.into_iter().next();
+    }
+    // All of the flood is gone; the new calls count only each other.
+    assert_eq!(kept(&mut con), (8, 8));
+    assert_eq!(last.unwrap().record.counts, vec![8]);
+}
+
 /// Pseudonymised numbers: with `--hash-numbers`, `replay` (key from the
 /// environment) and the consumer (the same key) give the same records, with
 /// every caller and callee a pseudonym; the denylist still matches the real
