@@ -146,7 +146,7 @@ async fn produce_log(log: &CallLog, brokers: &str) -> Result<u64, KafkaError> {
     let events = log.events.iter().map(|(_, e)| e);
     let produced =
         crate::online::produce::produce(events, brokers, &[], DEFAULT_INPUT_TOPIC).await?;
-    let bad: FutureProducer = producer_config(brokers, &[])
+    let bad: FutureProducer = producer_config(brokers, &[], &[])
         .create()
         .map_err(client_err("creating a producer"))?;
     for (key, payload) in BAD_MESSAGES {

@@ -47,10 +47,18 @@ pub fn client_config(brokers: &str, settings: &[(String, String)]) -> ClientConf
 
 /// A producer configuration: [`client_config`] with the Java client's
 /// partitioner (murmur2), so a caller's events land in the same partition
-/// whichever client produced them.
-pub fn producer_config(brokers: &str, settings: &[(String, String)]) -> ClientConfig {
+/// whichever client produced them, then the caller's `defaults`, then the
+/// user's `settings`, which win over both.
+pub fn producer_config(
+    brokers: &str,
+    defaults: &[(&str, &str)],
+    settings: &[(String, String)],
+) -> ClientConfig {
     let mut c = client_config(brokers, &[]);
     c.set("partitioner", "murmur2_random");
+    for (k, v) in defaults {
+        c.set(*k, *v);
+    }
     for (k, v) in settings {
         c.set(k, v);
     }

@@ -67,10 +67,15 @@ impl Loader {
         total: u64,
         progress: bool,
     ) -> Result<Self, KafkaError> {
-        let mut cfg = producer_config(brokers, settings);
-        cfg.set("enable.idempotence", "true")
-            .set("linger.ms", "20")
-            .set("compression.type", "lz4");
+        let cfg = producer_config(
+            brokers,
+            &[
+                ("enable.idempotence", "true"),
+                ("linger.ms", "20"),
+                ("compression.type", "lz4"),
+            ],
+            settings,
+        );
         Ok(Loader {
             producer: cfg.create().map_err(client_err("creating the producer"))?,
             topic: topic.to_string(),

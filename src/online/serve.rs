@@ -204,9 +204,9 @@ pub async fn run<S: WindowStore + 'static>(
 }
 
 fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
-    let mut cfg = producer_config(&t.brokers, &t.settings);
-    cfg.set("linger.ms", "5");
-    cfg.create().map_err(client_err("creating the producer"))
+    producer_config(&t.brokers, &[("linger.ms", "5")], &t.settings)
+        .create()
+        .map_err(client_err("creating the producer"))
 }
 
 async fn check_post(State(s): State<AppState>, body: Bytes) -> Response {

@@ -38,6 +38,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::ThreadedProducer;
@@ -73,6 +74,10 @@ pub const DEFAULT_FEATURES_TOPIC: &str = "call-features";
 pub const DEFAULT_DLQ_TOPIC: &str = "calls-dlq";
 /// Default consumer group.
 pub const DEFAULT_GROUP: &str = "callguard";
+/// Default `fetch.wait.max.ms` of the consumer (librdkafka's is 500): the
+/// longest a broker may hold a fetch when no new data has arrived.
+pub const DEFAULT_FETCH_WAIT_MS: &str = "10";
+
 /// Default largest batch of events per store call.
 pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Default number of batches that may await acknowledgement at once.
@@ -353,6 +358,43 @@ pub async fn run<S: WindowStore>(
     Ok(stats)
 }
 
+/// The producer's settings: idempotent, lz4, a 5 ms linger; `-X` settings
+/// win over these defaults.
+fn producer_settings(config: &ConsumeConfig) -> ClientConfig {
+    producer_config(
+        &config.brokers,
+        &[
+            ("enable.idempotence", "true"),
+            ("linger.ms", "5"),
+            ("compression.type", "lz4"),
+        ],
+        &config.kafka_settings,
+    )
+}
+
+/// The consumer's settings: offsets stored only after a batch's outputs are
+/// acknowledged, committed every second, and fetches answered within
+/// [`DEFAULT_FETCH_WAIT_MS`]; `-X` settings win over these defaults.
+fn consumer_settings(config: &ConsumeConfig) -> ClientConfig {
+    let mut c = client_config(&config.brokers, &config.kafka_settings);
+    c.set("group.id", &config.group)
+        .set("enable.auto.commit", "true")
+        .set("auto.commit.interval.ms", "1000")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("statistics.interval.ms", "5000")
+        // A fetch is answered when data arrives (fetch.min.bytes = 1) or
+        // after this wait, whichever is first: Apache Kafka answers at once
+        // when data is there, so this only bounds how long a broker that
+        // holds fetches (tansu) delays each call; librdkafka's 500 ms
+        // default added half a second to decisions there.
+        .set("fetch.wait.max.ms", DEFAULT_FETCH_WAIT_MS);
+    for (k, v) in &config.kafka_settings {
+        c.set(k, v);
+    }
+    c
+}
+
 /// Creates the producer and the consumer, and subscribes.
 fn connect(
     config: &ConsumeConfig,
@@ -364,26 +406,14 @@ fn connect(
         health.clone(),
         config.drain_timeout,
     ));
-    let mut pcfg = producer_config(&config.brokers, &config.kafka_settings);
-    pcfg.set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .set("compression.type", "lz4");
+    let pcfg = producer_settings(config);
     let producer: Arc<ThreadedProducer<ProducerCtx>> = Arc::new(
         pcfg.create_with_context(ProducerCtx {
             metrics: metrics.clone(),
         })
         .map_err(client_err("creating the producer"))?,
     );
-    let mut ccfg = client_config(&config.brokers, &config.kafka_settings);
-    ccfg.set("group.id", &config.group)
-        .set("enable.auto.commit", "true")
-        .set("auto.commit.interval.ms", "1000")
-        .set("enable.auto.offset.store", "false")
-        .set("auto.offset.reset", "earliest")
-        .set("statistics.interval.ms", "5000");
-    for (k, v) in &config.kafka_settings {
-        ccfg.set(k, v);
-    }
+    let ccfg = consumer_settings(config);
     let consumer: StreamConsumer<ConsumerCtx> = ccfg
         .create_with_context(ConsumerCtx {
             shared: shared.clone(),
@@ -560,4 +590,27 @@ async fn drain(clients: &Clients, timeout: Duration) -> Result<(), KafkaError> {
     }
     clients.consumer.unsubscribe();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetches_are_answered_quickly_by_default_and_settings_win() {
+        let mut config = ConsumeConfig::new("127.0.0.1:9092", "g", "calls", "d", "f", "dlq");
+        let c = consumer_settings(&config);
+        assert_eq!(c.get("fetch.wait.max.ms"), Some(DEFAULT_FETCH_WAIT_MS));
+        assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
+        assert_eq!(producer_settings(&config).get("linger.ms"), Some("5"));
+        config.kafka_settings = vec![
+            ("fetch.wait.max.ms".into(), "100".into()),
+            ("linger.ms".into(), "20".into()),
+        ];
+        assert_eq!(
+            consumer_settings(&config).get("fetch.wait.max.ms"),
+            Some("100")
+        );
+        assert_eq!(producer_settings(&config).get("linger.ms"), Some("20"));
+    }
 }
