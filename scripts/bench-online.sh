@@ -10,18 +10,20 @@
 #      until every call is decided, beside `callguard replay --store redis`
 #      on the same log and a fresh Redis (the store through the same batch
 #      path): events/s and the ratio;
-#   3. latency: `examples/loadgen.rs` offering RATE events/s (default 20000)
-#      for SECONDS (default 10) while consume runs; the time from each
+#   3. latency: `examples/loadgen.rs` offering RATE events/s (default 20000),
+#      then LOW events/s (default 5000), for SECONDS (default 10) each while
+#      consume runs with its default settings; the time from each
 #      event's wall-clock stamp to its decision record's Kafka timestamp,
 #      p50/p90/p99/max (`examples/decision_latency.rs`), and how many were
 #      decided.
 #
-#   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS]
+#   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 events="${1:-200000}"
 rate="${2:-20000}"
 seconds="${3:-10}"
+low="${4:-5000}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release -q --bin callguard --example bench_store --example loadgen --example decision_latency
 bin="$CARGO_TARGET_DIR/release/callguard"
@@ -34,10 +36,10 @@ source scripts/loopback.sh
 start_redis
 start_tansu
 mport=$(free_port)
-for t in calls call-decisions call-features load load-decisions load-features; do
+for t in calls call-decisions call-features load load-decisions load-features low low-decisions low-features; do
   tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
 done
-for t in calls-dlq load-dlq; do tansu topic create "$t" --partitions 1 --broker "tcp://$brokers" >/dev/null; done
+for t in calls-dlq load-dlq low-dlq; do tansu topic create "$t" --partitions 1 --broker "tcp://$brokers" >/dev/null; done
 redis="redis://127.0.0.1:$rport"
 decided() { curl -s "127.0.0.1:$mport/metrics" | awk '/^callguard_events_total/ {s += $NF} END {print s+0}'; }
 now() { date +%s.%N; }
@@ -54,7 +56,7 @@ t1=$(now)
 store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
 redis-cli -p "$rport" flushall > /dev/null
 "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
-  --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 > "$work/consume.log" 2>&1 &
+  --metrics-addr "127.0.0.1:$mport" > "$work/consume.log" 2>&1 &
 cpid=$!
 track "$cpid"
 t0=""
@@ -73,19 +75,28 @@ printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $
 kill "$cpid" 2>/dev/null || true
 wait "$cpid" 2>/dev/null || true
 
-echo
-echo "# 3. Latency at $rate events/s for $seconds s (loadgen -> consume -> decision record)"
-redis-cli -p "$rport" flushall > /dev/null
-"$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
-  --input-topic load --decisions-topic load-decisions --features-topic load-features --dlq-topic load-dlq \
-  --group callguard-latency --metrics-addr "127.0.0.1:$mport" -X fetch.wait.max.ms=5 \
-  > "$work/consume2.log" 2>&1 &
-cpid=$!
-track "$cpid"
-sleep 5
-"$ex/loadgen" "$brokers" load "$rate" "$seconds" > "$work/loadgen.log" 2>&1
-sent=$((rate * seconds))
-sleep 3
-echo "consume decided $(decided) events"
-"$ex/decision_latency" "$brokers" load-decisions "$sent" 20
-echo "loadgen: $(tail -1 "$work/loadgen.log")"
+# latency RATE TOPIC GROUP: loadgen offers RATE events/s for $seconds s to
+# TOPIC while a fresh consume (group GROUP, the defaults) decides them; then
+# the latency of every decision record.
+latency() {
+  local r="$1" topic="$2" group="$3"
+  echo
+  echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record)"
+  redis-cli -p "$rport" flushall > /dev/null
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
+    --input-topic "$topic" --decisions-topic "$topic-decisions" --features-topic "$topic-features" \
+    --dlq-topic "$topic-dlq" --group "$group" --metrics-addr "127.0.0.1:$mport" \
+    > "$work/consume-$topic.log" 2>&1 &
+  local pid=$!
+  track "$pid"
+  sleep 5
+  "$ex/loadgen" "$brokers" "$topic" "$r" "$seconds" > "$work/loadgen-$topic.log" 2>&1
+  sleep 3
+  echo "consume decided $(decided) events"
+  "$ex/decision_latency" "$brokers" "$topic-decisions" "$((r * seconds))" 20
+  echo "loadgen: $(tail -1 "$work/loadgen-$topic.log")"
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+latency "$rate" load callguard-latency
+latency "$low" low callguard-latency-low
