@@ -14,7 +14,9 @@
 --   :m     meta hash: L = latest event time; O, I, C = a lower bound of the
 --          lowest score in :l, :i, :c, as L minus it ('' when that set is
 --          empty; absent when unknown), so a set is trimmed only when
---          something in it is old;
+--          something in it is old; N = an upper bound of the callees kept
+--          in :c, old entries included (the cap is counted only when N
+--          reaches it);
 --          f:<rule>:<W> = a fixed rule's live buckets and their counts,
 --          "<bucket>=<count>,..." (dead buckets dropped at each write);
 --          a:<rule>:<W>:{b,c,p} = sliding-approx bucket, current and
@@ -79,7 +81,7 @@ local H = 15
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
 -- Meta fields read per event: L, the three lower bounds, approx counters.
-local mfields = {'L', 'O', 'I', 'C'}
+local mfields = {'L', 'O', 'I', 'C', 'N'}
 for i = 1, n do
   local base = H + (i - 1) * 4
   kinds[i] = tonumber(ARGV[base + 1])
@@ -262,6 +264,7 @@ local function decide(stem, t, id, listed, callee)
   if latest and latest > horizon then prev = latest end
   local late = prev ~= nil and t < prev - grace
   local b_log, b_ids, b_callees = bound(mv[2], latest), bound(mv[3], latest), bound(mv[4], latest)
+  local n_callees = latest and tonumber(mv[5])
   if not mv[1] then
     -- No meta: the log and the callees expire with it or before, so they are
     -- empty; the index may outlive it.
@@ -288,13 +291,19 @@ local function decide(stem, t, id, listed, callee)
     if due(b_callees, horizon, retention, late) then
       call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
       b_callees = lowest(callees)
+      n_callees = nil
     end
     local none_kept = b_callees == EMPTY
+    if none_kept then n_callees = 0 end
     if callee ~= '' then
       -- A new callee only while fewer than the cap are kept (above the
-      -- horizon); known ones are raised.
-      if (b_callees == EMPTY and max_callees > 0) or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
-        call('ZADD', callees, 'GT', t, callee)
+      -- horizon); known ones are raised. N bounds the set's size from
+      -- above (old entries included), so those are counted only near the
+      -- cap.
+      if not n_callees then n_callees = call('ZCARD', callees) end
+      if n_callees < max_callees
+        or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
+        n_callees = n_callees + call('ZADD', callees, 'GT', t, callee)
       else
         call('ZADD', callees, 'XX', 'GT', t, callee)
       end
@@ -434,7 +443,10 @@ local function decide(stem, t, id, listed, callee)
   if idem then mset[#mset + 1] = rfield; mset[#mset + 1] = encoded end
   if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log, lnew) end
   if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids, lnew) end
-  if track_callees then mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees, lnew) end
+  if track_callees then
+    mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees, lnew)
+    if n_callees then mset[#mset + 1] = 'N'; mset[#mset + 1] = fmt('%d', n_callees) end
+  end
   if fchanged then
     for i = 1, n do
       if kinds[i] == 0 then
