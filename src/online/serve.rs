@@ -210,11 +210,7 @@ fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
 }
 
 async fn check_post(State(s): State<AppState>, body: Bytes) -> Response {
-    let decoded = s
-        .config
-        .decoder
-        .decode_json_at(&body, Some(now_ms()))
-        .and_then(|e| check_future_skew(e, s.config.max_future_skew));
+    let decoded = s.config.decoder.decode_json_at(&body, Some(now_ms()));
     decide(&s, decoded).await
 }
 
@@ -222,15 +218,13 @@ async fn check_get(
     State(s): State<AppState>,
     Query(fields): Query<HashMap<String, String>>,
 ) -> Response {
-    let decoded = s
-        .config
-        .decoder
-        .decode_fields(&fields, Some(now_ms()))
-        .and_then(|e| check_future_skew(e, s.config.max_future_skew));
+    let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
     decide(&s, decoded).await
 }
 
+/// Decides one decoded check (after the future-skew check) and answers it.
 async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Response {
+    let decoded = decoded.and_then(|e| check_future_skew(e, s.config.max_future_skew));
     let event = match decoded {
         Ok(e) => e,
         Err(e) => {

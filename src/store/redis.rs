@@ -369,11 +369,6 @@ impl RedisStore {
         Ok(())
     }
 
-    /// The key of a caller's key `suffix`: `<prefix>{<caller>}:<suffix>`.
-    pub fn key(&self, caller: &str, suffix: &str) -> String {
-        format!("{}{{{}}}:{}", self.config.key_prefix, caller, suffix)
-    }
-
     /// The stem of a caller's keys, `<prefix>{<caller>}`: the script names
     /// each of the caller's keys by a suffix to it.
     pub fn stem(&self, caller: &str) -> String {
@@ -449,7 +444,7 @@ impl RedisStore {
                 let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
                 for (i, ev) in events.iter().enumerate() {
                     by_slot
-                        .entry(Slot::for_key(self.key(&ev.caller, "m")))
+                        .entry(Slot::for_key(self.stem(&ev.caller)))
                         .or_default()
                         .push(i);
                 }
