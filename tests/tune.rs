@@ -49,15 +49,22 @@ fn sweep_equals_a_replay_for_every_n() {
                 limits.len() + 1
             };
             assert_eq!(s.passes, expected_passes);
-            // Fed in chunks (as a large file is), the sweep is the same.
-            let mut chunked =
-                Sweeper::new(&set, index, &limits, Target::MaxFalseReject(0.002)).unwrap();
-            for part in log.events.chunks(997) {
-                chunked.feed(part);
+            // Fed in chunks (as a large file is), and with its callers
+            // split over any number of shards, the sweep is the same.
+            for shards in [1, 2, 3] {
+                let mut chunked = Sweeper::new(&set, index, &limits, Target::MaxFalseReject(0.002))
+                    .unwrap()
+                    .with_shards(shards);
+                for part in log.events.chunks(997) {
+                    chunked.feed(part);
+                }
+                let chunked = chunked.finish();
+                assert_eq!(
+                    chunked.rows, s.rows,
+                    "{policy:?}, rule {index}, chunked, {shards} shards"
+                );
+                assert_eq!(chunked.recommended, s.recommended);
             }
-            let chunked = chunked.finish();
-            assert_eq!(chunked.rows, s.rows, "{policy:?}, rule {index}, chunked");
-            assert_eq!(chunked.recommended, s.recommended);
             for (row, &n) in s.rows.iter().zip(&limits) {
                 let want = row_by_replay(&log, &set, index, n).unwrap();
                 assert_eq!(row, &want, "{policy:?}, rule {index}, N = {n}");

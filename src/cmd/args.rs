@@ -13,6 +13,7 @@ use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{self, RedisConfig, RedisStore};
+use callguard::store::sharded::ShardedStore;
 use callguard::store::AnyStore;
 
 /// Kafka connection options.
@@ -353,7 +354,7 @@ impl StoreArgs {
                 );
                 AnyStore::Memory(MemoryStore::keeping_all())
             }
-            StoreKind::Memory => AnyStore::Memory(MemoryStore::new()),
+            StoreKind::Memory => AnyStore::Sharded(ShardedStore::per_core()),
             StoreKind::Redis => {
                 let config = self.redis_config();
                 let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();

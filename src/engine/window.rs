@@ -54,6 +54,7 @@
 //!   callee beyond that is not kept, so the feature saturates there.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 
 use foldhash::HashMap;
 
@@ -163,13 +164,15 @@ pub struct CallerState {
     /// back and trim the front, and a sparse caller costs a few bytes, not
     /// a B-tree node.
     seen_by_ts: VecDeque<(i64, String)>,
-    /// Distinct callees: callee → latest event time of a call to it.
-    callees: HashMap<String, i64>,
-    /// (time, callee, still its latest call) ordered by time, for trimming
-    /// and counting. A callee called again marks its old entry stale rather
-    /// than removing it from the middle: calls in time order then only
-    /// append and trim, whatever a busy trunk's callee list looks like.
-    callees_by_ts: VecDeque<(i64, String, bool)>,
+    /// Distinct callees: callee → latest event time of a call to it. The
+    /// names are shared with `callees_by_ts` (one allocation per callee).
+    callees: HashMap<Arc<str>, i64>,
+    /// (time, callee) ordered by time, for trimming and counting; an entry
+    /// is live while it holds its callee's latest time in `callees`. A
+    /// callee called again leaves its old entry behind, stale, rather than
+    /// removing it from the middle: calls in time order then only append
+    /// and trim, whatever a busy trunk's callee list looks like.
+    callees_by_ts: VecDeque<(i64, Arc<str>)>,
 }
 
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
@@ -405,11 +408,11 @@ impl CallerState {
         // Live entries not after t - Wmax lie between the horizon and
         // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
         let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-        let band = self.callees_by_ts.partition_point(|(ts, _, _)| *ts < after);
+        let band = self.callees_by_ts.partition_point(|(ts, _)| *ts < after);
         let not_after = self
             .callees_by_ts
             .range(..band)
-            .filter(|(_, _, live)| *live)
+            .filter(|(ts, callee)| self.callees.get(callee) == Some(ts))
             .count();
         (self.callees.len() - not_after) as u64
     }
@@ -470,33 +473,16 @@ impl CallerState {
     /// Raises the callee's latest call time to `t` (never lowers it); a new
     /// callee is kept only while fewer than `cap` are.
     fn note_callee(&mut self, callee: &str, t: i64, cap: u64) {
-        let kept = self.callees.len() as u64;
-        match self.callees.get_mut(callee) {
-            Some(latest) if *latest >= t => {}
-            Some(latest) => {
-                let old = *latest;
-                *latest = t;
-                let at = self
-                    .callees_by_ts
-                    .partition_point(|(ts, c, _)| (*ts, c.as_str()) < (old, callee));
-                if let Some(entry) = self.callees_by_ts.get_mut(at) {
-                    entry.2 = false;
-                }
-                self.insert_callee(t, callee.to_string());
-            }
-            None if kept < cap => {
-                self.callees.insert(callee.to_string(), t);
-                self.insert_callee(t, callee.to_string());
-            }
-            None => {}
-        }
-    }
-
-    fn insert_callee(&mut self, t: i64, callee: String) {
-        let at = self
-            .callees_by_ts
-            .partition_point(|(ts, c, _)| (*ts, c.as_str()) < (t, callee.as_str()));
-        self.callees_by_ts.insert(at, (t, callee, true));
+        let name = match self.callees.get_key_value(callee) {
+            Some((_, &latest)) if latest >= t => return,
+            // Its old entry in `callees_by_ts` turns stale.
+            Some((name, _)) => name.clone(),
+            None if (self.callees.len() as u64) < cap => Arc::from(callee),
+            None => return,
+        };
+        self.callees.insert(name.clone(), t);
+        let at = self.callees_by_ts.partition_point(|(ts, _)| *ts <= t);
+        self.callees_by_ts.insert(at, (t, name));
     }
 
     fn trim(&mut self, rules: &RuleSet, h: &Horizons) {
@@ -510,10 +496,12 @@ impl CallerState {
         while self
             .callees_by_ts
             .front()
-            .is_some_and(|(ts, _, _)| *ts <= horizon)
+            .is_some_and(|(ts, _)| *ts <= horizon)
         {
-            if let Some((_, callee, true)) = self.callees_by_ts.pop_front() {
-                self.callees.remove(&callee);
+            if let Some((ts, callee)) = self.callees_by_ts.pop_front() {
+                if self.callees.get(&callee) == Some(&ts) {
+                    self.callees.remove(&callee);
+                }
             }
         }
         while self

@@ -11,7 +11,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::ReplayError;
 use crate::offline::read::ReadOptions;
 use crate::offline::replay::{to_table, TableReport};
-use crate::store::memory::MemoryStore;
+use crate::store::sharded::ShardedStore;
 
 /// Writes the feature table of the call log at `input` to `output`
 /// (Parquet, recommended for its typed timestamps, or CSV).
@@ -22,5 +22,13 @@ pub async fn export(
     output: &Path,
 ) -> Result<TableReport, ReplayError> {
     let schema = Schema::features(rules);
-    to_table(input, read, rules, &mut MemoryStore::new(), schema, output).await
+    to_table(
+        input,
+        read,
+        rules,
+        &mut ShardedStore::per_core(),
+        schema,
+        output,
+    )
+    .await
 }

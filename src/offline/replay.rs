@@ -18,9 +18,6 @@ use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
 use crate::store::WindowStore;
 
-/// Events per store call during replay.
-pub const REPLAY_BATCH: usize = 512;
-
 /// What a replay did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReplaySummary {
@@ -199,7 +196,8 @@ pub async fn run<S: WindowStore>(
     apply_events(&events, &log.unique, rules, store).await
 }
 
-/// Applies events through a store in batches of [`REPLAY_BATCH`], passing
+/// Applies events through a store in batches of its
+/// [`WindowStore::replay_batch`], passing
 /// [`CallLog::unique`] when there is one flag per event.
 async fn apply_events<S: WindowStore>(
     events: &[CallEvent],
@@ -208,10 +206,11 @@ async fn apply_events<S: WindowStore>(
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
     let known = unique.len() == events.len();
+    let size = store.replay_batch().max(1);
     let mut verdicts = Vec::with_capacity(events.len());
-    for (i, batch) in events.chunks(REPLAY_BATCH).enumerate() {
+    for (i, batch) in events.chunks(size).enumerate() {
         let got = if known {
-            let flags = &unique[i * REPLAY_BATCH..i * REPLAY_BATCH + batch.len()];
+            let flags = &unique[i * size..i * size + batch.len()];
             store.apply_batch_unique(rules, batch, flags).await?
         } else {
             store.apply_batch(rules, batch).await?

@@ -12,65 +12,79 @@ use crate::offline::read::{polars_err, InvalidRow};
 
 /// A table of `schema`'s columns, one row per decided call; its schema
 /// (`frame(schema, &[])`) is what a [`TableWriter`] is created with.
+///
+/// Built in one pass over the rows, every column filled from each row in
+/// turn: a chunk of verdicts is larger than the caches, and a pass per
+/// column would read it from memory once per column.
 pub fn frame(schema: &RecordSchema, rows: &[Row<'_>]) -> Result<DataFrame, IoError> {
+    let mut builders: Vec<Builder<'_>> = schema
+        .columns()
+        .iter()
+        .map(|c| Builder::new(c.field.kind(), rows.len()))
+        .collect();
+    for row in rows {
+        for (c, b) in schema.columns().iter().zip(&mut builders) {
+            b.push(c.field.value(*row));
+        }
+    }
     let columns = schema
         .columns()
         .iter()
-        .map(|c| {
-            let name: PlSmallStr = c.name.as_str().into();
-            let values = rows.iter().map(|r| c.field.value(*r));
-            match c.field.kind() {
-                Kind::Text => Ok(Column::new(
-                    name,
-                    values
-                        .map(|v| match v {
-                            Value::Text(s) => s,
-                            _ => None,
-                        })
-                        .collect::<Vec<_>>(),
-                )),
-                Kind::Int => Ok(Column::new(
-                    name,
-                    values
-                        .map(|v| match v {
-                            Value::Int(i) => i,
-                            _ => None,
-                        })
-                        .collect::<Vec<_>>(),
-                )),
-                Kind::UInt => Ok(Column::new(
-                    name,
-                    values
-                        .map(|v| match v {
-                            Value::UInt(u) => u,
-                            _ => None,
-                        })
-                        .collect::<Vec<_>>(),
-                )),
-                Kind::Bool => Ok(Column::new(
-                    name,
-                    values
-                        .map(|v| match v {
-                            Value::Bool(b) => b,
-                            _ => None,
-                        })
-                        .collect::<Vec<_>>(),
-                )),
-                Kind::Time => Column::new(
-                    name,
-                    values
-                        .map(|v| match v {
-                            Value::Time(ms) => Some(ms),
-                            _ => None,
-                        })
-                        .collect::<Vec<_>>(),
-                )
-                .cast(&DataType::Datetime(TimeUnit::Milliseconds, None)),
-            }
-        })
+        .zip(builders)
+        .map(|(c, b)| b.finish(c.name.as_str().into()))
         .collect::<PolarsResult<Vec<_>>>()
         .map_err(polars_err("building a table"))?;
     DataFrame::new(rows.len(), columns).map_err(polars_err("building a table"))
+}
+
+/// The values of one column being collected, by [`Kind`].
+enum Builder<'a> {
+    Text(Vec<Option<&'a str>>),
+    Int(Vec<Option<i64>>),
+    UInt(Vec<Option<u64>>),
+    Bool(Vec<Option<bool>>),
+    Time(Vec<i64>),
+}
+
+impl<'a> Builder<'a> {
+    fn new(kind: Kind, rows: usize) -> Self {
+        match kind {
+            Kind::Text => Builder::Text(Vec::with_capacity(rows)),
+            Kind::Int => Builder::Int(Vec::with_capacity(rows)),
+            Kind::UInt => Builder::UInt(Vec::with_capacity(rows)),
+            Kind::Bool => Builder::Bool(Vec::with_capacity(rows)),
+            Kind::Time => Builder::Time(Vec::with_capacity(rows)),
+        }
+    }
+
+    /// Appends a value; one of another kind (never produced by a field of
+    /// this column's kind) appends a null.
+    fn push(&mut self, value: Value<'a>) {
+        match (self, value) {
+            (Builder::Text(v), Value::Text(x)) => v.push(x),
+            (Builder::Text(v), _) => v.push(None),
+            (Builder::Int(v), Value::Int(x)) => v.push(x),
+            (Builder::Int(v), _) => v.push(None),
+            (Builder::UInt(v), Value::UInt(x)) => v.push(x),
+            (Builder::UInt(v), _) => v.push(None),
+            (Builder::Bool(v), Value::Bool(x)) => v.push(x),
+            (Builder::Bool(v), _) => v.push(None),
+            (Builder::Time(v), Value::Time(x)) => v.push(x),
+            (Builder::Time(v), _) => v.push(0),
+        }
+    }
+
+    fn finish(self, name: PlSmallStr) -> PolarsResult<Column> {
+        match self {
+            Builder::Text(v) => Ok(Column::new(name, v)),
+            Builder::Int(v) => Ok(Column::new(name, v)),
+            Builder::UInt(v) => Ok(Column::new(name, v)),
+            Builder::Bool(v) => Ok(Column::new(name, v)),
+            Builder::Time(v) => {
+                Column::new(name, v).cast(&DataType::Datetime(TimeUnit::Milliseconds, None))
+            }
+        }
+    }
 }
 
 /// Output formats of tables.

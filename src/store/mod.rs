@@ -1,12 +1,15 @@
 //! Window stores: where per-caller window state lives.
 //!
 //! One algorithm, two stores: [`memory::MemoryStore`] runs the reference
-//! algorithm of [`crate::engine::window`] in process; [`redis::RedisStore`] runs the
+//! algorithm of [`crate::engine::window`] in process (and
+//! [`sharded::ShardedStore`] runs it split by caller over the cores, for
+//! offline work); [`redis::RedisStore`] runs the
 //! same algorithm in atomic Lua calls of several events each. The conformance suite in
 //! `tests/` runs the same scenarios against both and demands identical records.
 
 pub mod memory;
 pub mod redis;
+pub mod sharded;
 
 use std::future::Future;
 
@@ -42,12 +45,20 @@ pub trait WindowStore: Send {
         let _ = unique;
         self.apply_batch(rules, events)
     }
+
+    /// Events per [`WindowStore::apply_batch`] call that suit this store in
+    /// a replay.
+    fn replay_batch(&self) -> usize {
+        512
+    }
 }
 
 /// The store chosen at run time.
 pub enum AnyStore {
     /// In process.
     Memory(memory::MemoryStore),
+    /// In process, callers split over the cores (time-sorted input only).
+    Sharded(sharded::ShardedStore),
     /// Redis (standalone or Cluster).
     Redis(Box<redis::RedisStore>),
 }
@@ -60,6 +71,7 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
+            AnyStore::Sharded(s) => s.apply_batch(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
         }
     }
@@ -72,7 +84,16 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch_unique(rules, events, unique).await,
+            AnyStore::Sharded(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
+        }
+    }
+
+    fn replay_batch(&self) -> usize {
+        match self {
+            AnyStore::Memory(s) => s.replay_batch(),
+            AnyStore::Sharded(s) => s.replay_batch(),
+            AnyStore::Redis(s) => s.replay_batch(),
         }
     }
 }

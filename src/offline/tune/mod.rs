@@ -27,6 +27,7 @@ use crate::offline::read::{CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
 use crate::progress::progress_bar;
 use crate::store::memory::MemoryStore;
+use crate::store::sharded::{run_shards, shards_per_core, split_by_caller};
 
 /// One row of the sweep.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,6 +112,42 @@ impl Replayed {
     }
 }
 
+impl BaseShard {
+    /// One event through the replay under the rule set as given.
+    fn feed(&mut self, rules: &RuleSet, index: usize, e: &CallEvent, unique: bool) {
+        let t = &mut self.totals;
+        t.calls += 1;
+        t.labelled &= e.label.is_some();
+        t.fraud += u64::from(e.label == Some(true));
+        t.legit += u64::from(e.label == Some(false));
+        let v = self.store.apply_unique(rules, e, unique);
+        let count = v.record.counts.get(index).copied().unwrap_or(0);
+        let tally = match self.callers.get_mut(&e.caller) {
+            Some(t) => t,
+            None => self.callers.entry(e.caller.clone()).or_default(),
+        };
+        tally.fraud |= e.label == Some(true);
+        tally.peak = tally.peak.max(count);
+        if rules.count != CountPolicy::Attempts {
+            return;
+        }
+        let fraud = usize::from(e.label == Some(true));
+        let h = &mut self.histogram;
+        match rules.judge(e.number_for_lists(), &v.record.counts, Some(index)) {
+            Judgement::Allowlisted => {}
+            Judgement::Denylisted | Judgement::Exceeded(_) => {
+                h.always[fraud] += 1;
+                tally.always = true;
+            }
+            Judgement::Within => {
+                let cap = h.calls.len() - 1;
+                h.calls[(count as usize).min(cap)][fraud] += 1;
+                tally.peak_n = tally.peak_n.max(count);
+            }
+        }
+    }
+}
+
 /// Calls seen so far, and how many carried each label.
 #[derive(Debug, Clone, Copy)]
 struct Totals {
@@ -142,11 +179,28 @@ pub struct Sweeper {
     index: usize,
     limits: Vec<u64>,
     target: Target,
-    base: MemoryStore,
+    /// The replay under the rule set as given, split by caller over the
+    /// cores (see [`crate::store::sharded`]).
+    base: Vec<BaseShard>,
+    replayed: Vec<Replayed>,
+}
+
+/// One shard of callers of the replay under the rule set as given: their
+/// window state, tallies and histogram (summed over the shards at the end).
+struct BaseShard {
+    store: MemoryStore,
     totals: Totals,
     callers: foldhash::HashMap<String, CallerTally>,
     histogram: Histogram,
-    replayed: Vec<Replayed>,
+}
+
+impl Totals {
+    fn add(&mut self, other: &Totals) {
+        self.calls += other.calls;
+        self.fraud += other.fraud;
+        self.legit += other.legit;
+        self.labelled &= other.labelled;
+    }
 }
 
 impl Sweeper {
@@ -177,26 +231,45 @@ impl Sweeper {
         } else {
             Vec::new()
         };
-        let cap = limits.iter().copied().max().unwrap_or(0) as usize + 1;
-        Ok(Sweeper {
+        let mut sweeper = Sweeper {
             rules: rules.clone(),
             index,
             limits: limits.to_vec(),
             target,
-            base: MemoryStore::new(),
-            totals: Totals {
-                calls: 0,
-                fraud: 0,
-                legit: 0,
-                labelled: true,
-            },
-            callers: Default::default(),
-            histogram: Histogram {
-                calls: vec![[0; 2]; cap + 1],
-                always: [0; 2],
-            },
+            base: Vec::new(),
             replayed,
-        })
+        };
+        sweeper.base = sweeper.shards(shards_per_core());
+        Ok(sweeper)
+    }
+
+    /// The same sweep with the base replay split over `shards` shards of
+    /// callers (by default one per core); the rows do not depend on it.
+    /// Call before feeding anything.
+    pub fn with_shards(mut self, shards: usize) -> Self {
+        self.base = self.shards(shards);
+        self
+    }
+
+    /// Empty base-replay shards.
+    fn shards(&self, shards: usize) -> Vec<BaseShard> {
+        let cap = self.limits.iter().copied().max().unwrap_or(0) as usize + 1;
+        (0..shards.max(1))
+            .map(|_| BaseShard {
+                store: MemoryStore::new(),
+                totals: Totals {
+                    calls: 0,
+                    fraud: 0,
+                    legit: 0,
+                    labelled: true,
+                },
+                callers: Default::default(),
+                histogram: Histogram {
+                    calls: vec![[0; 2]; cap + 1],
+                    always: [0; 2],
+                },
+            })
+            .collect()
     }
 
     /// Feeds the next time-sorted events.
@@ -206,9 +279,17 @@ impl Sweeper {
 
     /// Feeds the next time-sorted events, with [`CallLog::unique`] (may be empty).
     pub fn feed_unique(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
-        for (i, (_, e)) in events.iter().enumerate() {
-            self.feed_base(e, unique.get(i).copied().unwrap_or(false));
-        }
+        let (_, parts) = split_by_caller(
+            events.iter().map(|(_, e)| e.caller.as_str()),
+            self.base.len(),
+        );
+        let (rules, index) = (&self.rules, self.index);
+        run_shards(&mut self.base, &parts, |shard, idx| {
+            for &i in idx {
+                let unique = unique.get(i).copied().unwrap_or(false);
+                shard.feed(rules, index, &events[i].1, unique);
+            }
+        });
         if self.replayed.is_empty() {
             return;
         }
@@ -223,43 +304,6 @@ impl Sweeper {
         });
     }
 
-    /// One event through the replay under the rule set as given.
-    fn feed_base(&mut self, e: &CallEvent, unique: bool) {
-        let t = &mut self.totals;
-        t.calls += 1;
-        t.labelled &= e.label.is_some();
-        t.fraud += u64::from(e.label == Some(true));
-        t.legit += u64::from(e.label == Some(false));
-        let v = self.base.apply_unique(&self.rules, e, unique);
-        let count = v.record.counts.get(self.index).copied().unwrap_or(0);
-        let tally = match self.callers.get_mut(&e.caller) {
-            Some(t) => t,
-            None => self.callers.entry(e.caller.clone()).or_default(),
-        };
-        tally.fraud |= e.label == Some(true);
-        tally.peak = tally.peak.max(count);
-        if self.rules.count != CountPolicy::Attempts {
-            return;
-        }
-        let fraud = usize::from(e.label == Some(true));
-        let h = &mut self.histogram;
-        match self
-            .rules
-            .judge(e.number_for_lists(), &v.record.counts, Some(self.index))
-        {
-            Judgement::Allowlisted => {}
-            Judgement::Denylisted | Judgement::Exceeded(_) => {
-                h.always[fraud] += 1;
-                tally.always = true;
-            }
-            Judgement::Within => {
-                let cap = h.calls.len() - 1;
-                h.calls[(count as usize).min(cap)][fraud] += 1;
-                tally.peak_n = tally.peak_n.max(count);
-            }
-        }
-    }
-
     /// Replays the sweep needed: 1 under `attempts`, one per limit plus the
     /// rule set as given under `admitted`.
     pub fn passes(&self) -> usize {
@@ -268,10 +312,11 @@ impl Sweeper {
 
     /// The sweep table and its recommendation.
     pub fn finish(self) -> Sweep {
-        let t = self.totals;
+        let merged = self.merge_shards();
+        let t = merged.totals;
         let labelled = t.labelled && t.calls > 0;
         let rows = if self.replayed.is_empty() {
-            self.rows_from_histograms(labelled)
+            self.rows_from_histograms(&merged, labelled)
         } else {
             self.replayed
                 .iter()
@@ -281,7 +326,7 @@ impl Sweeper {
                     let legit_callers = rej
                         .callers
                         .iter()
-                        .filter(|c| !self.callers.get(*c).is_some_and(|t| t.fraud))
+                        .filter(|c| !merged.callers.get(c.as_str()).is_some_and(|t| t.fraud))
                         .count() as u64;
                     RowCounts {
                         limit,
@@ -298,7 +343,7 @@ impl Sweeper {
                 })
                 .collect()
         };
-        let peaks: Vec<u64> = self.callers.values().map(|t| t.peak).collect();
+        let peaks: Vec<u64> = merged.callers.values().map(|t| t.peak).collect();
         let (recommended, explanation) =
             report::recommend(&self.rules, self.index, &rows, labelled, self.target, peaks);
         Sweep {
@@ -311,14 +356,45 @@ impl Sweeper {
         }
     }
 
+    /// The shards' tallies as one: totals and histograms summed, caller
+    /// tallies joined (the shards' callers are disjoint).
+    fn merge_shards(&self) -> Merged<'_> {
+        let mut totals = Totals {
+            calls: 0,
+            fraud: 0,
+            legit: 0,
+            labelled: true,
+        };
+        let cap = self.base.first().map_or(1, |s| s.histogram.calls.len());
+        let mut histogram = Histogram {
+            calls: vec![[0; 2]; cap],
+            always: [0; 2],
+        };
+        let mut callers = foldhash::HashMap::default();
+        for shard in &self.base {
+            totals.add(&shard.totals);
+            for (sum, h) in histogram.calls.iter_mut().zip(&shard.histogram.calls) {
+                *sum = [sum[0] + h[0], sum[1] + h[1]];
+            }
+            let a = shard.histogram.always;
+            histogram.always = [histogram.always[0] + a[0], histogram.always[1] + a[1]];
+            callers.extend(shard.callers.iter().map(|(c, t)| (c.as_str(), *t)));
+        }
+        Merged {
+            totals,
+            histogram,
+            callers,
+        }
+    }
+
     /// The one-pass rows: a call is rejected under N exactly when its count
     /// exceeds N, a caller when its peak does.
-    fn rows_from_histograms(&self, labelled: bool) -> Vec<SweepRow> {
-        let h = &self.histogram;
+    fn rows_from_histograms(&self, merged: &Merged<'_>, labelled: bool) -> Vec<SweepRow> {
+        let h = &merged.histogram;
         let cap = h.calls.len() - 1;
         let mut callers = vec![[0u64; 2]; cap + 1];
         let mut callers_always = [0u64; 2];
-        for t in self.callers.values() {
+        for t in merged.callers.values() {
             let fraud = usize::from(t.fraud);
             if t.always {
                 callers_always[fraud] += 1;
@@ -346,9 +422,9 @@ impl Sweeper {
                 let fraud_rej = c[1] + h.always[1];
                 RowCounts {
                     limit: n,
-                    calls: self.totals.calls,
-                    fraud_calls: self.totals.fraud,
-                    legit_calls: self.totals.legit,
+                    calls: merged.totals.calls,
+                    fraud_calls: merged.totals.fraud,
+                    legit_calls: merged.totals.legit,
                     rejected_calls: legit_rej + fraud_rej,
                     rejected_fraud_calls: fraud_rej,
                     rejected_legit_calls: legit_rej,
@@ -398,6 +474,13 @@ pub fn sweep_ordered(
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
     Ok((sweeper.finish(), invalid))
+}
+
+/// The shards of a [`Sweeper`]'s base replay, summed.
+struct Merged<'a> {
+    totals: Totals,
+    histogram: Histogram,
+    callers: foldhash::HashMap<&'a str, CallerTally>,
 }
 
 /// The counts behind one row of the sweep.
