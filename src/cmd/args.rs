@@ -184,6 +184,7 @@ impl InputArgs {
             timezone: self.timezone,
             delimiter: self.delimiter,
             progress,
+            callees: true,
         })
     }
 }

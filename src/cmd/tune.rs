@@ -97,6 +97,8 @@ pub fn run(args: TuneArgs) -> Result<()> {
     let progress = progress_wanted();
     let mut read = input.read_options(progress)?;
     args.privacy.apply(&mut read.decoder)?;
+    // A sweep counts calls; callees are only a feature.
+    read.callees = false;
     let log = Arc::new(OrderedLog::open(&input.input, &read)?);
     let rows = log.rows();
     let started = std::time::Instant::now();

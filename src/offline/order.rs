@@ -7,10 +7,11 @@ use std::sync::Arc;
 use chrono_tz::Tz;
 use polars::prelude::*;
 
-use crate::engine::event::{parse_ts, Decoder, RawValue, FIELDS};
+use crate::engine::event::{parse_ts, Decoder, RawValue};
 use crate::error::{EventError, IoError};
 use crate::offline::read::{
-    decode_frame, effective_map, polars_err, read_frame_columns, row_ts, CallLog, ReadOptions,
+    decode_frame, effective_map, polars_err, read_frame_columns, row_ts, wanted_columns, CallLog,
+    ReadOptions,
 };
 
 /// Rows decoded per chunk of an [`OrderedLog`].
@@ -40,7 +41,7 @@ impl OrderedLog {
     pub fn open(path: &Path, opts: &ReadOptions) -> Result<Self, IoError> {
         let mut decoder = opts.decoder.clone();
         decoder.map = effective_map(opts.format, &opts.decoder.map);
-        let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
+        let wanted = wanted_columns(&decoder.map, opts);
         let mut frame = read_frame_columns(path, opts.format, opts.delimiter, Some(&wanted))?;
         if frame.height() > IdxSize::MAX as usize {
             return Err(IoError::BadShape {

@@ -66,6 +66,10 @@ pub struct ReadOptions {
     pub delimiter: u8,
     /// Show a progress bar (only drawn on a terminal).
     pub progress: bool,
+    /// Read the callee column. Work that never uses callees (`tune`) skips
+    /// it: a callee never makes a row invalid (a bad one is no callee), so
+    /// the same rows are valid either way.
+    pub callees: bool,
 }
 
 impl Default for ReadOptions {
@@ -76,6 +80,7 @@ impl Default for ReadOptions {
             timezone: None,
             delimiter: b',',
             progress: false,
+            callees: true,
         }
     }
 }
@@ -360,11 +365,21 @@ pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
 /// Index of `ts` in [`FIELDS`].
 const TS_FIELD: usize = 2;
 
+/// The input's column names to read for `opts`: every mapped field, but the
+/// callee when `opts.callees` is false.
+pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str> {
+    FIELDS
+        .iter()
+        .filter(|f| opts.callees || **f != "callee")
+        .map(|f| map.source(f))
+        .collect()
+}
+
 /// Reads and decodes a call log.
 pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError> {
     let mut decoder = opts.decoder.clone();
     decoder.map = effective_map(opts.format, &opts.decoder.map);
-    let wanted: Vec<&str> = FIELDS.iter().map(|f| decoder.map.source(f)).collect();
+    let wanted = wanted_columns(&decoder.map, opts);
     let df = read_frame_columns(path, opts.format, opts.delimiter, Some(&wanted))?;
     decode_frame(&df, &decoder, opts.timezone, opts.progress)
 }

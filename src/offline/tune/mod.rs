@@ -217,6 +217,8 @@ impl Sweeper {
                 rules.rules.len()
             )));
         }
+        // Distinct callees are a feature, never a reason: a sweep skips them.
+        let rules = &rules.with_distinct_callees(false);
         let replayed = if rules.count == CountPolicy::Admitted {
             limits
                 .iter()
