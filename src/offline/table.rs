@@ -326,6 +326,18 @@ impl<T: Send + 'static> BackgroundWriter<T> {
     }
 }
 
+impl<T> Drop for BackgroundWriter<T> {
+    /// Dropped unfinished (the run failed): hangs up and waits for the
+    /// writer thread to discard its staged file, so nothing is left behind
+    /// once the run has returned.
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
 /// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file
 /// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
 pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
@@ -421,5 +433,20 @@ mod tests {
             None => w.finish().unwrap_err().to_string(),
         };
         assert_eq!(reported, "batch 3 is bad");
+
+        // Dropped unfinished (a failed run), it leaves no staged file behind
+        // by the time the drop returns.
+        let path = dir.path().join("dropped.csv");
+        let mut w = BackgroundWriter::spawn(&path, &schema, |n: i64| Ok(batch(n))).unwrap();
+        for n in 0..10 {
+            w.send(n).unwrap();
+        }
+        drop(w);
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.contains("dropped"))
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
     }
 }
