@@ -14,8 +14,10 @@ use crate::offline::read::{
     ReadOptions,
 };
 
-/// Rows decoded per chunk of an [`OrderedLog`].
-pub const CHUNK_ROWS: usize = 65_536;
+/// Rows decoded per chunk of an [`OrderedLog`]: a few chunks (decoded ahead,
+/// being decided, being written) are in memory at once, each with its
+/// events and verdicts, so this bounds their share of the peak.
+pub const CHUNK_ROWS: usize = 16_384;
 
 /// A call log in its processing order, decoded a chunk at a time.
 ///
