@@ -106,7 +106,7 @@ fn check_case(
         let got = reference::Expected {
             ts_ms: v.record.ts_ms,
             decision: v.record.decision,
-            reason: v.record.reason.clone(),
+            reason: v.record.reason.to_string(),
             counts: v.record.counts.clone(),
             shadow: v.record.shadow,
             late: v.record.late,

@@ -15,6 +15,7 @@
 //! 3339 string in JSON, a millisecond timestamp in Parquet and CSV).
 
 use chrono::{DateTime, SecondsFormat};
+use compact_str::CompactString;
 use serde_json::{json, Map};
 
 use crate::engine::event::CallEvent;
@@ -65,7 +66,7 @@ pub struct DecisionRecord {
     /// What to do with the call.
     pub decision: Decision,
     /// Why (see the type docs).
-    pub reason: String,
+    pub reason: CompactString,
     /// The window count per rule, in rule-set order (the current call included).
     pub counts: Vec<u64>,
     /// Shadow mode turned a reject into an allow.
@@ -75,7 +76,7 @@ pub struct DecisionRecord {
     /// The window store failed and a fallback policy decided (online only).
     pub degraded: bool,
     /// Version of the rule set that decided.
-    pub rules_version: String,
+    pub rules_version: CompactString,
     /// On a reject by a rule: milliseconds until a call from this caller
     /// would be allowed again if it placed no further call (the window
     /// contract's Retry-After, in [`crate::engine::window`]). `None` for
@@ -123,12 +124,12 @@ impl Verdict {
                 caller: event.caller.clone(),
                 ts_ms: event.ts_ms,
                 decision,
-                reason: REASON_STORE_ERROR.to_string(),
+                reason: CompactString::const_new(REASON_STORE_ERROR),
                 counts: vec![0; rules.rules.len()],
                 shadow: false,
                 late: false,
                 degraded: true,
-                rules_version: rules.version().to_string(),
+                rules_version: rules.version().into(),
                 retry_after_ms: None,
             },
             prev_ts_ms: None,
@@ -440,7 +441,7 @@ impl Verdict {
                     "1" => Decision::Reject,
                     _ => return None,
                 },
-                reason: reason.to_string(),
+                reason: reason.into(),
                 counts: counts
                     .split(',')
                     .filter(|c| !c.is_empty())
@@ -449,7 +450,7 @@ impl Verdict {
                 shadow: shadow == "1",
                 late: late == "1",
                 degraded: false,
-                rules_version: version.to_string(),
+                rules_version: version.into(),
                 retry_after_ms: optional(retry)?,
             },
             prev_ts_ms: optional(prev)?,

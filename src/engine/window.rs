@@ -56,6 +56,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
+use compact_str::CompactString;
 use foldhash::HashMap;
 
 use crate::engine::event::CallEvent;
@@ -106,12 +107,13 @@ impl Approx {
 }
 
 /// The decision and reason of a judgement, before shadow mode.
-fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, String) {
+/// (Reasons and rule names are short: kept inline, never allocated.)
+fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, CompactString) {
     match judgement {
-        Judgement::Denylisted => (Decision::Reject, REASON_DENYLIST.to_string()),
-        Judgement::Allowlisted => (Decision::Allow, REASON_ALLOWLIST.to_string()),
-        Judgement::Exceeded(i) => (Decision::Reject, rules.rules[i].name.clone()),
-        Judgement::Within => (Decision::Allow, REASON_OK.to_string()),
+        Judgement::Denylisted => (Decision::Reject, CompactString::const_new(REASON_DENYLIST)),
+        Judgement::Allowlisted => (Decision::Allow, CompactString::const_new(REASON_ALLOWLIST)),
+        Judgement::Exceeded(i) => (Decision::Reject, rules.rules[i].name.as_str().into()),
+        Judgement::Within => (Decision::Allow, CompactString::const_new(REASON_OK)),
     }
 }
 
@@ -331,7 +333,7 @@ impl CallerState {
                 shadow,
                 late,
                 degraded: false,
-                rules_version: rules.version().to_string(),
+                rules_version: rules.version().into(),
                 retry_after_ms,
             },
             prev_ts_ms: prev,

@@ -171,7 +171,7 @@ impl Metrics {
         self.events
             .get_or_create(&DecisionLabels {
                 decision: r.decision.as_str().to_string(),
-                reason: r.reason.clone(),
+                reason: r.reason.to_string(),
             })
             .inc();
         if v.duplicate {

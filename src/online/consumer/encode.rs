@@ -248,7 +248,7 @@ mod tests {
                 shadow: false,
                 late: false,
                 degraded: false,
-                rules_version: rules.version().to_string(),
+                rules_version: rules.version().into(),
                 retry_after_ms: None,
             },
             prev_ts_ms: None,
