@@ -47,7 +47,7 @@ fn used_memory(con: &mut redis::Connection) -> i64 {
 fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
     CallEvent {
         call_id: format!("c{caller}-{i}"),
-        caller: format!("+3460{caller:07}"),
+        caller: format!("+3460{caller:07}").into(),
         ts_ms: ts,
         callee: None,
         duration_ms: None,
@@ -123,7 +123,7 @@ async fn main() {
                     // 20 calls spread over 50 s, all inside one 60 s window.
                     let mut e = event(c, i, T0 + (i as i64) * 2_500 + (c as i64 % 1_000));
                     if callees {
-                        e.callee = Some(format!("+3491{i:07}"));
+                        e.callee = Some(format!("+3491{i:07}").into());
                     }
                     batch.push(e);
                     if batch.len() == PIPELINE {
@@ -285,7 +285,7 @@ async fn store_round(
     let events: Vec<CallEvent> = (0..total)
         .map(|i| {
             let mut e = event(i % 100_000, i, T0 + (i as i64) * 2);
-            e.callee = Some(format!("+3491{:07}", i % 5_000));
+            e.callee = Some(format!("+3491{:07}", i % 5_000).into());
             e
         })
         .collect();

@@ -339,7 +339,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
         for c in 0..40 {
             events.push(CallEvent {
                 call_id: format!("c{c}-{i}"),
-                caller: format!("+3491100{c:04}"),
+                caller: format!("+3491100{c:04}").into(),
                 ts_ms: start + i * 2_000 + c,
                 callee: None,
                 duration_ms: None,
@@ -449,9 +449,9 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     let events: Vec<CallEvent> = (0..3_000)
         .map(|i| CallEvent {
             call_id: format!("c{i}"),
-            caller: format!("+349110{:05}", i % 1_500),
+            caller: format!("+349110{:05}", i % 1_500).into(),
             ts_ms: start + i,
-            callee: Some(format!("+346000{i:05}")),
+            callee: Some(format!("+346000{i:05}").into()),
             duration_ms: None,
             label: None,
             list_number: None,
@@ -582,7 +582,7 @@ async fn callee_sets_stay_bounded_in_redis() {
             call_id: format!("m{i}"),
             caller: "+34911000002".into(),
             ts_ms: start + 10 * i,
-            callee: Some(format!("+3460{i:07}")),
+            callee: Some(format!("+3460{i:07}").into()),
             duration_ms: None,
             label: None,
             list_number: None,

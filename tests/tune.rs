@@ -82,7 +82,7 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
         id as u64,
         CallEvent {
             call_id: format!("c{id}"),
-            caller: caller.to_string(),
+            caller: caller.into(),
             ts_ms: ts,
             callee: None,
             duration_ms: None,

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 
 use chrono::DateTime;
+use compact_str::CompactString;
 
 use crate::error::EventError;
 
@@ -93,13 +94,14 @@ impl std::fmt::Debug for NumberHasher {
 pub struct CallEvent {
     /// Unique id of the call attempt (the idempotency key).
     pub call_id: String,
-    /// The calling number, normalised to E.164 (`+` followed by 6 to 15 digits).
-    pub caller: String,
+    /// The calling number, normalised to E.164 (`+` followed by 6 to 15
+    /// digits; kept inline, never allocated).
+    pub caller: CompactString,
     /// Event time, epoch milliseconds.
     pub ts_ms: i64,
     /// The called number, normalised to E.164 like the caller; `None` when
     /// absent or not a valid number (the call itself stays valid).
-    pub callee: Option<String>,
+    pub callee: Option<CompactString>,
     /// Call duration in milliseconds, if present.
     pub duration_ms: Option<i64>,
     /// Ground truth for tuning: `true` for fraud, if present.
@@ -291,7 +293,11 @@ impl Decoder {
         let (caller, callee, list_number) = match &self.hasher {
             // After normalisation, so a number has one pseudonym however it
             // was written; the real number stays only for list matching.
-            Some(h) => (h.hash(&caller), callee.map(|c| h.hash(&c)), Some(caller)),
+            Some(h) => (
+                h.hash(&caller).into(),
+                callee.map(|c| h.hash(&c).into()),
+                Some(caller.into()),
+            ),
             None => (caller, callee, None),
         };
         Ok(CallEvent {
@@ -309,7 +315,7 @@ impl Decoder {
     /// internal extension without a country code, `s`, garbage) or is
     /// longer than [`MAX_CALLEE_INPUT_LEN`]: the call stays valid, the
     /// distinct-callees feature skips it.
-    fn callee(&self, raw: &str) -> Option<String> {
+    fn callee(&self, raw: &str) -> Option<CompactString> {
         if raw.len() > MAX_CALLEE_INPUT_LEN {
             return None;
         }
@@ -405,11 +411,11 @@ fn decode_call_id(v: RawValue<'_>) -> Result<String, EventError> {
 pub fn normalize_number(
     raw: &str,
     default_country_code: Option<&str>,
-) -> Result<String, EventError> {
-    // Fast path: already E.164 (most call records), one allocation.
+) -> Result<CompactString, EventError> {
+    // Fast path: already E.164 (most call records), kept inline.
     if let Some(digits) = raw.strip_prefix('+') {
         if (6..=15).contains(&digits.len()) && digits.bytes().all(|b| b.is_ascii_digit()) {
-            return Ok(raw.to_string());
+            return Ok(raw.into());
         }
     }
     let bad = |why: &str| EventError::BadNumber {
@@ -441,7 +447,7 @@ pub fn normalize_number(
     if !(6..=15).contains(&digits.len()) {
         return Err(bad("E.164 numbers have 6 to 15 digits"));
     }
-    Ok(e164)
+    Ok(e164.as_str().into())
 }
 
 fn printable(s: &str) -> String {
@@ -513,7 +519,7 @@ mod tests {
             .decode_json(br#"{"call_id":"x","caller":"0034 911 234 567","ts":1764547200000,"callee":"+34600000001"}"#)
             .unwrap();
         assert_eq!(e.caller, h);
-        assert_eq!(e.callee, Some(a.hash("+34600000001")));
+        assert_eq!(e.callee.as_deref(), Some(a.hash("+34600000001").as_str()));
         assert_eq!(e.number_for_lists(), "+34911234567");
     }
 

@@ -60,7 +60,7 @@ pub struct DecisionRecord {
     /// The call attempt.
     pub call_id: String,
     /// Normalised calling number.
-    pub caller: String,
+    pub caller: CompactString,
     /// Event time, epoch milliseconds.
     pub ts_ms: i64,
     /// What to do with the call.

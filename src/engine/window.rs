@@ -54,7 +54,6 @@
 //!   callee beyond that is not kept, so the feature saturates there.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::Arc;
 
 use compact_str::CompactString;
 use foldhash::HashMap;
@@ -166,15 +165,15 @@ pub struct CallerState {
     /// back and trim the front, and a sparse caller costs a few bytes, not
     /// a B-tree node.
     seen_by_ts: VecDeque<(i64, String)>,
-    /// Distinct callees: callee → latest event time of a call to it. The
-    /// names are shared with `callees_by_ts` (one allocation per callee).
-    callees: HashMap<Arc<str>, i64>,
+    /// Distinct callees: callee → latest event time of a call to it
+    /// (numbers are kept inline: no allocation per callee).
+    callees: HashMap<CompactString, i64>,
     /// (time, callee) ordered by time, for trimming and counting; an entry
     /// is live while it holds its callee's latest time in `callees`. A
     /// callee called again leaves its old entry behind, stale, rather than
     /// removing it from the middle: calls in time order then only append
     /// and trim, whatever a busy trunk's callee list looks like.
-    callees_by_ts: VecDeque<(i64, Arc<str>)>,
+    callees_by_ts: VecDeque<(i64, CompactString)>,
 }
 
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
@@ -479,7 +478,7 @@ impl CallerState {
             Some((_, &latest)) if latest >= t => return,
             // Its old entry in `callees_by_ts` turns stale.
             Some((name, _)) => name.clone(),
-            None if (self.callees.len() as u64) < cap => Arc::from(callee),
+            None if (self.callees.len() as u64) < cap => CompactString::from(callee),
             None => return,
         };
         self.callees.insert(name.clone(), t);

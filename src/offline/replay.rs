@@ -58,7 +58,7 @@ pub struct Rejections {
     /// Of those, calls labelled legit.
     pub legit_calls: u64,
     /// Their distinct callers.
-    pub callers: foldhash::HashSet<String>,
+    pub callers: foldhash::HashSet<compact_str::CompactString>,
 }
 
 impl Rejections {

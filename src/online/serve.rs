@@ -258,7 +258,7 @@ fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> R
     // The decision columns read only the record; an event is needed for the row.
     let event = CallEvent {
         call_id: String::new(),
-        caller: String::new(),
+        caller: Default::default(),
         ts_ms: v.record.ts_ms,
         callee: None,
         duration_ms: None,
@@ -394,7 +394,9 @@ fn publish(
             (&topics.features, features.to_json(row).to_string()),
         ];
         for (topic, payload) in out {
-            let record = FutureRecord::to(topic).key(&e.caller).payload(&payload);
+            let record = FutureRecord::to(topic)
+                .key(e.caller.as_str())
+                .payload(&payload);
             match producer.send_result(record) {
                 Ok(f) => pending.push(f),
                 Err((err, _)) => {

@@ -19,7 +19,7 @@ const EVICT_EVERY: u64 = 16_384;
 /// counts as no state.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    callers: foldhash::HashMap<String, CallerState>,
+    callers: foldhash::HashMap<compact_str::CompactString, CallerState>,
     watermark: Option<i64>,
     applied: u64,
     /// When (in events applied) to evict idle callers next.

@@ -247,7 +247,7 @@ impl RedisCluster {
 pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
     CallEvent {
         call_id: id.to_string(),
-        caller: caller.to_string(),
+        caller: caller.into(),
         ts_ms: ts,
         callee: None,
         duration_ms: None,

@@ -98,12 +98,12 @@ pub fn random_events_scaled(
         // A few callees, so some repeat; sometimes none or an empty one.
         let callee = match rng.random_range(0..10) {
             0 => None,
-            1 => Some(String::new()),
-            k => Some(format!("+3491000000{k}")),
+            1 => Some(Default::default()),
+            k => Some(format!("+3491000000{k}").into()),
         };
         out.push(CallEvent {
             call_id: format!("c{i}"),
-            caller,
+            caller: caller.into(),
             ts_ms: t - jitter,
             callee,
             duration_ms: None,

@@ -56,9 +56,9 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
         let recorded = rules.count == CountPolicy::Attempts
             || (expected.decision == Decision::Allow && !expected.shadow);
         history.push(Past {
-            caller: e.caller.clone(),
+            caller: e.caller.to_string(),
             call_id: e.call_id.clone(),
-            callee: e.callee.clone(),
+            callee: e.callee.as_ref().map(|c| c.to_string()),
             ts: e.ts_ms,
             recorded,
             expected: expected.clone(),
@@ -198,7 +198,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
             }
         }
         latest.retain(|_, v| *v > h);
-        if let Some(c) = named(&e.callee) {
+        if let Some(c) = named(&e.callee.as_ref().map(|c| c.to_string())) {
             let v = latest.entry(c).or_insert(t);
             *v = (*v).max(t);
         }

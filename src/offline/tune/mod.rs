@@ -190,7 +190,7 @@ pub struct Sweeper {
 struct BaseShard {
     store: MemoryStore,
     totals: Totals,
-    callers: foldhash::HashMap<String, CallerTally>,
+    callers: foldhash::HashMap<compact_str::CompactString, CallerTally>,
     histogram: Histogram,
 }
 
