@@ -46,7 +46,7 @@ fn used_memory(con: &mut redis::Connection) -> i64 {
 
 fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
     CallEvent {
-        call_id: format!("c{caller}-{i}"),
+        call_id: format!("c{caller}-{i}").into(),
         caller: format!("+3460{caller:07}").into(),
         ts_ms: ts,
         callee: None,

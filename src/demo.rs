@@ -248,7 +248,7 @@ async fn mismatches(
         .zip(&verdicts)
         .filter(|((_, event), verdict)| {
             let offline = schema.to_json(Row { event, verdict });
-            seen.get(&verdict.record.call_id) != Some(&offline)
+            seen.get(verdict.record.call_id.as_str()) != Some(&offline)
         })
         .count() as u64)
 }

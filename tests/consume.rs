@@ -61,7 +61,10 @@ async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample 
         .zip(&log.events)
         .map(|(verdict, (_, event))| {
             let row = Row { event, verdict };
-            (verdict.record.call_id.clone(), decision_schema.to_json(row))
+            (
+                verdict.record.call_id.to_string(),
+                decision_schema.to_json(row),
+            )
         })
         .collect();
     let features = verdicts
@@ -69,7 +72,10 @@ async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample 
         .zip(&log.events)
         .map(|(verdict, (_, event))| {
             let row = Row { event, verdict };
-            (verdict.record.call_id.clone(), feature_schema.to_json(row))
+            (
+                verdict.record.call_id.to_string(),
+                feature_schema.to_json(row),
+            )
         })
         .collect();
     Sample {

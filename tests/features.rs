@@ -117,7 +117,7 @@ async fn appending_future_calls_changes_no_earlier_feature() {
     let last = early.events.last().unwrap().1.clone();
     for i in 0..50 {
         let mut e = last.clone();
-        e.call_id = format!("future{i}");
+        e.call_id = format!("future{i}").into();
         e.ts_ms += 1 + i;
         early.events.push((0, e));
     }

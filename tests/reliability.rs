@@ -159,7 +159,7 @@ fn extreme_times_do_not_overflow_the_engine() {
         let v = store.apply(
             &rules,
             &CallEvent {
-                call_id: format!("x{i}"),
+                call_id: format!("x{i}").into(),
                 caller: "+34911000001".into(),
                 ts_ms: ts,
                 callee: Some("+34911000002".into()),
@@ -338,7 +338,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
     for i in 0..100 {
         for c in 0..40 {
             events.push(CallEvent {
-                call_id: format!("c{c}-{i}"),
+                call_id: format!("c{c}-{i}").into(),
                 caller: format!("+3491100{c:04}").into(),
                 ts_ms: start + i * 2_000 + c,
                 callee: None,
@@ -448,7 +448,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     let start = now_ms() - 600_000;
     let events: Vec<CallEvent> = (0..3_000)
         .map(|i| CallEvent {
-            call_id: format!("c{i}"),
+            call_id: format!("c{i}").into(),
             caller: format!("+349110{:05}", i % 1_500).into(),
             ts_ms: start + i,
             callee: Some(format!("+346000{i:05}").into()),
@@ -579,7 +579,7 @@ async fn callee_sets_stay_bounded_in_redis() {
 
     let many: Vec<CallEvent> = (0..3_000)
         .map(|i| CallEvent {
-            call_id: format!("m{i}"),
+            call_id: format!("m{i}").into(),
             caller: "+34911000002".into(),
             ts_ms: start + 10 * i,
             callee: Some(format!("+3460{i:07}").into()),
@@ -617,7 +617,7 @@ async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
         .unwrap();
     let start = now_ms() - 600_000;
     let call = |i: i64, ts: i64| CallEvent {
-        call_id: format!("f{i}"),
+        call_id: format!("f{i}").into(),
         caller: "+34911000003".into(),
         ts_ms: ts,
         callee: None,

@@ -391,7 +391,7 @@ fn decided_calls_are_produced_like_consumed_ones() {
     for e in &events {
         let v = conn.post("/v1/check", &event_json(e)).json();
         if v["duplicate"] == false {
-            answered.insert(e.call_id.clone(), record(v));
+            answered.insert(e.call_id.to_string(), record(v));
         }
     }
     assert!(answered.len() > 200, "{} decided", answered.len());

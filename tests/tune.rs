@@ -81,7 +81,7 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
     (
         id as u64,
         CallEvent {
-            call_id: format!("c{id}"),
+            call_id: format!("c{id}").into(),
             caller: caller.into(),
             ts_ms: ts,
             callee: None,

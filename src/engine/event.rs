@@ -92,8 +92,9 @@ impl std::fmt::Debug for NumberHasher {
 /// One call attempt, decoded and normalised.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CallEvent {
-    /// Unique id of the call attempt (the idempotency key).
-    pub call_id: String,
+    /// Unique id of the call attempt (the idempotency key); inline up to 24
+    /// bytes (an Asterisk `uniqueid`, a short id), allocated beyond.
+    pub call_id: CompactString,
     /// The calling number, normalised to E.164 (`+` followed by 6 to 15
     /// digits; kept inline, never allocated).
     pub caller: CompactString,
@@ -381,10 +382,10 @@ impl Decoder {
     }
 }
 
-fn decode_call_id(v: RawValue<'_>) -> Result<String, EventError> {
-    let id = match v {
-        RawValue::Str(s) => s.trim().to_string(),
-        RawValue::Int(i) => i.to_string(),
+fn decode_call_id(v: RawValue<'_>) -> Result<CompactString, EventError> {
+    let id: CompactString = match v {
+        RawValue::Str(s) => s.trim().into(),
+        RawValue::Int(i) => i.to_string().into(),
         v if v.is_null() => return Err(EventError::Missing("call_id")),
         v => {
             return Err(EventError::WrongType {

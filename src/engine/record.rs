@@ -58,7 +58,7 @@ pub const REASON_STORE_ERROR: &str = "store_error";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecisionRecord {
     /// The call attempt.
-    pub call_id: String,
+    pub call_id: CompactString,
     /// Normalised calling number.
     pub caller: CompactString,
     /// Event time, epoch milliseconds.

@@ -159,12 +159,12 @@ pub struct CallerState {
     /// Per sliding-approx rule, by identity: its counters.
     approx: Vec<(RuleId, Approx)>,
     /// Idempotency: call id → the verdict it got.
-    seen: HashMap<String, Verdict>,
+    seen: HashMap<CompactString, Verdict>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
     /// Sorted deques here and below: calls in time order append at the
     /// back and trim the front, and a sparse caller costs a few bytes, not
     /// a B-tree node.
-    seen_by_ts: VecDeque<(i64, String)>,
+    seen_by_ts: VecDeque<(i64, CompactString)>,
     /// Distinct callees: callee → latest event time of a call to it
     /// (numbers are kept inline: no allocation per callee).
     callees: HashMap<CompactString, i64>,
@@ -385,8 +385,8 @@ impl CallerState {
     /// Keeps a decided call's verdict for redeliveries.
     fn remember(&mut self, t: i64, call_id: &str, verdict: &Verdict) {
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
-        self.seen_by_ts.insert(pos, (t, call_id.to_string()));
-        self.seen.insert(call_id.to_string(), verdict.clone());
+        self.seen_by_ts.insert(pos, (t, call_id.into()));
+        self.seen.insert(call_id.into(), verdict.clone());
     }
 
     /// No window data older than the horizon can matter: start afresh

@@ -257,7 +257,7 @@ fn unavailable(why: &str) -> Response {
 fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> Response {
     // The decision columns read only the record; an event is needed for the row.
     let event = CallEvent {
-        call_id: String::new(),
+        call_id: Default::default(),
         caller: Default::default(),
         ts_ms: v.record.ts_ms,
         callee: None,

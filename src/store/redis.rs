@@ -420,7 +420,7 @@ impl RedisStore {
                 Listed::Deny => 2,
             };
             cmd.arg(ev.ts_ms)
-                .arg(&ev.call_id)
+                .arg(ev.call_id.as_str())
                 .arg(listed)
                 .arg(ev.callee.as_deref().unwrap_or(""));
         }

@@ -246,7 +246,7 @@ impl RedisCluster {
 /// An event with the given caller, id and time.
 pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
     CallEvent {
-        call_id: id.to_string(),
+        call_id: id.into(),
         caller: caller.into(),
         ts_ms: ts,
         callee: None,
@@ -389,7 +389,7 @@ pub fn replay_records(
         .map(|event| {
             let verdict = store.apply(rules, event);
             (
-                event.call_id.clone(),
+                event.call_id.to_string(),
                 schema.to_json(Row {
                     event,
                     verdict: &verdict,

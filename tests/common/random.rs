@@ -102,7 +102,7 @@ pub fn random_events_scaled(
             k => Some(format!("+3491000000{k}").into()),
         };
         out.push(CallEvent {
-            call_id: format!("c{i}"),
+            call_id: format!("c{i}").into(),
             caller: caller.into(),
             ts_ms: t - jitter,
             callee,

@@ -57,7 +57,7 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
             || (expected.decision == Decision::Allow && !expected.shadow);
         history.push(Past {
             caller: e.caller.to_string(),
-            call_id: e.call_id.clone(),
+            call_id: e.call_id.to_string(),
             callee: e.callee.as_ref().map(|c| c.to_string()),
             ts: e.ts_ms,
             recorded,
