@@ -9,9 +9,12 @@
 //! so counts do not depend on N: one replay gives every call's count, and a
 //! call is rejected under N exactly when its count exceeds N. The whole sweep
 //! is then histograms and prefix sums. Under `admitted`, decisions feed back
-//! into the counts, so each N is replayed too, spread over threads. Input
-//! arrives a chunk at a time ([`Sweeper`]): memory holds per-caller tallies
-//! and window state, not the log.
+//! into the counts, so each N is replayed too, spread over threads. The
+//! replay under the rule set as given is split by caller over the cores
+//! ([`crate::store::sharded`]), and skips the distinct-callees feature,
+//! which never decides a call. Input arrives a chunk at a time
+//! ([`Sweeper`]): memory holds per-caller tallies and window state, not the
+//! log.
 
 mod report;
 
