@@ -259,8 +259,9 @@ pub enum StoreKind {
 pub struct StoreArgs {
     /// Window store. `consume` uses Redis unless told otherwise (`memory`
     /// there is for tests and demos: nothing is shared between instances
-    /// and everything is lost on a restart); `replay` uses memory unless
-    /// given `--store redis` or a `--redis-url`.
+    /// and everything is lost on a restart); `replay` uses memory (its
+    /// callers split over all cores) unless given `--store redis` or a
+    /// `--redis-url`.
     #[arg(long, value_enum, env = "CALLGUARD_STORE")]
     pub store: Option<StoreKind>,
     /// Redis URL (`redis://[user:pass@]host:port[/db]` or `rediss://` for
@@ -344,7 +345,9 @@ impl StoreArgs {
     }
 
     /// Opens the store ([`StoreArgs::kind`]); `streaming` keeps every caller
-    /// in memory (a stream's partitions may run far apart in event time).
+    /// in memory (a stream's partitions may run far apart in event time),
+    /// otherwise memory is the time-sorted replay's store, split by caller
+    /// over the cores.
     pub async fn open(&self, default: StoreKind, streaming: bool) -> Result<AnyStore> {
         Ok(match self.kind(default)? {
             StoreKind::Memory if streaming => {
