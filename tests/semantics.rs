@@ -327,3 +327,35 @@ fn the_sharded_store_equals_the_sequential_store() {
     assert_eq!(kinds.len(), 3, "rule kinds covered: {kinds:?}");
     assert_eq!(policies.len(), 2, "both counting policies covered");
 }
+
+/// Each shard of the split store drops idle callers against the newest time
+/// it has seen, not the whole log's: on time-sorted input that changes no
+/// verdict either (compared with a store that keeps every caller).
+#[test]
+fn the_sharded_store_sweeps_idle_callers_without_changing_a_verdict() {
+    use callguard::store::sharded::ShardedStore;
+    use rand::SeedableRng;
+    for seed in 0..3u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let rules = random::random_rules(&mut rng);
+        let mut events = random::random_events(&mut rng, 60_000, 3_000);
+        events.sort_by_key(|e| e.ts_ms);
+        let mut sharded = ShardedStore::new(3);
+        let mut kept = MemoryStore::keeping_all();
+        for (n, chunk) in events.chunks(4_096).enumerate() {
+            let got = sharded.apply_unique(&rules, chunk, &[]);
+            for (i, (e, v)) in chunk.iter().zip(&got).enumerate() {
+                assert_eq!(
+                    v,
+                    &kept.apply(&rules, e),
+                    "seed {seed} chunk {n} event #{i}"
+                );
+            }
+        }
+        assert!(
+            sharded.callers() < kept.callers(),
+            "seed {seed}: nothing was swept ({} callers)",
+            sharded.callers()
+        );
+    }
+}
