@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Offline benchmark: `callguard tune` (one rule swept over N = 1..200) and
 # `callguard features` on a generated call log, beside DuckDB computing the
-# same sliding-window counts in the same run. Prints wall time and peak
-# memory (max RSS) of each, the ratios, and checks that DuckDB's counts and
-# sweep equal callguard's.
+# same sliding-window counts in the same run (and polars' rolling group-by
+# computing the counts). Prints wall time and peak memory (max RSS) of each,
+# the ratios, and checks that the peers' counts and sweep equal callguard's.
 #
 #   scripts/bench-offline.sh [ROWS]     (default 10000000; BENCH_DIR=out/bench)
 set -euo pipefail
@@ -15,9 +15,9 @@ venv="${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}"
 
 cargo build --release --quiet
 bin="$CARGO_TARGET_DIR/release/callguard"
-if ! "$venv/bin/python" -c "import duckdb" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import duckdb, polars" 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q duckdb
+  "$venv/bin/python" -m pip install -q duckdb polars
 fi
 py="$venv/bin/python"
 mkdir -p "$work"
@@ -44,10 +44,12 @@ measure duckdb-tune "$py" scripts/bench_duckdb.py sweep "$log" "$work/duckdb-swe
 measure callguard-features "$bin" features -i "$log" \
   --rule minute:sliding:60s:10 --rule hour:sliding:1h:200 -o "$work/callguard-features.parquet"
 measure duckdb-features "$py" scripts/bench_duckdb.py counts "$log" "$work/duckdb-counts.parquet"
+measure polars-features "$py" scripts/bench_polars.py counts "$log" "$work/polars-counts.parquet"
 
 echo "== same results?"
 "$py" scripts/bench_duckdb.py check-sweep "$work/callguard-sweep.csv" "$work/duckdb-sweep.csv"
 "$py" scripts/bench_duckdb.py check "$work/callguard-features.parquet" "$work/duckdb-counts.parquet"
+"$py" scripts/bench_duckdb.py check "$work/callguard-features.parquet" "$work/polars-counts.parquet"
 
 echo "== $rows rows"
 awk '{ t[$1] = $2; m[$1] = $3 }
@@ -58,4 +60,6 @@ awk '{ t[$1] = $2; m[$1] = $3 }
       t["callguard-tune"] / t["duckdb-tune"], m["callguard-tune"] / m["duckdb-tune"]
     printf "features: time ratio callguard/duckdb %.2f, memory ratio %.2f\n",
       t["callguard-features"] / t["duckdb-features"], m["callguard-features"] / m["duckdb-features"]
+    printf "features: time ratio callguard/polars %.2f, memory ratio %.2f\n",
+      t["callguard-features"] / t["polars-features"], m["callguard-features"] / m["polars-features"]
   }' "$results"
