@@ -1,6 +1,7 @@
-//! One algorithm, two stores: the same scenarios and random sequences run
+//! One algorithm, every store: the same scenarios and random sequences run
 //! against the in-memory store and against real Redis (standalone and a
-//! 3-master Cluster); the decision records must be identical.
+//! 3-master Cluster), with the algorithm in the window script and in
+//! process on cached state; the decision records must be identical.
 
 mod common;
 
@@ -9,9 +10,10 @@ use std::time::Duration;
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::Verdict;
 use callguard::engine::rules::RuleSet;
+use callguard::store::cached::CachedStore;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
-use callguard::store::WindowStore;
+use callguard::store::{AnyStore, WindowStore};
 use common::scenarios::{self, T0};
 use common::{ev, random, raw_command, RedisCluster, RedisServer};
 
@@ -28,14 +30,35 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
     }
 }
 
+/// Where the window algorithm runs with a Redis store.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    /// In the window script.
+    Script,
+    /// In process, on cached state written back under a version check.
+    Cached,
+}
+
+const MODES: [Mode; 2] = [Mode::Script, Mode::Cached];
+
+/// A Redis store in `mode` (a small cache, so the cached store also
+/// evicts and re-reads callers).
+async fn open(mode: Mode, urls: Vec<String>, prefix: &str) -> AnyStore {
+    let c = config(urls, prefix);
+    match mode {
+        Mode::Script => AnyStore::Redis(Box::new(RedisStore::connect(c).await.unwrap())),
+        Mode::Cached => AnyStore::Cached(Box::new(CachedStore::connect(c, 4).await.unwrap())),
+    }
+}
+
 async fn memory_run(rules: &RuleSet, events: &[CallEvent]) -> Vec<Verdict> {
     let mut m = MemoryStore::new();
     m.apply_batch(rules, events).await.unwrap()
 }
 
 /// Runs `events` through Redis in batches of `batch` and compares with memory.
-async fn assert_same(
-    redis: &mut RedisStore,
+async fn assert_same<S: WindowStore>(
+    redis: &mut S,
     rules: &RuleSet,
     events: &[CallEvent],
     batch: usize,
@@ -53,38 +76,37 @@ async fn assert_same(
 }
 
 async fn scenario_suite(urls: Vec<String>) {
-    for (n, sc) in scenarios::all().into_iter().enumerate() {
-        let mut redis = RedisStore::connect(config(urls.clone(), &format!("sc{n}:")))
-            .await
-            .unwrap();
-        let events: Vec<CallEvent> = sc
-            .events
-            .iter()
-            .map(|(c, id, dt, _)| ev(c, id, T0 + dt))
-            .collect();
-        // One event per round trip, and all in one pipelined batch.
-        assert_same(&mut redis, &sc.rules, &events, 1, sc.name).await;
-        let mut redis = RedisStore::connect(config(urls.clone(), &format!("scb{n}:")))
-            .await
-            .unwrap();
-        assert_same(&mut redis, &sc.rules, &events, 64, sc.name).await;
+    for mode in MODES {
+        for (n, sc) in scenarios::all().into_iter().enumerate() {
+            let events: Vec<CallEvent> = sc
+                .events
+                .iter()
+                .map(|(c, id, dt, _)| ev(c, id, T0 + dt))
+                .collect();
+            let what = format!("{mode:?}: {}", sc.name);
+            // One event per round trip, and all in one pipelined batch.
+            let mut redis = open(mode, urls.clone(), &format!("sc{mode:?}{n}:")).await;
+            assert_same(&mut redis, &sc.rules, &events, 1, &what).await;
+            let mut redis = open(mode, urls.clone(), &format!("scb{mode:?}{n}:")).await;
+            assert_same(&mut redis, &sc.rules, &events, 64, &what).await;
+        }
     }
 }
 
 async fn random_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
-    for seed in seeds {
-        let (rules, events) = random::case(seed, 600, 6);
-        let mut redis = RedisStore::connect(config(urls.clone(), &format!("r{seed}:")))
-            .await
-            .unwrap();
-        assert_same(
-            &mut redis,
-            &rules,
-            &events,
-            97,
-            &format!("seed {seed}, rules {rules:?}"),
-        )
-        .await;
+    for mode in MODES {
+        for seed in seeds.clone() {
+            let (rules, events) = random::case(seed, 600, 6);
+            let mut redis = open(mode, urls.clone(), &format!("r{mode:?}{seed}:")).await;
+            assert_same(
+                &mut redis,
+                &rules,
+                &events,
+                97,
+                &format!("{mode:?}: seed {seed}, rules {rules:?}"),
+            )
+            .await;
+        }
     }
 }
 
@@ -131,10 +153,17 @@ async fn edges_of_the_time_range_match_memory() {
             events.push(ev("+34911000001", &format!("d{n}-{i}"), base + dt));
         }
         events.push(ev("+34911000001", "last", MAX_TS_MS - 1));
-        let mut redis = RedisStore::connect(config(vec![server.url()], &format!("edge{n}:")))
-            .await
-            .unwrap();
-        assert_same(&mut redis, &rules, &events, 1, "time range edge").await;
+        for mode in MODES {
+            let mut redis = open(mode, vec![server.url()], &format!("edge{mode:?}{n}:")).await;
+            assert_same(
+                &mut redis,
+                &rules,
+                &events,
+                1,
+                &format!("{mode:?}: time range edge"),
+            )
+            .await;
+        }
     }
 }
 
@@ -192,10 +221,17 @@ async fn capped_callee_sets_match_memory() {
             .with_distinct_callees(true)
             .with_max_distinct_callees(3)
             .unwrap();
-        let mut redis = RedisStore::connect(config(vec![server.url()], &format!("cap{seed}:")))
-            .await
-            .unwrap();
-        assert_same(&mut redis, &rules, &events, 64, &format!("cap seed {seed}")).await;
+        for mode in MODES {
+            let mut redis = open(mode, vec![server.url()], &format!("cap{mode:?}{seed}:")).await;
+            assert_same(
+                &mut redis,
+                &rules,
+                &events,
+                64,
+                &format!("{mode:?}: cap seed {seed}"),
+            )
+            .await;
+        }
         let saturated = memory_run(&rules, &events)
             .await
             .iter()
@@ -458,4 +494,159 @@ async fn tls_with_a_private_ca() {
     .await;
     assert!(untrusted.is_err());
     drop(server);
+}
+
+/// Splits `events` into batches of random sizes (1 to 40).
+fn random_batches(events: &[CallEvent], seed: u64) -> Vec<&[CallEvent]> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let mut rest = events;
+    while !rest.is_empty() {
+        let n = rng.random_range(1..=40).min(rest.len());
+        let (head, tail) = rest.split_at(n);
+        out.push(head);
+        rest = tail;
+    }
+    out
+}
+
+/// Two cached stores deciding the same callers in turns (as during a
+/// rebalance, or `serve` beside `consume`): each write is checked against
+/// the version its writer read, a refused one is decided again on the
+/// current state, and together they decide exactly as one memory store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_writers_of_the_same_callers_match_memory() {
+    let server = RedisServer::start(&[]);
+    let mut conflicts = 0;
+    for seed in 0..16u64 {
+        let (rules, events) = random::case(seed, 600, 6);
+        let expected = memory_run(&rules, &events).await;
+        let prefix = format!("two{seed}:");
+        let mut a = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
+            .await
+            .unwrap();
+        let mut b = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        for (i, batch) in random_batches(&events, seed).into_iter().enumerate() {
+            let store = if i % 2 == 0 { &mut a } else { &mut b };
+            got.extend(store.apply_batch(&rules, batch).await.unwrap());
+        }
+        for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, x, "seed {seed}: event #{i} {:?}", events[i]);
+        }
+        assert_eq!(got.len(), expected.len());
+        conflicts += a.conflicts() + b.conflicts();
+    }
+    assert!(
+        conflicts > 100,
+        "the writers rarely met: {conflicts} conflicts"
+    );
+}
+
+/// A cached store that starts on state another wrote (a restart, a
+/// rebalance) reads it back, records included: it decides the rest of the
+/// stream, and redeliveries of calls the first one decided, exactly as one
+/// memory store that saw everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_store_restarts_from_what_redis_holds() {
+    let server = RedisServer::start(&[]);
+    let mut redelivered = 0;
+    for seed in 0..16u64 {
+        let (rules, mut events) = random::case(seed, 600, 6);
+        let cut = events.len() * 2 / 3;
+        // Redeliveries of calls decided before the restart, at its point.
+        let again: Vec<CallEvent> = events[cut - 40..cut].to_vec();
+        events.splice(cut..cut, again);
+        let expected = memory_run(&rules, &events).await;
+        let prefix = format!("restart{seed}:");
+        let mut first = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
+            .await
+            .unwrap();
+        let mut got = first.apply_batch(&rules, &events[..cut]).await.unwrap();
+        drop(first);
+        let mut second = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
+            .await
+            .unwrap();
+        for batch in events[cut..].chunks(50) {
+            got.extend(second.apply_batch(&rules, batch).await.unwrap());
+        }
+        for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, x, "seed {seed}: event #{i} {:?}", events[i]);
+        }
+        redelivered += got[cut..cut + 40].iter().filter(|v| v.duplicate).count();
+    }
+    assert!(
+        redelivered > 200,
+        "records were not read back: {redelivered} duplicates"
+    );
+}
+
+/// The cached store keeps one hash per caller (plus block keys), every key
+/// with a TTL, all expiring once the horizons pass; a flushed script is
+/// loaded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(
+        None,
+        &[
+            "f:fixed:300ms:3".into(),
+            "s:sliding:400ms:3".into(),
+            "a:sliding-approx:500ms:3".into(),
+        ],
+    )
+    .unwrap()
+    .with_dedup(700)
+    .unwrap();
+    let mut store = CachedStore::connect(config(vec![server.url()], "cttl:"), 1_000)
+        .await
+        .unwrap();
+    let events: Vec<CallEvent> = (0..2_000i64)
+        .map(|i| {
+            ev(
+                &format!("+3460000{:04}", i % 97),
+                &format!("c{i}"),
+                T0 + i * 3,
+            )
+        })
+        .collect();
+    let (head, tail) = events.split_at(1_000);
+    let mut got = store.apply_batch(&rules, head).await.unwrap();
+    assert!(raw_command(server.port, "SCRIPT FLUSH")
+        .unwrap()
+        .starts_with("+OK"));
+    for chunk in tail.chunks(256) {
+        got.extend(store.apply_batch(&rules, chunk).await.unwrap());
+    }
+    assert_eq!(got, memory_run(&rules, &events).await);
+    let mut con = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let names: Vec<String> = redis::cmd("KEYS").arg("cttl:*").query(&mut con).unwrap();
+    let states = names.iter().filter(|k| k.ends_with(":s")).count();
+    let blocks = names
+        .iter()
+        .filter(|k| k.starts_with("cttl:block:"))
+        .count();
+    assert_eq!(states, 97, "one state hash per caller: {names:?}");
+    assert_eq!(states + blocks, names.len(), "unexpected keys: {names:?}");
+    for k in &names {
+        assert!(k.contains("{+3460000"), "key {k} lacks the caller hash tag");
+        let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
+        assert_ne!(ttl, -1, "key {k} has no TTL");
+    }
+    let mut left = names.len();
+    for _ in 0..150 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let n = raw_command(server.port, "DBSIZE").unwrap();
+        left = n.trim_start_matches(':').trim().parse().unwrap();
+        if left == 0 {
+            break;
+        }
+    }
+    assert_eq!(left, 0, "keys left after the horizons passed");
 }

@@ -414,6 +414,16 @@ impl Verdict {
     /// Rebuilds a verdict from a store's encoded reply record (see
     /// [`REPLY_FIELDS`]); `None` if it is malformed.
     pub fn from_reply(encoded: &str, event: &CallEvent, duplicate: bool) -> Option<Self> {
+        Self::from_stored(encoded, &event.call_id, &event.caller, duplicate)
+    }
+
+    /// [`Verdict::from_reply`] for a record of call `call_id` from `caller`.
+    pub fn from_stored(
+        encoded: &str,
+        call_id: &str,
+        caller: &str,
+        duplicate: bool,
+    ) -> Option<Self> {
         let mut parts: Vec<&str> = encoded.split('|').collect();
         if parts.len() == REPLY_FIELDS.len() - 1 {
             // Kept by a version before retry_after_ms (a redelivery across an upgrade).
@@ -433,8 +443,8 @@ impl Verdict {
         };
         Some(Verdict {
             record: DecisionRecord {
-                call_id: event.call_id.clone(),
-                caller: event.caller.clone(),
+                call_id: call_id.into(),
+                caller: caller.into(),
                 ts_ms: ts.parse().ok()?,
                 decision: match decision {
                     "0" => Decision::Allow,
@@ -457,6 +467,41 @@ impl Verdict {
             distinct_callees: optional(distinct)?.map(|d| d as u64),
             duplicate,
         })
+    }
+}
+
+impl Verdict {
+    /// The record as a store keeps it, in the script's reply form (the
+    /// fields of [`REPLY_FIELDS`] joined by `|`): what
+    /// [`Verdict::from_stored`] reads back.
+    pub fn to_reply(&self) -> String {
+        use std::fmt::Write;
+        let r = &self.record;
+        let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
+        let mut out = String::with_capacity(64);
+        let _ = write!(
+            out,
+            "{}|{}|{}|{}|{}|{}|{}|{}|",
+            r.ts_ms,
+            u8::from(r.decision == Decision::Reject),
+            r.reason,
+            u8::from(r.shadow),
+            u8::from(r.late),
+            r.rules_version,
+            opt(self.prev_ts_ms),
+            self.distinct_callees
+                .map(|d| d.to_string())
+                .unwrap_or_default(),
+        );
+        for (i, c) in r.counts.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{c}");
+        }
+        out.push('|');
+        out.push_str(&opt(r.retry_after_ms));
+        out
     }
 }
 

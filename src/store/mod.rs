@@ -4,9 +4,13 @@
 //! algorithm of [`crate::engine::window`] in process (and
 //! [`sharded::ShardedStore`] runs it split by caller over the cores, for
 //! offline work); [`redis::RedisStore`] runs the
-//! same algorithm in atomic Lua calls of several events each. The conformance suite in
-//! `tests/` runs the same scenarios against both and demands identical records.
+//! same algorithm in atomic Lua calls of several events each;
+//! [`cached::CachedStore`] runs the reference algorithm in process on
+//! cached per-caller state and keeps that state in Redis, written back
+//! under a version check. The conformance suite in `tests/` runs the same
+//! scenarios against every store and demands identical records.
 
+pub mod cached;
 pub mod memory;
 pub mod redis;
 pub mod sharded;
@@ -59,8 +63,11 @@ pub enum AnyStore {
     Memory(memory::MemoryStore),
     /// In process, callers split over the cores (time-sorted input only).
     Sharded(sharded::ShardedStore),
-    /// Redis (standalone or Cluster).
+    /// Redis (standalone or Cluster), the algorithm in the window script.
     Redis(Box<redis::RedisStore>),
+    /// Redis (standalone or Cluster), the algorithm in process on cached
+    /// state, written back under a version check.
+    Cached(Box<cached::CachedStore>),
 }
 
 impl WindowStore for AnyStore {
@@ -73,6 +80,7 @@ impl WindowStore for AnyStore {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
             AnyStore::Sharded(s) => s.apply_batch(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
+            AnyStore::Cached(s) => s.apply_batch(rules, events).await,
         }
     }
 
@@ -86,6 +94,7 @@ impl WindowStore for AnyStore {
             AnyStore::Memory(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Sharded(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
+            AnyStore::Cached(s) => s.apply_batch(rules, events).await,
         }
     }
 
@@ -94,6 +103,7 @@ impl WindowStore for AnyStore {
             AnyStore::Memory(s) => s.replay_batch(),
             AnyStore::Sharded(s) => s.replay_batch(),
             AnyStore::Redis(s) => s.replay_batch(),
+            AnyStore::Cached(s) => s.replay_batch(),
         }
     }
 }

@@ -117,9 +117,132 @@ impl Default for RedisConfig {
     }
 }
 
-enum Conn {
+/// A connection to a standalone server or a Cluster (cheap to clone:
+/// clones share the connection).
+#[derive(Clone)]
+pub(crate) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+}
+
+impl Conn {
+    /// Connects to the server or Cluster `config` names.
+    pub(crate) async fn open(config: &RedisConfig) -> Result<Self, StoreError> {
+        if config.urls.is_empty() {
+            return Err(StoreError::fatal("no Redis URL given"));
+        }
+        let certs = match &config.tls_ca {
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(std::fs::read(path).map_err(|e| {
+                    StoreError::fatal(format!(
+                        "cannot read the Redis CA file {}: {e}",
+                        path.display()
+                    ))
+                })?),
+            }),
+            None => None,
+        };
+        let conn = if config.cluster || config.urls.len() > 1 {
+            if certs.is_some() {
+                return Err(StoreError::fatal(
+                    "a CA file is not supported with Redis Cluster: add the CA to the system trust store",
+                ));
+            }
+            let client = ClusterClientBuilder::new(config.urls.clone())
+                .connection_timeout(config.timeout)
+                .response_timeout(config.timeout)
+                .build()
+                .map_err(|e| StoreError::Fatal {
+                    context: "bad Redis Cluster URLs".into(),
+                    source: Some(e),
+                })?;
+            let conn = tokio::time::timeout(config.timeout * 2, client.get_async_connection())
+                .await
+                .map_err(|_| StoreError::transient("timed out connecting to Redis Cluster"))?
+                .map_err(classify)?;
+            Conn::Cluster(conn)
+        } else {
+            let client = match certs {
+                Some(certs) => redis::Client::build_with_tls(config.urls[0].as_str(), certs),
+                None => redis::Client::open(config.urls[0].as_str()),
+            }
+            .map_err(|e| StoreError::Fatal {
+                context: "bad Redis URL".into(),
+                source: Some(e),
+            })?;
+            let mgr_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.timeout))
+                .set_response_timeout(Some(config.timeout))
+                .set_number_of_retries(2);
+            let conn = tokio::time::timeout(
+                config.timeout * 2,
+                ConnectionManager::new_with_config(client, mgr_config),
+            )
+            .await
+            .map_err(|_| StoreError::transient("timed out connecting to Redis"))?
+            .map_err(classify)?;
+            Conn::Single(conn)
+        };
+        Ok(conn)
+    }
+
+    /// Runs one pipeline (all commands in one slot, for a Cluster).
+    pub(crate) async fn query(
+        &mut self,
+        pipe: &redis::Pipeline,
+        timeout: Duration,
+    ) -> Result<Vec<Value>, RedisError> {
+        let fut = async {
+            match self {
+                Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
+                Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
+            }
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "Redis call timed out",
+            ))),
+        }
+    }
+
+    /// Loads a script (on every primary of a Cluster) and returns its SHA.
+    pub(crate) async fn load_script(&mut self, lua: &str) -> Result<String, StoreError> {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(lua);
+        let sha: String = match self {
+            Conn::Single(c) => cmd.query_async(c).await.map_err(classify)?,
+            Conn::Cluster(c) => {
+                // Load on every primary, so EVALSHA works whatever slot a caller is in.
+                use redis::cluster_routing::{
+                    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo,
+                };
+                let route = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                let v = c.route_command(cmd, route).await.map_err(classify)?;
+                match v {
+                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                    Value::SimpleString(s) => s,
+                    Value::Array(items) => match items.into_iter().next() {
+                        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
+                        other => {
+                            return Err(StoreError::fatal(format!(
+                                "SCRIPT LOAD answered {other:?}"
+                            )))
+                        }
+                    },
+                    other => {
+                        return Err(StoreError::fatal(format!("SCRIPT LOAD answered {other:?}")))
+                    }
+                }
+            }
+        };
+        Ok(sha)
+    }
 }
 
 /// Window state in Redis (standalone or Cluster).
@@ -199,7 +322,7 @@ pub fn classify(e: RedisError) -> StoreError {
     }
 }
 
-fn is_noscript(e: &RedisError) -> bool {
+pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.code() == Some("NOSCRIPT")
 }
 
@@ -215,95 +338,14 @@ impl std::fmt::Debug for RedisStore {
 impl RedisStore {
     /// Connects and loads the script.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
-        if config.urls.is_empty() {
-            return Err(StoreError::fatal("no Redis URL given"));
-        }
-        let certs = match &config.tls_ca {
-            Some(path) => Some(redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(std::fs::read(path).map_err(|e| {
-                    StoreError::fatal(format!(
-                        "cannot read the Redis CA file {}: {e}",
-                        path.display()
-                    ))
-                })?),
-            }),
-            None => None,
-        };
-        let conn = if config.cluster || config.urls.len() > 1 {
-            if certs.is_some() {
-                return Err(StoreError::fatal(
-                    "a CA file is not supported with Redis Cluster: add the CA to the system trust store",
-                ));
-            }
-            let client = ClusterClientBuilder::new(config.urls.clone())
-                .connection_timeout(config.timeout)
-                .response_timeout(config.timeout)
-                .build()
-                .map_err(|e| StoreError::Fatal {
-                    context: "bad Redis Cluster URLs".into(),
-                    source: Some(e),
-                })?;
-            let conn = tokio::time::timeout(config.timeout * 2, client.get_async_connection())
-                .await
-                .map_err(|_| StoreError::transient("timed out connecting to Redis Cluster"))?
-                .map_err(classify)?;
-            Conn::Cluster(conn)
-        } else {
-            let client = match certs {
-                Some(certs) => redis::Client::build_with_tls(config.urls[0].as_str(), certs),
-                None => redis::Client::open(config.urls[0].as_str()),
-            }
-            .map_err(|e| StoreError::Fatal {
-                context: "bad Redis URL".into(),
-                source: Some(e),
-            })?;
-            let mgr_config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(config.timeout))
-                .set_response_timeout(Some(config.timeout))
-                .set_number_of_retries(2);
-            let conn = tokio::time::timeout(
-                config.timeout * 2,
-                ConnectionManager::new_with_config(client, mgr_config),
-            )
-            .await
-            .map_err(|_| StoreError::transient("timed out connecting to Redis"))?
-            .map_err(classify)?;
-            Conn::Single(conn)
-        };
-        let mut store = RedisStore {
-            conn,
-            sha: String::new(),
-            config,
-        };
-        store.load_script().await?;
-        Ok(store)
+        let mut conn = Conn::open(&config).await?;
+        let sha = conn.load_script(WINDOW_LUA).await?;
+        Ok(RedisStore { conn, sha, config })
     }
 
     /// The configuration in use.
     pub fn config(&self) -> &RedisConfig {
         &self.config
-    }
-
-    /// Runs one pipeline (all commands in one slot, for a Cluster).
-    async fn query(
-        conn: &mut Conn,
-        pipe: &redis::Pipeline,
-        timeout: Duration,
-    ) -> Result<Vec<Value>, RedisError> {
-        let fut = async {
-            match conn {
-                Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
-                Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
-            }
-        };
-        match tokio::time::timeout(timeout, fut).await {
-            Ok(r) => r,
-            Err(_) => Err(RedisError::from(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "Redis call timed out",
-            ))),
-        }
     }
 
     /// Runs the groups (indices into `events`) as pipelines, concurrently,
@@ -321,12 +363,9 @@ impl RedisStore {
                 let evs: Vec<&CallEvent> = chunk.iter().map(|&i| &events[i]).collect();
                 pipe.add_command(self.invocation(rules, &evs));
             }
-            let mut conn = match &self.conn {
-                Conn::Single(c) => Conn::Single(c.clone()),
-                Conn::Cluster(c) => Conn::Cluster(c.clone()),
-            };
+            let mut conn = self.conn.clone();
             async move {
-                let replies = Self::query(&mut conn, &pipe, timeout).await?;
+                let replies = conn.query(&pipe, timeout).await?;
                 Ok(per_event(replies))
             }
         });
@@ -334,38 +373,7 @@ impl RedisStore {
     }
 
     async fn load_script(&mut self) -> Result<(), StoreError> {
-        let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(WINDOW_LUA);
-        let sha: String = match &mut self.conn {
-            Conn::Single(c) => cmd.query_async(c).await.map_err(classify)?,
-            Conn::Cluster(c) => {
-                // Load on every primary, so EVALSHA works whatever slot a caller is in.
-                use redis::cluster_routing::{
-                    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo,
-                };
-                let route = RoutingInfo::MultiNode((
-                    MultipleNodeRoutingInfo::AllMasters,
-                    Some(ResponsePolicy::AllSucceeded),
-                ));
-                let v = c.route_command(cmd, route).await.map_err(classify)?;
-                match v {
-                    Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
-                    Value::SimpleString(s) => s,
-                    Value::Array(items) => match items.into_iter().next() {
-                        Some(Value::BulkString(b)) => String::from_utf8_lossy(&b).into_owned(),
-                        other => {
-                            return Err(StoreError::fatal(format!(
-                                "SCRIPT LOAD answered {other:?}"
-                            )))
-                        }
-                    },
-                    other => {
-                        return Err(StoreError::fatal(format!("SCRIPT LOAD answered {other:?}")))
-                    }
-                }
-            }
-        };
-        self.sha = sha;
+        self.sha = self.conn.load_script(WINDOW_LUA).await?;
         Ok(())
     }
 

@@ -1,0 +1,73 @@
+#!lua
+-- callguard commit script: writes back window state that callguard decided
+-- in process, for several callers, each only if nobody else wrote it since
+-- it was read (optimistic concurrency on a version field).
+--
+-- Used by the cached Redis store (src/store/cached.rs, `--redis-mode
+-- cached`): callguard keeps its callers' window state in memory, decides a
+-- batch there with the reference engine (src/engine/window.rs), and sends
+-- one call per group of callers. A caller whose version changed is not
+-- written; its current state is returned so callguard re-reads it, decides
+-- that caller's calls again and commits again. Never reads the Redis clock.
+--
+-- Layout, per caller (one key, hash-tagged by the caller):
+--   <prefix>{<caller>}:s  hash
+--     v          version: a random token, new at every commit
+--     s          the window state, CallerState::pack's binary form
+--     r:<id>     the record of call <id> (idempotency), in the window
+--                script's reply form (src/engine/record.rs REPLY_FIELDS);
+--                deleted when trimmed past the idempotency horizon
+--   <prefix>block:{<caller>}  the block key, as with the window script
+--
+-- KEYS, per caller i: the state hash, then the block key (same hash tag).
+-- ARGV[1]: TTL of a state hash (ms): the idempotency horizon (or the
+--   retention when records are not kept) plus the slack.
+-- then per caller i, in KEYS order:
+--   expected version ('' when callguard believes the key absent),
+--   new version, packed state, s = number of records to set,
+--   d = number of records to delete, block reason ('' for none),
+--   block TTL (ms), then s pairs (field, value), then d fields.
+-- Returns: a flat array, per caller that was not written: its index
+--   (0-based, in KEYS order) and its hash as HGETALL returns it.
+-- Needs Redis >= 7.0 (#!lua: refused up front when out of memory, so a
+-- call applies all of its writes or none).
+
+local call, tonumber = redis.call, tonumber
+local CHUNK = 1000
+
+-- HSET/HDEL of ARGV[first..last] in chunks: Lua's unpack has a stack
+-- limit. CHUNK is even, so field/value pairs stay together.
+local function chunked(cmd, key, first, last)
+  for i = first, last, CHUNK do
+    call(cmd, key, unpack(ARGV, i, math.min(i + CHUNK - 1, last)))
+  end
+end
+
+local ttl = ARGV[1]
+local a = 2
+local out = {}
+for i = 1, #KEYS / 2 do
+  local key, bkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local expected, new, packed = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local s, d = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local reason, bttl = ARGV[a + 5], ARGV[a + 6]
+  local sets = a + 7
+  local dels = sets + 2 * s
+  a = dels + d
+  local v = call('HGET', key, 'v')
+  if (v or '') ~= expected then
+    out[#out + 1] = i - 1
+    out[#out + 1] = call('HGETALL', key)
+  else
+    if s > 0 and 2 * s <= CHUNK then
+      call('HSET', key, 'v', new, 's', packed, unpack(ARGV, sets, dels - 1))
+    else
+      call('HSET', key, 'v', new, 's', packed)
+      if s > 0 then chunked('HSET', key, sets, dels - 1) end
+    end
+    if d > 0 then chunked('HDEL', key, dels, a - 1) end
+    call('PEXPIRE', key, ttl)
+    if reason ~= '' then call('SET', bkey, reason, 'PX', bttl) end
+  end
+end
+return out

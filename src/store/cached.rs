@@ -1,0 +1,487 @@
+//! The cached Redis store: window state decided in process, kept in Redis
+//! with a version check.
+//!
+//! The window script ([`super::redis::RedisStore`]) runs the algorithm in
+//! Redis: every event costs Redis several commands plus the script's own
+//! work. Here callguard keeps each caller's [`CallerState`] in memory (a
+//! consumer owns its partitions' callers, so after the first call the cache
+//! is nearly always current), decides a batch with the reference engine,
+//! and writes each touched caller back in one atomic `EVALSHA` of
+//! `lua/commit.lua` per group of callers: the caller's packed state, its new
+//! records, the records trimmed, the block key.
+//!
+//! Every write is conditional on the caller's version field being the one
+//! the cache read (optimistic concurrency). Another writer (a second
+//! instance after a rebalance, `serve` beside `consume`, a cache entry
+//! evicted and later recreated) changes the version: that caller is not
+//! written, the script returns its current state, and callguard decides
+//! that caller's calls again on it and commits again. Callers never share
+//! state, so the others' writes stand. A caller not in the cache is first
+//! assumed new (no key): right for most first sights, and when wrong it
+//! costs one more round trip, not a read before every write.
+//!
+//! Records are the same strings the window script keeps and are read back
+//! into the cache when a caller is loaded, so a redelivered call id gets the
+//! same record back after a restart, a rebalance or an eviction.
+
+use std::collections::HashMap;
+
+use compact_str::CompactString;
+use redis::cluster_routing::Slot;
+use redis::Value;
+
+use crate::engine::event::CallEvent;
+use crate::engine::record::{Decision, Verdict};
+use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
+use crate::error::StoreError;
+use crate::store::redis::{classify, is_noscript, Conn, RedisConfig};
+use crate::store::WindowStore;
+
+/// The commit script (see its header for KEYS, ARGV and the reply).
+pub const COMMIT_LUA: &str = include_str!("../../lua/commit.lua");
+
+/// Most callers written by one script call (it holds Redis while it runs).
+const CALLERS_PER_CALL: usize = 64;
+
+/// Rounds of decide-and-commit before a batch gives up on a caller that
+/// keeps changing under it (another writer deciding the same caller).
+const MAX_ROUNDS: usize = 8;
+
+/// Default number of callers kept in memory.
+pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
+
+/// A cached caller: its state and the version it was read or written at
+/// (`None`: believed absent from Redis).
+#[derive(Debug, Default)]
+struct Cached {
+    state: CallerState,
+    version: Option<u64>,
+}
+
+/// One caller's part of a batch while it is being decided.
+struct Pending<'a> {
+    caller: &'a str,
+    /// Indices of its events in the batch, in order.
+    events: Vec<usize>,
+    cached: Cached,
+}
+
+/// What one caller's commit writes.
+struct Write {
+    key: String,
+    block_key: String,
+    expected: Option<u64>,
+    version: u64,
+    packed: Vec<u8>,
+    sets: Vec<(String, String)>,
+    dels: Vec<String>,
+    block: Option<(CompactString, i64)>,
+}
+
+/// Why an attempt at a batch failed.
+enum Failed {
+    /// The server does not know the script (restarted or flushed).
+    NoScript,
+    /// Any other store error.
+    Store(StoreError),
+}
+
+impl From<StoreError> for Failed {
+    fn from(e: StoreError) -> Self {
+        Failed::Store(e)
+    }
+}
+
+/// Window state decided in process and kept in Redis under a version check.
+pub struct CachedStore {
+    conn: Conn,
+    sha: String,
+    config: RedisConfig,
+    cache: foldhash::HashMap<CompactString, Cached>,
+    max_callers: usize,
+    /// Newest event time seen: callers idle past the idempotency horizon
+    /// leave the cache first.
+    watermark: i64,
+    /// Commits refused because another writer had changed the caller.
+    conflicts: u64,
+}
+
+impl std::fmt::Debug for CachedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedStore")
+            .field("config", &self.config)
+            .field("cached_callers", &self.cache.len())
+            .field("conflicts", &self.conflicts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CachedStore {
+    /// Connects and loads the commit script; keeps at most `max_callers`
+    /// callers in memory (more only cost re-reads, never a result).
+    pub async fn connect(config: RedisConfig, max_callers: usize) -> Result<Self, StoreError> {
+        let mut conn = Conn::open(&config).await?;
+        let sha = conn.load_script(COMMIT_LUA).await?;
+        Ok(CachedStore {
+            conn,
+            sha,
+            config,
+            cache: foldhash::HashMap::default(),
+            max_callers: max_callers.max(1),
+            watermark: i64::MIN,
+            conflicts: 0,
+        })
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
+    /// Commits refused so far because another writer had changed the
+    /// caller (each was decided again on the current state).
+    pub fn conflicts(&self) -> u64 {
+        self.conflicts
+    }
+
+    /// Callers held in memory.
+    pub fn cached_callers(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Forgets every cached caller (the next call of each re-reads Redis).
+    pub fn clear_cache(&mut self) {
+        self.cache.clear();
+    }
+
+    /// The key of a caller's state hash, `<prefix>{<caller>}:s`.
+    pub fn state_key(&self, caller: &str) -> String {
+        format!("{}{{{}}}:s", self.config.key_prefix, caller)
+    }
+
+    fn block_key(&self, caller: &str) -> String {
+        format!("{}block:{{{}}}", self.config.key_prefix, caller)
+    }
+
+    /// Decides `p`'s events on its cached state and says what to write.
+    fn decide(
+        &self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        p: &mut Pending<'_>,
+        verdicts: &mut [Option<Verdict>],
+    ) -> Write {
+        let idem = self.config.idempotency;
+        let mut dropped = Vec::new();
+        let mut sets = Vec::new();
+        let mut block = None;
+        for &i in &p.events {
+            let ev = &events[i];
+            let v = p
+                .cached
+                .state
+                .apply_journaled(rules, ev, !idem, &mut dropped);
+            if !v.duplicate {
+                if idem {
+                    sets.push((format!("r:{}", ev.call_id), v.to_reply()));
+                }
+                if self.config.block_keys && v.record.decision == Decision::Reject {
+                    if let Some(ms) = v.record.retry_after_ms {
+                        block = Some((v.record.reason.clone(), ms));
+                    }
+                }
+            }
+            verdicts[i] = Some(v);
+        }
+        // A record trimmed and then made again in this batch stays.
+        let dels = dropped
+            .iter()
+            .filter(|id| !p.cached.state.holds_record(id))
+            .map(|id| format!("r:{id}"))
+            .collect();
+        let mut packed = Vec::with_capacity(64);
+        p.cached.state.pack(&mut packed);
+        Write {
+            key: self.state_key(p.caller),
+            block_key: self.block_key(p.caller),
+            expected: p.cached.version,
+            version: rand::random::<u64>() | 1,
+            packed,
+            sets,
+            dels,
+            block,
+        }
+    }
+
+    /// The commit call for `writes`.
+    fn invocation(&self, ttl_ms: u64, writes: &[&Write]) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.sha).arg(writes.len() * 2);
+        for w in writes {
+            cmd.arg(&w.key).arg(&w.block_key);
+        }
+        cmd.arg(ttl_ms);
+        for w in writes {
+            match w.expected {
+                Some(v) => cmd.arg(v),
+                None => cmd.arg(""),
+            };
+            cmd.arg(w.version)
+                .arg(&w.packed[..])
+                .arg(w.sets.len())
+                .arg(w.dels.len());
+            match &w.block {
+                Some((reason, ms)) => cmd.arg(reason.as_str()).arg(*ms),
+                None => cmd.arg("").arg(0),
+            };
+            for (f, v) in &w.sets {
+                cmd.arg(f).arg(v);
+            }
+            for f in &w.dels {
+                cmd.arg(f);
+            }
+        }
+        cmd
+    }
+
+    /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
+    /// concurrently) and returns, per write that was refused, its index and
+    /// the caller's current hash.
+    async fn commit(
+        &self,
+        ttl_ms: u64,
+        writes: &[Write],
+    ) -> Result<Vec<(usize, Vec<Value>)>, redis::RedisError> {
+        let groups: Vec<Vec<usize>> = match self.conn {
+            Conn::Single(_) => vec![(0..writes.len()).collect()],
+            Conn::Cluster(_) => {
+                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
+                for (i, w) in writes.iter().enumerate() {
+                    by_slot.entry(Slot::for_key(&w.key)).or_default().push(i);
+                }
+                by_slot.into_values().collect()
+            }
+        };
+        let timeout = self.config.timeout * 2;
+        let calls = groups.into_iter().map(|group| {
+            let mut pipe = redis::pipe();
+            for chunk in group.chunks(CALLERS_PER_CALL) {
+                let ws: Vec<&Write> = chunk.iter().map(|&i| &writes[i]).collect();
+                pipe.add_command(self.invocation(ttl_ms, &ws));
+            }
+            let mut conn = self.conn.clone();
+            async move {
+                let replies = conn.query(&pipe, timeout).await?;
+                let mut refused = Vec::new();
+                for (chunk, reply) in group.chunks(CALLERS_PER_CALL).zip(replies) {
+                    let Value::Array(items) = reply else {
+                        return Err(unexpected(format!("{reply:?}")));
+                    };
+                    let mut it = items.into_iter();
+                    while let (Some(idx), Some(hash)) = (it.next(), it.next()) {
+                        let (Value::Int(idx), Value::Array(hash)) = (idx, hash) else {
+                            return Err(unexpected("a malformed refusal".into()));
+                        };
+                        let at = usize::try_from(idx)
+                            .ok()
+                            .and_then(|i| chunk.get(i))
+                            .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
+                        refused.push((*at, hash));
+                    }
+                }
+                Ok(refused)
+            }
+        });
+        let mut refused = Vec::new();
+        for outcome in futures::future::join_all(calls).await {
+            refused.extend(outcome?);
+        }
+        Ok(refused)
+    }
+
+    /// One attempt at a batch. The callers it touches are out of the cache
+    /// while it runs and go back only on success: after a failure their
+    /// next call re-reads Redis, whatever part of the writes landed.
+    async fn try_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, Failed> {
+        let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
+        let mut pending: Vec<Pending<'_>> = Vec::new();
+        for (i, ev) in events.iter().enumerate() {
+            self.watermark = self.watermark.max(ev.ts_ms);
+            let at = *index.entry(ev.caller.as_str()).or_insert_with(|| {
+                pending.push(Pending {
+                    caller: ev.caller.as_str(),
+                    events: Vec::new(),
+                    cached: self.cache.remove(ev.caller.as_str()).unwrap_or_default(),
+                });
+                pending.len() - 1
+            });
+            pending[at].events.push(i);
+        }
+        let ttl_ms = if self.config.idempotency {
+            rules.dedup_ms()
+        } else {
+            rules.retention_ms()
+        }
+        .max(1) as u64
+            + self.config.ttl_slack.as_millis() as u64;
+        let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
+        let mut todo: Vec<usize> = (0..pending.len()).collect();
+        for _ in 0..MAX_ROUNDS {
+            let writes: Vec<Write> = todo
+                .iter()
+                .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts))
+                .collect();
+            let refused = self.commit(ttl_ms, &writes).await.map_err(|e| {
+                if is_noscript(&e) {
+                    Failed::NoScript
+                } else {
+                    Failed::Store(classify(e))
+                }
+            })?;
+            let mut refused_set = vec![false; writes.len()];
+            let mut next = Vec::new();
+            for (w, hash) in refused {
+                refused_set[w] = true;
+                let p = &mut pending[todo[w]];
+                p.cached = load(p.caller, hash)?;
+                next.push(todo[w]);
+            }
+            for (w, write) in writes.iter().enumerate() {
+                if !refused_set[w] {
+                    pending[todo[w]].cached.version = Some(write.version);
+                }
+            }
+            self.conflicts += next.len() as u64;
+            next.sort_unstable();
+            todo = next;
+            if todo.is_empty() {
+                break;
+            }
+        }
+        if let Some(&p) = todo.first() {
+            return Err(Failed::Store(StoreError::transient(format!(
+                "caller {} changed under each of {MAX_ROUNDS} commits: another writer is deciding it",
+                pending[p].caller
+            ))));
+        }
+        for p in pending {
+            self.cache.insert(p.caller.into(), p.cached);
+        }
+        self.evict(rules);
+        verdicts
+            .into_iter()
+            .map(|v| v.ok_or_else(|| Failed::Store(StoreError::fatal("a call was left undecided"))))
+            .collect()
+    }
+
+    /// Keeps the cache within its size: callers idle past the idempotency
+    /// horizon go first, then any (the next call of an evicted caller
+    /// re-reads it).
+    fn evict(&mut self, rules: &RuleSet) {
+        if self.cache.len() <= self.max_callers {
+            return;
+        }
+        let cutoff = self.watermark.saturating_sub(rules.dedup_ms());
+        self.cache
+            .retain(|_, c| c.state.latest().is_some_and(|l| l > cutoff));
+        let mut excess = self.cache.len().saturating_sub(self.max_callers * 3 / 4);
+        if excess > 0 {
+            self.cache.retain(|_, _| {
+                let keep = excess == 0;
+                excess = excess.saturating_sub(1);
+                keep
+            });
+        }
+    }
+}
+
+fn unexpected(what: String) -> redis::RedisError {
+    redis::RedisError::from((
+        redis::ErrorKind::Client,
+        "unexpected commit script reply",
+        what,
+    ))
+}
+
+fn text(v: &Value) -> Option<&[u8]> {
+    match v {
+        Value::BulkString(b) => Some(b),
+        Value::SimpleString(s) => Some(s.as_bytes()),
+        _ => None,
+    }
+}
+
+/// A caller's cache entry from its hash (as HGETALL returns it): version,
+/// packed state and records.
+fn load(caller: &str, hash: Vec<Value>) -> Result<Cached, StoreError> {
+    let bad = |what: &str| {
+        StoreError::fatal(format!(
+            "unreadable window state of caller {caller} in Redis: {what}"
+        ))
+    };
+    let mut state = None;
+    let mut version = None;
+    let mut records = Vec::new();
+    let mut it = hash.iter();
+    while let (Some(f), Some(v)) = (it.next(), it.next()) {
+        let (Some(f), Some(v)) = (text(f), text(v)) else {
+            return Err(bad("not a string"));
+        };
+        match f {
+            b"v" => {
+                version = Some(
+                    std::str::from_utf8(v)
+                        .ok()
+                        .and_then(|s| s.parse::<u64>().ok())
+                        .ok_or_else(|| bad("version"))?,
+                )
+            }
+            b"s" => state = Some(CallerState::unpack(v).ok_or_else(|| bad("packed state"))?),
+            _ => {
+                let id = f.strip_prefix(b"r:").ok_or_else(|| bad("unknown field"))?;
+                records.push((id, v));
+            }
+        }
+    }
+    let mut state = state.unwrap_or_default();
+    for (id, rec) in records {
+        let (Ok(id), Ok(rec)) = (std::str::from_utf8(id), std::str::from_utf8(rec)) else {
+            return Err(bad("record not UTF-8"));
+        };
+        let verdict = Verdict::from_stored(rec, id, caller, false).ok_or_else(|| bad(rec))?;
+        state.restore_record(id, verdict);
+    }
+    Ok(Cached { state, version })
+}
+
+impl WindowStore for CachedStore {
+    async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.try_batch(rules, events).await {
+            Ok(v) => Ok(v),
+            Err(Failed::Store(e)) => Err(e),
+            // A restarted or flushed server lost the script: load it and
+            // try once more (a refused call wrote nothing).
+            Err(Failed::NoScript) => {
+                self.sha = self.conn.load_script(COMMIT_LUA).await?;
+                self.try_batch(rules, events).await.map_err(|e| match e {
+                    Failed::Store(e) => e,
+                    Failed::NoScript => {
+                        StoreError::fatal("the commit script vanished right after loading")
+                    }
+                })
+            }
+        }
+    }
+}
