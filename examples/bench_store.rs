@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::RuleSet;
+use callguard::store::cached::CachedStore;
 use callguard::store::redis::{RedisConfig, RedisStore, WINDOW_LUA};
+use callguard::store::{AnyStore, WindowStore};
 
 const T0: i64 = 1_764_547_200_000;
 const PIPELINE: usize = 256;
@@ -34,6 +36,17 @@ fn free_port() -> u16 {
         .local_addr()
         .expect("addr")
         .port()
+}
+
+/// A Redis store: the window script (`cached = false`) or the cached store.
+async fn connect(config: RedisConfig, cached: bool) -> AnyStore {
+    if cached {
+        AnyStore::Cached(Box::new(
+            CachedStore::connect(config, 1_000_000).await.expect("connect"),
+        ))
+    } else {
+        AnyStore::Redis(Box::new(RedisStore::connect(config).await.expect("connect")))
+    }
 }
 
 fn used_memory(con: &mut redis::Connection) -> i64 {
@@ -92,8 +105,8 @@ async fn main() {
     };
 
     println!("## Redis memory per active caller (20 calls per window, 2,000 callers)\n");
-    println!("| rule | idempotency on | idempotency off |");
-    println!("|---|---|---|");
+    println!("| rule | script, idempotency on | script, off | cached, on | cached, off |");
+    println!("|---|---|---|---|---|");
     for (name, rule, callees) in [
         ("fixed 60s", "m:fixed:60s:100", false),
         ("sliding 60s", "m:sliding:60s:100", false),
@@ -106,16 +119,16 @@ async fn main() {
     ] {
         let rules = RuleSet::from_args(None, &[rule.to_string()]).expect("rules");
         let mut row = format!("| {name} |");
-        for idem in [true, false] {
+        for (cached, idem) in [(false, true), (false, false), (true, true), (true, false)] {
             let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flush");
-            let before = used_memory(&mut con);
             let config = RedisConfig {
                 urls: vec![url.clone()],
                 idempotency: idem,
                 key_prefix: "cg:".into(),
                 ..RedisConfig::default()
             };
-            let mut store = RedisStore::connect(config).await.expect("connect");
+            let mut store = connect(config, cached).await;
+            let before = used_memory(&mut con);
             let callers = 2_000;
             let mut batch = Vec::new();
             for i in 0..20 {
@@ -274,14 +287,14 @@ async fn store_round(
     url: &str,
     rules: &RuleSet,
     total: usize,
+    cached: bool,
 ) -> (f64, f64) {
     let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
-    let mut store = RedisStore::connect(RedisConfig {
+    let config = RedisConfig {
         urls: vec![url.to_string()],
         ..RedisConfig::default()
-    })
-    .await
-    .expect("connect");
+    };
+    let mut store = connect(config, cached).await;
     let events: Vec<CallEvent> = (0..total)
         .map(|i| {
             let mut e = event(i % 100_000, i, T0 + (i as i64) * 2);
@@ -307,13 +320,16 @@ fn median(mut v: Vec<(f64, f64)>) -> (f64, f64) {
 async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, total: usize) {
     let one = RuleSet::from_args(None, &["minute:sliding:60s:20".into()]).expect("rules");
     let three = RuleSet::from_toml(include_str!("../data/rules.toml")).expect("rules");
-    let (mut seeds, mut s1, mut s3) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut seeds, mut s1, mut s3, mut c1, mut c3) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..3 {
         seeds.push(seeds_round(con, port, total));
-        s1.push(store_round(con, url, &one, total).await);
-        s3.push(store_round(con, url, &three, total).await);
+        s1.push(store_round(con, url, &one, total, false).await);
+        s3.push(store_round(con, url, &three, total, false).await);
+        c1.push(store_round(con, url, &one, total, true).await);
+        c3.push(store_round(con, url, &three, total, true).await);
     }
-    let (seeds, s1, s3) = (median(seeds), median(s1), median(s3));
+    let (seeds, s1, s3, c1, c3) = (median(seeds), median(s1), median(s3), median(c1), median(c3));
     println!(
         "\n## Against the seeds' one-key sliding script, {total} events, median of 3 rounds\n"
     );
@@ -323,16 +339,12 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
         "| seeds' script (redis-benchmark, P 256, 8 clients) | {:.0} | 1.00 | {:.1} |",
         seeds.0, seeds.1
     );
-    println!(
-        "| store, 1 sliding rule | {:.0} | {:.2} | {:.1} |",
-        s1.0,
-        s1.0 / seeds.0,
-        s1.1
-    );
-    println!(
-        "| store, data/rules.toml (3 rules) | {:.0} | {:.2} | {:.1} |",
-        s3.0,
-        s3.0 / seeds.0,
-        s3.1
-    );
+    for (what, r) in [
+        ("script store, 1 sliding rule", s1),
+        ("script store, data/rules.toml (3 rules)", s3),
+        ("cached store, 1 sliding rule", c1),
+        ("cached store, data/rules.toml (3 rules)", c3),
+    ] {
+        println!("| {what} | {:.0} | {:.2} | {:.1} |", r.0, r.0 / seeds.0, r.1);
+    }
 }

@@ -11,6 +11,7 @@ use callguard::engine::event::{Decoder, FieldMap, NumberHasher};
 use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
+use callguard::store::cached::{self, CachedStore};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{self, RedisConfig, RedisStore};
 use callguard::store::sharded::ShardedStore;
@@ -254,6 +255,18 @@ pub enum StoreKind {
     Redis,
 }
 
+/// Where the window algorithm runs with a Redis store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum RedisMode {
+    /// In Redis: a Lua call decides a group of events on state kept as
+    /// sorted sets and hashes.
+    Script,
+    /// In callguard, on per-caller state cached in memory and written back
+    /// to one Redis hash per caller, each write checked against the version
+    /// it read: a fraction of the Redis work per call.
+    Cached,
+}
+
 /// Window store options.
 #[derive(Debug, Clone, Args)]
 pub struct StoreArgs {
@@ -277,6 +290,21 @@ pub struct StoreArgs {
     /// Use the Redis Cluster client (implied by several URLs).
     #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]
     pub redis_cluster: bool,
+    /// Where the window algorithm runs with Redis. `script`: in a Lua
+    /// script in Redis. `cached`: in callguard, on each caller's state cached
+    /// in memory, written back to one Redis hash per caller under a version
+    /// check (another writer of the caller, e.g. a second instance after a
+    /// rebalance, makes callguard re-read and decide again), so Redis does
+    /// a few writes per call instead of the algorithm. Same records either
+    /// way; the two keep different keys, so every instance on a
+    /// --key-prefix must use the same mode (the prefix records it).
+    #[arg(long, value_enum, env = "CALLGUARD_REDIS_MODE", default_value_t = RedisMode::Script)]
+    pub redis_mode: RedisMode,
+    /// Most callers kept in memory with --redis-mode cached; beyond it the
+    /// idle ones are dropped first, and a dropped caller's next call
+    /// re-reads Redis (it never changes a record).
+    #[arg(long, env = "CALLGUARD_CACHED_CALLERS", default_value_t = cached::DEFAULT_CACHED_CALLERS)]
+    pub cached_callers: usize,
     /// Prefix of every Redis key, to separate environments.
     #[arg(long, env = "CALLGUARD_KEY_PREFIX", default_value = redis::DEFAULT_KEY_PREFIX)]
     pub key_prefix: String,
@@ -362,10 +390,17 @@ impl StoreArgs {
             StoreKind::Redis => {
                 let config = self.redis_config();
                 let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();
-                let store = RedisStore::connect(config)
-                    .await
-                    .with_context(|| format!("connecting to Redis at {}", urls.join(",")))?;
-                AnyStore::Redis(Box::new(store))
+                let context = || format!("connecting to Redis at {}", urls.join(","));
+                match self.redis_mode {
+                    RedisMode::Script => AnyStore::Redis(Box::new(
+                        RedisStore::connect(config).await.with_context(context)?,
+                    )),
+                    RedisMode::Cached => AnyStore::Cached(Box::new(
+                        CachedStore::connect(config, self.cached_callers)
+                            .await
+                            .with_context(context)?,
+                    )),
+                }
             }
         })
     }

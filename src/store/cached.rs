@@ -41,6 +41,9 @@ use crate::store::WindowStore;
 /// The commit script (see its header for KEYS, ARGV and the reply).
 pub const COMMIT_LUA: &str = include_str!("../../lua/commit.lua");
 
+/// This store's name for its way of keeping state (`--redis-mode cached`).
+pub const MODE: &str = "cached";
+
 /// Most callers written by one script call (it holds Redis while it runs).
 const CALLERS_PER_CALL: usize = 64;
 
@@ -122,6 +125,7 @@ impl CachedStore {
     /// callers in memory (more only cost re-reads, never a result).
     pub async fn connect(config: RedisConfig, max_callers: usize) -> Result<Self, StoreError> {
         let mut conn = Conn::open(&config).await?;
+        conn.claim_mode(&config.key_prefix, MODE).await?;
         let sha = conn.load_script(COMMIT_LUA).await?;
         Ok(CachedStore {
             conn,

@@ -28,6 +28,9 @@ use crate::store::WindowStore;
 /// The window script (see its header for KEYS, ARGV and the reply).
 pub const WINDOW_LUA: &str = include_str!("../../lua/window.lua");
 
+/// This store's name for its way of keeping state (see [`Conn::claim_mode`]).
+pub const MODE: &str = "script";
+
 /// Most events decided by one script call. A call runs atomically, so it
 /// holds Redis for its whole batch (about 1-2 ms at this size); larger
 /// batches are split into pipelined calls.
@@ -208,6 +211,30 @@ impl Conn {
         }
     }
 
+    /// Claims the key prefix for a way of keeping window state (`mode`):
+    /// sets `<prefix>mode` if absent, and refuses a prefix another mode
+    /// claimed, since the two keep different keys and would each count
+    /// only their own share of a caller's calls. The one key per prefix
+    /// without a TTL.
+    pub(crate) async fn claim_mode(&mut self, prefix: &str, mode: &str) -> Result<(), StoreError> {
+        let key = format!("{prefix}mode");
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&key).arg(mode).arg("NX").arg("GET");
+        let before: Option<String> = match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+        .map_err(classify)?;
+        match before {
+            Some(other) if other != mode => Err(StoreError::fatal(format!(
+                "the key prefix {prefix:?} holds window state kept by --redis-mode {other}, \
+                 not {mode}: use --redis-mode {other}, or another --key-prefix (the key {key} \
+                 records the mode)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Loads a script (on every primary of a Cluster) and returns its SHA.
     pub(crate) async fn load_script(&mut self, lua: &str) -> Result<String, StoreError> {
         let mut cmd = redis::cmd("SCRIPT");
@@ -339,6 +366,7 @@ impl RedisStore {
     /// Connects and loads the script.
     pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
         let mut conn = Conn::open(&config).await?;
+        conn.claim_mode(&config.key_prefix, MODE).await?;
         let sha = conn.load_script(WINDOW_LUA).await?;
         Ok(RedisStore { conn, sha, config })
     }
