@@ -42,10 +42,14 @@ fn free_port() -> u16 {
 async fn connect(config: RedisConfig, cached: bool) -> AnyStore {
     if cached {
         AnyStore::Cached(Box::new(
-            CachedStore::connect(config, 1_000_000).await.expect("connect"),
+            CachedStore::connect(config, 1_000_000)
+                .await
+                .expect("connect"),
         ))
     } else {
-        AnyStore::Redis(Box::new(RedisStore::connect(config).await.expect("connect")))
+        AnyStore::Redis(Box::new(
+            RedisStore::connect(config).await.expect("connect"),
+        ))
     }
 }
 
@@ -329,7 +333,13 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
         c1.push(store_round(con, url, &one, total, true).await);
         c3.push(store_round(con, url, &three, total, true).await);
     }
-    let (seeds, s1, s3, c1, c3) = (median(seeds), median(s1), median(s3), median(c1), median(c3));
+    let (seeds, s1, s3, c1, c3) = (
+        median(seeds),
+        median(s1),
+        median(s3),
+        median(c1),
+        median(c3),
+    );
     println!(
         "\n## Against the seeds' one-key sliding script, {total} events, median of 3 rounds\n"
     );
@@ -345,6 +355,11 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
         ("cached store, 1 sliding rule", c1),
         ("cached store, data/rules.toml (3 rules)", c3),
     ] {
-        println!("| {what} | {:.0} | {:.2} | {:.1} |", r.0, r.0 / seeds.0, r.1);
+        println!(
+            "| {what} | {:.0} | {:.2} | {:.1} |",
+            r.0,
+            r.0 / seeds.0,
+            r.1
+        );
     }
 }

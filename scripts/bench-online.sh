@@ -17,6 +17,9 @@
 #      p50/p90/p99/max (`examples/decision_latency.rs`), and how many were
 #      decided.
 #
+#   Sections 2 and 3 run once per --redis-mode (MODES, default
+#   "script cached").
+#
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,7 @@ events="${1:-200000}"
 rate="${2:-20000}"
 seconds="${3:-10}"
 low="${4:-5000}"
+modes="${MODES:-script cached}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release -q --bin callguard --example bench_store --example loadgen --example decision_latency
 bin="$CARGO_TARGET_DIR/release/callguard"
@@ -36,54 +40,70 @@ source scripts/loopback.sh
 start_redis
 start_tansu
 mport=$(free_port)
-for t in calls call-decisions call-features load load-decisions load-features low low-decisions low-features; do
-  tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
+tansu topic create calls --partitions 4 --broker "tcp://$brokers" >/dev/null
+tansu topic create calls-dlq --partitions 1 --broker "tcp://$brokers" >/dev/null
+for mode in $modes; do
+  for t in "call-decisions-$mode" "call-features-$mode" "load-$mode" "load-$mode-decisions" \
+    "load-$mode-features" "low-$mode" "low-$mode-decisions" "low-$mode-features"; do
+    tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
+  done
+  for t in "load-$mode-dlq" "low-$mode-dlq"; do
+    tansu topic create "$t" --partitions 1 --broker "tcp://$brokers" >/dev/null
+  done
 done
-for t in calls-dlq load-dlq low-dlq; do tansu topic create "$t" --partitions 1 --broker "tcp://$brokers" >/dev/null; done
 redis="redis://127.0.0.1:$rport"
 decided() { curl -s "127.0.0.1:$mport/metrics" | awk '/^callguard_events_total/ {s += $NF} END {print s+0}'; }
 now() { date +%s.%N; }
 
-echo
-echo "# 2. End to end, $events events, data/rules.toml"
 "$bin" generate --rows "$events" --seed 11 --output "$work/calls.csv" >/dev/null
 "$bin" produce -i "$work/calls.csv" --brokers "$brokers" --topic calls > /dev/null
-redis-cli -p "$rport" flushall > /dev/null
-t0=$(now)
-"$bin" replay -i "$work/calls.csv" --rules data/rules.toml --store redis --redis-url "$redis" \
-  -o "$work/replay.csv" > /dev/null
-t1=$(now)
-store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
-redis-cli -p "$rport" flushall > /dev/null
-"$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
-  --metrics-addr "127.0.0.1:$mport" > "$work/consume.log" 2>&1 &
-cpid=$!
-track "$cpid"
-t0=""
-for _ in $(seq 1 6000); do
-  n=$(decided)
-  if [ -z "$t0" ] && [ "$n" -gt 0 ]; then t0=$(now); n0=$n; fi
-  [ "$n" -ge "$events" ] && break
-  sleep 0.05
-done
-t1=$(now)
-e2e_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
-printf '| what | events/s |\n|---|---|\n'
-printf '| replay --store redis (the store) | %.0f |\n' "$store_rate"
-printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
-printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
-kill "$cpid" 2>/dev/null || true
-wait "$cpid" 2>/dev/null || true
+
+# e2e MODE: the store (replay --store redis) and consume end to end, in MODE.
+e2e() {
+  local mode="$1"
+  echo
+  echo "# 2. End to end, $events events, data/rules.toml, --redis-mode $mode"
+  redis-cli -p "$rport" flushall > /dev/null
+  local t0 t1 n n0 store_rate e2e_rate
+  t0=$(now)
+  "$bin" replay -i "$work/calls.csv" --rules data/rules.toml --store redis --redis-url "$redis" \
+    --redis-mode "$mode" -o "$work/replay-$mode.csv" > /dev/null
+  t1=$(now)
+  store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
+  redis-cli -p "$rport" flushall > /dev/null
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
+    --redis-mode "$mode" --group "callguard-e2e-$mode" \
+    --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
+    --metrics-addr "127.0.0.1:$mport" > "$work/consume-$mode.log" 2>&1 &
+  local cpid=$!
+  track "$cpid"
+  t0=""
+  for _ in $(seq 1 6000); do
+    n=$(decided)
+    if [ -z "$t0" ] && [ "$n" -gt 0 ]; then t0=$(now); n0=$n; fi
+    [ "$n" -ge "$events" ] && break
+    sleep 0.05
+  done
+  t1=$(now)
+  e2e_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
+  printf '| what | events/s |\n|---|---|\n'
+  printf '| replay --store redis --redis-mode %s (the store) | %.0f |\n' "$mode" "$store_rate"
+  printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
+  printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
+  kill "$cpid" 2>/dev/null || true
+  wait "$cpid" 2>/dev/null || true
+}
+for mode in $modes; do e2e "$mode"; done
 
 # latency RATE TOPIC GROUP: loadgen offers RATE events/s for $seconds s to
 # TOPIC while a fresh consume (group GROUP, the defaults) decides them; then
 # the latency of every decision record.
 latency() {
-  local r="$1" topic="$2" group="$3"
+  local r="$1" topic="$2" group="$3" mode="$4"
   echo
-  echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record)"
+  echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record), --redis-mode $mode"
   redis-cli -p "$rport" flushall > /dev/null
-  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml --redis-mode "$mode" \
     --input-topic "$topic" --decisions-topic "$topic-decisions" --features-topic "$topic-features" \
     --dlq-topic "$topic-dlq" --group "$group" --metrics-addr "127.0.0.1:$mport" \
     > "$work/consume-$topic.log" 2>&1 &
@@ -98,5 +118,7 @@ latency() {
   kill "$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true
 }
-latency "$rate" load callguard-latency
-latency "$low" low callguard-latency-low
+for mode in $modes; do
+  latency "$rate" "load-$mode" "callguard-latency-$mode" "$mode"
+  latency "$low" "low-$mode" "callguard-latency-low-$mode" "$mode"
+done

@@ -354,7 +354,10 @@ async fn every_key_has_a_ttl_and_all_expire() {
             break;
         }
     }
-    assert_eq!(left, 0, "keys left after the windows passed (besides ttl:mode)");
+    assert_eq!(
+        left, 0,
+        "keys left after the windows passed (besides ttl:mode)"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -649,7 +652,10 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
             break;
         }
     }
-    assert_eq!(left, 0, "keys left after the horizons passed (besides cttl:mode)");
+    assert_eq!(
+        left, 0,
+        "keys left after the horizons passed (besides cttl:mode)"
+    );
 }
 
 /// The two modes keep different keys: a store refuses a key prefix the

@@ -14,8 +14,10 @@ use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
+use callguard::store::cached::CachedStore;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
+use callguard::store::AnyStore;
 use common::kafka::{by_call_id, produce_raw, read_decisions, read_topic, signal, spawn_consumer};
 use common::{RedisServer, Tansu};
 use rand::{Rng, SeedableRng};
@@ -115,12 +117,28 @@ struct Running {
 }
 
 async fn start_in_process(config: ConsumeConfig, redis_url: &str, rules: RuleSet) -> Running {
-    let store = RedisStore::connect(RedisConfig {
+    start_in_process_with(config, redis_url, rules, false).await
+}
+
+/// [`start_in_process`] with the window script (`cached = false`) or the
+/// cached store.
+async fn start_in_process_with(
+    config: ConsumeConfig,
+    redis_url: &str,
+    rules: RuleSet,
+    cached: bool,
+) -> Running {
+    let redis_config = RedisConfig {
         urls: vec![redis_url.to_string()],
         ..RedisConfig::default()
-    })
-    .await
-    .unwrap();
+    };
+    let store = if cached {
+        AnyStore::Cached(Box::new(
+            CachedStore::connect(redis_config, 1_000_000).await.unwrap(),
+        ))
+    } else {
+        AnyStore::Redis(Box::new(RedisStore::connect(redis_config).await.unwrap()))
+    };
     let (stop, mut rx) = watch::channel(false);
     let (_rules_tx, rules_rx) = watch::channel(rules);
     let metrics = Arc::new(Metrics::new());
@@ -312,9 +330,54 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
     assert_features_topic(&s, &brokers, Duration::from_secs(300)).await;
 }
 
+/// `--redis-mode cached` on a real broker: the same records as the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_cached_mode_decisions_equal_replay() {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    for t in TOPICS {
+        tansu.create_topic(t, 4);
+    }
+    let brokers = tansu.bootstrap();
+    let s = sample(30_000, 15).await;
+    callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
+    let run = start_in_process_with(
+        config(&brokers, "g-tansu-cached"),
+        &redis.url(),
+        s.rules.clone(),
+        true,
+    )
+    .await;
+    let records =
+        read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
+    run.stop().await;
+    assert_parity(&s, &records);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_at_random_points_still_one_decision_per_call() {
-    sigkill_rounds(&rules_path(), 13, "g-crash").await;
+    sigkill_rounds(&rules_path(), 13, "g-crash", &[]).await;
+}
+
+/// The cached store after SIGKILLs: each new process reads the callers'
+/// state and records back from Redis, so every call still has one record,
+/// equal to the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_mode_sigkill_at_random_points_still_one_decision_per_call() {
+    sigkill_rounds(
+        &rules_path(),
+        14,
+        "g-crash-cached",
+        &["--redis-mode", "cached"],
+    )
+    .await;
 }
 
 /// Defect 13 of the reliability issue: a day of calls consumed at full
@@ -325,13 +388,19 @@ async fn sigkill_at_random_points_still_one_decision_per_call() {
 /// whenever a partition's uncommitted events span a quarter of the horizon.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catch_up_crashes_with_the_default_horizon_decide_each_call_once() {
-    sigkill_rounds(std::path::Path::new("data/rules.toml"), 21, "g-catchup").await;
+    sigkill_rounds(
+        std::path::Path::new("data/rules.toml"),
+        21,
+        "g-catchup",
+        &[],
+    )
+    .await;
 }
 
 /// Consumes a 30,000-call day with four SIGKILLs at random points, then a
 /// clean run; every call must have exactly one distinct record, equal to the
 /// replay.
-async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
+async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &[&str]) {
     // On the mock cluster (hosted by this test process, reached over TCP by the
     // consumer processes): it expires killed group members after the session
     // timeout, which tansu 0.6 does not do for members killed mid-join.
@@ -357,7 +426,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
         // into the work.
         let port = common::free_port();
         let addr = format!("127.0.0.1:{port}");
-        let extra = [
+        let mut extra = vec![
             "-X",
             "session.timeout.ms=6000",
             "--batch-size",
@@ -365,6 +434,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
             "--metrics-addr",
             &addr,
         ];
+        extra.extend_from_slice(mode);
         let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
         let deadline = Instant::now() + Duration::from_secs(60);
         while !common::http_get(port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
@@ -378,7 +448,8 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
         let _ = child.wait();
         eprintln!("round {round}: killed {wait} ms after it was ready");
     }
-    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+    let mut extra = vec!["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+    extra.extend_from_slice(mode);
     let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
     let records =
         read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
@@ -395,7 +466,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str) {
 
 /// `instances` consumers in one group on a 6-partition topic; the second is
 /// stopped (SIGTERM) midway; no call may be lost or decided twice differently.
-async fn group_with_one_stopped_midway(instances: usize, seed: u64) {
+async fn group_with_one_stopped_midway(instances: usize, seed: u64, mode: &[&str]) {
     // On the mock cluster: tansu 0.6 hands out overlapping assignments while
     // members join and leave (see the closing notes of the consumer issue).
     let redis = RedisServer::start(&[]);
@@ -414,8 +485,9 @@ async fn group_with_one_stopped_midway(instances: usize, seed: u64) {
     )
     .await
     .unwrap();
-    let extra = ["-X", "session.timeout.ms=6000", "--batch-size", "100"];
-    let group = format!("g-group-{instances}");
+    let mut extra = vec!["-X", "session.timeout.ms=6000", "--batch-size", "100"];
+    extra.extend_from_slice(mode);
+    let group = format!("g-group-{instances}-{}", mode.len());
     let mut children: Vec<_> = (0..instances)
         .map(|_| spawn_consumer(&brokers, &redis.url(), &group, &rules_path(), &extra))
         .collect();
@@ -437,12 +509,20 @@ async fn group_with_one_stopped_midway(instances: usize, seed: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_one_stopped_midway_lose_nothing() {
-    group_with_one_stopped_midway(2, 16).await;
+    group_with_one_stopped_midway(2, 16, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_instances_one_stopped_midway_lose_nothing() {
-    group_with_one_stopped_midway(3, 14).await;
+    group_with_one_stopped_midway(3, 14, &[]).await;
+}
+
+/// A rebalance with the cached store: while partitions move, two
+/// instances may decide the same callers; version-checked writes make the
+/// later one re-read, so no call is lost or decided twice differently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_mode_three_instances_one_stopped_midway_lose_nothing() {
+    group_with_one_stopped_midway(3, 17, &["--redis-mode", "cached"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

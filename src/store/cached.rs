@@ -27,6 +27,7 @@
 use std::collections::HashMap;
 
 use compact_str::CompactString;
+use futures::StreamExt;
 use redis::cluster_routing::Slot;
 use redis::Value;
 
@@ -81,6 +82,10 @@ struct Write {
     dels: Vec<String>,
     block: Option<(CompactString, i64)>,
 }
+
+/// A commit's outcome: the index of its first write in the round, its
+/// writes, and per refused write its index and the caller's current hash.
+type Committed = (usize, Vec<Write>, Vec<(usize, Vec<Value>)>);
 
 /// Why an attempt at a batch failed.
 enum Failed {
@@ -250,13 +255,14 @@ impl CachedStore {
     }
 
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
-    /// concurrently) and returns, per write that was refused, its index and
-    /// the caller's current hash.
+    /// concurrently) and returns `base`, the writes and, per write that was
+    /// refused, its index and the caller's current hash.
     async fn commit(
         &self,
         ttl_ms: u64,
-        writes: &[Write],
-    ) -> Result<Vec<(usize, Vec<Value>)>, redis::RedisError> {
+        writes: Vec<Write>,
+        base: usize,
+    ) -> Result<Committed, redis::RedisError> {
         let groups: Vec<Vec<usize>> = match self.conn {
             Conn::Single(_) => vec![(0..writes.len()).collect()],
             Conn::Cluster(_) => {
@@ -301,7 +307,7 @@ impl CachedStore {
         for outcome in futures::future::join_all(calls).await {
             refused.extend(outcome?);
         }
-        Ok(refused)
+        Ok((base, writes, refused))
     }
 
     /// One attempt at a batch. The callers it touches are out of the cache
@@ -336,28 +342,46 @@ impl CachedStore {
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         for _ in 0..MAX_ROUNDS {
-            let writes: Vec<Write> = todo
-                .iter()
-                .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts))
-                .collect();
-            let refused = self.commit(ttl_ms, &writes).await.map_err(|e| {
-                if is_noscript(&e) {
-                    Failed::NoScript
-                } else {
-                    Failed::Store(classify(e))
+            // Each group of callers is sent as soon as it is decided, so
+            // Redis runs one group's commit while the next is decided.
+            let mut inflight = futures::stream::FuturesOrdered::new();
+            let mut outcomes = Vec::new();
+            for (g, group) in todo.chunks(CALLERS_PER_CALL).enumerate() {
+                let writes: Vec<Write> = group
+                    .iter()
+                    .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts))
+                    .collect();
+                inflight.push_back(self.commit(ttl_ms, writes, g * CALLERS_PER_CALL));
+                // Start sending it (and let the connection's task write it).
+                if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
+                    outcomes.push(out);
                 }
-            })?;
-            let mut refused_set = vec![false; writes.len()];
-            let mut next = Vec::new();
-            for (w, hash) in refused {
-                refused_set[w] = true;
-                let p = &mut pending[todo[w]];
-                p.cached = load(p.caller, hash)?;
-                next.push(todo[w]);
+                tokio::task::yield_now().await;
             }
-            for (w, write) in writes.iter().enumerate() {
-                if !refused_set[w] {
-                    pending[todo[w]].cached.version = Some(write.version);
+            while let Some(out) = inflight.next().await {
+                outcomes.push(out);
+            }
+            drop(inflight);
+            let mut next = Vec::new();
+            for out in outcomes {
+                let (base, writes, refused) = out.map_err(|e| {
+                    if is_noscript(&e) {
+                        Failed::NoScript
+                    } else {
+                        Failed::Store(classify(e))
+                    }
+                })?;
+                let mut refused_set = vec![false; writes.len()];
+                for (w, hash) in refused {
+                    refused_set[w] = true;
+                    let p = &mut pending[todo[base + w]];
+                    p.cached = load(p.caller, hash)?;
+                    next.push(todo[base + w]);
+                }
+                for (w, write) in writes.iter().enumerate() {
+                    if !refused_set[w] {
+                        pending[todo[base + w]].cached.version = Some(write.version);
+                    }
                 }
             }
             self.conflicts += next.len() as u64;
