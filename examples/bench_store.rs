@@ -1,6 +1,6 @@
 //! Benchmark of the Redis window store against a local redis-server.
 //!
-//! Run: `cargo run --release --example bench_store [-- EVENTS]`
+//! Run: `cargo run --release --example bench_store [-- EVENTS [flood]]`
 //!
 //! It starts its own redis-server on a free loopback port and reports:
 //! 1. Redis memory per active caller for each rule kind at 20 calls per
@@ -15,7 +15,10 @@
 //!    one-key sliding-window script (ZREMRANGEBYSCORE, ZCARD, ZADD,
 //!    PEXPIRE) through `redis-benchmark` (pipeline 256, 8 clients, 100,000
 //!    keys): the median of 3 alternating rounds, the ratios, and Redis CPU
-//!    microseconds per event (`INFO cpu` deltas). Issue #13's yardstick.
+//!    microseconds per event (`INFO cpu` deltas). Issue #13's yardstick;
+//! 4. one caller flooding at 1,000 calls/s of event time: events/s of each
+//!    mode, per stretch of the flood, as the caller's state grows
+//!    (`bench_store EVENTS flood` runs only this section).
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -108,6 +111,12 @@ async fn main() {
         std::thread::sleep(Duration::from_millis(20));
     };
 
+    if std::env::args().nth(2).as_deref() == Some("flood") {
+        flood(&mut con, &url).await;
+        let _ = server.kill();
+        let _ = server.wait();
+        return;
+    }
     println!("## Redis memory per active caller (20 calls per window, 2,000 callers)\n");
     println!("| rule | script, idempotency on | script, off | cached, on | cached, off |");
     println!("|---|---|---|---|---|");
@@ -235,6 +244,7 @@ async fn main() {
     println!("\nratio callguard / redis-benchmark: {:.2}", ours / peer);
 
     ceiling_comparison(&mut con, &url, port, total).await;
+    flood(&mut con, &url).await;
     let _ = server.kill();
     let _ = server.wait();
 }
@@ -361,5 +371,40 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
             r.0 / seeds.0,
             r.1
         );
+    }
+}
+
+/// Section 4: one caller flooding (1,000 calls/s of event time, every call
+/// recorded under `attempts`), `data/rules.toml`: events/s of each mode as
+/// its window state grows over the flood, by stretch of the flood.
+async fn flood(con: &mut redis::Connection, url: &str) {
+    let rules = RuleSet::from_toml(include_str!("../data/rules.toml")).expect("rules");
+    let stretches = 4;
+    let per = 50_000;
+    println!("\n## One caller flooding at 1,000 calls/s (event time), data/rules.toml, batches of {PIPELINE}\n");
+    print!("| mode |");
+    for k in 0..stretches {
+        print!(" calls {}-{}k |", k * per / 1000, (k + 1) * per / 1000);
+    }
+    println!("\n|---|{}", "---|".repeat(stretches));
+    for cached in [false, true] {
+        let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
+        let config = RedisConfig {
+            urls: vec![url.to_string()],
+            ..RedisConfig::default()
+        };
+        let mut store = connect(config, cached).await;
+        print!("| {} |", if cached { "cached" } else { "script" });
+        for k in 0..stretches {
+            let events: Vec<CallEvent> = (k * per..(k + 1) * per)
+                .map(|i| event(7, i, T0 + i as i64))
+                .collect();
+            let start = Instant::now();
+            for chunk in events.chunks(PIPELINE) {
+                store.apply_batch(&rules, chunk).await.expect("apply");
+            }
+            print!(" {:.0}/s |", per as f64 / start.elapsed().as_secs_f64());
+        }
+        println!();
     }
 }

@@ -20,11 +20,12 @@
 --   <prefix>block:{<caller>}  the block key, as with the window script
 --
 -- KEYS, per caller i: the state hash, then the block key (same hash tag).
--- ARGV[1]: TTL of a state hash (ms): the idempotency horizon (or the
---   retention when records are not kept) plus the slack.
--- then per caller i, in KEYS order:
+-- ARGV, per caller i, in KEYS order:
 --   expected version ('' when callguard believes the key absent),
---   new version, packed state, s = number of records to set,
+--   TTL to set on the hash (ms; '' to keep its TTL, which callguard sends
+--   only while the TTL it set last still covers the needed span: the
+--   idempotency horizon, or the retention when records are not kept, plus
+--   the slack), new version, packed state, s = number of records to set,
 --   d = number of records to delete, block reason ('' for none),
 --   block TTL (ms), then s pairs (field, value), then d fields.
 -- Returns: a flat array, per caller that was not written: its index
@@ -43,15 +44,14 @@ local function chunked(cmd, key, first, last)
   end
 end
 
-local ttl = ARGV[1]
-local a = 2
+local a = 1
 local out = {}
 for i = 1, #KEYS / 2 do
   local key, bkey = KEYS[2 * i - 1], KEYS[2 * i]
-  local expected, new, packed = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local s, d = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  local reason, bttl = ARGV[a + 5], ARGV[a + 6]
-  local sets = a + 7
+  local expected, ttl, new, packed = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
+  local s, d = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local reason, bttl = ARGV[a + 6], ARGV[a + 7]
+  local sets = a + 8
   local dels = sets + 2 * s
   a = dels + d
   local v = call('HGET', key, 'v')
@@ -66,7 +66,7 @@ for i = 1, #KEYS / 2 do
       if s > 0 then chunked('HSET', key, sets, dels - 1) end
     end
     if d > 0 then chunked('HDEL', key, dels, a - 1) end
-    call('PEXPIRE', key, ttl)
+    if ttl ~= '' then call('PEXPIRE', key, ttl) end
     if reason ~= '' then call('SET', bkey, reason, 'PX', bttl) end
   end
 end

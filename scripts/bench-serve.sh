@@ -7,6 +7,7 @@
 #   * checks at 5,000/s (target: p99 under 2 ms), with the ratio to the floor;
 #   * a ramp of rates, and the highest whose p99 stays under 10 ms.
 # Client, server and Redis share the machine's cores, as on an SBC host.
+# Runs once per --redis-mode in MODES (default "script cached").
 #
 #   scripts/bench-serve.sh [SECONDS per step, default 15]
 set -euo pipefail
@@ -19,15 +20,22 @@ load="$CARGO_TARGET_DIR/release/examples/bench_serve"
 
 source scripts/loopback.sh
 start_redis
+# bench_mode MODE: a fresh Redis and serve in MODE, then the steps.
+bench_mode() {
+local mode="$1" best rate line p errors floor at5k
+redis-cli -p "$rport" flushall >/dev/null
+redis-cli -p "$rport" config resetstat >/dev/null
+redis-cli -p "$rport" latency reset >/dev/null
 hport="$(free_port)"
 # Record Redis's own stalls of 1 ms or more (printed at the end).
 redis-cli -p "$rport" config set latency-monitor-threshold 1 >/dev/null
 "$bin" serve --listen "127.0.0.1:$hport" --redis-url "redis://127.0.0.1:$rport" \
-  --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve.log" &
-track $!
+  --redis-mode "$mode" --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve-$mode.log" &
+spid=$!
+track $spid
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$hport/readyz" >/dev/null && break; sleep 0.1; done
 
-echo "== redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"
+echo "== --redis-mode $mode: redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"
 "$load" "$hport" 5000 "$secs" 64 20000 >/dev/null   # warm-up: callers and keys created, steady state
 floor="$("$load" "$hport" 5000 "$secs" 64 20000 healthz)"
 echo "healthz 5000/s: $floor"
@@ -46,5 +54,10 @@ for rate in 6000 7000 8000 9000 10000 12000 15000 20000; do
 done
 echo "highest sustained rate with p99 < 10 ms: $best checks/s"
 echo "redis: $(redis-cli -p "$rport" info commandstats | grep -E '^cmdstat_evalsha' || true)"
+echo "redis: $(redis-cli -p "$rport" info cpu | grep -E '^used_cpu_(user|sys):' | tr -d '\r' | tr '\n' ' ')"
 echo "redis stalls of 1 ms or more (event, last unix time, last ms, max ms):"
 redis-cli -p "$rport" latency latest | paste -d' ' - - - -
+kill "$spid" 2>/dev/null || true
+wait "$spid" 2>/dev/null || true
+}
+for mode in ${MODES:-script cached}; do bench_mode "$mode"; done

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::record::Verdict;
+use crate::store::WindowStore;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
@@ -65,6 +66,10 @@ pub struct Metrics {
     pub store_latency: Histogram,
     /// Store errors by kind (`transient`, `fatal`).
     pub store_errors: Family<KindLabel, Counter>,
+    /// Cached store: writes refused because another writer had changed the
+    /// caller since it was read (each was decided again on the current
+    /// state). A steady rise means two instances decide the same callers.
+    pub store_conflicts: Counter,
     /// Events per batch.
     pub batch_size: Histogram,
     /// Batches produced but not yet acknowledged by the broker.
@@ -98,6 +103,7 @@ impl Metrics {
         let degraded = Counter::default();
         let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
         let store_errors = Family::<KindLabel, Counter>::default();
+        let store_conflicts = Counter::default();
         let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
         let in_flight = Gauge::default();
         let lag = Family::<PartitionLabels, Gauge>::default();
@@ -128,6 +134,11 @@ impl Metrics {
             store_latency.clone(),
         );
         registry.register("store_errors", "Window store errors", store_errors.clone());
+        registry.register(
+            "store_conflicts",
+            "Cached store writes refused because another writer had changed the caller (decided again)",
+            store_conflicts.clone(),
+        );
         registry.register("batch_size", "Events per batch", batch_size.clone());
         registry.register(
             "in_flight_batches",
@@ -156,12 +167,22 @@ impl Metrics {
             degraded,
             store_latency,
             store_errors,
+            store_conflicts,
             batch_size,
             in_flight,
             lag,
             rebalances,
             rule_reloads,
             publish_failures,
+        }
+    }
+
+    /// Adds the conflicts a store met since `before` (its
+    /// [`WindowStore::conflicts`] count then).
+    pub fn count_conflicts<S: WindowStore>(&self, store: &S, before: u64) {
+        let n = store.conflicts().saturating_sub(before);
+        if n > 0 {
+            self.store_conflicts.inc_by(n);
         }
     }
 

@@ -321,8 +321,10 @@ async fn batcher<S: WindowStore>(
             jobs.drain(..).map(|j| (j.event, j.reply)).unzip();
         metrics.batch_size.observe(events.len() as f64);
         let start = Instant::now();
+        let conflicts = store.conflicts();
         let result = store.apply_batch(&current, &events).await;
         metrics.store_latency.observe(start.elapsed().as_secs_f64());
+        metrics.count_conflicts(&store, conflicts);
         let verdicts = match result {
             Ok(v) => {
                 health.store_ok.store(true, Ordering::Relaxed);

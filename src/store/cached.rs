@@ -52,6 +52,13 @@ const CALLERS_PER_CALL: usize = 64;
 /// keeps changing under it (another writer deciding the same caller).
 const MAX_ROUNDS: usize = 8;
 
+/// A hash's TTL is set to the needed span (the idempotency horizon plus
+/// slack) plus a sixteenth of it, and refreshed only once that sixteenth
+/// has passed: a busy caller's writes skip the `PEXPIRE`, and the key still
+/// outlives the needed span after every write. (Wall-clock time, read here
+/// for garbage collection only; decisions run on event time.)
+const TTL_MARGIN_DIVISOR: u64 = 16;
+
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
 
@@ -61,6 +68,10 @@ pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
 struct Cached {
     state: CallerState,
     version: Option<u64>,
+    /// Until when the TTL this store last set on the caller's hash still
+    /// covers a full TTL from now (see [`TTL_MARGIN_DIVISOR`]); `None`:
+    /// unknown, so the next write sets it.
+    ttl_fresh_until: Option<std::time::Instant>,
 }
 
 /// One caller's part of a batch while it is being decided.
@@ -77,6 +88,8 @@ struct Write {
     block_key: String,
     expected: Option<u64>,
     version: u64,
+    /// The TTL to set (ms), or `None` to leave the key's.
+    ttl_ms: Option<u64>,
     packed: Vec<u8>,
     sets: Vec<(String, String)>,
     dels: Vec<String>,
@@ -180,6 +193,7 @@ impl CachedStore {
         events: &[CallEvent],
         p: &mut Pending<'_>,
         verdicts: &mut [Option<Verdict>],
+        ttl: (u64, std::time::Instant),
     ) -> Write {
         let idem = self.config.idempotency;
         let mut dropped = Vec::new();
@@ -216,6 +230,10 @@ impl CachedStore {
             block_key: self.block_key(p.caller),
             expected: p.cached.version,
             version: rand::random::<u64>() | 1,
+            ttl_ms: match p.cached.ttl_fresh_until {
+                Some(until) if p.cached.version.is_some() && ttl.1 < until => None,
+                _ => Some(ttl.0),
+            },
             packed,
             sets,
             dels,
@@ -224,16 +242,19 @@ impl CachedStore {
     }
 
     /// The commit call for `writes`.
-    fn invocation(&self, ttl_ms: u64, writes: &[&Write]) -> redis::Cmd {
+    fn invocation(&self, writes: &[&Write]) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&self.sha).arg(writes.len() * 2);
         for w in writes {
             cmd.arg(&w.key).arg(&w.block_key);
         }
-        cmd.arg(ttl_ms);
         for w in writes {
             match w.expected {
                 Some(v) => cmd.arg(v),
+                None => cmd.arg(""),
+            };
+            match w.ttl_ms {
+                Some(ms) => cmd.arg(ms),
                 None => cmd.arg(""),
             };
             cmd.arg(w.version)
@@ -259,7 +280,6 @@ impl CachedStore {
     /// refused, its index and the caller's current hash.
     async fn commit(
         &self,
-        ttl_ms: u64,
         writes: Vec<Write>,
         base: usize,
     ) -> Result<Committed, redis::RedisError> {
@@ -278,7 +298,7 @@ impl CachedStore {
             let mut pipe = redis::pipe();
             for chunk in group.chunks(CALLERS_PER_CALL) {
                 let ws: Vec<&Write> = chunk.iter().map(|&i| &writes[i]).collect();
-                pipe.add_command(self.invocation(ttl_ms, &ws));
+                pipe.add_command(self.invocation(&ws));
             }
             let mut conn = self.conn.clone();
             async move {
@@ -332,13 +352,15 @@ impl CachedStore {
             });
             pending[at].events.push(i);
         }
-        let ttl_ms = if self.config.idempotency {
+        let needed_ms = if self.config.idempotency {
             rules.dedup_ms()
         } else {
             rules.retention_ms()
         }
         .max(1) as u64
             + self.config.ttl_slack.as_millis() as u64;
+        let margin = std::time::Duration::from_millis(needed_ms / TTL_MARGIN_DIVISOR);
+        let ttl = (needed_ms + margin.as_millis() as u64, std::time::Instant::now());
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         for _ in 0..MAX_ROUNDS {
@@ -349,9 +371,9 @@ impl CachedStore {
             for (g, group) in todo.chunks(CALLERS_PER_CALL).enumerate() {
                 let writes: Vec<Write> = group
                     .iter()
-                    .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts))
+                    .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts, ttl))
                     .collect();
-                inflight.push_back(self.commit(ttl_ms, writes, g * CALLERS_PER_CALL));
+                inflight.push_back(self.commit(writes, g * CALLERS_PER_CALL));
                 // Start sending it (and let the connection's task write it).
                 if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
                     outcomes.push(out);
@@ -380,7 +402,11 @@ impl CachedStore {
                 }
                 for (w, write) in writes.iter().enumerate() {
                     if !refused_set[w] {
-                        pending[todo[base + w]].cached.version = Some(write.version);
+                        let cached = &mut pending[todo[base + w]].cached;
+                        cached.version = Some(write.version);
+                        if write.ttl_ms.is_some() {
+                            cached.ttl_fresh_until = Some(ttl.1 + margin);
+                        }
                     }
                 }
             }
@@ -484,10 +510,18 @@ fn load(caller: &str, hash: Vec<Value>) -> Result<Cached, StoreError> {
         let verdict = Verdict::from_stored(rec, id, caller, false).ok_or_else(|| bad(rec))?;
         state.restore_record(id, verdict);
     }
-    Ok(Cached { state, version })
+    Ok(Cached {
+        state,
+        version,
+        ttl_fresh_until: None,
+    })
 }
 
 impl WindowStore for CachedStore {
+    fn conflicts(&self) -> u64 {
+        self.conflicts
+    }
+
     async fn apply_batch(
         &mut self,
         rules: &RuleSet,

@@ -55,6 +55,12 @@ pub trait WindowStore: Send {
     fn replay_batch(&self) -> usize {
         512
     }
+
+    /// Writes refused so far because another writer had changed a caller
+    /// (the cached store; 0 for the others).
+    fn conflicts(&self) -> u64 {
+        0
+    }
 }
 
 /// The store chosen at run time.
@@ -104,6 +110,13 @@ impl WindowStore for AnyStore {
             AnyStore::Sharded(s) => s.replay_batch(),
             AnyStore::Redis(s) => s.replay_batch(),
             AnyStore::Cached(s) => s.replay_batch(),
+        }
+    }
+
+    fn conflicts(&self) -> u64 {
+        match self {
+            AnyStore::Cached(s) => s.conflicts(),
+            _ => 0,
         }
     }
 }

@@ -32,8 +32,10 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
     let mut backoff = Duration::from_millis(50);
     loop {
         let start = Instant::now();
+        let conflicts = store.conflicts();
         let result = store.apply_batch(rules, events).await;
         metrics.store_latency.observe(start.elapsed().as_secs_f64());
+        metrics.count_conflicts(store, conflicts);
         let err = match result {
             Ok(v) => {
                 health.store_ok.store(true, Ordering::Relaxed);

@@ -213,17 +213,21 @@ impl Encoder {
             };
             let row = Row { event, verdict };
             let key = event.caller.as_bytes();
+            let mut decision = Vec::with_capacity(256);
+            schemas.decisions.write_json(row, &mut decision);
+            let mut features = Vec::with_capacity(384);
+            schemas.features.write_json(row, &mut features);
             out.push(OutRecord {
                 topic: config.decisions_topic.clone(),
                 key: key.to_vec(),
-                payload: schemas.decisions.to_json(row).to_string().into_bytes(),
+                payload: decision,
                 headers: None,
                 dead_letter: false,
             });
             out.push(OutRecord {
                 topic: config.features_topic.clone(),
                 key: key.to_vec(),
-                payload: schemas.features.to_json(row).to_string().into_bytes(),
+                payload: features,
                 headers: None,
                 dead_letter: false,
             });

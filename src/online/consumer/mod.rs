@@ -449,29 +449,41 @@ async fn next_batch<F: Future<Output = ()>>(
     };
     let mut batch = held;
     clients.shared.drop_revoked(&mut batch);
-    let mut deadline: Option<tokio::time::Instant> =
-        (!batch.is_empty()).then(|| tokio::time::Instant::now() + config.batch_linger);
+    let mut lingering = !batch.is_empty();
+    // One timer per batch, not one per message: the linger deadline once
+    // a message is in, the idle settle interval before.
+    let timer = tokio::time::sleep(if lingering {
+        config.batch_linger
+    } else {
+        IDLE_SETTLE
+    });
+    tokio::pin!(timer);
     while batch.len() < limit {
-        let wait_until = deadline.unwrap_or_else(|| tokio::time::Instant::now() + IDLE_SETTLE);
         tokio::select! {
             biased;
             _ = shutdown.as_mut() => return Ok(None),
-            m = tokio::time::timeout_at(wait_until, clients.consumer.recv()) => match m {
-                Err(_) if deadline.is_some() => break,
-                Err(_) => {
-                    clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
-                }
-                Ok(Ok(m)) => {
+            m = clients.consumer.recv() => match m {
+                Ok(m) => {
                     // What was read from partitions revoked meanwhile is read again
                     // by their new owner; this message comes from the current assignment.
                     clients.shared.drop_revoked(&mut batch);
                     batch.push(m.detach());
-                    deadline.get_or_insert_with(|| tokio::time::Instant::now() + config.batch_linger);
+                    if !lingering {
+                        lingering = true;
+                        timer.as_mut().reset(tokio::time::Instant::now() + config.batch_linger);
+                    }
                 }
-                Ok(Err(e)) => {
+                Err(e) => {
                     warn!(error = %e, "consumer error");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+            },
+            _ = timer.as_mut() => {
+                if lingering {
+                    break;
+                }
+                clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
+                timer.as_mut().reset(tokio::time::Instant::now() + IDLE_SETTLE);
             }
         }
     }
