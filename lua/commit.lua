@@ -17,19 +17,28 @@
 --     r:<id>     the record of call <id> (idempotency), in the window
 --                script's reply form (src/engine/record.rs REPLY_FIELDS);
 --                deleted when trimmed past the idempotency horizon
+--   <prefix>{<caller>}:l  the sliding log, when kept apart from s (a
+--                flooding caller's): its times as 8-byte little-endian
+--                integers, appended to; the first ones may be trimmed
+--                already (s says how many)
 --   <prefix>block:{<caller>}  the block key, as with the window script
 --
--- KEYS, per caller i: the state hash, then the block key (same hash tag).
+-- KEYS, per caller i: the state hash, the block key, the log (same hash
+--   tag).
 -- ARGV, per caller i, in KEYS order:
 --   expected version ('' when callguard believes the key absent),
 --   TTL to set on the hash (ms; '' to keep its TTL, which callguard sends
 --   only while the TTL it set last still covers the needed span: the
 --   idempotency horizon, or the retention when records are not kept, plus
---   the slack), new version, packed state, s = number of records to set,
+--   the slack), new version, packed state,
+--   log operation ('' log in s, no string; K keep the string; A append
+--   the bytes; S set the string to the bytes; D delete the string), bytes,
+--   s = number of records to set,
 --   d = number of records to delete, block reason ('' for none),
 --   block TTL (ms), then s pairs (field, value), then d fields.
 -- Returns: a flat array, per caller that was not written: its index
---   (0-based, in KEYS order) and its hash as HGETALL returns it.
+--   (0-based, in KEYS order), its hash as HGETALL returns it and its log
+--   string (nil when none).
 -- Needs Redis >= 7.0 (#!lua: refused up front when out of memory, so a
 -- call applies all of its writes or none).
 
@@ -46,18 +55,20 @@ end
 
 local a = 1
 local out = {}
-for i = 1, #KEYS / 2 do
-  local key, bkey = KEYS[2 * i - 1], KEYS[2 * i]
+for i = 1, #KEYS / 3 do
+  local key, bkey, lkey = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local expected, ttl, new, packed = ARGV[a], ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-  local s, d = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-  local reason, bttl = ARGV[a + 6], ARGV[a + 7]
-  local sets = a + 8
+  local lop, lbytes = ARGV[a + 4], ARGV[a + 5]
+  local s, d = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+  local reason, bttl = ARGV[a + 8], ARGV[a + 9]
+  local sets = a + 10
   local dels = sets + 2 * s
   a = dels + d
   local v = call('HGET', key, 'v')
   if (v or '') ~= expected then
     out[#out + 1] = i - 1
     out[#out + 1] = call('HGETALL', key)
+    out[#out + 1] = call('GET', lkey)
   else
     if s > 0 and 2 * s <= CHUNK then
       call('HSET', key, 'v', new, 's', packed, unpack(ARGV, sets, dels - 1))
@@ -66,7 +77,17 @@ for i = 1, #KEYS / 2 do
       if s > 0 then chunked('HSET', key, sets, dels - 1) end
     end
     if d > 0 then chunked('HDEL', key, dels, a - 1) end
-    if ttl ~= '' then call('PEXPIRE', key, ttl) end
+    if lop == 'A' then
+      call('APPEND', lkey, lbytes)
+    elseif lop == 'S' then
+      call('SET', lkey, lbytes)
+    elseif lop == 'D' then
+      call('DEL', lkey)
+    end
+    if ttl ~= '' then
+      call('PEXPIRE', key, ttl)
+      if lop == 'K' or lop == 'A' or lop == 'S' then call('PEXPIRE', lkey, ttl) end
+    end
     if reason ~= '' then call('SET', bkey, reason, 'PX', bttl) end
   end
 end

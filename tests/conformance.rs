@@ -41,13 +41,19 @@ enum Mode {
 
 const MODES: [Mode; 2] = [Mode::Script, Mode::Cached];
 
-/// A Redis store in `mode` (a small cache, so the cached store also
-/// evicts and re-reads callers).
+/// A Redis store in `mode` (the cached store with a small cache, so it
+/// also evicts and re-reads callers, and keeps logs of more than 6 times
+/// apart, so they move out, grow, get trimmed, compacted and move back in).
 async fn open(mode: Mode, urls: Vec<String>, prefix: &str) -> AnyStore {
     let c = config(urls, prefix);
     match mode {
         Mode::Script => AnyStore::Redis(Box::new(RedisStore::connect(c).await.unwrap())),
-        Mode::Cached => AnyStore::Cached(Box::new(CachedStore::connect(c, 4).await.unwrap())),
+        Mode::Cached => AnyStore::Cached(Box::new(
+            CachedStore::connect(c, 4)
+                .await
+                .unwrap()
+                .with_log_apart_above(6),
+        )),
     }
 }
 
@@ -528,10 +534,12 @@ async fn cached_writers_of_the_same_callers_match_memory() {
         let prefix = format!("two{seed}:");
         let mut a = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
-            .unwrap();
+            .unwrap()
+            .with_log_apart_above(3);
         let mut b = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
-            .unwrap();
+            .unwrap()
+            .with_log_apart_above(3);
         let mut got = Vec::new();
         for (i, batch) in random_batches(&events, seed).into_iter().enumerate() {
             let store = if i % 2 == 0 { &mut a } else { &mut b };
@@ -557,6 +565,7 @@ async fn cached_writers_of_the_same_callers_match_memory() {
 async fn cached_store_restarts_from_what_redis_holds() {
     let server = RedisServer::start(&[]);
     let mut redelivered = 0;
+    let mut logs_apart = 0;
     for seed in 0..16u64 {
         let (rules, mut events) = random::case(seed, 600, 6);
         let cut = events.len() * 2 / 3;
@@ -567,12 +576,23 @@ async fn cached_store_restarts_from_what_redis_holds() {
         let prefix = format!("restart{seed}:");
         let mut first = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
-            .unwrap();
+            .unwrap()
+            .with_log_apart_above(3);
         let mut got = first.apply_batch(&rules, &events[..cut]).await.unwrap();
         drop(first);
+        let mut con = redis::Client::open(server.url())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let logs: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*:l"))
+            .query(&mut con)
+            .unwrap();
+        logs_apart += logs.len();
         let mut second = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
-            .unwrap();
+            .unwrap()
+            .with_log_apart_above(3);
         for batch in events[cut..].chunks(50) {
             got.extend(second.apply_batch(&rules, batch).await.unwrap());
         }
@@ -585,11 +605,15 @@ async fn cached_store_restarts_from_what_redis_holds() {
         redelivered > 200,
         "records were not read back: {redelivered} duplicates"
     );
+    assert!(
+        logs_apart > 5,
+        "logs kept apart were not read back: {logs_apart}"
+    );
 }
 
-/// The cached store keeps one hash per caller (plus block keys), every key
-/// with a TTL, all expiring once the horizons pass; a flushed script is
-/// loaded again.
+/// The cached store keeps one hash per caller (plus block keys and logs
+/// kept apart), every key with a TTL, all expiring once the horizons pass;
+/// a flushed script is loaded again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
     let server = RedisServer::start(&[]);
@@ -606,7 +630,8 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
     .unwrap();
     let mut store = CachedStore::connect(config(vec![server.url()], "cttl:"), 1_000)
         .await
-        .unwrap();
+        .unwrap()
+        .with_log_apart_above(3);
     let events: Vec<CallEvent> = (0..2_000i64)
         .map(|i| {
             ev(
@@ -636,8 +661,14 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
         .iter()
         .filter(|k| k.starts_with("cttl:block:"))
         .count();
+    let logs = names.iter().filter(|k| k.ends_with(":l")).count();
     assert_eq!(states, 97, "one state hash per caller: {names:?}");
-    assert_eq!(states + blocks, names.len(), "unexpected keys: {names:?}");
+    assert!(logs > 0, "no log kept apart: {names:?}");
+    assert_eq!(
+        states + blocks + logs,
+        names.len(),
+        "unexpected keys: {names:?}"
+    );
     for k in &names {
         assert!(k.contains("{+3460000"), "key {k} lacks the caller hash tag");
         let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
@@ -684,4 +715,43 @@ async fn a_prefix_holds_one_mode() {
     CachedStore::connect(config(vec![server.url()], "two:"), 10)
         .await
         .unwrap();
+}
+
+/// A flooding caller's log kept apart grows by appends and is compacted
+/// once mostly trimmed: its string stays within a few windows' worth of
+/// times, and every decision equals memory's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_flood_log_is_appended_and_compacted() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:1s:50".into()]).unwrap();
+    let mut store = CachedStore::connect(config(vec![server.url()], "flood:"), 1_000)
+        .await
+        .unwrap()
+        .with_log_apart_above(16);
+    let events: Vec<CallEvent> = (0..6_000i64)
+        .map(|i| ev("+34911000009", &format!("f{i}"), T0 + i * 10))
+        .collect();
+    let mut con = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let mut got = Vec::new();
+    let mut longest = 0usize;
+    for chunk in events.chunks(37) {
+        got.extend(store.apply_batch(&rules, chunk).await.unwrap());
+        let len: usize = redis::cmd("STRLEN")
+            .arg("flood:{+34911000009}:l")
+            .query(&mut con)
+            .unwrap();
+        longest = longest.max(len);
+    }
+    assert_eq!(got, memory_run(&rules, &events).await);
+    // The retention (1 s + grace) holds `live` times at 10 ms apart; the
+    // string may hold as many trimmed ones again before it is compacted.
+    let live = (rules.retention_ms() / 10 + 1) as usize;
+    assert!(longest > 0, "the log never moved apart");
+    assert!(
+        longest <= 8 * (2 * live + 16 + 37),
+        "the log string grew to {longest} bytes for {live} live times: not compacted"
+    );
 }

@@ -145,6 +145,20 @@ fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut
     &mut slots[at].1
 }
 
+/// What calls changed in a [`CallerState`], for a store that keeps a copy
+/// of it elsewhere and writes back only the changes
+/// ([`CallerState::apply_journaled`]).
+#[derive(Debug, Default)]
+pub struct Journal {
+    /// Call ids whose records were trimmed (past the idempotency horizon).
+    pub dropped_records: Vec<CompactString>,
+    /// Times dropped from the front of the sliding log.
+    pub log_trimmed: usize,
+    /// A time went into the sliding log before its newest one (a call out
+    /// of order): the log changed other than at its ends.
+    pub log_inserted_inside: bool,
+}
+
 /// All window state of one caller.
 #[derive(Debug, Clone, Default)]
 pub struct CallerState {
@@ -296,17 +310,21 @@ impl CallerState {
         self.apply_inner(rules, ev, unique, None)
     }
 
-    /// [`CallerState::apply_unique`], also pushing onto `dropped` the call
-    /// ids whose records this call trimmed (past the idempotency horizon):
-    /// a store that keeps a copy of the records elsewhere deletes them there.
+    /// [`CallerState::apply_unique`], also noting in `journal` what a
+    /// store that keeps a copy of the state elsewhere must change there.
     pub fn apply_journaled(
         &mut self,
         rules: &RuleSet,
         ev: &CallEvent,
         unique: bool,
-        dropped: &mut Vec<CompactString>,
+        journal: &mut Journal,
     ) -> Verdict {
-        self.apply_inner(rules, ev, unique, Some(dropped))
+        self.apply_inner(rules, ev, unique, Some(journal))
+    }
+
+    /// The sliding log's recorded times, oldest first.
+    pub fn log(&self) -> &VecDeque<i64> {
+        &self.log
     }
 
     fn apply_inner(
@@ -314,7 +332,7 @@ impl CallerState {
         rules: &RuleSet,
         ev: &CallEvent,
         unique: bool,
-        dropped: Option<&mut Vec<CompactString>>,
+        mut journal: Option<&mut Journal>,
     ) -> Verdict {
         let t = ev.ts_ms;
         let h = Horizons::new(rules, self.latest, t);
@@ -325,9 +343,12 @@ impl CallerState {
         }
         let prev = self.latest.filter(|&l| l > h.retention);
         if prev.is_none() {
+            if let Some(j) = journal.as_deref_mut() {
+                j.log_trimmed += self.log.len();
+            }
             self.start_afresh();
         }
-        self.trim(rules, &h, dropped);
+        self.trim(rules, &h, journal.as_deref_mut());
         let distinct_callees = rules
             .tracks_callees()
             .then(|| self.distinct_callees(rules, ev));
@@ -337,6 +358,9 @@ impl CallerState {
             .collect();
         let (would, reason) = outcome(rules, rules.judge(ev.number_for_lists(), &counts, None));
         if rules.count == CountPolicy::Attempts || would == Decision::Allow {
+            if let Some(j) = journal {
+                j.log_inserted_inside |= self.log.back().is_some_and(|&b| b > t);
+            }
             self.record(rules, t, h.latest);
         }
         self.latest = Some(h.latest);
@@ -509,15 +533,13 @@ impl CallerState {
         self.callees_by_ts.insert(at, (t, name));
     }
 
-    fn trim(
-        &mut self,
-        rules: &RuleSet,
-        h: &Horizons,
-        mut dropped: Option<&mut Vec<CompactString>>,
-    ) {
+    fn trim(&mut self, rules: &RuleSet, h: &Horizons, mut journal: Option<&mut Journal>) {
         let (horizon, dedup_horizon, l_new) = (h.retention, h.dedup, h.latest);
         let cut = self.log.partition_point(|&x| x <= horizon);
         self.log.drain(..cut);
+        if let Some(j) = journal.as_deref_mut() {
+            j.log_trimmed += cut;
+        }
         for (id, map) in &mut self.fixed {
             let w = id.window_ms;
             map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
@@ -547,12 +569,28 @@ impl CallerState {
                 .is_some_and(|v| v.record.ts_ms <= dedup_horizon)
             {
                 self.seen.remove(&id);
-                if let Some(d) = dropped.as_deref_mut() {
-                    d.push(id);
+                if let Some(j) = journal.as_deref_mut() {
+                    j.dropped_records.push(id);
                 }
             }
         }
     }
+}
+
+/// Where [`CallerState::pack`] put the sliding log.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PackedLog {
+    /// In the packed bytes.
+    #[default]
+    Inline,
+    /// Apart, as `len` fixed-width times of which the first `dead` are
+    /// no longer in the log (trimmed, not yet rewritten).
+    Outside {
+        /// Times at the front that are trimmed.
+        dead: u64,
+        /// Times kept apart in all.
+        len: u64,
+    },
 }
 
 /// Version byte of [`CallerState::pack`]'s format.
@@ -630,7 +668,10 @@ impl CallerState {
     /// times as varint distances from the latest time, callees without
     /// their stale entries. [`CallerState::unpack`] reads it back to a
     /// state that decides every later call exactly as this one.
-    pub fn pack(&self, out: &mut Vec<u8>) {
+    ///
+    /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
+    /// store keeps it apart) and only its place there is written.
+    pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
         out.push(PACK_FORMAT);
         let base = self.latest.unwrap_or(0);
         match self.latest {
@@ -640,18 +681,26 @@ impl CallerState {
             }
             None => out.push(0),
         }
-        put_varint(out, self.log.len() as u64);
-        let mut prev = base;
-        for (i, &e) in self.log.iter().enumerate() {
-            put_signed(
-                out,
-                if i == 0 {
-                    base.wrapping_sub(e)
-                } else {
-                    e.wrapping_sub(prev)
-                },
-            );
-            prev = e;
+        match log {
+            PackedLog::Inline => {
+                out.push(0);
+                put_varint(out, self.log.len() as u64);
+                let mut prev = base;
+                for (i, &e) in self.log.iter().enumerate() {
+                    let d = if i == 0 {
+                        base.wrapping_sub(e)
+                    } else {
+                        e.wrapping_sub(prev)
+                    };
+                    put_signed(out, d);
+                    prev = e;
+                }
+            }
+            PackedLog::Outside { dead, len } => {
+                out.push(1);
+                put_varint(out, dead);
+                put_varint(out, len);
+            }
         }
         put_varint(out, self.fixed.len() as u64);
         for (id, buckets) in &self.fixed {
@@ -684,9 +733,10 @@ impl CallerState {
         }
     }
 
-    /// Reads a state written by [`CallerState::pack`] (without records);
-    /// `None` if the bytes are not one.
-    pub fn unpack(bytes: &[u8]) -> Option<Self> {
+    /// Reads a state written by [`CallerState::pack`] (without records),
+    /// and where its log was; `None` if the bytes are not one. A log kept
+    /// outside comes back empty: see [`CallerState::restore_log`].
+    pub fn unpack(bytes: &[u8]) -> Option<(Self, PackedLog)> {
         let mut r = Unpacker(bytes);
         if r.byte()? != PACK_FORMAT {
             return None;
@@ -701,18 +751,28 @@ impl CallerState {
             latest,
             ..CallerState::default()
         };
-        let n = r.len()?;
-        let mut prev = base;
-        for i in 0..n {
-            let d = r.signed()?;
-            let e = if i == 0 {
-                base.wrapping_sub(d)
-            } else {
-                prev.wrapping_add(d)
-            };
-            state.log.push_back(e);
-            prev = e;
-        }
+        let log = match r.byte()? {
+            0 => {
+                let n = r.len()?;
+                let mut prev = base;
+                for i in 0..n {
+                    let d = r.signed()?;
+                    let e = if i == 0 {
+                        base.wrapping_sub(d)
+                    } else {
+                        prev.wrapping_add(d)
+                    };
+                    state.log.push_back(e);
+                    prev = e;
+                }
+                PackedLog::Inline
+            }
+            1 => PackedLog::Outside {
+                dead: r.varint()?,
+                len: r.varint()?,
+            },
+            _ => return None,
+        };
         for _ in 0..r.len()? {
             let id = r.rule_id()?;
             let mut buckets = BTreeMap::new();
@@ -742,7 +802,19 @@ impl CallerState {
             .callees_by_ts
             .make_contiguous()
             .sort_by_key(|(ts, _)| *ts);
-        r.0.is_empty().then_some(state)
+        r.0.is_empty().then_some((state, log))
+    }
+
+    /// Puts back a sliding log kept apart ([`PackedLog::Outside`]); `None`
+    /// (and nothing changed) unless the times are in order.
+    pub fn restore_log(&mut self, times: VecDeque<i64>) -> Option<()> {
+        times
+            .iter()
+            .zip(times.iter().skip(1))
+            .all(|(a, b)| a <= b)
+            .then(|| {
+                self.log = times;
+            })
     }
 
     /// Takes back a record kept elsewhere (its call id and verdict), as if
@@ -824,11 +896,21 @@ mod tests {
             // Decide the next call on the state and on a copy read back
             // from its packed form (records are kept apart: unique ids).
             let mut packed = Vec::new();
-            state.pack(&mut packed);
-            let mut copy = CallerState::unpack(&packed).expect("reads back");
+            state.pack(&mut packed, PackedLog::Inline);
+            let (mut copy, log) = CallerState::unpack(&packed).expect("reads back");
+            assert_eq!(log, PackedLog::Inline);
+            // The same with the log kept apart and put back.
+            let mut apart = Vec::new();
+            state.pack(&mut apart, PackedLog::Outside { dead: 3, len: 9 });
+            let (mut other, log) = CallerState::unpack(&apart).expect("reads back");
+            assert_eq!(log, PackedLog::Outside { dead: 3, len: 9 });
+            assert!(other.log.is_empty());
+            other.restore_log(state.log.clone()).expect("in order");
             let a = state.apply_unique(&rules, &ev, true);
             let b = copy.apply_unique(&rules, &ev, true);
+            let c = other.apply_unique(&rules, &ev, true);
             assert_eq!(a, b, "call {i}");
+            assert_eq!(a, c, "call {i}, log apart");
             copy_at = packed;
         }
         for cut in 0..copy_at.len() {

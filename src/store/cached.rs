@@ -34,7 +34,7 @@ use redis::Value;
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
-use crate::engine::window::CallerState;
+use crate::engine::window::{CallerState, Journal, PackedLog};
 use crate::error::StoreError;
 use crate::store::redis::{classify, is_noscript, Conn, RedisConfig};
 use crate::store::WindowStore;
@@ -59,6 +59,12 @@ const MAX_ROUNDS: usize = 8;
 /// for garbage collection only; decisions run on event time.)
 const TTL_MARGIN_DIVISOR: u64 = 16;
 
+/// A caller's sliding log moves out of its packed state into a string of
+/// fixed-width times (`<prefix>{<caller>}:l`) once it holds more times than
+/// this, so a flooding caller's writes append its new times instead of
+/// rewriting all of them; it moves back in below a quarter of it.
+pub const DEFAULT_LOG_APART_ABOVE: usize = 128;
+
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
 
@@ -72,6 +78,9 @@ struct Cached {
     /// covers a full TTL from now (see [`TTL_MARGIN_DIVISOR`]); `None`:
     /// unknown, so the next write sets it.
     ttl_fresh_until: Option<std::time::Instant>,
+    /// Where the sliding log is kept: `Inline` in the packed state, or
+    /// apart (the string's times, of which the first `dead` are trimmed).
+    log: PackedLog,
 }
 
 /// One caller's part of a batch while it is being decided.
@@ -90,6 +99,10 @@ struct Write {
     version: u64,
     /// The TTL to set (ms), or `None` to leave the key's.
     ttl_ms: Option<u64>,
+    log_key: String,
+    log_op: LogOp,
+    /// Where the log is after this write.
+    log: PackedLog,
     packed: Vec<u8>,
     sets: Vec<(String, String)>,
     dels: Vec<String>,
@@ -98,7 +111,10 @@ struct Write {
 
 /// A commit's outcome: the index of its first write in the round, its
 /// writes, and per refused write its index and the caller's current hash.
-type Committed = (usize, Vec<Write>, Vec<(usize, Vec<Value>)>);
+type Committed = (usize, Vec<Write>, Vec<Refused>);
+
+/// A refused write: its index, the caller's hash and its log kept apart.
+type Refused = (usize, Vec<Value>, Option<Vec<u8>>);
 
 /// Why an attempt at a batch failed.
 enum Failed {
@@ -114,6 +130,44 @@ impl From<StoreError> for Failed {
     }
 }
 
+/// What a write does to a caller's log kept apart.
+enum LogOp {
+    /// The log is in the packed state, and no string is kept.
+    Inline,
+    /// The string stays as it is.
+    Keep,
+    /// Times appended to the string.
+    Append(Vec<u8>),
+    /// The string replaced (created, compacted, or changed inside).
+    Set(Vec<u8>),
+    /// The log moved back into the packed state: the string deleted.
+    Delete,
+}
+
+impl LogOp {
+    fn code(&self) -> &'static str {
+        match self {
+            LogOp::Inline => "",
+            LogOp::Keep => "K",
+            LogOp::Append(_) => "A",
+            LogOp::Set(_) => "S",
+            LogOp::Delete => "D",
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            LogOp::Append(b) | LogOp::Set(b) => b,
+            _ => &[],
+        }
+    }
+}
+
+/// The fixed-width (little-endian `i64`) bytes of `times`.
+fn time_bytes<'a>(times: impl Iterator<Item = &'a i64>) -> Vec<u8> {
+    times.flat_map(|t| t.to_le_bytes()).collect()
+}
+
 /// Window state decided in process and kept in Redis under a version check.
 pub struct CachedStore {
     conn: Conn,
@@ -126,6 +180,8 @@ pub struct CachedStore {
     watermark: i64,
     /// Commits refused because another writer had changed the caller.
     conflicts: u64,
+    /// See [`DEFAULT_LOG_APART_ABOVE`].
+    log_apart_above: usize,
 }
 
 impl std::fmt::Debug for CachedStore {
@@ -153,7 +209,16 @@ impl CachedStore {
             max_callers: max_callers.max(1),
             watermark: i64::MIN,
             conflicts: 0,
+            log_apart_above: DEFAULT_LOG_APART_ABOVE,
         })
+    }
+
+    /// Keeps a caller's sliding log apart once it holds more than `n`
+    /// times (default [`DEFAULT_LOG_APART_ABOVE`]; tests use small values
+    /// to move logs in and out often).
+    pub fn with_log_apart_above(mut self, n: usize) -> Self {
+        self.log_apart_above = n.max(1);
+        self
     }
 
     /// The configuration in use.
@@ -182,6 +247,64 @@ impl CachedStore {
         format!("{}{{{}}}:s", self.config.key_prefix, caller)
     }
 
+    /// The key of a caller's sliding log kept apart, `<prefix>{<caller>}:l`.
+    pub fn log_key(&self, caller: &str) -> String {
+        format!("{}{{{}}}:l", self.config.key_prefix, caller)
+    }
+
+    /// How a caller's log is written back, and where it then is: `old_len`
+    /// times before the batch, `journal` what the batch did to them.
+    fn log_write(
+        &self,
+        state: &CallerState,
+        was: PackedLog,
+        old_len: usize,
+        journal: &Journal,
+    ) -> (LogOp, PackedLog) {
+        let log = state.log();
+        let n = log.len();
+        let whole = || {
+            (
+                LogOp::Set(time_bytes(log.iter())),
+                PackedLog::Outside {
+                    dead: 0,
+                    len: n as u64,
+                },
+            )
+        };
+        match was {
+            PackedLog::Inline if n > self.log_apart_above => whole(),
+            PackedLog::Inline => (LogOp::Inline, PackedLog::Inline),
+            PackedLog::Outside { .. } if n < self.log_apart_above / 4 => {
+                (LogOp::Delete, PackedLog::Inline)
+            }
+            PackedLog::Outside { dead, len } => {
+                // Only appended, and trimmed at the front among the times
+                // kept before: the string's tail grows.
+                if journal.log_inserted_inside || journal.log_trimmed > old_len {
+                    return whole();
+                }
+                let dead = dead + journal.log_trimmed as u64;
+                let appended = n - (old_len - journal.log_trimmed);
+                if dead > n as u64 && dead > self.log_apart_above as u64 {
+                    return whole(); // mostly trimmed: compact
+                }
+                let op = if appended == 0 {
+                    LogOp::Keep
+                } else {
+                    LogOp::Append(time_bytes(log.iter().skip(n - appended)))
+                };
+                (
+                    op,
+                    PackedLog::Outside {
+                        dead,
+                        len: len + appended as u64,
+                    },
+                )
+            }
+        }
+    }
+
     fn block_key(&self, caller: &str) -> String {
         format!("{}block:{{{}}}", self.config.key_prefix, caller)
     }
@@ -196,7 +319,8 @@ impl CachedStore {
         ttl: (u64, std::time::Instant),
     ) -> Write {
         let idem = self.config.idempotency;
-        let mut dropped = Vec::new();
+        let mut journal = Journal::default();
+        let old_len = p.cached.state.log().len();
         let mut sets = Vec::new();
         let mut block = None;
         for &i in &p.events {
@@ -204,7 +328,7 @@ impl CachedStore {
             let v = p
                 .cached
                 .state
-                .apply_journaled(rules, ev, !idem, &mut dropped);
+                .apply_journaled(rules, ev, !idem, &mut journal);
             if !v.duplicate {
                 if idem {
                     sets.push((format!("r:{}", ev.call_id), v.to_reply()));
@@ -218,22 +342,27 @@ impl CachedStore {
             verdicts[i] = Some(v);
         }
         // A record trimmed and then made again in this batch stays.
-        let dels = dropped
+        let dels = journal
+            .dropped_records
             .iter()
             .filter(|id| !p.cached.state.holds_record(id))
             .map(|id| format!("r:{id}"))
             .collect();
+        let (log_op, log) = self.log_write(&p.cached.state, p.cached.log, old_len, &journal);
         let mut packed = Vec::with_capacity(64);
-        p.cached.state.pack(&mut packed);
+        p.cached.state.pack(&mut packed, log);
+        let fresh = matches!(p.cached.ttl_fresh_until,
+            Some(until) if p.cached.version.is_some() && ttl.1 < until);
         Write {
             key: self.state_key(p.caller),
             block_key: self.block_key(p.caller),
             expected: p.cached.version,
             version: rand::random::<u64>() | 1,
-            ttl_ms: match p.cached.ttl_fresh_until {
-                Some(until) if p.cached.version.is_some() && ttl.1 < until => None,
-                _ => Some(ttl.0),
-            },
+            // SET drops a key's TTL: a replaced log gets it again.
+            ttl_ms: (!fresh || matches!(log_op, LogOp::Set(_))).then_some(ttl.0),
+            log_key: self.log_key(p.caller),
+            log_op,
+            log,
             packed,
             sets,
             dels,
@@ -244,9 +373,9 @@ impl CachedStore {
     /// The commit call for `writes`.
     fn invocation(&self, writes: &[&Write]) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(writes.len() * 2);
+        cmd.arg(&self.sha).arg(writes.len() * 3);
         for w in writes {
-            cmd.arg(&w.key).arg(&w.block_key);
+            cmd.arg(&w.key).arg(&w.block_key).arg(&w.log_key);
         }
         for w in writes {
             match w.expected {
@@ -259,6 +388,8 @@ impl CachedStore {
             };
             cmd.arg(w.version)
                 .arg(&w.packed[..])
+                .arg(w.log_op.code())
+                .arg(w.log_op.bytes())
                 .arg(w.sets.len())
                 .arg(w.dels.len());
             match &w.block {
@@ -309,15 +440,21 @@ impl CachedStore {
                         return Err(unexpected(format!("{reply:?}")));
                     };
                     let mut it = items.into_iter();
-                    while let (Some(idx), Some(hash)) = (it.next(), it.next()) {
+                    while let (Some(idx), Some(hash), Some(log)) = (it.next(), it.next(), it.next())
+                    {
                         let (Value::Int(idx), Value::Array(hash)) = (idx, hash) else {
                             return Err(unexpected("a malformed refusal".into()));
+                        };
+                        let log = match log {
+                            Value::BulkString(b) => Some(b),
+                            Value::Nil => None,
+                            other => return Err(unexpected(format!("log {other:?}"))),
                         };
                         let at = usize::try_from(idx)
                             .ok()
                             .and_then(|i| chunk.get(i))
                             .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
-                        refused.push((*at, hash));
+                        refused.push((*at, hash, log));
                     }
                 }
                 Ok(refused)
@@ -360,7 +497,10 @@ impl CachedStore {
         .max(1) as u64
             + self.config.ttl_slack.as_millis() as u64;
         let margin = std::time::Duration::from_millis(needed_ms / TTL_MARGIN_DIVISOR);
-        let ttl = (needed_ms + margin.as_millis() as u64, std::time::Instant::now());
+        let ttl = (
+            needed_ms + margin.as_millis() as u64,
+            std::time::Instant::now(),
+        );
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         for _ in 0..MAX_ROUNDS {
@@ -394,16 +534,17 @@ impl CachedStore {
                     }
                 })?;
                 let mut refused_set = vec![false; writes.len()];
-                for (w, hash) in refused {
+                for (w, hash, log) in refused {
                     refused_set[w] = true;
                     let p = &mut pending[todo[base + w]];
-                    p.cached = load(p.caller, hash)?;
+                    p.cached = load(p.caller, hash, log)?;
                     next.push(todo[base + w]);
                 }
                 for (w, write) in writes.iter().enumerate() {
                     if !refused_set[w] {
                         let cached = &mut pending[todo[base + w]].cached;
                         cached.version = Some(write.version);
+                        cached.log = write.log;
                         if write.ttl_ms.is_some() {
                             cached.ttl_fresh_until = Some(ttl.1 + margin);
                         }
@@ -472,7 +613,7 @@ fn text(v: &Value) -> Option<&[u8]> {
 
 /// A caller's cache entry from its hash (as HGETALL returns it): version,
 /// packed state and records.
-fn load(caller: &str, hash: Vec<Value>) -> Result<Cached, StoreError> {
+fn load(caller: &str, hash: Vec<Value>, log: Option<Vec<u8>>) -> Result<Cached, StoreError> {
     let bad = |what: &str| {
         StoreError::fatal(format!(
             "unreadable window state of caller {caller} in Redis: {what}"
@@ -502,7 +643,21 @@ fn load(caller: &str, hash: Vec<Value>) -> Result<Cached, StoreError> {
             }
         }
     }
-    let mut state = state.unwrap_or_default();
+    let (mut state, log_form) = state.unwrap_or_default();
+    if let PackedLog::Outside { dead, len } = log_form {
+        let bytes = log.unwrap_or_default();
+        let times: Option<std::collections::VecDeque<i64>> =
+            (bytes.len() as u64 == len * 8 && dead <= len).then(|| {
+                bytes
+                    .chunks_exact(8)
+                    .skip(dead as usize)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap_or_default()))
+                    .collect()
+            });
+        times
+            .and_then(|t| state.restore_log(t))
+            .ok_or_else(|| bad("log kept apart"))?;
+    }
     for (id, rec) in records {
         let (Ok(id), Ok(rec)) = (std::str::from_utf8(id), std::str::from_utf8(rec)) else {
             return Err(bad("record not UTF-8"));
@@ -514,6 +669,7 @@ fn load(caller: &str, hash: Vec<Value>) -> Result<Cached, StoreError> {
         state,
         version,
         ttl_fresh_until: None,
+        log: log_form,
     })
 }
 
