@@ -14,7 +14,9 @@ use callguard::online::consumer::StoreErrorPolicy;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::produce::event_json;
 use callguard::online::serve::{self, ServeConfig};
+use callguard::store::cached::CachedStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
+use callguard::store::AnyStore;
 use common::scenarios::T0;
 use common::{query_escape, random, HttpConn, RedisServer};
 
@@ -27,6 +29,12 @@ struct Served {
 
 impl Served {
     fn start(config: ServeConfig, redis: RedisConfig, rules: RuleSet) -> Self {
+        Self::start_with(config, redis, rules, false)
+    }
+
+    /// [`Served::start`] on the window script (`cached = false`) or the
+    /// cached store.
+    fn start_with(config: ServeConfig, redis: RedisConfig, rules: RuleSet, cached: bool) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -34,7 +42,17 @@ impl Served {
             .unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let port = rt.block_on(async {
-            let store = RedisStore::connect(redis).await.expect("connect to Redis");
+            let store = if cached {
+                AnyStore::Cached(Box::new(
+                    CachedStore::connect(redis, 1_000)
+                        .await
+                        .expect("connect to Redis"),
+                ))
+            } else {
+                AnyStore::Redis(Box::new(
+                    RedisStore::connect(redis).await.expect("connect to Redis"),
+                ))
+            };
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let (_tx, rx) = tokio::sync::watch::channel(rules);
@@ -115,16 +133,24 @@ fn record(mut v: serde_json::Value) -> serde_json::Value {
 #[test]
 fn checks_over_http_equal_replay_post_and_get() {
     let redis = RedisServer::start(&[]);
-    for seed in [3_u64, 17, 99] {
+    for (seed, cached) in [
+        (3_u64, false),
+        (17, false),
+        (99, false),
+        (3, true),
+        (17, true),
+        (99, true),
+    ] {
         let (rules, events) = random::case(seed, 500, 5);
-        let prefix = format!("s{seed}:");
-        let served = Served::start(
+        let prefix = format!("s{seed}{cached}:");
+        let served = Served::start_with(
             config(),
             RedisConfig {
                 key_prefix: prefix,
                 ..redis_config(&redis)
             },
             rules.clone(),
+            cached,
         );
         // The replay's record of each event, in order (a call id redelivered
         // after a short idempotency horizon is decided again).
@@ -163,9 +189,15 @@ fn checks_over_http_equal_replay_post_and_get() {
 
 #[test]
 fn racing_retransmissions_of_a_call_are_decided_once() {
+    for cached in [false, true] {
+        racing_retransmissions(cached);
+    }
+}
+
+fn racing_retransmissions(cached: bool) {
     let redis = RedisServer::start(&[]);
     let rules = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
-    let served = Served::start(config(), redis_config(&redis), rules);
+    let served = Served::start_with(config(), redis_config(&redis), rules, cached);
     let threads = 12;
     for call in 0..10 {
         let barrier = Arc::new(Barrier::new(threads));
@@ -211,9 +243,15 @@ fn racing_retransmissions_of_a_call_are_decided_once() {
 
 #[test]
 fn rejects_answer_the_configured_status_with_retry_after() {
+    for cached in [false, true] {
+        rejects_with_retry_after(cached);
+    }
+}
+
+fn rejects_with_retry_after(cached: bool) {
     let redis = RedisServer::start(&[]);
     let rules = RuleSet::from_args(None, &["burst:sliding:10s:2".into()]).unwrap();
-    let served = Served::start(
+    let served = Served::start_with(
         ServeConfig {
             reject_status: Some(axum::http::StatusCode::TOO_MANY_REQUESTS),
             ..config()
@@ -223,6 +261,7 @@ fn rejects_answer_the_configured_status_with_retry_after() {
             ..redis_config(&redis)
         },
         rules,
+        cached,
     );
     let mut conn = served.conn();
     let check = |conn: &mut HttpConn, id: &str, dt: i64| {

@@ -210,6 +210,16 @@ fn run_sipp(
 
 #[test]
 fn kamailio_declines_exactly_the_calls_callguard_rejects() {
+    declines_exactly_the_rejected_calls(&[]);
+}
+
+/// The same with `serve --redis-mode cached`.
+#[test]
+fn kamailio_declines_exactly_the_calls_callguard_rejects_in_cached_mode() {
+    declines_exactly_the_rejected_calls(&["--redis-mode", "cached"]);
+}
+
+fn declines_exactly_the_rejected_calls(mode: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start(&[]);
     let rules = dir.path().join("rules.toml");
@@ -218,7 +228,9 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
         "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
     )
     .unwrap();
-    let (_serve, http) = start_serve(&redis, &rules, &["--reject-status", "429"]);
+    let mut extra = vec!["--reject-status", "429"];
+    extra.extend_from_slice(mode);
+    let (_serve, http) = start_serve(&redis, &rules, &extra);
     let url = format!("CALLGUARD_URL=\"http://127.0.0.1:{http}/v1/check\"");
     let (_kam, sip) = start_kamailio(
         dir.path(),
@@ -319,6 +331,16 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
 
 #[test]
 fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
+    blocked_until_the_key_expires(&[]);
+}
+
+/// The same with the block keys set by the cached store's commit script.
+#[test]
+fn kamailio_alone_declines_a_blocked_caller_in_cached_mode() {
+    blocked_until_the_key_expires(&["--redis-mode", "cached"]);
+}
+
+fn blocked_until_the_key_expires(mode: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start(&[]);
     let rules = dir.path().join("rules.toml");
@@ -327,7 +349,9 @@ fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
         "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"3s\"\nlimit = 2\n",
     )
     .unwrap();
-    let (_serve, http) = start_serve(&redis, &rules, &["--block-keys"]);
+    let mut extra = vec!["--block-keys"];
+    extra.extend_from_slice(mode);
+    let (_serve, http) = start_serve(&redis, &rules, &extra);
     let server = format!(
         "REDIS_SERVER=\"name=cg;addr=127.0.0.1;port={}\"",
         redis.port
