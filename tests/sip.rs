@@ -8,6 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::net::UdpSocket;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,9 +37,34 @@ struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // Kamailio leads its own process group (its workers are forked
+        // children): stop the whole group, politely first, so no worker is
+        // left behind; `kill` of a plain child's pid as a group just fails.
+        let group = format!("-{}", self.0.id());
+        for signal in ["-TERM", "-KILL"] {
+            let _ = Command::new("kill")
+                .args([signal, "--", &group])
+                .stderr(Stdio::null())
+                .status();
+            if signal == "-TERM" {
+                let deadline = Instant::now() + Duration::from_secs(3);
+                while Instant::now() < deadline && matches!(self.0.try_wait(), Ok(None)) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        }
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Processes left in a process group.
+fn group_members(pgid: u32) -> usize {
+    let out = Command::new("pgrep")
+        .args(["-g", &pgid.to_string()])
+        .output()
+        .expect("pgrep (package procps)");
+    String::from_utf8_lossy(&out.stdout).lines().count()
 }
 
 /// A free UDP port on loopback.
@@ -95,6 +121,7 @@ fn start_kamailio(dir: &Path, config: &str, defines: &[String]) -> (Proc, u16) {
     }
     let log = std::fs::File::create(dir.join("kamailio.log")).unwrap();
     let child = cmd
+        .process_group(0)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
@@ -232,7 +259,7 @@ fn declines_exactly_the_rejected_calls(mode: &[&str]) {
     extra.extend_from_slice(mode);
     let (_serve, http) = start_serve(&redis, &rules, &extra);
     let url = format!("CALLGUARD_URL=\"http://127.0.0.1:{http}/v1/check\"");
-    let (_kam, sip) = start_kamailio(
+    let (kam, sip) = start_kamailio(
         dir.path(),
         "integrations/kamailio/callguard-http.cfg",
         &[url],
@@ -327,6 +354,10 @@ fn declines_exactly_the_rejected_calls(mode: &[&str]) {
         n += 1;
     }
     assert_eq!(n, calls.len());
+    // Stopping Kamailio stops its workers too: nothing is left running.
+    let pgid = kam.0.id();
+    drop(kam);
+    assert_eq!(group_members(pgid), 0, "Kamailio processes left running");
 }
 
 #[test]
