@@ -343,14 +343,21 @@ async fn every_key_has_a_ttl_and_all_expire() {
         assert_eq!(n, 97, "callers with a {suffix} key: {names:?}");
     }
     assert_eq!(names.len(), 97 * 3, "unexpected keys: {names:?}");
-    for k in &names {
+    // Longest window + grace is 700 ms.
+    assert_all_expire(&server, &mut con, &names).await;
+}
+
+/// Every key of `names` carries a caller's hash tag and a TTL, and all are
+/// gone within seconds once the horizons pass (Redis expires keys lazily
+/// and by sampling, so allow up to 15 s); the prefix's mode key, the one
+/// key without a TTL, is not in `names`.
+async fn assert_all_expire(server: &RedisServer, con: &mut redis::Connection, names: &[String]) {
+    for k in names {
         assert!(k.contains("{+3460000"), "key {k} lacks the caller hash tag");
         // -1: no TTL (the defect); -2: already expired since KEYS (fine on a busy machine).
-        let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
+        let ttl: i64 = redis::cmd("PTTL").arg(k).query(con).unwrap();
         assert_ne!(ttl, -1, "key {k} has no TTL");
     }
-    // Longest window + grace is 700 ms: everything is gone within seconds
-    // (Redis expires keys lazily and by sampling, so allow up to 15 s).
     let mut left = names.len();
     for _ in 0..150 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -362,7 +369,7 @@ async fn every_key_has_a_ttl_and_all_expire() {
     }
     assert_eq!(
         left, 0,
-        "keys left after the windows passed (besides ttl:mode)"
+        "keys left after the horizons passed (besides the mode key)"
     );
 }
 
@@ -669,24 +676,7 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
         names.len(),
         "unexpected keys: {names:?}"
     );
-    for k in &names {
-        assert!(k.contains("{+3460000"), "key {k} lacks the caller hash tag");
-        let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut con).unwrap();
-        assert_ne!(ttl, -1, "key {k} has no TTL");
-    }
-    let mut left = names.len();
-    for _ in 0..150 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let n = raw_command(server.port, "DBSIZE").unwrap();
-        left = n.trim_start_matches(':').trim().parse::<usize>().unwrap() - 1;
-        if left == 0 {
-            break;
-        }
-    }
-    assert_eq!(
-        left, 0,
-        "keys left after the horizons passed (besides cttl:mode)"
-    );
+    assert_all_expire(&server, &mut con, &names).await;
 }
 
 /// The two modes keep different keys: a store refuses a key prefix the

@@ -288,14 +288,27 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
         .collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tansu_100k_events_decisions_and_features_equal_replay() {
-    let redis = RedisServer::start(&[]);
+/// A tansu broker with the four topics, 4 partitions each, and its address.
+fn tansu_with_topics() -> (Tansu, String) {
     let tansu = Tansu::start();
     for t in TOPICS {
         tansu.create_topic(t, 4);
     }
     let brokers = tansu.bootstrap();
+    (tansu, brokers)
+}
+
+/// Produces the sample's calls to `calls`; how many.
+async fn produce_sample(s: &Sample, brokers: &str) -> u64 {
+    callguard::online::produce::produce(s.log.events.iter().map(|(_, e)| e), brokers, &[], "calls")
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_100k_events_decisions_and_features_equal_replay() {
+    let redis = RedisServer::start(&[]);
+    let (_tansu, brokers) = tansu_with_topics();
     let s = sample(100_000, 12).await;
     let labelled = s
         .log
@@ -305,15 +318,7 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
         .count();
     assert_eq!(labelled, 100_000);
     let started = Instant::now();
-    let n = callguard::online::produce::produce(
-        s.log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
-    assert_eq!(n, 100_000);
+    assert_eq!(produce_sample(&s, &brokers).await, 100_000);
     let produce_s = started.elapsed().as_secs_f64();
     let run = start_in_process(config(&brokers, "g-tansu"), &redis.url(), s.rules.clone()).await;
     let records = read_decisions(
@@ -334,20 +339,9 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tansu_cached_mode_decisions_equal_replay() {
     let redis = RedisServer::start(&[]);
-    let tansu = Tansu::start();
-    for t in TOPICS {
-        tansu.create_topic(t, 4);
-    }
-    let brokers = tansu.bootstrap();
+    let (_tansu, brokers) = tansu_with_topics();
     let s = sample(30_000, 15).await;
-    callguard::online::produce::produce(
-        s.log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
+    produce_sample(&s, &brokers).await;
     let run = start_in_process_with(
         config(&brokers, "g-tansu-cached"),
         &redis.url(),
