@@ -302,7 +302,9 @@ pub struct StoreArgs {
     pub redis_mode: RedisMode,
     /// Most callers kept in memory with --redis-mode cached; beyond it the
     /// idle ones are dropped first, and a dropped caller's next call
-    /// re-reads Redis (it never changes a record).
+    /// re-reads Redis (it never changes a record). A cached caller holds
+    /// its records for the idempotency horizon in memory too: at high call
+    /// rates that is as much as Redis holds for them.
     #[arg(long, env = "CALLGUARD_CACHED_CALLERS", default_value_t = cached::DEFAULT_CACHED_CALLERS)]
     pub cached_callers: usize,
     /// Prefix of every Redis key, to separate environments.
