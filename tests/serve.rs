@@ -23,6 +23,7 @@ use common::{query_escape, random, HttpConn, RedisServer};
 /// A check API running in process on a free port, stopped on drop.
 struct Served {
     port: u16,
+    metrics: Arc<Metrics>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     rt: tokio::runtime::Runtime,
 }
@@ -41,6 +42,8 @@ impl Served {
             .build()
             .unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let metrics = Arc::new(Metrics::new());
+        let served_metrics = metrics.clone();
         let port = rt.block_on(async {
             let store = if cached {
                 AnyStore::Cached(Box::new(
@@ -63,7 +66,7 @@ impl Served {
                     config,
                     store,
                     rx,
-                    Arc::new(Metrics::new()),
+                    served_metrics,
                     Arc::new(Health::default()),
                     async move {
                         let _ = stopped.await;
@@ -76,6 +79,7 @@ impl Served {
         });
         Served {
             port,
+            metrics,
             stop: Some(stop),
             rt,
         }
@@ -534,4 +538,35 @@ fn the_binary_takes_its_settings_from_the_environment_and_reloads_rules() {
     }
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// Two `serve` instances in cached mode behind one balancer, on one Redis
+/// and prefix, deciding the same callers in turns: each write is checked
+/// against the version its instance read, so the counts climb by one per
+/// call whichever instance answers, and the refused writes show in
+/// `callguard_store_conflicts_total`.
+#[test]
+fn two_cached_instances_share_their_callers() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:4".into()]).unwrap();
+    let a = Served::start_with(config(), redis_config(&redis), rules.clone(), true);
+    let b = Served::start_with(config(), redis_config(&redis), rules, true);
+    let (mut ca, mut cb) = (a.conn(), b.conn());
+    for i in 0..8i64 {
+        let conn = if i % 2 == 0 { &mut ca } else { &mut cb };
+        let body = serde_json::json!({
+            "call_id": format!("shared-{i}"),
+            "caller": "+34911000077",
+            "ts": T0 + i * 1_000,
+        })
+        .to_string();
+        let r = conn.post("/v1/check", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(v["count_minute"], i + 1, "call {i}: {v}");
+        let expect = if i < 4 { "allow" } else { "reject" };
+        assert_eq!(v["decision"], expect, "call {i}: {v}");
+    }
+    let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
+    assert!(conflicts >= 6, "{conflicts} conflicts counted");
 }
