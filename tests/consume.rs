@@ -647,6 +647,17 @@ async fn malformed_messages_go_to_the_dead_letter_topic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_under_block_loses_nothing() {
+    redis_outage(false, "g-outage").await;
+}
+
+/// The same with the cached store: a batch whose writes failed leaves the
+/// cache, and its callers are read back from Redis once it returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_mode_redis_outage_under_block_loses_nothing() {
+    redis_outage(true, "g-outage-cached").await;
+}
+
+async fn redis_outage(cached: bool, group: &str) {
     let redis = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]);
     let kafka = EmbeddedKafka::start().unwrap();
     for t in TOPICS {
@@ -662,9 +673,9 @@ async fn redis_outage_under_block_loses_nothing() {
     )
     .await
     .unwrap();
-    let mut cfg = config(&brokers, "g-outage");
+    let mut cfg = config(&brokers, group);
     cfg.batch_size = 50;
-    let run = start_in_process(cfg, &redis.url(), s.rules.clone()).await;
+    let run = start_in_process_with(cfg, &redis.url(), s.rules.clone(), cached).await;
     // Let it work, then take Redis away for several seconds.
     let partial = read_decisions(&brokers, "call-decisions", 3_000, Duration::from_secs(120)).await;
     assert!(by_call_id(&partial).len() >= 3_000);

@@ -398,6 +398,14 @@ impl Schema {
         serde_json::Value::Object(m)
     }
 
+    /// [`Schema::to_json`]'s text for one row, as a payload (see
+    /// [`Schema::write_json`]).
+    pub fn json_bytes(&self, row: Row<'_>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(32 * self.columns.len());
+        self.write_json(row, &mut out);
+        out
+    }
+
     /// Appends [`Schema::to_json`]'s text for one row to `out`, written
     /// directly (no intermediate map: a topic's payloads are written once
     /// per call on the hot path). Byte for byte the same text.
@@ -462,6 +470,43 @@ impl Verdict {
         Self::from_stored(encoded, &event.call_id, &event.caller, duplicate)
     }
 
+    /// The record as a store keeps it, in the script's reply form (the
+    /// fields of [`REPLY_FIELDS`] joined by `|`): what
+    /// [`Verdict::from_stored`] reads back.
+    pub fn to_reply(&self) -> String {
+        use std::fmt::Write;
+        fn opt(out: &mut String, v: Option<impl std::fmt::Display>) {
+            if let Some(v) = v {
+                let _ = write!(out, "{v}");
+            }
+        }
+        let r = &self.record;
+        let mut out = String::with_capacity(64);
+        let _ = write!(
+            out,
+            "{}|{}|{}|{}|{}|{}|",
+            r.ts_ms,
+            u8::from(r.decision == Decision::Reject),
+            r.reason,
+            u8::from(r.shadow),
+            u8::from(r.late),
+            r.rules_version,
+        );
+        opt(&mut out, self.prev_ts_ms);
+        out.push('|');
+        opt(&mut out, self.distinct_callees);
+        out.push('|');
+        for (i, c) in r.counts.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            let _ = write!(out, "{c}");
+        }
+        out.push('|');
+        opt(&mut out, r.retry_after_ms);
+        out
+    }
+
     /// [`Verdict::from_reply`] for a record of call `call_id` from `caller`.
     pub fn from_stored(
         encoded: &str,
@@ -515,41 +560,6 @@ impl Verdict {
     }
 }
 
-impl Verdict {
-    /// The record as a store keeps it, in the script's reply form (the
-    /// fields of [`REPLY_FIELDS`] joined by `|`): what
-    /// [`Verdict::from_stored`] reads back.
-    pub fn to_reply(&self) -> String {
-        use std::fmt::Write;
-        let r = &self.record;
-        let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
-        let mut out = String::with_capacity(64);
-        let _ = write!(
-            out,
-            "{}|{}|{}|{}|{}|{}|{}|{}|",
-            r.ts_ms,
-            u8::from(r.decision == Decision::Reject),
-            r.reason,
-            u8::from(r.shadow),
-            u8::from(r.late),
-            r.rules_version,
-            opt(self.prev_ts_ms),
-            self.distinct_callees
-                .map(|d| d.to_string())
-                .unwrap_or_default(),
-        );
-        for (i, c) in r.counts.iter().enumerate() {
-            if i > 0 {
-                out.push(',');
-            }
-            let _ = write!(out, "{c}");
-        }
-        out.push('|');
-        out.push_str(&opt(r.retry_after_ms));
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -600,6 +610,48 @@ mod tests {
                     schema.to_json(row).to_string()
                 );
             }
+        }
+    }
+
+    /// What a store keeps of a verdict reads back to the same verdict,
+    /// every optional field with and without a value.
+    #[test]
+    fn stored_records_read_back() {
+        let rules =
+            RuleSet::from_args(None, &["a:sliding:60s:5".into(), "b:fixed:1s:2".into()]).unwrap();
+        let event = CallEvent {
+            call_id: "c1".into(),
+            caller: "+34911000001".into(),
+            ts_ms: 1_764_547_200_123,
+            callee: None,
+            duration_ms: None,
+            label: None,
+            list_number: None,
+        };
+        let bare = Verdict {
+            record: DecisionRecord {
+                degraded: false,
+                ..Verdict::degraded(&event, &rules, Decision::Allow).record
+            },
+            ..Verdict::degraded(&event, &rules, Decision::Allow)
+        };
+        let mut full = bare.clone();
+        full.record.decision = Decision::Reject;
+        full.record.reason = "a".into();
+        full.record.counts = vec![6, 2];
+        full.record.shadow = true;
+        full.record.late = true;
+        full.record.retry_after_ms = Some(9_000);
+        full.prev_ts_ms = Some(1_764_547_100_000);
+        full.distinct_callees = Some(4);
+        for v in [bare, full] {
+            let back = Verdict::from_stored(&v.to_reply(), "c1", "+34911000001", false);
+            assert_eq!(back.as_ref(), Some(&v), "{}", v.to_reply());
+        }
+        // The same text as the window script writes for a record.
+        for lua in ["5|1|m|0|1|abc|-3||4,2|900", "5|0|ok|1|0|abc||7|1|"] {
+            let v = Verdict::from_stored(lua, "c", "+34911234567", false).unwrap();
+            assert_eq!(v.to_reply(), lua);
         }
     }
 

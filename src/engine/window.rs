@@ -608,6 +608,17 @@ fn put_signed(out: &mut Vec<u8>, v: i64) {
     put_varint(out, ((v << 1) ^ (v >> 63)) as u64);
 }
 
+/// A tag byte (0 none, 1 some) and the value.
+fn put_opt(out: &mut Vec<u8>, v: Option<i64>) {
+    match v {
+        Some(v) => {
+            out.push(1);
+            put_signed(out, v);
+        }
+        None => out.push(0),
+    }
+}
+
 fn put_str(out: &mut Vec<u8>, s: &str) {
     put_varint(out, s.len() as u64);
     out.extend_from_slice(s.as_bytes());
@@ -638,6 +649,15 @@ impl Unpacker<'_> {
     fn signed(&mut self) -> Option<i64> {
         let z = self.varint()?;
         Some(((z >> 1) as i64) ^ -((z & 1) as i64))
+    }
+
+    /// What [`put_opt`] wrote: `None` when corrupt, `Some(None)` for none.
+    fn opt(&mut self) -> Option<Option<i64>> {
+        match self.byte()? {
+            0 => Some(None),
+            1 => Some(Some(self.signed()?)),
+            _ => None,
+        }
     }
 
     fn len(&mut self) -> Option<usize> {
@@ -674,13 +694,7 @@ impl CallerState {
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
         out.push(PACK_FORMAT);
         let base = self.latest.unwrap_or(0);
-        match self.latest {
-            Some(l) => {
-                out.push(1);
-                put_signed(out, l);
-            }
-            None => out.push(0),
-        }
+        put_opt(out, self.latest);
         match log {
             PackedLog::Inline => {
                 out.push(0);
@@ -716,13 +730,7 @@ impl CallerState {
         for (id, a) in &self.approx {
             put_str(out, &id.name);
             put_signed(out, id.window_ms);
-            match a.bucket {
-                Some(b) => {
-                    out.push(1);
-                    put_signed(out, b);
-                }
-                None => out.push(0),
-            }
+            put_opt(out, a.bucket);
             put_varint(out, a.cur);
             put_varint(out, a.prev);
         }
@@ -741,11 +749,7 @@ impl CallerState {
         if r.byte()? != PACK_FORMAT {
             return None;
         }
-        let latest = match r.byte()? {
-            0 => None,
-            1 => Some(r.signed()?),
-            _ => return None,
-        };
+        let latest = r.opt()?;
         let base = latest.unwrap_or(0);
         let mut state = CallerState {
             latest,
@@ -784,11 +788,7 @@ impl CallerState {
         }
         for _ in 0..r.len()? {
             let id = r.rule_id()?;
-            let bucket = match r.byte()? {
-                0 => None,
-                1 => Some(r.signed()?),
-                _ => return None,
-            };
+            let bucket = r.opt()?;
             let (cur, prev) = (r.varint()?, r.varint()?);
             state.approx.push((id, Approx { bucket, cur, prev }));
         }

@@ -391,9 +391,9 @@ fn publish(
             verdict: v,
         };
         let out = [
-            (&topics.events, event_json(e)),
-            (&topics.decisions, decisions.to_json(row).to_string()),
-            (&topics.features, features.to_json(row).to_string()),
+            (&topics.events, event_json(e).into_bytes()),
+            (&topics.decisions, decisions.json_bytes(row)),
+            (&topics.features, features.json_bytes(row)),
         ];
         for (topic, payload) in out {
             let record = FutureRecord::to(topic)

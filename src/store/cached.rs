@@ -24,11 +24,8 @@
 //! into the cache when a caller is loaded, so a redelivered call id gets the
 //! same record back after a restart, a rebalance or an eviction.
 
-use std::collections::HashMap;
-
 use compact_str::CompactString;
 use futures::StreamExt;
-use redis::cluster_routing::Slot;
 use redis::Value;
 
 use crate::engine::event::CallEvent;
@@ -67,6 +64,36 @@ pub const DEFAULT_LOG_APART_ABOVE: usize = 128;
 
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
+
+/// The TTL of a batch's writes (see [`TTL_MARGIN_DIVISOR`]).
+#[derive(Clone, Copy)]
+struct TtlPlan {
+    /// What a write sets: the needed span plus the margin (ms).
+    ms: u64,
+    /// When the batch started.
+    now: std::time::Instant,
+    /// Until when a TTL set now still covers the needed span.
+    fresh_until: std::time::Instant,
+}
+
+impl TtlPlan {
+    fn new(config: &RedisConfig, rules: &RuleSet) -> Self {
+        let needed = if config.idempotency {
+            rules.dedup_ms()
+        } else {
+            rules.retention_ms()
+        }
+        .max(1) as u64
+            + config.ttl_slack.as_millis() as u64;
+        let margin = needed / TTL_MARGIN_DIVISOR;
+        let now = std::time::Instant::now();
+        TtlPlan {
+            ms: needed + margin,
+            now,
+            fresh_until: now + std::time::Duration::from_millis(margin),
+        }
+    }
+}
 
 /// A cached caller: its state and the version it was read or written at
 /// (`None`: believed absent from Redis).
@@ -316,7 +343,7 @@ impl CachedStore {
         events: &[CallEvent],
         p: &mut Pending<'_>,
         verdicts: &mut [Option<Verdict>],
-        ttl: (u64, std::time::Instant),
+        ttl: TtlPlan,
     ) -> Write {
         let idem = self.config.idempotency;
         let mut journal = Journal::default();
@@ -352,14 +379,14 @@ impl CachedStore {
         let mut packed = Vec::with_capacity(64);
         p.cached.state.pack(&mut packed, log);
         let fresh = matches!(p.cached.ttl_fresh_until,
-            Some(until) if p.cached.version.is_some() && ttl.1 < until);
+            Some(until) if p.cached.version.is_some() && ttl.now < until);
         Write {
             key: self.state_key(p.caller),
             block_key: self.block_key(p.caller),
             expected: p.cached.version,
             version: rand::random::<u64>() | 1,
             // SET drops a key's TTL: a replaced log gets it again.
-            ttl_ms: (!fresh || matches!(log_op, LogOp::Set(_))).then_some(ttl.0),
+            ttl_ms: (!fresh || matches!(log_op, LogOp::Set(_))).then_some(ttl.ms),
             log_key: self.log_key(p.caller),
             log_op,
             log,
@@ -414,16 +441,7 @@ impl CachedStore {
         writes: Vec<Write>,
         base: usize,
     ) -> Result<Committed, redis::RedisError> {
-        let groups: Vec<Vec<usize>> = match self.conn {
-            Conn::Single(_) => vec![(0..writes.len()).collect()],
-            Conn::Cluster(_) => {
-                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
-                for (i, w) in writes.iter().enumerate() {
-                    by_slot.entry(Slot::for_key(&w.key)).or_default().push(i);
-                }
-                by_slot.into_values().collect()
-            }
-        };
+        let groups = self.conn.groups(writes.iter().map(|w| &w.key));
         let timeout = self.config.timeout * 2;
         let calls = groups.into_iter().map(|group| {
             let mut pipe = redis::pipe();
@@ -489,18 +507,7 @@ impl CachedStore {
             });
             pending[at].events.push(i);
         }
-        let needed_ms = if self.config.idempotency {
-            rules.dedup_ms()
-        } else {
-            rules.retention_ms()
-        }
-        .max(1) as u64
-            + self.config.ttl_slack.as_millis() as u64;
-        let margin = std::time::Duration::from_millis(needed_ms / TTL_MARGIN_DIVISOR);
-        let ttl = (
-            needed_ms + margin.as_millis() as u64,
-            std::time::Instant::now(),
-        );
+        let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         for _ in 0..MAX_ROUNDS {
@@ -546,7 +553,7 @@ impl CachedStore {
                         cached.version = Some(write.version);
                         cached.log = write.log;
                         if write.ttl_ms.is_some() {
-                            cached.ttl_fresh_until = Some(ttl.1 + margin);
+                            cached.ttl_fresh_until = Some(ttl.fresh_until);
                         }
                     }
                 }

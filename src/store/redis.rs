@@ -190,6 +190,25 @@ impl Conn {
         Ok(conn)
     }
 
+    /// Indices of `keys` in the groups that may share a pipeline: all of
+    /// them on a standalone server, one group per hash slot on a Cluster
+    /// (a caller's keys share a slot, so its order is kept).
+    pub(crate) fn groups(&self, keys: impl Iterator<Item = impl AsRef<[u8]>>) -> Vec<Vec<usize>> {
+        match self {
+            Conn::Single(_) => vec![(0..keys.count()).collect()],
+            Conn::Cluster(_) => {
+                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
+                for (i, key) in keys.enumerate() {
+                    by_slot
+                        .entry(Slot::for_key(key.as_ref()))
+                        .or_default()
+                        .push(i);
+                }
+                by_slot.into_values().collect()
+            }
+        }
+    }
+
     /// Runs one pipeline (all commands in one slot, for a Cluster).
     pub(crate) async fn query(
         &mut self,
@@ -474,19 +493,9 @@ impl RedisStore {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        let groups: Vec<Vec<usize>> = match self.conn {
-            Conn::Single(_) => vec![(0..events.len()).collect()],
-            Conn::Cluster(_) => {
-                let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
-                for (i, ev) in events.iter().enumerate() {
-                    by_slot
-                        .entry(Slot::for_key(self.stem(&ev.caller)))
-                        .or_default()
-                        .push(i);
-                }
-                by_slot.into_values().collect()
-            }
-        };
+        let groups = self
+            .conn
+            .groups(events.iter().map(|ev| self.stem(&ev.caller)));
         let mut replies: Vec<Option<Value>> = vec![None; events.len()];
         let mut pending = groups;
         for attempt in 0..2 {

@@ -213,21 +213,17 @@ impl Encoder {
             };
             let row = Row { event, verdict };
             let key = event.caller.as_bytes();
-            let mut decision = Vec::with_capacity(256);
-            schemas.decisions.write_json(row, &mut decision);
-            let mut features = Vec::with_capacity(384);
-            schemas.features.write_json(row, &mut features);
             out.push(OutRecord {
                 topic: config.decisions_topic.clone(),
                 key: key.to_vec(),
-                payload: decision,
+                payload: schemas.decisions.json_bytes(row),
                 headers: None,
                 dead_letter: false,
             });
             out.push(OutRecord {
                 topic: config.features_topic.clone(),
                 key: key.to_vec(),
-                payload: features,
+                payload: schemas.features.json_bytes(row),
                 headers: None,
                 dead_letter: false,
             });
