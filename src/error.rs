@@ -279,6 +279,9 @@ pub enum ConsumeError {
     /// The store failed with a fatal error.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The task that decides batches stopped (it panicked).
+    #[error("the deciding task stopped unexpectedly")]
+    DeciderStopped,
 }
 
 /// Failures of `callguard demo`.

@@ -6,6 +6,8 @@
 //! becomes part of any key; anything that cannot be normalised is an
 //! [`EventError`], never a malformed key.
 
+mod json;
+
 use std::collections::HashMap;
 
 use chrono::DateTime;
@@ -337,27 +339,25 @@ impl Decoder {
     ) -> Result<CallEvent, EventError> {
         let text = std::str::from_utf8(payload)
             .map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
-        let value: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| EventError::Json(e.to_string()))?;
-        let obj = value
-            .as_object()
+        let names = FIELDS.map(|canon| self.map.source(canon));
+        let found = json::read_fields(text, names)
+            .map_err(|e| EventError::Json(e.to_string()))?
             .ok_or_else(|| EventError::Json("payload is not a JSON object".into()))?;
-        for canon in FIELDS {
-            let name = self.map.source(canon);
-            if let Some(v) = obj.get(name) {
-                if RawValue::from_json(v).is_none() {
-                    return Err(EventError::WrongType {
-                        field: canon,
-                        found: "array or object",
-                    });
-                }
+        for (canon, v) in FIELDS.iter().zip(&found) {
+            if matches!(v, Some(json::Scalar::Nested)) {
+                return Err(EventError::WrongType {
+                    field: canon,
+                    found: "array or object",
+                });
             }
         }
         let ts_name = self.map.source("ts");
         self.decode(|name| {
-            let v = obj
-                .get(name)
-                .and_then(RawValue::from_json)
+            let v = names
+                .iter()
+                .position(|n| *n == name)
+                .and_then(|i| found[i].as_ref())
+                .and_then(json::Scalar::raw)
                 .unwrap_or(RawValue::Null);
             match default_ts_ms {
                 Some(now) if name == ts_name && v == RawValue::Null => RawValue::Int(now),

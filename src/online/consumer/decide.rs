@@ -1,23 +1,113 @@
 //! Deciding a batch through the window store under the store-failure
-//! policy, and counting what was decided.
+//! policy, on a task of its own ([`Decider`]), and counting what was
+//! decided.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::Shared;
+use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
-use crate::online::consumer::{ConsumeStats, StoreErrorPolicy};
+use crate::online::consumer::delivery::OutRecord;
+use crate::online::consumer::encode::Encoder;
+use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 
 /// Longest wait between retries of a blocked store.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// The window store on a task of its own: it decides a batch and encodes
+/// its records while the loop collects and decodes the next and produces
+/// the one before. Batches are decided one at a time in the order
+/// submitted, so a partition's order holds.
+pub(super) struct Decider {
+    jobs: mpsc::Sender<Job>,
+}
+
+/// A batch to decide.
+struct Job {
+    rules: RuleSet,
+    events: Vec<CallEvent>,
+    reply: oneshot::Sender<Decided>,
+}
+
+/// A batch back from the [`Decider`].
+pub(super) struct Decided {
+    /// One verdict per event; `None` if shutdown came while the store was
+    /// failing under `block`.
+    pub verdicts: Option<Result<Vec<Verdict>, ConsumeError>>,
+    /// The decision and feature records of the verdicts, encoded with the
+    /// batch's rules.
+    pub records: Vec<OutRecord>,
+}
+
+impl Decider {
+    /// Starts the task; it ends when the `Decider` is dropped.
+    pub fn spawn<S, F>(
+        mut store: S,
+        config: ConsumeConfig,
+        mut encoder: Encoder,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        mut shutdown: Shared<F>,
+    ) -> Self
+    where
+        S: WindowStore + 'static,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        // One batch queued behind the one being decided.
+        let (jobs, mut rx) = mpsc::channel::<Job>(1);
+        tokio::spawn(async move {
+            while let Some(job) = rx.recv().await {
+                let verdicts = decide(
+                    &mut store,
+                    &job.rules,
+                    &job.events,
+                    config.on_store_error,
+                    &metrics,
+                    &health,
+                    &mut Pin::new(&mut shutdown),
+                )
+                .await;
+                let mut records = Vec::new();
+                if let Some(Ok(v)) = &verdicts {
+                    encoder.follow(&job.rules);
+                    records.reserve(2 * v.len());
+                    encoder.encode(&job.events, v, &config, &mut records);
+                }
+                let _ = job.reply.send(Decided { verdicts, records });
+            }
+        });
+        Decider { jobs }
+    }
+
+    /// Queues a batch; its verdicts come back on the receiver.
+    pub async fn submit(
+        &self,
+        rules: RuleSet,
+        events: Vec<CallEvent>,
+    ) -> Result<oneshot::Receiver<Decided>, ConsumeError> {
+        let (reply, rx) = oneshot::channel();
+        self.jobs
+            .send(Job {
+                rules,
+                events,
+                reply,
+            })
+            .await
+            .map_err(|_| ConsumeError::DeciderStopped)?;
+        Ok(rx)
+    }
+}
 
 /// Decides a batch under the failure policy; `None` if shutdown came while blocked.
 pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(

@@ -2,7 +2,7 @@
 //! is acknowledged: the at-least-once half of the consumer.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub(super) struct Delivery {
 
 /// A batch produced and awaiting acknowledgement.
 pub(super) struct Pending {
+    /// The batch's sequence number (they grow from 1).
+    seq: u64,
     /// (topic, partition) → last offset of the batch.
     offsets: Vec<(String, i32, i64)>,
     remaining: AtomicUsize,
@@ -47,9 +49,10 @@ pub(super) struct Pending {
 }
 
 impl Pending {
-    /// A batch of `records` records covering these last offsets.
-    pub fn new(offsets: Vec<(String, i32, i64)>, records: usize) -> Arc<Self> {
+    /// Batch `seq` of `records` records covering these last offsets.
+    pub fn new(seq: u64, offsets: Vec<(String, i32, i64)>, records: usize) -> Arc<Self> {
         Arc::new(Pending {
+            seq,
             offsets,
             remaining: AtomicUsize::new(records),
             failure: Mutex::new(None),
@@ -76,6 +79,8 @@ pub(super) struct Shared {
     /// Under cooperative rebalancing the partitions it keeps are not here,
     /// so their messages stay in the batch and their fetch positions hold.
     revoked: Mutex<Vec<(String, i32)>>,
+    /// The last batch whose offsets are stored.
+    stored_through: AtomicU64,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     drain_timeout: Duration,
@@ -86,6 +91,7 @@ impl Shared {
         Shared {
             in_flight: Mutex::new(VecDeque::new()),
             revoked: Mutex::new(Vec::new()),
+            stored_through: AtomicU64::new(0),
             metrics,
             health,
             drain_timeout,
@@ -98,6 +104,11 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push_back(pending);
+    }
+
+    /// The last batch whose offsets are stored (0: none yet).
+    pub fn stored_through(&self) -> u64 {
+        self.stored_through.load(Ordering::Acquire)
     }
 
     /// Drops from `batch` the messages of partitions revoked since the last
@@ -143,6 +154,7 @@ impl Shared {
                     debug!(topic, partition, offset, error = %e, "offset not stored");
                 }
             }
+            self.stored_through.store(head.seq, Ordering::Release);
             q.pop_front();
         }
         self.metrics.in_flight.set(q.len() as i64);
@@ -330,9 +342,9 @@ mod tests {
             Arc::new(Health::default()),
             Duration::from_secs(1),
         );
-        let ok = Pending::new(vec![("t".into(), 0, 9)], 1);
-        let failed = Pending::new(vec![("t".into(), 0, 19)], 2);
-        let later = Pending::new(vec![("t".into(), 0, 29)], 1);
+        let ok = Pending::new(1, vec![("t".into(), 0, 9)], 1);
+        let failed = Pending::new(2, vec![("t".into(), 0, 19)], 2);
+        let later = Pending::new(3, vec![("t".into(), 0, 29)], 1);
         for p in [&ok, &failed, &later] {
             shared.push(p.clone());
         }
@@ -344,6 +356,7 @@ mod tests {
             let e = shared.settle::<_, _>(&consumer).unwrap_err();
             assert!(e.to_string().contains("broker said no"), "{e}");
         }
+        assert_eq!(shared.stored_through(), 1);
         consumer.commit_consumer_state(CommitMode::Sync).unwrap();
         let committed = consumer
             .committed_offsets(tpl, Duration::from_secs(5))

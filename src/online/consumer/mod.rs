@@ -5,11 +5,16 @@
 //! feature record per event (undecodable events go to the dead-letter topic
 //! with the original bytes). The path of one batch, top to bottom in
 //! [`run`]: collect (`next_batch`) → decode ([`encode::decode_message`]) →
-//! decide (`decide::decide`, under the store-failure policy) → encode
+//! decide (`decide::Decider`, under the store-failure policy) → encode
 //! (`encode::Encoder`, the record schema) → produce (`delivery::send`) →
 //! acknowledge and store offsets (`delivery::Shared::settle`) → commit
-//! (librdkafka's auto-commit of stored offsets, and synchronously on revoke
-//! and shutdown).
+//! (librdkafka's auto-commit of stored offsets, checkpoints, and
+//! synchronously on revoke and shutdown).
+//!
+//! The steps overlap: the decider (the store and the encoder, on a task of
+//! its own) works on one batch while the loop collects and decodes the next
+//! and produces the one before. Batches are decided one at a time, in the
+//! order read, so a partition's events are decided in partition order.
 //!
 //! Delivery is at least once with exact effects:
 //!
@@ -20,30 +25,34 @@
 //!   one distinct decision;
 //! * on a revoke, the producer is flushed and completed batches are stored
 //!   and committed synchronously before the partitions go; messages read but
-//!   not yet decided are dropped and read again from the committed offsets;
-//! * on shutdown the same happens within a deadline.
+//!   not yet decided are dropped and read again from the committed offsets
+//!   (a batch the decider holds at that moment is finished and produced, so
+//!   its calls may get a second, identical record from the new owner);
+//! * no partition's uncommitted events span more than half the idempotency
+//!   horizon in event time ([`checkpoint`]);
+//! * on shutdown the batch being decided is finished and the rest drains
+//!   within a deadline.
 //!
-//! Events of one partition are decided in partition order (store calls are
-//! sequential); up to `max_in_flight` batches may await broker
-//! acknowledgement at once (backpressure: no unbounded memory).
+//! Up to `max_in_flight` batches may await broker acknowledgement at once
+//! (backpressure: no unbounded memory).
 
+mod checkpoint;
 mod decide;
 mod delivery;
 pub mod encode;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::FutureExt;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::producer::ThreadedProducer;
-use rdkafka::types::RDKafkaErrorCode;
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::engine::event::{CallEvent, Decoder};
@@ -52,6 +61,8 @@ use crate::error::{ConsumeError, EventError, KafkaError};
 use crate::online::kafka::{client_config, client_err, producer_config};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
+use checkpoint::{Early, Spans, Uncommitted};
+use decide::{Decided, Decider};
 use delivery::{ConsumerCtx, OutRecord, Pending, ProducerCtx, Shared};
 use encode::{dead_letter, decode_message, Encoder};
 
@@ -182,190 +193,222 @@ pub struct ConsumeStats {
     pub batches: u64,
 }
 
-/// How many messages of `batch` can be decided before some partition's
-/// uncommitted events would span more than `limit` ms of event time (at
-/// least one, so the consumer always moves on: a single event spans
-/// nothing).
-fn span_cut(
-    batch: &[OwnedMessage],
-    decoded: &[Result<CallEvent, EventError>],
-    uncommitted: &Uncommitted,
-    limit: i64,
-) -> usize {
-    let mut spans = Uncommitted {
-        spans: uncommitted.spans.clone(),
-    };
-    for (i, (m, e)) in batch.iter().zip(decoded).enumerate() {
-        let Ok(e) = e else {
-            continue; // a dead letter decides nothing
-        };
-        spans.note(m.topic(), m.partition(), e.ts_ms);
-        if i > 0 && spans.due(limit) {
-            return i;
-        }
-    }
-    batch.len()
-}
-
-/// Event time decided per partition since the last synchronous commit.
-///
-/// A redelivered call is recognised only while its caller has moved on by
-/// less than the idempotency horizon `D` in event time. Catching up on a
-/// backlog covers hours of event time per second, so a crash between two
-/// timed commits could redeliver calls whose callers moved on by more than
-/// `D`, and they would be decided again, differently. So whenever a
-/// partition's uncommitted events span more than `D / 4` of event time, the
-/// consumer waits for its batches' acknowledgements and commits
-/// synchronously: exactness does not depend on how fast it runs.
-#[derive(Debug, Default)]
-struct Uncommitted {
-    /// (topic, partition, earliest, latest event time) since the commit; a
-    /// consumer owns a few partitions, so a vector searched in place (no
-    /// allocation per event).
-    spans: Vec<(String, i32, i64, i64)>,
-}
-
-impl Uncommitted {
-    fn note(&mut self, topic: &str, partition: i32, ts: i64) {
-        match self
-            .spans
-            .iter_mut()
-            .find(|(t, p, _, _)| *p == partition && t == topic)
-        {
-            Some((_, _, lo, hi)) => {
-                *lo = (*lo).min(ts);
-                *hi = (*hi).max(ts);
-            }
-            None => self.spans.push((topic.to_string(), partition, ts, ts)),
-        }
-    }
-
-    /// Whether some partition's uncommitted events span more than `limit` ms.
-    fn due(&self, limit: i64) -> bool {
-        self.spans
-            .iter()
-            .any(|(_, _, lo, hi)| hi.saturating_sub(*lo) > limit)
-    }
-}
-
 /// The Kafka clients of a run.
 struct Clients {
-    consumer: StreamConsumer<ConsumerCtx>,
+    consumer: Arc<StreamConsumer<ConsumerCtx>>,
     producer: Arc<ThreadedProducer<ProducerCtx>>,
     shared: Arc<Shared>,
+}
+
+/// A batch handed to the [`Decider`], with what the loop keeps of it
+/// meanwhile.
+struct Deciding {
+    /// Sequence number (from 1).
+    seq: u64,
+    /// The messages it came from (their offsets are stored once produced).
+    batch: Vec<OwnedMessage>,
+    /// Its dead letters, to which the records are added.
+    out: Vec<OutRecord>,
+    /// The verdicts, on their way.
+    reply: oneshot::Receiver<Decided>,
+    /// The verdicts, when they arrived while the next batch was collected.
+    ready: Option<Decided>,
+}
+
+/// What the loop carries from one batch to the next.
+struct Progress {
+    stats: ConsumeStats,
+    uncommitted: Uncommitted,
+    early: Early,
+    /// Batches submitted so far.
+    seq: u64,
+    /// The checkpoint allowance of the current rules (see [`checkpoint`]).
+    span_limit: i64,
 }
 
 /// Runs the stream processor until `shutdown` resolves, then drains.
 ///
 /// `rules` carries the current rule set; a new value takes effect from the
 /// next batch on.
-pub async fn run<S: WindowStore>(
+pub async fn run<S: WindowStore + 'static>(
     config: ConsumeConfig,
-    mut store: S,
+    store: S,
     rules: watch::Receiver<RuleSet>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
-    shutdown: impl Future<Output = ()>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<ConsumeStats, ConsumeError> {
     let clients = connect(&config, &metrics, &health)?;
     health.store_ok.store(true, Ordering::Relaxed);
     info!(topic = %config.input_topic, group = %config.group, "consuming");
 
-    let mut stats = ConsumeStats::default();
-    let mut encoder = Encoder::new(&rules.borrow());
-    let mut uncommitted = Uncommitted::default();
+    let mut shutdown = shutdown.boxed().shared();
+    let decider = Decider::spawn(
+        store,
+        config.clone(),
+        Encoder::new(&rules.borrow()),
+        metrics.clone(),
+        health.clone(),
+        shutdown.clone(),
+    );
+    let mut p = Progress {
+        stats: ConsumeStats::default(),
+        uncommitted: Uncommitted::default(),
+        early: Early::default(),
+        seq: 0,
+        span_limit: checkpoint::span_limit(rules.borrow().dedup_ms()),
+    };
     // A checkpoint is due but not committed yet; messages read meanwhile.
     let mut checkpoint_due = false;
     let mut held: Vec<OwnedMessage> = Vec::new();
-    tokio::pin!(shutdown);
+    // The batch being decided while the next one is collected.
+    let mut deciding: Option<Deciding> = None;
     loop {
-        let Some(batch) = next_batch(&clients, &config, &mut shutdown, held).await? else {
-            break;
-        };
+        let next = next_batch(&clients, &config, &mut shutdown, held, deciding.as_mut()).await?;
         held = Vec::new();
-        if batch.is_empty() {
-            continue; // all of it came from partitions revoked meanwhile
-        }
-        if checkpoint_due {
-            // A checkpoint could not be committed: decide nothing more until
-            // it is (a rebalance usually; reading on serves it). What was
-            // read meanwhile waits, undecided; what a revoke takes is
-            // dropped from it and re-read by the new owner.
-            if commit_now(&clients, config.drain_timeout).await? {
-                checkpoint_due = false;
-                uncommitted = Uncommitted::default();
-            } else {
-                held = batch;
-                tokio::time::sleep(CHECKPOINT_RETRY).await;
+        // Store what was acknowledged meanwhile; a wanted background commit
+        // may start.
+        clients
+            .shared
+            .settle::<ConsumerCtx, _>(&*clients.consumer)?;
+        p.early
+            .step(&clients.consumer, &clients.shared, &mut p.uncommitted);
+        let batch = match next {
+            Some(b) if !b.is_empty() => b,
+            // Nothing new (the batch being decided is back, or all of it
+            // came from partitions revoked meanwhile): finish that one.
+            Some(_) => {
+                if !finish(&clients, &config, &metrics, &mut p, deciding.take(), false).await? {
+                    break;
+                }
                 continue;
             }
-        }
+            None => {
+                finish(&clients, &config, &metrics, &mut p, deciding.take(), false).await?;
+                break;
+            }
+        };
         let current_rules = rules.borrow().clone();
-        encoder.follow(&current_rules);
-        let span_limit = current_rules.dedup_ms() / 4;
-        // Where sparse traffic makes one batch cover more event time than
-        // the checkpoint allows, decide only up to there: the rest waits
-        // for the checkpoint that follows.
+        let span_limit = checkpoint::span_limit(current_rules.dedup_ms());
+        p.span_limit = span_limit;
         let mut batch = batch;
         let mut decoded: Vec<Result<CallEvent, EventError>> =
             batch.iter().map(|m| decode_message(m, &config)).collect();
-        let cut = span_cut(&batch, &decoded, &uncommitted, span_limit);
+        // Decide only what fits in the checkpoint allowance; when nothing
+        // does, wait for the commit under way, or commit now.
+        let mut cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+        if cut == 0 || checkpoint_due {
+            // Everything decided is produced first, so a commit covers it.
+            if !finish(&clients, &config, &metrics, &mut p, deciding.take(), false).await? {
+                break;
+            }
+            p.early.finish(&mut p.uncommitted).await;
+            cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+            if cut == 0 || checkpoint_due {
+                if commit_now(&clients, config.drain_timeout).await? {
+                    checkpoint_due = false;
+                    p.uncommitted = Uncommitted::default();
+                    cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+                } else {
+                    // Decide nothing more until it is committed (a
+                    // rebalance usually; reading on serves it). What was
+                    // read meanwhile waits, undecided; what a revoke takes
+                    // is dropped from it and re-read by the new owner.
+                    checkpoint_due = true;
+                    held = batch;
+                    tokio::time::sleep(CHECKPOINT_RETRY).await;
+                    continue;
+                }
+            }
+        }
         if cut < batch.len() {
             held = batch.split_off(cut);
             decoded.truncate(cut);
         }
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
-        let events = sort_decoded(
-            &batch,
-            decoded,
+        let (events, spans) =
+            sort_decoded(&batch, decoded, &config, &metrics, &mut p.stats, &mut out);
+        p.seq += 1;
+        p.uncommitted.push(p.seq, spans);
+        // The previous batch is produced while this one is decided.
+        let reply = decider.submit(current_rules.clone(), events).await?;
+        let previous = deciding.replace(Deciding {
+            seq: p.seq,
+            batch,
+            out,
+            reply,
+            ready: None,
+        });
+        if !finish(
+            &clients,
             &config,
             &metrics,
-            &mut stats,
-            &mut out,
-            &mut uncommitted,
-        );
-        let policy = config.on_store_error;
-        let decided = decide::decide(
-            &mut store,
-            &current_rules,
-            &events,
-            policy,
-            &metrics,
-            &health,
-            &mut shutdown,
-        );
-        let verdicts = match decided.await {
-            Some(v) => v?,
-            None => break, // shutdown while blocked: nothing of this batch is committed
-        };
-        metrics.batch_size.observe(events.len() as f64);
-        for v in &verdicts {
-            decide::count(&metrics, &mut stats, v);
-        }
-        encoder.encode(&events, &verdicts, &config, &mut out);
-        produce_batch(&clients, &batch, &out).await;
-        stats.batches += 1;
-        wait_for_room(&clients, config.max_in_flight).await?;
-        if uncommitted.due(span_limit) || !held.is_empty() {
-            if commit_now(&clients, config.drain_timeout).await? {
-                uncommitted = Uncommitted::default();
-            } else {
-                checkpoint_due = true;
-            }
+            &mut p,
+            previous,
+            !held.is_empty(),
+        )
+        .await?
+        {
+            break;
         }
     }
+    p.early.finish(&mut p.uncommitted).await;
     drain(&clients, config.drain_timeout).await?;
-    Ok(stats)
+    Ok(p.stats)
 }
 
-/// The producer's settings: idempotent, lz4, a 5 ms linger; `-X` settings
-/// win over these defaults.
+/// Waits for a batch's verdicts and records, then produces them and
+/// starts a background commit when the allowance is half used (or `cut`:
+/// the next batch did not fit). `false`: shutdown came while the store was
+/// failing, and nothing of the batch is produced or committed.
+async fn finish(
+    clients: &Clients,
+    config: &ConsumeConfig,
+    metrics: &Metrics,
+    p: &mut Progress,
+    deciding: Option<Deciding>,
+    cut: bool,
+) -> Result<bool, ConsumeError> {
+    let Some(mut d) = deciding else {
+        return Ok(true);
+    };
+    let decided = match d.ready.take() {
+        Some(r) => r,
+        None => (&mut d.reply)
+            .await
+            .map_err(|_| ConsumeError::DeciderStopped)?,
+    };
+    let Some(verdicts) = decided.verdicts else {
+        return Ok(false);
+    };
+    let verdicts = verdicts?;
+    metrics.batch_size.observe(verdicts.len() as f64);
+    for v in &verdicts {
+        decide::count(metrics, &mut p.stats, v);
+    }
+    d.out.extend(decided.records);
+    p.stats.batches += 1;
+    produce_batch(clients, d.seq, &d.batch, &d.out).await;
+    wait_for_room(clients, config.max_in_flight).await?;
+    if cut || p.uncommitted.due(p.span_limit / 4) {
+        // A quarter of the allowance used, or the next batch cut: commit in
+        // the background while deciding goes on.
+        p.early.want(d.seq);
+    }
+    p.early
+        .step(&clients.consumer, &clients.shared, &mut p.uncommitted);
+    Ok(true)
+}
+
+/// The producer's settings: idempotent, lz4, a 1 ms linger (a batch's
+/// records are sent together anyway; a checkpoint waits for them); `-X`
+/// settings win over these defaults.
 fn producer_settings(config: &ConsumeConfig) -> ClientConfig {
     producer_config(
         &config.brokers,
         &[
             ("enable.idempotence", "true"),
-            ("linger.ms", "5"),
+            ("linger.ms", "1"),
             ("compression.type", "lz4"),
         ],
         &config.kafka_settings,
@@ -424,20 +467,23 @@ fn connect(
         .subscribe(&[config.input_topic.as_str()])
         .map_err(client_err(format!("subscribing to {}", config.input_topic)))?;
     Ok(Clients {
-        consumer,
+        consumer: Arc::new(consumer),
         producer,
         shared,
     })
 }
 
 /// Collects the next batch: waits for a first message, then up to the
-/// linger time or the batch size. `None` when shutdown is requested. While
-/// idle it stores the offsets of acknowledged batches now and then.
-async fn next_batch<F: Future<Output = ()>>(
+/// linger time or the batch size; returns early, with what it has, when the
+/// verdicts of the batch being decided arrive. `None` when shutdown is
+/// requested. While idle it stores the offsets of acknowledged batches now
+/// and then.
+async fn next_batch<F: Future<Output = ()> + Unpin>(
     clients: &Clients,
     config: &ConsumeConfig,
-    shutdown: &mut Pin<&mut F>,
+    shutdown: &mut F,
     held: Vec<OwnedMessage>,
+    mut deciding: Option<&mut Deciding>,
 ) -> Result<Option<Vec<OwnedMessage>>, KafkaError> {
     // Held messages (see `checkpoint_due` in `run`) come first, topped up to
     // a batch; while a checkpoint waits, at least one more message is read
@@ -458,10 +504,22 @@ async fn next_batch<F: Future<Output = ()>>(
         IDLE_SETTLE
     });
     tokio::pin!(timer);
+    // Watch the batch being decided only until its verdicts are in.
+    if deciding.as_ref().is_some_and(|d| d.ready.is_some()) {
+        deciding = None;
+    }
     while batch.len() < limit {
+        let watching = deciding.is_some();
         tokio::select! {
             biased;
-            _ = shutdown.as_mut() => return Ok(None),
+            _ = &mut *shutdown => return Ok(None),
+            r = reply_of(&mut deciding), if watching => {
+                if let (Ok(r), Some(d)) = (r, deciding.as_mut()) {
+                    d.ready = Some(r);
+                }
+                // A stopped decider is reported when the batch is finished.
+                break;
+            }
             m = clients.consumer.recv() => match m {
                 Ok(m) => {
                     // What was read from partitions revoked meanwhile is read again
@@ -482,7 +540,7 @@ async fn next_batch<F: Future<Output = ()>>(
                 if lingering {
                     break;
                 }
-                clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
+                clients.shared.settle::<ConsumerCtx, _>(&*clients.consumer)?;
                 timer.as_mut().reset(tokio::time::Instant::now() + IDLE_SETTLE);
             }
         }
@@ -491,9 +549,19 @@ async fn next_batch<F: Future<Output = ()>>(
     Ok(Some(batch))
 }
 
+/// The verdicts of the batch being decided, when they come (never, for
+/// none).
+fn reply_of<'a, 'b: 'a>(
+    deciding: &'a mut Option<&'b mut Deciding>,
+) -> impl Future<Output = Result<Decided, oneshot::error::RecvError>> + use<'a, 'b> {
+    std::future::poll_fn(move |cx| match deciding {
+        Some(d) => std::pin::Pin::new(&mut d.reply).poll(cx),
+        None => std::task::Poll::Pending,
+    })
+}
+
 /// Sorts a decoded batch: events to decide, and dead letters (in `out`)
-/// for messages that did not decode. Event times are noted per partition
-/// in `uncommitted`.
+/// for messages that did not decode; with the event times per partition.
 fn sort_decoded(
     batch: &[OwnedMessage],
     decoded: Vec<Result<CallEvent, EventError>>,
@@ -501,13 +569,13 @@ fn sort_decoded(
     metrics: &Metrics,
     stats: &mut ConsumeStats,
     out: &mut Vec<OutRecord>,
-    uncommitted: &mut Uncommitted,
-) -> Vec<CallEvent> {
+) -> (Vec<CallEvent>, Spans) {
     let mut events = Vec::with_capacity(batch.len());
+    let mut spans = Spans::default();
     for (m, result) in batch.iter().zip(decoded) {
         match result {
             Ok(e) => {
-                uncommitted.note(m.topic(), m.partition(), e.ts_ms);
+                spans.note(m.topic(), m.partition(), e.ts_ms);
                 events.push(e);
             }
             Err(err) => {
@@ -522,12 +590,12 @@ fn sort_decoded(
             }
         }
     }
-    events
+    (events, spans)
 }
 
 /// Produces a batch's records; its offsets are stored once every record is
 /// acknowledged.
-async fn produce_batch(clients: &Clients, batch: &[OwnedMessage], out: &[OutRecord]) {
+async fn produce_batch(clients: &Clients, seq: u64, batch: &[OwnedMessage], out: &[OutRecord]) {
     let mut last: HashMap<(String, i32), i64> = HashMap::new();
     for m in batch {
         let e = last
@@ -536,6 +604,7 @@ async fn produce_batch(clients: &Clients, batch: &[OwnedMessage], out: &[OutReco
         *e = (*e).max(m.offset());
     }
     let pending = Pending::new(
+        seq,
         last.into_iter().map(|((t, p), o)| (t, p, o)).collect(),
         out.len(),
     );
@@ -547,7 +616,11 @@ async fn produce_batch(clients: &Clients, batch: &[OwnedMessage], out: &[OutReco
 
 /// Stores what completed; waits while too many batches are in flight.
 async fn wait_for_room(clients: &Clients, max_in_flight: usize) -> Result<(), KafkaError> {
-    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? >= max_in_flight {
+    while clients
+        .shared
+        .settle::<ConsumerCtx, _>(&*clients.consumer)?
+        >= max_in_flight
+    {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     Ok(())
@@ -555,27 +628,27 @@ async fn wait_for_room(clients: &Clients, max_in_flight: usize) -> Result<(), Ka
 
 /// Waits for every batch in flight to be acknowledged (their offsets are
 /// then stored) and commits synchronously: a checkpoint (see
-/// [`Uncommitted`]). Returns whether everything decided is committed now.
+/// [`checkpoint`]). Returns whether everything decided is committed now.
 /// A delivery failure stops the consumer, as anywhere.
 async fn commit_now(clients: &Clients, timeout: Duration) -> Result<bool, KafkaError> {
     let deadline = Instant::now() + timeout;
-    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? > 0 {
+    while clients
+        .shared
+        .settle::<ConsumerCtx, _>(&*clients.consumer)?
+        > 0
+    {
         if Instant::now() >= deadline {
             warn!("checkpoint: batches still unacknowledged; trying again");
             return Ok(false);
         }
-        clients.producer.poll(Duration::from_millis(1));
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    match clients.consumer.commit_consumer_state(CommitMode::Sync) {
-        Ok(()) => Ok(true),
-        // Everything stored was committed already (by the timed commit).
-        Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => Ok(true),
-        Err(e) => {
-            warn!(error = %e, "checkpoint not committed; deciding nothing more until it is");
-            Ok(false)
-        }
-    }
+    let consumer = clients.consumer.clone();
+    Ok(
+        tokio::task::spawn_blocking(move || checkpoint::commit(&consumer))
+            .await
+            .unwrap_or(false),
+    )
 }
 
 /// Waits for the last acknowledgements within the deadline, stores their
@@ -583,13 +656,18 @@ async fn commit_now(clients: &Clients, timeout: Duration) -> Result<bool, KafkaE
 async fn drain(clients: &Clients, timeout: Duration) -> Result<(), KafkaError> {
     info!("draining");
     let deadline = Instant::now() + timeout;
-    while clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)? > 0
+    while clients
+        .shared
+        .settle::<ConsumerCtx, _>(&*clients.consumer)?
+        > 0
         && Instant::now() < deadline
     {
         clients.producer.poll(Duration::from_millis(10));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let left = clients.shared.settle::<ConsumerCtx, _>(&clients.consumer)?;
+    let left = clients
+        .shared
+        .settle::<ConsumerCtx, _>(&*clients.consumer)?;
     if left > 0 {
         warn!(
             batches = left,
@@ -614,7 +692,7 @@ mod tests {
         let c = consumer_settings(&config);
         assert_eq!(c.get("fetch.wait.max.ms"), Some(DEFAULT_FETCH_WAIT_MS));
         assert_eq!(c.get("enable.auto.offset.store"), Some("false"));
-        assert_eq!(producer_settings(&config).get("linger.ms"), Some("5"));
+        assert_eq!(producer_settings(&config).get("linger.ms"), Some("1"));
         config.kafka_settings = vec![
             ("fetch.wait.max.ms".into(), "100".into()),
             ("linger.ms".into(), "20".into()),

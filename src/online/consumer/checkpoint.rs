@@ -1,0 +1,250 @@
+//! Checkpoints: commits that keep a crash's redeliveries within the
+//! idempotency horizon.
+//!
+//! A redelivered call is recognised only while its caller has moved on by
+//! less than the idempotency horizon `D` in event time. Catching up on a
+//! backlog covers hours of event time per second, so a crash between two
+//! timed commits could redeliver calls whose callers moved on by more than
+//! `D`, and they would be decided again, differently.
+//!
+//! A caller's calls share a partition (events are keyed by caller), so when
+//! a call is redelivered its caller has moved on by at most the span of its
+//! partition's uncommitted events, plus how late the call itself was. So no
+//! partition's uncommitted events may span more than `D / 2` of event time
+//! ([`span_limit`]), which leaves half the horizon for lateness (the grace
+//! is seconds, `D` at least the longest window): before a batch would pass
+//! that, the consumer waits until what it decided is committed. Exactness
+//! does not depend on how fast it runs.
+//!
+//! Waiting for a commit costs the producer's linger, the broker's
+//! acknowledgements and a commit round trip. So a commit is started in the
+//! background as soon as a quarter of the allowance is used ([`Early`]), while
+//! deciding goes on; the consumer waits only when the allowance runs out
+//! before that commit is confirmed.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::types::RDKafkaErrorCode;
+use tokio::task::JoinHandle;
+use tracing::{debug, warn};
+
+use crate::engine::event::CallEvent;
+use crate::error::EventError;
+use crate::online::consumer::delivery::{ConsumerCtx, Shared};
+
+/// How much event time a partition's uncommitted events may span, for an
+/// idempotency horizon of `dedup_ms`.
+pub(super) fn span_limit(dedup_ms: i64) -> i64 {
+    dedup_ms / 2
+}
+
+/// Earliest and latest event time per partition: (topic, partition,
+/// earliest, latest). A consumer owns a few partitions, so a vector searched
+/// in place (no allocation per event).
+#[derive(Debug, Default, Clone)]
+pub(super) struct Spans(Vec<(String, i32, i64, i64)>);
+
+impl Spans {
+    /// Notes one event time of a partition.
+    pub fn note(&mut self, topic: &str, partition: i32, ts: i64) {
+        match self
+            .0
+            .iter_mut()
+            .find(|(t, p, _, _)| *p == partition && t == topic)
+        {
+            Some((_, _, lo, hi)) => {
+                *lo = (*lo).min(ts);
+                *hi = (*hi).max(ts);
+            }
+            None => self.0.push((topic.to_string(), partition, ts, ts)),
+        }
+    }
+
+    /// Notes every span of `other`.
+    fn merge(&mut self, other: &Spans) {
+        for (t, p, lo, hi) in &other.0 {
+            self.note(t, *p, *lo);
+            self.note(t, *p, *hi);
+        }
+    }
+
+    /// Whether some partition's events span more than `limit` ms.
+    pub fn due(&self, limit: i64) -> bool {
+        self.0
+            .iter()
+            .any(|(_, _, lo, hi)| hi.saturating_sub(*lo) > limit)
+    }
+}
+
+/// Event time decided per partition and not yet covered by a confirmed
+/// commit, kept per batch so that a commit covering the first batches
+/// releases their share.
+#[derive(Debug, Default)]
+pub(super) struct Uncommitted {
+    /// (batch sequence number, its spans), oldest first.
+    batches: VecDeque<(u64, Spans)>,
+    /// All of them together.
+    total: Spans,
+}
+
+impl Uncommitted {
+    /// Notes the spans of batch `seq` (sequence numbers grow).
+    pub fn push(&mut self, seq: u64, spans: Spans) {
+        self.total.merge(&spans);
+        self.batches.push_back((seq, spans));
+    }
+
+    /// A commit covered every batch up to `seq`.
+    pub fn committed_through(&mut self, seq: u64) {
+        let before = self.batches.len();
+        while self.batches.front().is_some_and(|(s, _)| *s <= seq) {
+            self.batches.pop_front();
+        }
+        if self.batches.len() != before {
+            self.total = Spans::default();
+            for (_, s) in &self.batches {
+                self.total.merge(s);
+            }
+        }
+    }
+
+    /// Whether some partition's uncommitted events span more than `limit` ms.
+    pub fn due(&self, limit: i64) -> bool {
+        self.total.due(limit)
+    }
+
+    /// How many messages of `batch` can be decided before some partition's
+    /// uncommitted events would span more than `limit` ms of event time
+    /// (after a commit, at least one: a single event spans nothing).
+    pub fn cut(
+        &self,
+        batch: &[OwnedMessage],
+        decoded: &[Result<CallEvent, EventError>],
+        limit: i64,
+    ) -> usize {
+        let mut spans = self.total.clone();
+        for (i, (m, e)) in batch.iter().zip(decoded).enumerate() {
+            let Ok(e) = e else {
+                continue; // a dead letter decides nothing
+            };
+            spans.note(m.topic(), m.partition(), e.ts_ms);
+            if spans.due(limit) {
+                return i;
+            }
+        }
+        batch.len()
+    }
+}
+
+/// A commit started in the background, before the allowance runs out.
+#[derive(Debug, Default)]
+pub(super) enum Early {
+    /// None wanted.
+    #[default]
+    Idle,
+    /// Wanted once every batch up to this one is acknowledged and stored.
+    Wanted(u64),
+    /// Committing (on a blocking thread) the offsets stored through this batch.
+    Running(u64, JoinHandle<bool>),
+}
+
+impl Early {
+    /// Asks for a commit of every batch up to `seq`, unless one is under way.
+    pub fn want(&mut self, seq: u64) {
+        if matches!(self, Early::Idle) {
+            *self = Early::Wanted(seq);
+        }
+    }
+
+    /// Moves on without waiting: starts the wanted commit once its batches
+    /// are stored, and applies a finished one to `uncommitted`.
+    pub fn step(
+        &mut self,
+        consumer: &Arc<StreamConsumer<ConsumerCtx>>,
+        shared: &Shared,
+        uncommitted: &mut Uncommitted,
+    ) {
+        match self {
+            Early::Idle => {}
+            Early::Wanted(seq) => {
+                let stored = shared.stored_through();
+                if stored >= *seq {
+                    let consumer = consumer.clone();
+                    let task = tokio::task::spawn_blocking(move || commit(&consumer));
+                    *self = Early::Running(stored, task);
+                }
+            }
+            Early::Running(seq, task) => {
+                if let Some(done) = task.now_or_never() {
+                    if done.unwrap_or(false) {
+                        uncommitted.committed_through(*seq);
+                    }
+                    *self = Early::Idle;
+                }
+            }
+        }
+    }
+
+    /// Waits for a running commit and applies it to `uncommitted`; a wanted
+    /// one that has not started is dropped (the caller commits everything).
+    pub async fn finish(&mut self, uncommitted: &mut Uncommitted) {
+        if let Early::Running(seq, task) = std::mem::take(self) {
+            if task.await.unwrap_or(false) {
+                uncommitted.committed_through(seq);
+            }
+        }
+    }
+}
+
+/// Commits the stored offsets synchronously; whether everything stored is
+/// committed now.
+pub(super) fn commit(consumer: &StreamConsumer<ConsumerCtx>) -> bool {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) => true,
+        // Everything stored was committed already (by the timed commit).
+        Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
+        Err(e) => {
+            warn!(error = %e, "checkpoint not committed");
+            debug!("a later checkpoint tries again");
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spans(parts: &[(i32, i64, i64)]) -> Spans {
+        let mut s = Spans::default();
+        for (p, lo, hi) in parts {
+            s.note("t", *p, *lo);
+            s.note("t", *p, *hi);
+        }
+        s
+    }
+
+    #[test]
+    fn a_commit_releases_only_the_batches_it_covers() {
+        let mut u = Uncommitted::default();
+        u.push(1, spans(&[(0, 0, 100)]));
+        u.push(2, spans(&[(0, 100, 300), (1, 5, 6)]));
+        u.push(3, spans(&[(1, 6, 400)]));
+        assert!(u.due(300) && u.due(390) && !u.due(400));
+        u.committed_through(1);
+        // Partition 0 now spans 100..300, partition 1 5..400.
+        assert!(u.due(390) && !u.due(395));
+        u.committed_through(2);
+        assert!(u.due(393) && !u.due(394));
+        u.committed_through(3);
+        assert!(u.batches.is_empty() && !u.due(0));
+        // A commit of nothing new changes nothing.
+        u.push(4, spans(&[(0, 1000, 1200)]));
+        u.committed_through(3);
+        assert!(u.due(199) && !u.due(200));
+    }
+}
