@@ -211,8 +211,9 @@ struct Deciding {
     out: Vec<OutRecord>,
     /// The verdicts, on their way.
     reply: oneshot::Receiver<Decided>,
-    /// The verdicts, when they arrived while the next batch was collected.
-    ready: Option<Decided>,
+    /// The verdicts, when they arrived while the next batch was collected
+    /// (an error: the decider stopped).
+    ready: Option<Result<Decided, oneshot::error::RecvError>>,
 }
 
 /// What the loop carries from one batch to the next.
@@ -374,10 +375,9 @@ async fn finish(
     };
     let decided = match d.ready.take() {
         Some(r) => r,
-        None => (&mut d.reply)
-            .await
-            .map_err(|_| ConsumeError::DeciderStopped)?,
-    };
+        None => (&mut d.reply).await,
+    }
+    .map_err(|_| ConsumeError::DeciderStopped)?;
     let Some(verdicts) = decided.verdicts else {
         return Ok(false);
     };
@@ -474,8 +474,9 @@ fn connect(
 }
 
 /// Collects the next batch: waits for a first message, then up to the
-/// linger time or the batch size; returns early, with what it has, when the
-/// verdicts of the batch being decided arrive. `None` when shutdown is
+/// linger time or the batch size. When the verdicts of the batch being
+/// decided arrive it stops lingering: it returns at once if it has nothing,
+/// else after taking the messages already received. `None` when shutdown is
 /// requested. While idle it stores the offsets of acknowledged batches now
 /// and then.
 async fn next_batch<F: Future<Output = ()> + Unpin>(
@@ -514,11 +515,15 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
             biased;
             _ = &mut *shutdown => return Ok(None),
             r = reply_of(&mut deciding), if watching => {
-                if let (Ok(r), Some(d)) = (r, deciding.as_mut()) {
+                if let Some(d) = deciding.take() {
                     d.ready = Some(r);
                 }
-                // A stopped decider is reported when the batch is finished.
-                break;
+                if batch.is_empty() {
+                    break;
+                }
+                // Take what is already there (a backlog), then go.
+                timer.as_mut().reset(tokio::time::Instant::now());
+                lingering = true;
             }
             m = clients.consumer.recv() => match m {
                 Ok(m) => {
