@@ -290,6 +290,9 @@ pub struct Schema {
     /// Column indices by name: the key order of [`Schema::to_json`]'s
     /// objects, which [`Schema::write_json`] writes directly.
     by_name: Vec<usize>,
+    /// Per entry of `by_name`, the JSON text before its value: `"name":`,
+    /// after a comma but for the first.
+    keys: Vec<Vec<u8>>,
 }
 
 impl Schema {
@@ -331,7 +334,21 @@ impl Schema {
         }
         let mut by_name: Vec<usize> = (0..columns.len()).collect();
         by_name.sort_by(|&a, &b| columns[a].name.cmp(&columns[b].name));
-        Schema { columns, by_name }
+        let keys = by_name
+            .iter()
+            .enumerate()
+            .map(|(k, &i)| {
+                let mut key = if k > 0 { vec![b','] } else { Vec::new() };
+                json_text(&mut key, &columns[i].name);
+                key.push(b':');
+                key
+            })
+            .collect();
+        Schema {
+            columns,
+            by_name,
+            keys,
+        }
     }
 
     /// Decision records (`call-decisions`, `replay`): `call_id, caller,
@@ -410,41 +427,75 @@ impl Schema {
     /// directly (no intermediate map: a topic's payloads are written once
     /// per call on the hot path). Byte for byte the same text.
     pub fn write_json(&self, row: Row<'_>, out: &mut Vec<u8>) {
-        use std::io::Write as _;
-        fn text(out: &mut Vec<u8>, s: &str) {
-            // Writing a str into a Vec cannot fail.
-            let _ = serde_json::to_writer(&mut *out, s);
-        }
         out.push(b'{');
-        for (k, &i) in self.by_name.iter().enumerate() {
-            if k > 0 {
-                out.push(b',');
-            }
-            let c = &self.columns[i];
-            text(out, &c.name);
-            out.push(b':');
-            let _ = match c.field.value(row) {
-                Value::Text(Some(s)) => {
-                    text(out, s);
-                    Ok(())
-                }
-                Value::Int(Some(v)) => write!(out, "{v}"),
-                Value::UInt(Some(v)) => write!(out, "{v}"),
-                Value::Bool(Some(b)) => out.write_all(if b { b"true" } else { b"false" }),
-                Value::Time(ms) => match DateTime::from_timestamp_millis(ms) {
-                    Some(d) => {
-                        text(out, &d.to_rfc3339_opts(SecondsFormat::Millis, true));
-                        Ok(())
-                    }
-                    None => out.write_all(b"null"),
-                },
+        let mut digits = itoa::Buffer::new();
+        for (key, &i) in self.keys.iter().zip(&self.by_name) {
+            out.extend_from_slice(key);
+            match self.columns[i].field.value(row) {
+                Value::Text(Some(s)) => json_text(out, s),
+                Value::Int(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
+                Value::UInt(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
+                Value::Bool(Some(b)) => out.extend_from_slice(if b { b"true" } else { b"false" }),
+                Value::Time(ms) => json_time(out, ms),
                 Value::Text(None) | Value::Int(None) | Value::UInt(None) | Value::Bool(None) => {
-                    out.write_all(b"null")
+                    out.extend_from_slice(b"null")
                 }
-            };
+            }
         }
         out.push(b'}');
     }
+}
+
+/// Appends `s` as a JSON string, as `serde_json` writes it.
+fn json_text(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        // Nothing to escape (the common case: numbers, ids, reasons).
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        // Writing a str into a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut *out, s);
+    }
+}
+
+/// Appends an event time as `serde_json` writes its RFC 3339 text with
+/// milliseconds (`"2025-12-01T00:00:45.561Z"`), or `null` out of range.
+fn json_time(out: &mut Vec<u8>, ms: i64) {
+    use chrono::{Datelike, Timelike};
+    let Some(d) = DateTime::from_timestamp_millis(ms) else {
+        out.extend_from_slice(b"null");
+        return;
+    };
+    let year = d.year();
+    if !(0..=9999).contains(&year) {
+        // Years chrono writes with a sign: its own text.
+        json_text(out, &d.to_rfc3339_opts(SecondsFormat::Millis, true));
+        return;
+    }
+    let two = |out: &mut Vec<u8>, v: u32| {
+        out.push(b'0' + (v / 10) as u8);
+        out.push(b'0' + (v % 10) as u8);
+    };
+    let y = year as u32;
+    out.push(b'"');
+    two(out, y / 100);
+    two(out, y % 100);
+    out.push(b'-');
+    two(out, d.month());
+    out.push(b'-');
+    two(out, d.day());
+    out.push(b'T');
+    two(out, d.hour());
+    out.push(b':');
+    two(out, d.minute());
+    out.push(b':');
+    two(out, d.second());
+    out.push(b'.');
+    let milli = d.timestamp_subsec_millis();
+    out.push(b'0' + (milli / 100) as u8);
+    two(out, milli % 100);
+    out.extend_from_slice(b"Z\"");
 }
 
 /// The fields of the Redis script's reply record, in order, `|`-separated
@@ -610,6 +661,51 @@ mod tests {
                     schema.to_json(row).to_string()
                 );
             }
+        }
+    }
+
+    /// Times and strings are written as `serde_json` writes chrono's text
+    /// and strings: over the whole time range (years with a sign, the
+    /// epoch, millisecond edges, out of range) and every byte that needs
+    /// escaping.
+    #[test]
+    fn times_and_strings_are_written_as_serde_json_does() {
+        let mut times = vec![
+            0,
+            -1,
+            1,
+            999,
+            1_000,
+            1_764_547_200_123,
+            253_402_300_799_999, // 9999-12-31T23:59:59.999Z
+            253_402_300_800_000, // year 10000
+            -62_167_219_200_000, // year 0
+            -62_167_219_200_001, // year -1
+            i64::MAX,
+            i64::MIN,
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..2_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            times.push((x % 600_000_000_000_000) as i64 - 300_000_000_000_000);
+        }
+        for ms in times {
+            let mut out = Vec::new();
+            json_time(&mut out, ms);
+            let expected = Value::Time(ms).to_json().to_string();
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "{ms}");
+        }
+        let mut texts: Vec<String> = (0u8..=0x7f).map(|b| format!("a{}b", b as char)).collect();
+        texts.extend(["", "+34911000001", "ok", "\u{e9}\u{1F600}", "\u{2028}"].map(String::from));
+        for t in texts {
+            let mut out = Vec::new();
+            json_text(&mut out, &t);
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                serde_json::to_string(&t).unwrap()
+            );
         }
     }
 
