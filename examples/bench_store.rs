@@ -26,7 +26,6 @@ use std::time::{Duration, Instant};
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::RuleSet;
-use callguard::store::cached::CachedStore;
 use callguard::store::redis::{RedisConfig, RedisStore, WINDOW_LUA};
 use callguard::store::{AnyStore, WindowStore};
 
@@ -43,17 +42,9 @@ fn free_port() -> u16 {
 
 /// A Redis store: the window script (`cached = false`) or the cached store.
 async fn connect(config: RedisConfig, cached: bool) -> AnyStore {
-    if cached {
-        AnyStore::Cached(Box::new(
-            CachedStore::connect(config, 1_000_000)
-                .await
-                .expect("connect"),
-        ))
-    } else {
-        AnyStore::Redis(Box::new(
-            RedisStore::connect(config).await.expect("connect"),
-        ))
-    }
+    AnyStore::connect_redis(config, cached.then_some(1_000_000))
+        .await
+        .expect("connect")
 }
 
 fn used_memory(con: &mut redis::Connection) -> i64 {

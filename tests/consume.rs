@@ -14,9 +14,8 @@ use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
-use callguard::store::cached::CachedStore;
 use callguard::store::memory::MemoryStore;
-use callguard::store::redis::{RedisConfig, RedisStore};
+use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
 use common::kafka::{by_call_id, produce_raw, read_decisions, read_topic, signal, spawn_consumer};
 use common::{RedisServer, Tansu};
@@ -132,13 +131,9 @@ async fn start_in_process_with(
         urls: vec![redis_url.to_string()],
         ..RedisConfig::default()
     };
-    let store = if cached {
-        AnyStore::Cached(Box::new(
-            CachedStore::connect(redis_config, 1_000_000).await.unwrap(),
-        ))
-    } else {
-        AnyStore::Redis(Box::new(RedisStore::connect(redis_config).await.unwrap()))
-    };
+    let store = AnyStore::connect_redis(redis_config, cached.then_some(1_000_000))
+        .await
+        .unwrap();
     let (stop, mut rx) = watch::channel(false);
     let (_rules_tx, rules_rx) = watch::channel(rules);
     let metrics = Arc::new(Metrics::new());

@@ -14,8 +14,7 @@ use callguard::online::consumer::StoreErrorPolicy;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::produce::event_json;
 use callguard::online::serve::{self, ServeConfig};
-use callguard::store::cached::CachedStore;
-use callguard::store::redis::{RedisConfig, RedisStore};
+use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
 use common::scenarios::T0;
 use common::{query_escape, random, HttpConn, RedisServer};
@@ -45,17 +44,9 @@ impl Served {
         let metrics = Arc::new(Metrics::new());
         let served_metrics = metrics.clone();
         let port = rt.block_on(async {
-            let store = if cached {
-                AnyStore::Cached(Box::new(
-                    CachedStore::connect(redis, 1_000)
-                        .await
-                        .expect("connect to Redis"),
-                ))
-            } else {
-                AnyStore::Redis(Box::new(
-                    RedisStore::connect(redis).await.expect("connect to Redis"),
-                ))
-            };
+            let store = AnyStore::connect_redis(redis, cached.then_some(1_000))
+                .await
+                .expect("connect to Redis");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let (_tx, rx) = tokio::sync::watch::channel(rules);

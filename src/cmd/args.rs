@@ -11,9 +11,9 @@ use callguard::engine::event::{Decoder, FieldMap, NumberHasher};
 use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
-use callguard::store::cached::{self, CachedStore};
+use callguard::store::cached;
 use callguard::store::memory::MemoryStore;
-use callguard::store::redis::{self, RedisConfig, RedisStore};
+use callguard::store::redis::{self, RedisConfig};
 use callguard::store::sharded::ShardedStore;
 use callguard::store::AnyStore;
 
@@ -393,16 +393,13 @@ impl StoreArgs {
                 let config = self.redis_config();
                 let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();
                 let context = || format!("connecting to Redis at {}", urls.join(","));
-                match self.redis_mode {
-                    RedisMode::Script => AnyStore::Redis(Box::new(
-                        RedisStore::connect(config).await.with_context(context)?,
-                    )),
-                    RedisMode::Cached => AnyStore::Cached(Box::new(
-                        CachedStore::connect(config, self.cached_callers)
-                            .await
-                            .with_context(context)?,
-                    )),
-                }
+                let cached = match self.redis_mode {
+                    RedisMode::Script => None,
+                    RedisMode::Cached => Some(self.cached_callers),
+                };
+                AnyStore::connect_redis(config, cached)
+                    .await
+                    .with_context(context)?
             }
         })
     }

@@ -76,6 +76,20 @@ pub enum AnyStore {
     Cached(Box<cached::CachedStore>),
 }
 
+impl AnyStore {
+    /// A Redis store: the window script, or with `cached_callers` the
+    /// cached store keeping up to that many callers in memory.
+    pub async fn connect_redis(
+        config: redis::RedisConfig,
+        cached_callers: Option<usize>,
+    ) -> Result<Self, StoreError> {
+        Ok(match cached_callers {
+            None => AnyStore::Redis(Box::new(redis::RedisStore::connect(config).await?)),
+            Some(n) => AnyStore::Cached(Box::new(cached::CachedStore::connect(config, n).await?)),
+        })
+    }
+}
+
 impl WindowStore for AnyStore {
     async fn apply_batch(
         &mut self,

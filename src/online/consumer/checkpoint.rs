@@ -30,7 +30,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::types::RDKafkaErrorCode;
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::warn;
 
 use crate::engine::event::CallEvent;
 use crate::error::EventError;
@@ -208,8 +208,7 @@ pub(super) fn commit(consumer: &StreamConsumer<ConsumerCtx>) -> bool {
         // Everything stored was committed already (by the timed commit).
         Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
         Err(e) => {
-            warn!(error = %e, "checkpoint not committed");
-            debug!("a later checkpoint tries again");
+            warn!(error = %e, "checkpoint not committed; a later one tries again");
             false
         }
     }

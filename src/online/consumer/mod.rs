@@ -274,7 +274,7 @@ pub async fn run<S: WindowStore + 'static>(
             .settle::<ConsumerCtx, _>(&*clients.consumer)?;
         p.early
             .step(&clients.consumer, &clients.shared, &mut p.uncommitted);
-        let batch = match next {
+        let mut batch = match next {
             Some(b) if !b.is_empty() => b,
             // Nothing new (the batch being decided is back, or all of it
             // came from partitions revoked meanwhile): finish that one.
@@ -292,7 +292,6 @@ pub async fn run<S: WindowStore + 'static>(
         let current_rules = rules.borrow().clone();
         let span_limit = checkpoint::span_limit(current_rules.dedup_ms());
         p.span_limit = span_limit;
-        let mut batch = batch;
         let mut decoded: Vec<Result<CallEvent, EventError>> =
             batch.iter().map(|m| decode_message(m, &config)).collect();
         // Decide only what fits in the checkpoint allowance; when nothing
@@ -359,8 +358,8 @@ pub async fn run<S: WindowStore + 'static>(
 }
 
 /// Waits for a batch's verdicts and records, then produces them and
-/// starts a background commit when the allowance is half used (or `cut`:
-/// the next batch did not fit). `false`: shutdown came while the store was
+/// starts a background commit once a quarter of the checkpoint allowance is
+/// used (or `cut`: the next batch did not fit). `false`: shutdown came while the store was
 /// failing, and nothing of the batch is produced or committed.
 async fn finish(
     clients: &Clients,
