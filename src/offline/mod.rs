@@ -12,6 +12,7 @@
 //! * [`plot`]: the sweep's plot.
 //! * [`generate`]: a synthetic, labelled call log.
 
+pub mod columns;
 pub mod features;
 pub mod generate;
 pub mod order;

@@ -15,6 +15,7 @@ use polars::prelude::*;
 
 use crate::engine::event::{CallEvent, Decoder, FieldMap, RawValue, FIELDS};
 use crate::error::{EventError, IoError};
+use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
 
 /// Column names of an Asterisk `Master.csv` (cdr_csv), in file order.
@@ -375,22 +376,353 @@ pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str>
         .collect()
 }
 
-/// Reads and decodes a call log.
+/// Reads and decodes a call log, in file order (see [`read_events`]).
 pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError> {
-    let mut decoder = opts.decoder.clone();
-    decoder.map = effective_map(opts.format, &opts.decoder.map);
-    let wanted = wanted_columns(&decoder.map, opts);
-    let df = read_frame_columns(path, opts.format, opts.delimiter, Some(&wanted))?;
-    decode_frame(&df, &decoder, opts.timezone, opts.progress)
+    let (events, invalid) = read_events(path, opts)?;
+    Ok(CallLog {
+        events: (0..events.len())
+            .map(|i| (events.row(i), events.event(i)))
+            .collect(),
+        invalid,
+        unique: Vec::new(),
+    })
 }
 
-/// Decodes a frame of text columns into events (row numbers start at 1).
+/// Reads and decodes a call log into compact columns, in file order, and
+/// lists its invalid rows by row number.
+///
+/// CSV (and Asterisk) files are streamed: one thread parses records while
+/// the caller's thread decodes them, and no text column of the whole file
+/// is ever held. A row's number is its line in the file less the header
+/// (blank lines are no rows). Parquet files are read whole, then decoded.
+pub fn read_events(
+    path: &Path,
+    opts: &ReadOptions,
+) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
+    if !path.exists() {
+        return Err(IoError::NoSuchFile(path.to_path_buf()));
+    }
+    let mut decoder = opts.decoder.clone();
+    decoder.map = effective_map(opts.format, &opts.decoder.map);
+    match resolve_format(path, opts.format) {
+        InputFormat::Parquet => {
+            let wanted = wanted_columns(&decoder.map, opts);
+            let df = read_frame_columns(path, InputFormat::Parquet, b',', Some(&wanted))?;
+            let mut events = EventColumns::with_capacity(df.height());
+            let mut invalid = Vec::new();
+            decode_frame(
+                &df,
+                &decoder,
+                opts.timezone,
+                opts.progress,
+                |row, event| match event {
+                    Ok(e) => events.push(row, &e),
+                    Err(error) => invalid.push(InvalidRow { row, error }),
+                },
+            )?;
+            Ok((events, invalid))
+        }
+        format => read_csv_events(path, opts, &decoder, format == InputFormat::Asterisk),
+    }
+}
+
+/// Records handed from the parsing thread to the decoding one at a time.
+const CSV_BATCH: usize = 4_096;
+
+/// [`read_events`] for CSV and Asterisk files.
+fn read_csv_events(
+    path: &Path,
+    opts: &ReadOptions,
+    decoder: &Decoder,
+    asterisk: bool,
+) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
+    let ctx = || format!("reading {}", path.display());
+    let io = |source| IoError::Io {
+        context: ctx(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    let mut reader = csv::ReaderBuilder::new()
+        .delimiter(opts.delimiter)
+        .has_headers(false)
+        .flexible(true)
+        .buffer_capacity(1 << 20)
+        .from_reader(file);
+    let csv_err = |e: csv::Error| IoError::BadShape {
+        path: path.to_path_buf(),
+        problem: e.to_string(),
+    };
+    let mut first = csv::ByteRecord::new();
+    if !reader.read_byte_record(&mut first).map_err(csv_err)? {
+        return Err(IoError::BadShape {
+            path: path.to_path_buf(),
+            problem: "no data: empty CSV".into(),
+        });
+    }
+    let names: Vec<String> = if asterisk {
+        if first.len() < ASTERISK_COLUMNS.len() {
+            return Err(IoError::BadShape {
+                path: path.to_path_buf(),
+                problem: format!(
+                    "{} columns, an Asterisk Master.csv has {}",
+                    first.len(),
+                    ASTERISK_COLUMNS.len()
+                ),
+            });
+        }
+        (0..first.len())
+            .map(|i| {
+                ASTERISK_COLUMNS
+                    .get(i)
+                    .map_or_else(|| format!("extra_{i}"), |n| (*n).to_string())
+            })
+            .collect()
+    } else {
+        let names: Vec<String> = first
+            .iter()
+            .map(|n| String::from_utf8_lossy(n).into_owned())
+            .collect();
+        check_delimiter(path, &names, opts.delimiter)?;
+        names
+    };
+    let mut fields = [None; FIELDS.len()];
+    for (slot, f) in fields.iter_mut().zip(FIELDS) {
+        let src = decoder.map.source(f);
+        let wanted = opts.callees || f != "callee";
+        *slot = names.iter().position(|n| n == src).filter(|_| wanted);
+    }
+    for (i, required) in FIELDS.iter().enumerate().take(3) {
+        if fields[i].is_none() {
+            return Err(IoError::MissingColumn {
+                column: decoder.map.source(required).to_string(),
+                field: required,
+                columns: names.join(", "),
+            });
+        }
+    }
+    let header_lines = if asterisk { 0 } else { 1 };
+    let bar = progress_bar(size, opts.progress, "reading");
+    let mut events = EventColumns::with_capacity((size / 64) as usize);
+    let mut invalid = Vec::new();
+    let mut last_multiline = false;
+    // One thread parses records, the others decode batches of them; the
+    // batches are put back in file order here.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    let (full_tx, full_rx) =
+        std::sync::mpsc::sync_channel::<(usize, Vec<csv::ByteRecord>)>(2 * workers);
+    let full_rx = std::sync::Mutex::new(full_rx);
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<DecodedBatch>();
+    let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<csv::ByteRecord>>();
+    let parsed = std::thread::scope(|s| {
+        let parser = s.spawn(move || -> Result<(), csv::Error> {
+            // Batches come back to be refilled: records are allocated once.
+            let (mut batch, mut filled) = if asterisk {
+                (vec![first], 1)
+            } else {
+                (Vec::new(), 0)
+            };
+            for seq in 0.. {
+                if batch.len() < CSV_BATCH {
+                    batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
+                }
+                while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
+                    filled += 1;
+                }
+                let done = filled < CSV_BATCH;
+                batch.truncate(filled);
+                if filled > 0 && full_tx.send((seq, batch)).is_err() {
+                    break;
+                }
+                if done {
+                    break;
+                }
+                batch = empty_rx.try_recv().unwrap_or_default();
+                filled = 0;
+            }
+            Ok(())
+        });
+        for _ in 0..workers {
+            let (full_rx, done_tx) = (&full_rx, done_tx.clone());
+            let fields = &fields;
+            s.spawn(move || {
+                let mut row = RowDecoder::new(decoder, opts.timezone);
+                loop {
+                    let next = match full_rx.lock() {
+                        Ok(rx) => rx.recv(),
+                        Err(_) => return,
+                    };
+                    let Ok((seq, batch)) = next else { return };
+                    let decoded = row.decode_records(seq, batch, fields, header_lines);
+                    if done_tx.send(decoded).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(done_tx);
+        let mut waiting = std::collections::BTreeMap::new();
+        let mut next = 0;
+        for decoded in done_rx {
+            waiting.insert(decoded.seq, decoded);
+            while let Some(d) = waiting.remove(&next) {
+                events.append(d.events);
+                invalid.extend(d.invalid);
+                if let Some(last) = d.records.last() {
+                    last_multiline = last.iter().any(|f| f.contains(&b'\n'));
+                    bar.set_position(last.position().map_or(0, |p| p.byte()));
+                }
+                // The parser may have finished (or failed) already.
+                let _ = empty_tx.send(d.records);
+                next += 1;
+            }
+        }
+        parser
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    });
+    bar.finish_and_clear();
+    parsed.map_err(csv_err)?;
+    // A quote that is never closed runs to the end of the file: the last
+    // record then spans lines. Say where it opened rather than read the
+    // rest of the file as one cell.
+    if last_multiline {
+        if let Some(line) = unclosed_quote_line(path) {
+            return Err(IoError::BadShape {
+                path: path.to_path_buf(),
+                problem: format!(
+                    "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
+                ),
+            });
+        }
+    }
+    Ok((events, invalid))
+}
+
+/// A batch of CSV records, decoded.
+struct DecodedBatch {
+    /// The batch's place in the file.
+    seq: usize,
+    events: EventColumns,
+    invalid: Vec<InvalidRow>,
+    /// The records, to be refilled.
+    records: Vec<csv::ByteRecord>,
+}
+
+/// Decodes rows given as their text per field of [`FIELDS`].
+struct RowDecoder<'d> {
+    decoder: &'d Decoder,
+    tz: Option<Tz>,
+    /// Per field of [`FIELDS`], its column's name in the input.
+    sources: Vec<&'d str>,
+    ts_buf: String,
+}
+
+impl<'d> RowDecoder<'d> {
+    fn new(decoder: &'d Decoder, tz: Option<Tz>) -> Self {
+        RowDecoder {
+            decoder,
+            tz,
+            sources: FIELDS.iter().map(|f| decoder.map.source(f)).collect(),
+            ts_buf: String::new(),
+        }
+    }
+
+    /// Decodes CSV records; `fields[i]` is the column of field
+    /// `FIELDS[i]`, if read. A row's number is its line less the header's.
+    fn decode_records(
+        &mut self,
+        seq: usize,
+        records: Vec<csv::ByteRecord>,
+        fields: &[Option<usize>; FIELDS.len()],
+        header_lines: u64,
+    ) -> DecodedBatch {
+        let mut events = EventColumns::with_capacity(records.len());
+        let mut invalid = Vec::new();
+        let mut lossy: [String; FIELDS.len()] = Default::default();
+        for record in &records {
+            let n = record
+                .position()
+                .map_or(0, |p| p.line())
+                .saturating_sub(header_lines);
+            let mut text: [Option<&[u8]>; FIELDS.len()] = [None; FIELDS.len()];
+            for (t, col) in text.iter_mut().zip(fields) {
+                *t = col.and_then(|c| record.get(c)).filter(|b| !b.is_empty());
+            }
+            // Invalid UTF-8 is replaced (the row then fails decoding and
+            // is listed, not the file).
+            let mut values: [Option<&str>; FIELDS.len()] = [None; FIELDS.len()];
+            let mut bad = [false; FIELDS.len()];
+            for (f, bytes) in text.iter().enumerate() {
+                if let Some(bytes) = bytes {
+                    match std::str::from_utf8(bytes) {
+                        Ok(s) => values[f] = Some(s),
+                        Err(_) => bad[f] = true,
+                    }
+                }
+            }
+            if bad.contains(&true) {
+                for (f, bytes) in text.iter().enumerate() {
+                    lossy[f].clear();
+                    if let (true, Some(bytes)) = (bad[f], bytes) {
+                        lossy[f].push_str(&String::from_utf8_lossy(bytes));
+                    }
+                }
+                for (f, l) in lossy.iter().enumerate() {
+                    if bad[f] {
+                        values[f] = Some(l.as_str());
+                    }
+                }
+            }
+            match self.decode(&values) {
+                Ok(e) => events.push(n, &e),
+                Err(error) => invalid.push(InvalidRow { row: n, error }),
+            }
+        }
+        DecodedBatch {
+            seq,
+            events,
+            invalid,
+            records,
+        }
+    }
+
+    /// One row: `values[i]` is field `FIELDS[i]`'s text, if present.
+    fn decode(&mut self, values: &[Option<&str>]) -> Result<CallEvent, EventError> {
+        use std::fmt::Write;
+        // Naive local times (Asterisk's `YYYY-MM-DD HH:MM:SS`) become epoch milliseconds first.
+        self.ts_buf.clear();
+        if let Some(ms) = values[TS_FIELD].and_then(|raw| naive_to_ms(raw, self.tz)) {
+            let _ = write!(self.ts_buf, "{ms}");
+        }
+        let ts_value = if self.ts_buf.is_empty() {
+            values[TS_FIELD]
+        } else {
+            Some(self.ts_buf.as_str())
+        };
+        let sources = &self.sources;
+        self.decoder
+            .decode(|name| match sources.iter().position(|src| *src == name) {
+                Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
+                Some(i) => values
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .map_or(RawValue::Null, RawValue::Str),
+                None => RawValue::Null,
+            })
+    }
+}
+
+/// Decodes a frame of text columns, handing each row's number (from 1)
+/// and event or error to `sink`, in order.
 pub fn decode_frame(
     df: &DataFrame,
     decoder: &Decoder,
     tz: Option<Tz>,
     progress: bool,
-) -> Result<CallLog, IoError> {
+    mut sink: impl FnMut(u64, Result<CallEvent, EventError>),
+) -> Result<(), IoError> {
     let names: Vec<String> = df
         .get_column_names()
         .iter()
@@ -406,7 +738,7 @@ pub fn decode_frame(
             });
         }
     }
-    let mut columns: Vec<(String, Option<StringChunked>)> = Vec::new();
+    let mut columns: Vec<Option<StringChunked>> = Vec::new();
     for f in FIELDS {
         let src = decoder.map.source(f);
         let col = match df.column(src) {
@@ -417,59 +749,30 @@ pub fn decode_frame(
             ),
             Err(_) => None,
         };
-        columns.push((src.to_string(), col));
+        columns.push(col);
     }
     let n = df.height();
     let bar = progress_bar(n as u64, progress, "decoding");
     let mut iters: Vec<Option<Box<dyn Iterator<Item = Option<&str>> + '_>>> = columns
         .iter()
-        .map(|(_, c)| {
+        .map(|c| {
             c.as_ref()
                 .map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>)
         })
         .collect();
-    let mut log = CallLog {
-        events: Vec::with_capacity(n),
-        ..CallLog::default()
-    };
+    let mut decode = RowDecoder::new(decoder, tz);
     let mut values: Vec<Option<&str>> = vec![None; FIELDS.len()];
-    let mut ts_buf = String::new();
     for row in 1..=n as u64 {
         for (slot, it) in values.iter_mut().zip(iters.iter_mut()) {
             *slot = it.as_mut().and_then(|i| i.next()).flatten();
         }
-        // Naive local times (Asterisk's `YYYY-MM-DD HH:MM:SS`) become epoch milliseconds first.
-        ts_buf.clear();
-        if let Some(ms) = values[TS_FIELD].and_then(|raw| naive_to_ms(raw, tz)) {
-            ts_buf.push_str(&ms.to_string());
-        }
-        let ts_value = if ts_buf.is_empty() {
-            values[TS_FIELD]
-        } else {
-            Some(ts_buf.as_str())
-        };
-        let result = decoder.decode(
-            |name| match columns.iter().position(|(src, _)| src == name) {
-                Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
-                Some(i) => values[i].map_or(RawValue::Null, RawValue::Str),
-                None => RawValue::Null,
-            },
-        );
-        match result {
-            Ok(ev) => log.events.push((row, ev)),
-            Err(error) => log.invalid.push(InvalidRow { row, error }),
-        }
+        sink(row, decode.decode(&values));
         if row.is_multiple_of(65_536) {
             bar.set_position(row);
         }
     }
     bar.finish_and_clear();
-    Ok(log)
-}
-
-/// A row's event time as the decoder reads it (naive local times first).
-pub(crate) fn row_ts(raw: &str, tz: Option<Tz>) -> Option<i64> {
-    naive_to_ms(raw, tz).or_else(|| crate::engine::event::parse_ts(RawValue::Str(raw)).ok())
+    Ok(())
 }
 
 /// Parses `YYYY-MM-DD HH:MM:SS[.fff]` in a time zone (UTC if none).
