@@ -10,6 +10,11 @@ use callguard::offline::tune::{row_by_replay, sweep, Sweeper, Target};
 use common::scenarios::T0;
 
 fn generated_log(rows: usize, seed: u64) -> CallLog {
+    generated_file(rows, seed).2
+}
+
+/// A generated log: its directory, its file and the log, time-sorted.
+fn generated_file(rows: usize, seed: u64) -> (tempfile::TempDir, std::path::PathBuf, CallLog) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
     callguard::offline::generate::write_csv(
@@ -19,12 +24,14 @@ fn generated_log(rows: usize, seed: u64) -> CallLog {
     .unwrap();
     let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
     log.sort_by_time();
-    log
+    (dir, path, log)
 }
 
 #[test]
 fn sweep_equals_a_replay_for_every_n() {
-    let log = generated_log(6_000, 3);
+    let (_dir, path, log) = generated_file(6_000, 3);
+    let ordered =
+        callguard::offline::order::OrderedLog::open(&path, &ReadOptions::default()).unwrap();
     let rules = [
         Rule::parse_shorthand("burst:fixed:1s:2").unwrap(),
         Rule::parse_shorthand("minute:sliding:60s:10").unwrap(),
@@ -64,6 +71,23 @@ fn sweep_equals_a_replay_for_every_n() {
                     "{policy:?}, rule {index}, chunked, {shards} shards"
                 );
                 assert_eq!(chunked.recommended, s.recommended);
+                // Chunks of the file with their callers numbered (as
+                // `tune` reads it): the callers' tallies live in arrays.
+                let mut numbered =
+                    Sweeper::new(&set, index, &limits, Target::MaxFalseReject(0.002))
+                        .unwrap()
+                        .with_shards(shards);
+                for chunk in ordered.chunks(1_009) {
+                    let chunk = chunk.unwrap();
+                    assert_eq!(chunk.callers.len(), chunk.events.len());
+                    numbered.feed_log(&chunk);
+                }
+                let numbered = numbered.finish();
+                assert_eq!(
+                    numbered.rows, s.rows,
+                    "{policy:?}, rule {index}, numbered, {shards} shards"
+                );
+                assert_eq!(numbered.recommended, s.recommended);
             }
             for (row, &n) in s.rows.iter().zip(&limits) {
                 let want = row_by_replay(&log, &set, index, n).unwrap();

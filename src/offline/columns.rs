@@ -148,6 +148,19 @@ impl EventColumns {
             .extend(other.list_numbers.into_iter().map(|(i, n)| (base + i, n)));
     }
 
+    /// Per event, a dense number for its caller: equal callers get equal
+    /// numbers, numbered 0, 1, ... in order of first appearance.
+    pub fn caller_ids(&self) -> Vec<u32> {
+        let mut ids: foldhash::HashMap<u64, u32> = foldhash::HashMap::default();
+        self.caller
+            .iter()
+            .map(|&code| {
+                let next = ids.len() as u32;
+                *ids.entry(code).or_insert(next)
+            })
+            .collect()
+    }
+
     /// Event `i`, as it was pushed.
     pub fn event(&self, i: usize) -> CallEvent {
         let flags = self.flags[i];
@@ -290,5 +303,14 @@ mod tests {
         assert_eq!(again.event(1), events[0]);
         assert_eq!(again.event(4), events[3]);
         assert_eq!(again.len(), events.len() + 1);
+        // Caller numbers: equal exactly when the callers are.
+        let ids = again.caller_ids();
+        for i in 0..again.len() {
+            for j in 0..again.len().min(64) {
+                let same = again.event(i).caller == again.event(j).caller;
+                assert_eq!(ids[i] == ids[j], same, "events {i} and {j}");
+            }
+        }
+        assert_eq!(ids[0], 0);
     }
 }

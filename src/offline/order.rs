@@ -28,6 +28,8 @@ pub struct OrderedLog {
     order: Option<Vec<u32>>,
     /// Per event: its call id occurs on no other valid row.
     unique: Vec<bool>,
+    /// Per event: its caller's number (see [`CallLog::callers`]).
+    callers: Vec<u32>,
     /// Rows that are not valid events, by row number.
     invalid: Vec<InvalidRow>,
 }
@@ -53,10 +55,12 @@ impl OrderedLog {
             order
         });
         let unique = unique_ids(&events);
+        let callers = events.caller_ids();
         Ok(OrderedLog {
             events,
             order,
             unique,
+            callers,
             invalid,
         })
     }
@@ -87,11 +91,13 @@ impl OrderedLog {
                     Vec::new()
                 },
                 unique: Vec::with_capacity(range.len()),
+                callers: Vec::with_capacity(range.len()),
             };
             for p in range {
                 let i = at(p);
                 log.events.push((self.events.row(i), self.events.event(i)));
                 log.unique.push(self.unique[i]);
+                log.callers.push(self.callers[i]);
             }
             Ok(log)
         })
@@ -123,6 +129,7 @@ impl OrderedLog {
             all.events.extend(chunk.events);
             all.invalid.extend(chunk.invalid);
             all.unique.extend(chunk.unique);
+            all.callers.extend(chunk.callers);
         }
         all.invalid.sort_by_key(|r| r.row);
         Ok(all)

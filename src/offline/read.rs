@@ -106,6 +106,11 @@ pub struct CallLog {
     /// no other row of the input, so no duplicate of it can follow and a
     /// store may skip its idempotency record. Empty when unknown.
     pub unique: Vec<bool>,
+    /// When known (same length as `events`): a number per event's caller,
+    /// the same for all of one caller's events in the whole input and
+    /// dense (0, 1, ... in order of first appearance), so per-caller
+    /// tallies can live in arrays. Empty when unknown.
+    pub callers: Vec<u32>,
 }
 
 impl CallLog {
@@ -115,6 +120,7 @@ impl CallLog {
     /// with it.
     pub fn sort_by_time(&mut self) {
         self.unique.clear();
+        self.callers.clear();
         self.events.sort_by_key(|(_, e)| e.ts_ms);
     }
 }
@@ -384,7 +390,7 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
             .map(|i| (events.row(i), events.event(i)))
             .collect(),
         invalid,
-        unique: Vec::new(),
+        ..CallLog::default()
     })
 }
 

@@ -30,7 +30,7 @@ use crate::offline::read::{CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
 use crate::progress::progress_bar;
 use crate::store::memory::MemoryStore;
-use crate::store::sharded::{run_shards, shards_per_core, split_by_caller};
+use crate::store::sharded::{run_shards, shards_per_core};
 
 /// One row of the sweep.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,8 +86,10 @@ pub enum Target {
 }
 
 /// What the sweep keeps per caller.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct CallerTally {
+    /// The caller (empty until its first call).
+    caller: compact_str::CompactString,
     /// Any of its calls is labelled fraud.
     fraud: bool,
     /// Largest count of the swept rule among calls N can reject (`attempts`).
@@ -117,7 +119,8 @@ impl Replayed {
 
 impl BaseShard {
     /// One event through the replay under the rule set as given.
-    fn feed(&mut self, rules: &RuleSet, index: usize, e: &CallEvent, unique: bool) {
+    /// `slot` is the caller's place in this shard's tallies.
+    fn feed(&mut self, rules: &RuleSet, index: usize, e: &CallEvent, unique: bool, slot: usize) {
         let t = &mut self.totals;
         t.calls += 1;
         t.labelled &= e.label.is_some();
@@ -125,10 +128,13 @@ impl BaseShard {
         t.legit += u64::from(e.label == Some(false));
         let v = self.store.apply_unique(rules, e, unique);
         let count = v.record.counts.get(index).copied().unwrap_or(0);
-        let tally = match self.callers.get_mut(&e.caller) {
-            Some(t) => t,
-            None => self.callers.entry(e.caller.clone()).or_default(),
-        };
+        if slot >= self.callers.len() {
+            self.callers.resize_with(slot + 1, CallerTally::default);
+        }
+        let tally = &mut self.callers[slot];
+        if tally.caller.is_empty() {
+            tally.caller = e.caller.clone();
+        }
         tally.fraud |= e.label == Some(true);
         tally.peak = tally.peak.max(count);
         if rules.count != CountPolicy::Attempts {
@@ -186,6 +192,8 @@ pub struct Sweeper {
     /// cores (see [`crate::store::sharded`]).
     base: Vec<BaseShard>,
     replayed: Vec<Replayed>,
+    /// Caller numbers given to logs fed without them.
+    numbers: foldhash::HashMap<compact_str::CompactString, u32>,
 }
 
 /// One shard of callers of the replay under the rule set as given: their
@@ -193,7 +201,10 @@ pub struct Sweeper {
 struct BaseShard {
     store: MemoryStore,
     totals: Totals,
-    callers: foldhash::HashMap<compact_str::CompactString, CallerTally>,
+    /// Its callers' tallies, by caller number (see [`CallLog::callers`])
+    /// divided by the number of shards (a shard holds the callers whose
+    /// number it is, modulo the shards).
+    callers: Vec<CallerTally>,
     histogram: Histogram,
 }
 
@@ -243,6 +254,7 @@ impl Sweeper {
             target,
             base: Vec::new(),
             replayed,
+            numbers: Default::default(),
         };
         sweeper.base = sweeper.shards(shards_per_core());
         Ok(sweeper)
@@ -282,17 +294,44 @@ impl Sweeper {
         self.feed_unique(events, &[]);
     }
 
-    /// Feeds the next time-sorted events, with [`CallLog::unique`] (may be empty).
+    /// Feeds the next time-sorted events, with [`CallLog::unique`] (may be
+    /// empty). Callers are numbered here; a sweep is fed either this way or
+    /// by [`Sweeper::feed_log`] with its callers' numbers, not both.
     pub fn feed_unique(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
-        let (_, parts) = split_by_caller(
-            events.iter().map(|(_, e)| e.caller.as_str()),
-            self.base.len(),
-        );
+        let numbers = &mut self.numbers;
+        let callers: Vec<u32> = events
+            .iter()
+            .map(|(_, e)| {
+                let next = numbers.len() as u32;
+                *numbers.entry(e.caller.clone()).or_insert(next)
+            })
+            .collect();
+        self.feed_numbered(events, unique, &callers);
+    }
+
+    /// Feeds the next chunk of time-sorted events, using its callers'
+    /// numbers when it has them ([`CallLog::callers`]).
+    pub fn feed_log(&mut self, log: &CallLog) {
+        if log.callers.len() == log.events.len() && self.numbers.is_empty() {
+            self.feed_numbered(&log.events, &log.unique, &log.callers);
+        } else {
+            self.feed_unique(&log.events, &log.unique);
+        }
+    }
+
+    /// Feeds events whose callers are numbered by `callers`.
+    fn feed_numbered(&mut self, events: &[(u64, CallEvent)], unique: &[bool], callers: &[u32]) {
+        let shards = self.base.len();
+        let mut parts = vec![Vec::with_capacity(events.len() / shards + 1); shards];
+        for (i, &c) in callers.iter().enumerate() {
+            parts[c as usize % shards].push(i);
+        }
         let (rules, index) = (&self.rules, self.index);
         run_shards(&mut self.base, &parts, |shard, idx| {
             for &i in idx {
                 let unique = unique.get(i).copied().unwrap_or(false);
-                shard.feed(rules, index, &events[i].1, unique);
+                let slot = callers[i] as usize / shards;
+                shard.feed(rules, index, &events[i].1, unique, slot);
             }
         });
         if self.replayed.is_empty() {
@@ -383,7 +422,13 @@ impl Sweeper {
             }
             let a = shard.histogram.always;
             histogram.always = [histogram.always[0] + a[0], histogram.always[1] + a[1]];
-            callers.extend(shard.callers.iter().map(|(c, t)| (c.as_str(), *t)));
+            callers.extend(
+                shard
+                    .callers
+                    .iter()
+                    .filter(|t| !t.caller.is_empty())
+                    .map(|t| (t.caller.as_str(), t)),
+            );
         }
         Merged {
             totals,
@@ -472,7 +517,7 @@ pub fn sweep_ordered(
     log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
     for chunk in chunks {
         let mut chunk = chunk?;
-        sweeper.feed_unique(&chunk.events, &chunk.unique);
+        sweeper.feed_log(&chunk);
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
         invalid.append(&mut chunk.invalid);
     }
@@ -485,7 +530,7 @@ pub fn sweep_ordered(
 struct Merged<'a> {
     totals: Totals,
     histogram: Histogram,
-    callers: foldhash::HashMap<&'a str, CallerTally>,
+    callers: foldhash::HashMap<&'a str, &'a CallerTally>,
 }
 
 /// The counts behind one row of the sweep.
