@@ -9,10 +9,6 @@ use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::offline::tune::{row_by_replay, sweep, Sweeper, Target};
 use common::scenarios::T0;
 
-fn generated_log(rows: usize, seed: u64) -> CallLog {
-    generated_file(rows, seed).2
-}
-
 /// A generated log: its directory, its file and the log, time-sorted.
 fn generated_file(rows: usize, seed: u64) -> (tempfile::TempDir, std::path::PathBuf, CallLog) {
     let dir = tempfile::tempdir().unwrap();
