@@ -26,8 +26,9 @@ fn generated_file(rows: usize, seed: u64) -> (tempfile::TempDir, std::path::Path
 #[test]
 fn sweep_equals_a_replay_for_every_n() {
     let (_dir, path, log) = generated_file(6_000, 3);
-    let ordered =
-        callguard::offline::order::OrderedLog::open(&path, &ReadOptions::default()).unwrap();
+    let ordered = std::sync::Arc::new(
+        callguard::offline::order::OrderedLog::open(&path, &ReadOptions::default()).unwrap(),
+    );
     let rules = [
         Rule::parse_shorthand("burst:fixed:1s:2").unwrap(),
         Rule::parse_shorthand("minute:sliding:60s:10").unwrap(),
@@ -85,6 +86,20 @@ fn sweep_equals_a_replay_for_every_n() {
                 );
                 assert_eq!(numbered.recommended, s.recommended);
             }
+            // As `tune` runs it: the file's chunks queued to a thread per
+            // shard of callers.
+            let (queued, invalid) = callguard::offline::tune::sweep_ordered(
+                std::sync::Arc::clone(&ordered),
+                &set,
+                index,
+                &limits,
+                Target::MaxFalseReject(0.002),
+                false,
+            )
+            .unwrap();
+            assert!(invalid.is_empty());
+            assert_eq!(queued.rows, s.rows, "{policy:?}, rule {index}, queued");
+            assert_eq!(queued.recommended, s.recommended);
             for (row, &n) in s.rows.iter().zip(&limits) {
                 let want = row_by_replay(&log, &set, index, n).unwrap();
                 assert_eq!(row, &want, "{policy:?}, rule {index}, N = {n}");

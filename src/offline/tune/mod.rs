@@ -24,7 +24,7 @@ pub use report::{render_table, sweep_frame};
 
 use crate::engine::event::CallEvent;
 use crate::engine::rules::{CountPolicy, Judgement, RuleSet};
-use crate::error::{RulesError, TuneError};
+use crate::error::{IoError, RulesError, TuneError};
 use crate::offline::order::{OrderedLog, CHUNK_ROWS};
 use crate::offline::read::{CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
@@ -512,18 +512,85 @@ pub fn sweep_ordered(
 ) -> Result<(Sweep, Vec<InvalidRow>), TuneError> {
     let mut sweeper = Sweeper::new(rules, index, limits, target)?;
     let bar = progress_bar(log.rows() as u64, progress, "sweeping");
-    let mut invalid = Vec::new();
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
-    for chunk in chunks {
-        let mut chunk = chunk?;
-        sweeper.feed_log(&chunk);
-        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
-        invalid.append(&mut chunk.invalid);
+    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    let mut invalid = Vec::new();
+    let mut chunks = chunks.into_iter().map(|chunk| {
+        chunk.map(|mut chunk| {
+            bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+            invalid.append(&mut chunk.invalid);
+            chunk
+        })
+    });
+    if sweeper.replayed.is_empty() {
+        sweeper.feed_queued(&mut chunks)?;
+    } else {
+        for chunk in chunks {
+            sweeper.feed_log(&chunk?);
+        }
     }
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
     Ok((sweeper.finish(), invalid))
+}
+
+/// Events a [`sweep_ordered`] hands on at once: larger than a replay's
+/// chunk, as the sweep keeps no records (a chunk is a few MiB of events).
+const SWEEP_CHUNK: usize = 4 * CHUNK_ROWS;
+
+impl Sweeper {
+    /// Feeds the base replay (only: no per-limit replays) every chunk of
+    /// `chunks`, each shard of callers on a thread of its own with a queue,
+    /// so the shards never wait for each other between chunks. Chunks
+    /// without caller numbers are numbered here, like [`Sweeper::feed_unique`].
+    fn feed_queued(
+        &mut self,
+        chunks: &mut dyn Iterator<Item = Result<CallLog, IoError>>,
+    ) -> Result<(), IoError> {
+        let shards = self.base.len();
+        let (rules, index) = (&self.rules, self.index);
+        let numbers = &mut self.numbers;
+        std::thread::scope(|s| {
+            let mut queues = Vec::with_capacity(shards);
+            for shard in &mut self.base {
+                let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<CallLog>, Vec<usize>)>(2);
+                queues.push(tx);
+                s.spawn(move || {
+                    for (log, idx) in rx {
+                        for i in idx {
+                            let unique = log.unique.get(i).copied().unwrap_or(false);
+                            let slot = log.callers[i] as usize / shards;
+                            shard.feed(rules, index, &log.events[i].1, unique, slot);
+                        }
+                    }
+                });
+            }
+            for chunk in chunks {
+                let mut chunk = chunk?;
+                if chunk.callers.len() != chunk.events.len() || !numbers.is_empty() {
+                    chunk.callers = chunk
+                        .events
+                        .iter()
+                        .map(|(_, e)| {
+                            let next = numbers.len() as u32;
+                            *numbers.entry(e.caller.clone()).or_insert(next)
+                        })
+                        .collect();
+                }
+                let mut parts = vec![Vec::with_capacity(chunk.events.len() / shards + 1); shards];
+                for (i, &c) in chunk.callers.iter().enumerate() {
+                    parts[c as usize % shards].push(i);
+                }
+                let chunk = Arc::new(chunk);
+                for (queue, part) in queues.iter().zip(parts) {
+                    if queue.send((Arc::clone(&chunk), part)).is_err() {
+                        return Err(IoError::WorkerLost("sweep shard"));
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The shards of a [`Sweeper`]'s base replay, summed.
