@@ -487,11 +487,19 @@ pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
         RawValue::Bool(b) => Ok(Some(b)),
         RawValue::Int(1) => Ok(Some(true)),
         RawValue::Int(0) => Ok(Some(false)),
-        RawValue::Str(s) => match s.trim().to_ascii_lowercase().as_str() {
-            "1" | "true" | "fraud" => Ok(Some(true)),
-            "0" | "false" | "legit" => Ok(Some(false)),
-            _ => Err(EventError::BadLabel(printable(s))),
-        },
+        RawValue::Str(s) => {
+            // Compared without case and without allocating: a log has a
+            // label on every row.
+            let t = s.trim();
+            let is = |words: [&str; 3]| words.iter().any(|w| t.eq_ignore_ascii_case(w));
+            if is(["1", "true", "fraud"]) {
+                Ok(Some(true))
+            } else if is(["0", "false", "legit"]) {
+                Ok(Some(false))
+            } else {
+                Err(EventError::BadLabel(printable(s)))
+            }
+        }
         other => Err(EventError::BadLabel(format!("{other:?}"))),
     }
 }
@@ -606,6 +614,21 @@ mod tests {
         assert!(FieldMap::parse(&["nope=src"]).is_err());
         assert!(FieldMap::parse(&["caller"]).is_err());
         assert!(parse_label(RawValue::Str("maybe")).is_err());
+        assert!(parse_label(RawValue::Str("fraudulent")).is_err());
         assert_eq!(parse_label(RawValue::Str(" ")).unwrap(), None);
+        for (text, label) in [
+            ("1", true),
+            (" True", true),
+            ("FRAUD ", true),
+            ("0", false),
+            ("false", false),
+            ("Legit", false),
+        ] {
+            assert_eq!(
+                parse_label(RawValue::Str(text)).unwrap(),
+                Some(label),
+                "{text}"
+            );
+        }
     }
 }

@@ -54,8 +54,15 @@ impl OrderedLog {
             order.sort_by_key(|&i| ts[i as usize]);
             order
         });
-        let unique = unique_ids(&events);
-        let callers = events.caller_ids();
+        // Two passes over every event, independent: one per core.
+        let (unique, callers) = std::thread::scope(|s| {
+            let unique = s.spawn(|| unique_ids(&events));
+            let callers = events.caller_ids();
+            let unique = unique
+                .join()
+                .unwrap_or_else(|p| std::panic::resume_unwind(p));
+            (unique, callers)
+        });
         Ok(OrderedLog {
             events,
             order,

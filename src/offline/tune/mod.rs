@@ -362,6 +362,12 @@ impl Sweeper {
         let rows = if self.replayed.is_empty() {
             self.rows_from_histograms(&merged, labelled)
         } else {
+            let fraud_callers: foldhash::HashSet<&str> = merged
+                .callers
+                .iter()
+                .filter(|t| t.fraud)
+                .map(|t| t.caller.as_str())
+                .collect();
             self.replayed
                 .iter()
                 .zip(&self.limits)
@@ -370,7 +376,7 @@ impl Sweeper {
                     let legit_callers = rej
                         .callers
                         .iter()
-                        .filter(|c| !merged.callers.get(c.as_str()).is_some_and(|t| t.fraud))
+                        .filter(|c| !fraud_callers.contains(c.as_str()))
                         .count() as u64;
                     RowCounts {
                         limit,
@@ -387,7 +393,7 @@ impl Sweeper {
                 })
                 .collect()
         };
-        let peaks: Vec<u64> = merged.callers.values().map(|t| t.peak).collect();
+        let peaks: Vec<u64> = merged.callers.iter().map(|t| t.peak).collect();
         let (recommended, explanation) =
             report::recommend(&self.rules, self.index, &rows, labelled, self.target, peaks);
         Sweep {
@@ -414,7 +420,7 @@ impl Sweeper {
             calls: vec![[0; 2]; cap],
             always: [0; 2],
         };
-        let mut callers = foldhash::HashMap::default();
+        let mut callers = Vec::new();
         for shard in &self.base {
             totals.add(&shard.totals);
             for (sum, h) in histogram.calls.iter_mut().zip(&shard.histogram.calls) {
@@ -422,13 +428,7 @@ impl Sweeper {
             }
             let a = shard.histogram.always;
             histogram.always = [histogram.always[0] + a[0], histogram.always[1] + a[1]];
-            callers.extend(
-                shard
-                    .callers
-                    .iter()
-                    .filter(|t| !t.caller.is_empty())
-                    .map(|t| (t.caller.as_str(), t)),
-            );
+            callers.extend(shard.callers.iter().filter(|t| !t.caller.is_empty()));
         }
         Merged {
             totals,
@@ -444,7 +444,7 @@ impl Sweeper {
         let cap = h.calls.len() - 1;
         let mut callers = vec![[0u64; 2]; cap + 1];
         let mut callers_always = [0u64; 2];
-        for t in merged.callers.values() {
+        for t in &merged.callers {
             let fraud = usize::from(t.fraud);
             if t.always {
                 callers_always[fraud] += 1;
@@ -597,7 +597,8 @@ impl Sweeper {
 struct Merged<'a> {
     totals: Totals,
     histogram: Histogram,
-    callers: foldhash::HashMap<&'a str, &'a CallerTally>,
+    /// Every caller's tally (the shards' callers are disjoint).
+    callers: Vec<&'a CallerTally>,
 }
 
 /// The counts behind one row of the sweep.
