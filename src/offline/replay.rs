@@ -117,16 +117,26 @@ pub struct Streamed {
     pub invalid: Vec<InvalidRow>,
 }
 
+/// A chunk of a log, decided: its time-sorted events, their file rows and
+/// their verdicts, index for index.
+pub struct DecidedChunk {
+    /// File rows (1-based).
+    pub rows: Vec<u64>,
+    /// The events.
+    pub events: Vec<CallEvent>,
+    /// Their verdicts.
+    pub verdicts: Vec<Verdict>,
+}
+
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
-/// each chunk (time-sorted events; its invalid rows already taken) with its
-/// verdicts, in order. Memory holds the raw columns, the store's state and a
-/// few chunks.
+/// each chunk decided, in order (its invalid rows are gathered apart).
+/// Memory holds the log's columns, the store's state and a few chunks.
 pub async fn run_ordered<S: WindowStore>(
     log: Arc<OrderedLog>,
     rules: &RuleSet,
     store: &mut S,
     progress: bool,
-    mut sink: impl FnMut(CallLog, Vec<Verdict>) -> Result<(), IoError>,
+    mut sink: impl FnMut(DecidedChunk) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
     let bar = progress_bar(log.rows() as u64, progress, "replaying");
     let mut tally = Tally::default();
@@ -135,16 +145,19 @@ pub async fn run_ordered<S: WindowStore>(
     log.decode_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
         let mut chunk = chunk?;
-        // The chunk is ours: move its events out for the store and back for
-        // the sink, rather than cloning each one.
+        // The chunk is ours: its events move to the store and the sink,
+        // never cloned.
         let (rows, events): (Vec<u64>, Vec<CallEvent>) =
             std::mem::take(&mut chunk.events).into_iter().unzip();
         let verdicts = apply_events(&events, &chunk.unique, rules, store).await?;
-        chunk.events = rows.into_iter().zip(events).collect();
         tally.add(&verdicts);
-        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        bar.inc((events.len() + chunk.invalid.len()) as u64);
         invalid.append(&mut chunk.invalid);
-        sink(chunk, verdicts)?;
+        sink(DecidedChunk {
+            rows,
+            events,
+            verdicts,
+        })?;
     }
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
@@ -207,6 +220,14 @@ async fn apply_events<S: WindowStore>(
 ) -> Result<Vec<Verdict>, StoreError> {
     let known = unique.len() == events.len();
     let size = store.replay_batch().max(1);
+    if events.len() <= size {
+        // One batch: its verdicts as they come (no copy into another list).
+        return if known {
+            store.apply_batch_unique(rules, events, unique).await
+        } else {
+            store.apply_batch(rules, events).await
+        };
+    }
     let mut verdicts = Vec::with_capacity(events.len());
     for (i, batch) in events.chunks(size).enumerate() {
         let got = if known {
@@ -245,23 +266,16 @@ pub async fn to_table<S: WindowStore>(
     let log = Arc::new(OrderedLog::open(input, read)?);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
-    let mut out = BackgroundWriter::spawn(
-        output,
-        &empty,
-        move |(chunk, verdicts): (CallLog, Vec<Verdict>)| {
-            let rows: Vec<Row<'_>> = chunk
-                .events
-                .iter()
-                .zip(&verdicts)
-                .map(|((_, event), verdict)| Row { event, verdict })
-                .collect();
-            table::frame(&schema, &rows)
-        },
-    )?;
-    let streamed = run_ordered(log, rules, store, read.progress, |chunk, verdicts| {
-        out.send((chunk, verdicts))
-    })
-    .await?;
+    let mut out = BackgroundWriter::spawn(output, &empty, move |chunk: DecidedChunk| {
+        let rows: Vec<Row<'_>> = chunk
+            .events
+            .iter()
+            .zip(&chunk.verdicts)
+            .map(|(event, verdict)| Row { event, verdict })
+            .collect();
+        table::frame(&schema, &rows)
+    })?;
+    let streamed = run_ordered(log, rules, store, read.progress, |chunk| out.send(chunk)).await?;
     let rows = out.finish()?;
     let invalid_file = write_invalid(output, &streamed.invalid)?;
     Ok(TableReport {
