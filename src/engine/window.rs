@@ -190,6 +190,18 @@ pub struct CallerState {
     callees_by_ts: VecDeque<(i64, CompactString)>,
 }
 
+/// Inserts `item` into the sorted `deque` after every element for which
+/// `before` holds (a stable insert): at the back, without a search, for
+/// calls in time order.
+fn insert_sorted<T>(deque: &mut VecDeque<T>, item: T, before: impl Fn(&T) -> bool) {
+    if deque.back().is_none_or(&before) {
+        deque.push_back(item);
+    } else {
+        let at = deque.partition_point(before);
+        deque.insert(at, item);
+    }
+}
+
 /// Bucket of `t` for a window of `w` ms (floor division, also for negative times).
 pub fn bucket_of(t: i64, w: i64) -> i64 {
     t.div_euclid(w)
@@ -456,7 +468,12 @@ impl CallerState {
         // Live entries not after t - Wmax lie between the horizon and
         // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
         let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-        let band = self.callees_by_ts.partition_point(|(ts, _)| *ts < after);
+        // (A scan from the front: the band is short, and scanned below anyway.)
+        let band = self
+            .callees_by_ts
+            .iter()
+            .take_while(|(ts, _)| *ts < after)
+            .count();
         let not_after = self
             .callees_by_ts
             .range(..band)
@@ -471,7 +488,12 @@ impl CallerState {
         match rules.rules[i].kind {
             WindowKind::Sliding => {
                 let lo = self.log.partition_point(|&x| x <= t.saturating_sub(w));
-                let hi = self.log.partition_point(|&x| x <= t);
+                // Calls in time order: every recorded time is at or before t.
+                let hi = if self.log.back().is_none_or(|&b| b <= t) {
+                    self.log.len()
+                } else {
+                    self.log.partition_point(|&x| x <= t)
+                };
                 1 + (hi - lo) as u64
             }
             WindowKind::Fixed => {
@@ -493,8 +515,7 @@ impl CallerState {
 
     fn record(&mut self, rules: &RuleSet, t: i64, l_new: i64) {
         if rules.has_sliding() {
-            let pos = self.log.partition_point(|&x| x <= t);
-            self.log.insert(pos, t);
+            insert_sorted(&mut self.log, t, |&x| x <= t);
         }
         for rule in &rules.rules {
             let w = rule.window_ms;
@@ -521,21 +542,30 @@ impl CallerState {
     /// Raises the callee's latest call time to `t` (never lowers it); a new
     /// callee is kept only while fewer than `cap` are.
     fn note_callee(&mut self, callee: &str, t: i64, cap: u64) {
-        let name = match self.callees.get_key_value(callee) {
-            Some((_, &latest)) if latest >= t => return,
+        use std::collections::hash_map::Entry;
+        let kept = self.callees.len() as u64;
+        // One lookup (numbers are kept inline: making the key allocates nothing).
+        let name = match self.callees.entry(CompactString::from(callee)) {
+            Entry::Occupied(e) if *e.get() >= t => return,
             // Its old entry in `callees_by_ts` turns stale.
-            Some((name, _)) => name.clone(),
-            None if (self.callees.len() as u64) < cap => CompactString::from(callee),
-            None => return,
+            Entry::Occupied(mut e) => {
+                e.insert(t);
+                e.key().clone()
+            }
+            Entry::Vacant(e) if kept < cap => {
+                let name = e.key().clone();
+                e.insert(t);
+                name
+            }
+            Entry::Vacant(_) => return,
         };
-        self.callees.insert(name.clone(), t);
-        let at = self.callees_by_ts.partition_point(|(ts, _)| *ts <= t);
-        self.callees_by_ts.insert(at, (t, name));
+        insert_sorted(&mut self.callees_by_ts, (t, name), |(ts, _)| *ts <= t);
     }
 
     fn trim(&mut self, rules: &RuleSet, h: &Horizons, mut journal: Option<&mut Journal>) {
         let (horizon, dedup_horizon, l_new) = (h.retention, h.dedup, h.latest);
-        let cut = self.log.partition_point(|&x| x <= horizon);
+        // From the front: what is cut is dropped anyway, and is usually little.
+        let cut = self.log.iter().take_while(|&&x| x <= horizon).count();
         self.log.drain(..cut);
         if let Some(j) = journal.as_deref_mut() {
             j.log_trimmed += cut;
