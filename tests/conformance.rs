@@ -290,8 +290,8 @@ async fn script_is_reloaded_after_script_flush() {
         )
         .await
         .unwrap();
-    assert_eq!(a[0].record.counts, vec![1]);
-    assert_eq!(b[1].record.counts, vec![3]);
+    assert_eq!(a[0].record.counts.as_slice(), [1]);
+    assert_eq!(b[1].record.counts.as_slice(), [3]);
     assert_eq!(b[1].record.reason, "m");
 }
 
@@ -385,7 +385,7 @@ async fn acl_user_in_url_and_typed_errors() {
         .apply_batch(&rules, &[ev("+34911000001", "1", T0)])
         .await
         .unwrap();
-    assert_eq!(v[0].record.counts, vec![1]);
+    assert_eq!(v[0].record.counts.as_slice(), [1]);
     // Wrong password: a fatal error, not retried forever.
     let bad = format!("redis://cg:wrong@127.0.0.1:{}", server.port);
     let err = RedisStore::connect(config(vec![bad], "cg:"))

@@ -664,7 +664,7 @@ async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
     }
     // All of the flood is gone; the new calls count only each other.
     assert_eq!(kept(&mut con), (8, 8));
-    assert_eq!(last.unwrap().record.counts, vec![8]);
+    assert_eq!(last.unwrap().record.counts.as_slice(), [8]);
 }
 
 /// Pseudonymised numbers: with `--hash-numbers`, `replay` (key from the

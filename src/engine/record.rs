@@ -49,6 +49,10 @@ pub const REASON_DENYLIST: &str = "denylist";
 /// Reason of a decision made by a fallback policy while the store failed.
 pub const REASON_STORE_ERROR: &str = "store_error";
 
+/// Window counts, one per rule: kept inline for up to four rules (no
+/// allocation per record for the usual rule sets).
+pub type Counts = smallvec::SmallVec<[u64; 4]>;
+
 /// One decision per call event.
 ///
 /// `reason` is `ok`, `allowlist`, `denylist`, or the name of the first rule
@@ -68,7 +72,7 @@ pub struct DecisionRecord {
     /// Why (see the type docs).
     pub reason: CompactString,
     /// The window count per rule, in rule-set order (the current call included).
-    pub counts: Vec<u64>,
+    pub counts: Counts,
     /// Shadow mode turned a reject into an allow.
     pub shadow: bool,
     /// The event was older than the caller's latest event minus grace.
@@ -125,7 +129,7 @@ impl Verdict {
                 ts_ms: event.ts_ms,
                 decision,
                 reason: CompactString::const_new(REASON_STORE_ERROR),
-                counts: vec![0; rules.rules.len()],
+                counts: smallvec::smallvec![0; rules.rules.len()],
                 shadow: false,
                 late: false,
                 degraded: true,
@@ -597,7 +601,7 @@ impl Verdict {
                     .split(',')
                     .filter(|c| !c.is_empty())
                     .map(|c| c.parse().ok())
-                    .collect::<Option<Vec<u64>>>()?,
+                    .collect::<Option<Counts>>()?,
                 shadow: shadow == "1",
                 late: late == "1",
                 degraded: false,
@@ -638,7 +642,7 @@ mod tests {
             ..full.clone()
         };
         let mut v = Verdict::degraded(&full, &rules, Decision::Reject);
-        v.record.counts = vec![7, u64::MAX];
+        v.record.counts = smallvec::smallvec![7, u64::MAX];
         v.record.retry_after_ms = Some(1_500);
         v.prev_ts_ms = Some(1_764_547_100_000);
         v.distinct_callees = Some(3);
@@ -734,7 +738,7 @@ mod tests {
         let mut full = bare.clone();
         full.record.decision = Decision::Reject;
         full.record.reason = "a".into();
-        full.record.counts = vec![6, 2];
+        full.record.counts = smallvec::smallvec![6, 2];
         full.record.shadow = true;
         full.record.late = true;
         full.record.retry_after_ms = Some(9_000);
@@ -809,7 +813,7 @@ mod tests {
         };
         let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
         assert_eq!(v.record.decision, Decision::Reject);
-        assert_eq!(v.record.counts, vec![4, 2]);
+        assert_eq!(v.record.counts.as_slice(), [4, 2]);
         assert_eq!(v.prev_ts_ms, Some(-3));
         assert_eq!(v.distinct_callees, None);
         assert!(v.record.late && !v.record.shadow && v.duplicate);

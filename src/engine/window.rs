@@ -60,7 +60,7 @@ use foldhash::HashMap;
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::{
-    Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
+    Counts, Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
 };
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleSet, WindowKind};
 
@@ -365,7 +365,7 @@ impl CallerState {
             .tracks_callees()
             .then(|| self.distinct_callees(rules, ev));
         let late = prev.is_some_and(|l| t < l.saturating_sub(rules.grace_ms));
-        let counts: Vec<u64> = (0..rules.rules.len())
+        let counts: Counts = (0..rules.rules.len())
             .map(|i| self.count(rules, i, t, h.latest))
             .collect();
         let (would, reason) = outcome(rules, rules.judge(ev.number_for_lists(), &counts, None));

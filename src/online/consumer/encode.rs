@@ -244,7 +244,7 @@ mod tests {
                 ts_ms: 1_764_547_200_000,
                 decision: Decision::Allow,
                 reason: "ok".into(),
-                counts,
+                counts: counts.into(),
                 shadow: false,
                 late: false,
                 degraded: false,
