@@ -201,7 +201,9 @@ fn streamed_csv_reader_agrees_with_polars() {
         x,d,+34600000003,2025-12-01T10:00:01Z,+34910000003,7,maybe\n\
         x,e,+34600000004\n\
         x,f,+34600000001,1764583200000,bad callee,8,1,extra,more\n\
-        x, g ,+34600000005,2025-12-01T10:00:06.123+01:00,,,\n"
+        x, g ,+34600000005,2025-12-01T10:00:06.123+01:00,,,\n\
+        \"two\nlines\",j,+34600000007,2025-12-01T10:00:07Z,,,\n\
+        x,k,,2025-12-01T10:00:08Z,,,\n"
         .to_vec();
     bytes.extend_from_slice(b"x,h,+34911\xff000001,2025-12-01T00:00:02Z,,,\n");
     bytes.extend_from_slice(b"x,i,+34600000006,2025-12-01T00:00:02Z,+34\xfe1,,\n");
@@ -210,6 +212,13 @@ fn streamed_csv_reader_agrees_with_polars() {
     std::fs::write(
         &semi,
         "call_id;caller;ts\na;+34911000001;1764547200000\nb;911000001;1764547200001\n",
+    )
+    .unwrap();
+    // A byte-order mark and Windows line ends, as spreadsheet exports have.
+    let bom = dir.path().join("bom.csv");
+    std::fs::write(
+        &bom,
+        "\u{feff}call_id,caller,ts,label\r\na,+34911000001,1764547200000,Fraud\r\nb,,1764547200001,\r\n",
     )
     .unwrap();
     let generated = dir.path().join("generated.csv");
@@ -231,6 +240,7 @@ fn streamed_csv_reader_agrees_with_polars() {
     let cases = [
         (odd.as_path(), ReadOptions::default()),
         (semi.as_path(), semicolons),
+        (bom.as_path(), ReadOptions::default()),
         (generated.as_path(), ReadOptions::default()),
         (Path::new("data/calls.csv"), ReadOptions::default()),
         (Path::new("tests/golden/Master.csv"), asterisk),

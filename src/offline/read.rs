@@ -399,8 +399,9 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
 ///
 /// CSV (and Asterisk) files are streamed: one thread parses records while
 /// the caller's thread decodes them, and no text column of the whole file
-/// is ever held. A row's number is its line in the file less the header
-/// (blank lines are no rows). Parquet files are read whole, then decoded.
+/// is ever held. A row's number is its place among the data records (the
+/// header and blank lines are not counted). Parquet files are read whole,
+/// then decoded.
 pub fn read_events(
     path: &Path,
     opts: &ReadOptions,
@@ -498,8 +499,9 @@ fn read_csv_events(
         let wanted = opts.callees || f != "callee";
         *slot = names.iter().position(|n| n == src).filter(|_| wanted);
     }
-    for (i, required) in FIELDS.iter().enumerate().take(3) {
-        if fields[i].is_none() {
+    for required in ["call_id", "caller", "ts"] {
+        let at = FIELDS.iter().position(|f| *f == required);
+        if at.and_then(|i| fields[i]).is_none() {
             return Err(IoError::MissingColumn {
                 column: decoder.map.source(required).to_string(),
                 field: required,
@@ -507,7 +509,6 @@ fn read_csv_events(
             });
         }
     }
-    let header_lines = if asterisk { 0 } else { 1 };
     let bar = progress_bar(size, opts.progress, "reading");
     let mut events = EventColumns::with_capacity((size / 64) as usize);
     let mut invalid = Vec::new();
@@ -559,7 +560,7 @@ fn read_csv_events(
                         Err(_) => return,
                     };
                     let Ok((seq, batch)) = next else { return };
-                    let decoded = row.decode_records(seq, batch, fields, header_lines);
+                    let decoded = row.decode_records(seq, batch, fields);
                     if done_tx.send(decoded).is_err() {
                         return;
                     }
@@ -634,23 +635,21 @@ impl<'d> RowDecoder<'d> {
         }
     }
 
-    /// Decodes CSV records; `fields[i]` is the column of field
-    /// `FIELDS[i]`, if read. A row's number is its line less the header's.
+    /// Decodes batch `seq` of CSV records (every batch but the last holds
+    /// [`CSV_BATCH`]); `fields[i]` is the column of field `FIELDS[i]`, if
+    /// read. A row's number is its record's place among the data records
+    /// (the header and blank lines are not counted).
     fn decode_records(
         &mut self,
         seq: usize,
         records: Vec<csv::ByteRecord>,
         fields: &[Option<usize>; FIELDS.len()],
-        header_lines: u64,
     ) -> DecodedBatch {
         let mut events = EventColumns::with_capacity(records.len());
         let mut invalid = Vec::new();
         let mut lossy: [String; FIELDS.len()] = Default::default();
-        for record in &records {
-            let n = record
-                .position()
-                .map_or(0, |p| p.line())
-                .saturating_sub(header_lines);
+        let first_row = (seq * CSV_BATCH) as u64 + 1;
+        for (record, n) in records.iter().zip(first_row..) {
             let mut text: [Option<&[u8]>; FIELDS.len()] = [None; FIELDS.len()];
             for (t, col) in text.iter_mut().zip(fields) {
                 *t = col.and_then(|c| record.get(c)).filter(|b| !b.is_empty());
