@@ -125,25 +125,22 @@ impl EventColumns {
         self.id_end.extend(other.id_end.iter().map(|e| e + id_base));
         self.duration.extend_from_slice(&other.duration);
         self.flags.extend_from_slice(&other.flags);
-        if other.texts.is_empty() {
-            self.caller.extend_from_slice(&other.caller);
-            self.callee.extend_from_slice(&other.callee);
-        } else {
-            // Numbers kept as text are indices into `other`'s table.
-            for (codes, mine) in [(&other.caller, 0), (&other.callee, 1)] {
-                for &code in codes {
-                    let code = match other.texts.get((code & !TEXT_FLAG) as usize) {
-                        Some(text) if code & TEXT_FLAG != 0 => self.pack(text),
+        // Numbers kept as text are indices into `other`'s table.
+        let remap = |this: &mut Self, codes: &[u64]| -> Vec<u64> {
+            codes
+                .iter()
+                .map(
+                    |&code| match other.texts.get((code & !TEXT_FLAG) as usize) {
+                        Some(text) if code & TEXT_FLAG != 0 => this.pack(text),
                         _ => code,
-                    };
-                    if mine == 0 {
-                        self.caller.push(code);
-                    } else {
-                        self.callee.push(code);
-                    }
-                }
-            }
-        }
+                    },
+                )
+                .collect()
+        };
+        let callers = remap(self, &other.caller);
+        let callees = remap(self, &other.callee);
+        self.caller.extend(callers);
+        self.callee.extend(callees);
         self.list_numbers
             .extend(other.list_numbers.into_iter().map(|(i, n)| (base + i, n)));
     }

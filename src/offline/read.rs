@@ -233,6 +233,43 @@ fn check_delimiter(path: &Path, names: &[String], delimiter: u8) -> Result<(), I
     Ok(())
 }
 
+/// The column names of an Asterisk `Master.csv` of `width` columns (the
+/// known ones, then `extra_<i>`); an error for fewer than it has.
+fn asterisk_names(path: &Path, width: usize) -> Result<Vec<String>, IoError> {
+    if width < ASTERISK_COLUMNS.len() {
+        return Err(IoError::BadShape {
+            path: path.to_path_buf(),
+            problem: format!(
+                "{width} columns, an Asterisk Master.csv has {}",
+                ASTERISK_COLUMNS.len()
+            ),
+        });
+    }
+    Ok((0..width)
+        .map(|i| {
+            ASTERISK_COLUMNS
+                .get(i)
+                .map_or_else(|| format!("extra_{i}"), |n| (*n).to_string())
+        })
+        .collect())
+}
+
+/// An error naming the first required field (call id, caller, time) whose
+/// column is not among `names`.
+fn check_required(decoder: &Decoder, names: &[String]) -> Result<(), IoError> {
+    for required in ["call_id", "caller", "ts"] {
+        let src = decoder.map.source(required);
+        if !names.iter().any(|n| n == src) {
+            return Err(IoError::MissingColumn {
+                column: src.to_string(),
+                field: required,
+                columns: names.join(", "),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Reads a file into a data frame of text columns; with `wanted`, only those
 /// of its columns that exist (the others are never materialised). Asterisk
 /// files are read whole: their columns are known by position.
@@ -268,22 +305,9 @@ pub fn read_frame_columns(
         }
         InputFormat::Asterisk => {
             let mut df = read_csv(path, csv_options(false, b','))?;
-            let width = df.width();
-            if width < ASTERISK_COLUMNS.len() {
-                return Err(IoError::BadShape {
-                    path: path.to_path_buf(),
-                    problem: format!(
-                        "{width} columns, an Asterisk Master.csv has {}",
-                        ASTERISK_COLUMNS.len()
-                    ),
-                });
-            }
-            let names: Vec<PlSmallStr> = (0..width)
-                .map(|i| {
-                    ASTERISK_COLUMNS
-                        .get(i)
-                        .map_or_else(|| format!("extra_{i}").into(), |n| (*n).into())
-                })
+            let names: Vec<PlSmallStr> = asterisk_names(path, df.width())?
+                .into_iter()
+                .map(PlSmallStr::from)
                 .collect();
             df.set_column_names(&names).map_err(polars_err(ctx))?;
             df
@@ -398,8 +422,7 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
 /// lists its invalid rows by row number.
 ///
 /// CSV (and Asterisk) files are streamed: one thread parses records while
-/// the caller's thread decodes them, and no text column of the whole file
-/// is ever held. A row's number is its place among the data records (the
+/// others decode them, and no text column of the whole file is ever held. A row's number is its place among the data records (the
 /// header and blank lines are not counted). Parquet files are read whole,
 /// then decoded.
 pub fn read_events(
@@ -433,7 +456,7 @@ pub fn read_events(
     }
 }
 
-/// Records handed from the parsing thread to the decoding one at a time.
+/// Records handed from the parsing thread to a decoding one at a time.
 const CSV_BATCH: usize = 4_096;
 
 /// [`read_events`] for CSV and Asterisk files.
@@ -468,23 +491,7 @@ fn read_csv_events(
         });
     }
     let names: Vec<String> = if asterisk {
-        if first.len() < ASTERISK_COLUMNS.len() {
-            return Err(IoError::BadShape {
-                path: path.to_path_buf(),
-                problem: format!(
-                    "{} columns, an Asterisk Master.csv has {}",
-                    first.len(),
-                    ASTERISK_COLUMNS.len()
-                ),
-            });
-        }
-        (0..first.len())
-            .map(|i| {
-                ASTERISK_COLUMNS
-                    .get(i)
-                    .map_or_else(|| format!("extra_{i}"), |n| (*n).to_string())
-            })
-            .collect()
+        asterisk_names(path, first.len())?
     } else {
         let names: Vec<String> = first
             .iter()
@@ -493,20 +500,13 @@ fn read_csv_events(
         check_delimiter(path, &names, opts.delimiter)?;
         names
     };
+    check_required(decoder, &names)?;
+    let wanted = wanted_columns(&decoder.map, opts);
     let mut fields = [None; FIELDS.len()];
     for (slot, f) in fields.iter_mut().zip(FIELDS) {
         let src = decoder.map.source(f);
-        let wanted = opts.callees || f != "callee";
-        *slot = names.iter().position(|n| n == src).filter(|_| wanted);
-    }
-    for required in ["call_id", "caller", "ts"] {
-        let at = FIELDS.iter().position(|f| *f == required);
-        if at.and_then(|i| fields[i]).is_none() {
-            return Err(IoError::MissingColumn {
-                column: decoder.map.source(required).to_string(),
-                field: required,
-                columns: names.join(", "),
-            });
+        if wanted.contains(&src) {
+            *slot = names.iter().position(|n| n == src);
         }
     }
     let bar = progress_bar(size, opts.progress, "reading");
@@ -662,22 +662,15 @@ impl<'d> RowDecoder<'d> {
                 if let Some(bytes) = bytes {
                     match std::str::from_utf8(bytes) {
                         Ok(s) => values[f] = Some(s),
-                        Err(_) => bad[f] = true,
+                        Err(_) => {
+                            lossy[f] = String::from_utf8_lossy(bytes).into_owned();
+                            bad[f] = true;
+                        }
                     }
                 }
             }
-            if bad.contains(&true) {
-                for (f, bytes) in text.iter().enumerate() {
-                    lossy[f].clear();
-                    if let (true, Some(bytes)) = (bad[f], bytes) {
-                        lossy[f].push_str(&String::from_utf8_lossy(bytes));
-                    }
-                }
-                for (f, l) in lossy.iter().enumerate() {
-                    if bad[f] {
-                        values[f] = Some(l.as_str());
-                    }
-                }
+            for (f, l) in lossy.iter().enumerate().filter(|(f, _)| bad[*f]) {
+                values[f] = Some(l.as_str());
             }
             match self.decode(&values) {
                 Ok(e) => events.push(n, &e),
@@ -733,16 +726,7 @@ pub fn decode_frame(
         .iter()
         .map(|s| s.to_string())
         .collect();
-    for required in ["call_id", "caller", "ts"] {
-        let src = decoder.map.source(required);
-        if !names.iter().any(|n| n == src) {
-            return Err(IoError::MissingColumn {
-                column: src.to_string(),
-                field: required,
-                columns: names.join(", "),
-            });
-        }
-    }
+    check_required(decoder, &names)?;
     let mut columns: Vec<Option<StringChunked>> = Vec::new();
     for f in FIELDS {
         let src = decoder.map.source(f);

@@ -117,11 +117,9 @@ pub struct Streamed {
     pub invalid: Vec<InvalidRow>,
 }
 
-/// A chunk of a log, decided: its time-sorted events, their file rows and
-/// their verdicts, index for index.
+/// A chunk of a log, decided: its time-sorted events and their verdicts,
+/// index for index.
 pub struct DecidedChunk {
-    /// File rows (1-based).
-    pub rows: Vec<u64>,
     /// The events.
     pub events: Vec<CallEvent>,
     /// Their verdicts.
@@ -147,17 +145,15 @@ pub async fn run_ordered<S: WindowStore>(
         let mut chunk = chunk?;
         // The chunk is ours: its events move to the store and the sink,
         // never cloned.
-        let (rows, events): (Vec<u64>, Vec<CallEvent>) =
-            std::mem::take(&mut chunk.events).into_iter().unzip();
+        let events: Vec<CallEvent> = std::mem::take(&mut chunk.events)
+            .into_iter()
+            .map(|(_, e)| e)
+            .collect();
         let verdicts = apply_events(&events, &chunk.unique, rules, store).await?;
         tally.add(&verdicts);
         bar.inc((events.len() + chunk.invalid.len()) as u64);
         invalid.append(&mut chunk.invalid);
-        sink(DecidedChunk {
-            rows,
-            events,
-            verdicts,
-        })?;
+        sink(DecidedChunk { events, verdicts })?;
     }
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
@@ -220,15 +216,7 @@ async fn apply_events<S: WindowStore>(
 ) -> Result<Vec<Verdict>, StoreError> {
     let known = unique.len() == events.len();
     let size = store.replay_batch().max(1);
-    if events.len() <= size {
-        // One batch: its verdicts as they come (no copy into another list).
-        return if known {
-            store.apply_batch_unique(rules, events, unique).await
-        } else {
-            store.apply_batch(rules, events).await
-        };
-    }
-    let mut verdicts = Vec::with_capacity(events.len());
+    let mut verdicts = Vec::new();
     for (i, batch) in events.chunks(size).enumerate() {
         let got = if known {
             let flags = &unique[i * size..i * size + batch.len()];
@@ -236,7 +224,13 @@ async fn apply_events<S: WindowStore>(
         } else {
             store.apply_batch(rules, batch).await?
         };
-        verdicts.extend(got);
+        if verdicts.is_empty() {
+            // The first batch's list is kept (one batch: no copy at all).
+            verdicts = got;
+            verdicts.reserve(events.len() - batch.len());
+        } else {
+            verdicts.extend(got);
+        }
     }
     Ok(verdicts)
 }

@@ -117,7 +117,27 @@ impl Replayed {
     }
 }
 
+/// Events with their [`CallLog::unique`] flags and callers' numbers.
+type Numbered<'a> = (&'a [(u64, CallEvent)], &'a [bool], &'a [u32]);
+
 impl BaseShard {
+    /// Events `idx` of `events` (this shard's, in order) through the
+    /// replay; a caller's tally sits at its number divided by `shards`.
+    fn feed_all(
+        &mut self,
+        rules: &RuleSet,
+        index: usize,
+        (events, unique, callers): Numbered<'_>,
+        idx: &[usize],
+        shards: usize,
+    ) {
+        for &i in idx {
+            let unique = unique.get(i).copied().unwrap_or(false);
+            let slot = callers[i] as usize / shards;
+            self.feed(rules, index, &events[i].1, unique, slot);
+        }
+    }
+
     /// One event through the replay under the rule set as given.
     /// `slot` is the caller's place in this shard's tallies.
     fn feed(&mut self, rules: &RuleSet, index: usize, e: &CallEvent, unique: bool, slot: usize) {
@@ -298,41 +318,26 @@ impl Sweeper {
     /// empty). Callers are numbered here; a sweep is fed either this way or
     /// by [`Sweeper::feed_log`] with its callers' numbers, not both.
     pub fn feed_unique(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
-        let numbers = &mut self.numbers;
-        let callers: Vec<u32> = events
-            .iter()
-            .map(|(_, e)| {
-                let next = numbers.len() as u32;
-                *numbers.entry(e.caller.clone()).or_insert(next)
-            })
-            .collect();
+        let callers = number_callers(&mut self.numbers, events, &[]).unwrap_or_default();
         self.feed_numbered(events, unique, &callers);
     }
 
     /// Feeds the next chunk of time-sorted events, using its callers'
     /// numbers when it has them ([`CallLog::callers`]).
     pub fn feed_log(&mut self, log: &CallLog) {
-        if log.callers.len() == log.events.len() && self.numbers.is_empty() {
-            self.feed_numbered(&log.events, &log.unique, &log.callers);
-        } else {
-            self.feed_unique(&log.events, &log.unique);
+        match number_callers(&mut self.numbers, &log.events, &log.callers) {
+            Some(callers) => self.feed_numbered(&log.events, &log.unique, &callers),
+            None => self.feed_numbered(&log.events, &log.unique, &log.callers),
         }
     }
 
     /// Feeds events whose callers are numbered by `callers`.
     fn feed_numbered(&mut self, events: &[(u64, CallEvent)], unique: &[bool], callers: &[u32]) {
         let shards = self.base.len();
-        let mut parts = vec![Vec::with_capacity(events.len() / shards + 1); shards];
-        for (i, &c) in callers.iter().enumerate() {
-            parts[c as usize % shards].push(i);
-        }
+        let parts = split_by_number(callers, shards);
         let (rules, index) = (&self.rules, self.index);
         run_shards(&mut self.base, &parts, |shard, idx| {
-            for &i in idx {
-                let unique = unique.get(i).copied().unwrap_or(false);
-                let slot = callers[i] as usize / shards;
-                shard.feed(rules, index, &events[i].1, unique, slot);
-            }
+            shard.feed_all(rules, index, (events, unique, callers), idx, shards);
         });
         if self.replayed.is_empty() {
             return;
@@ -557,30 +562,18 @@ impl Sweeper {
                 queues.push(tx);
                 s.spawn(move || {
                     for (log, idx) in rx {
-                        for i in idx {
-                            let unique = log.unique.get(i).copied().unwrap_or(false);
-                            let slot = log.callers[i] as usize / shards;
-                            shard.feed(rules, index, &log.events[i].1, unique, slot);
-                        }
+                        let log: &CallLog = &log;
+                        let numbered = (&log.events[..], &log.unique[..], &log.callers[..]);
+                        shard.feed_all(rules, index, numbered, &idx, shards);
                     }
                 });
             }
             for chunk in chunks {
                 let mut chunk = chunk?;
-                if chunk.callers.len() != chunk.events.len() || !numbers.is_empty() {
-                    chunk.callers = chunk
-                        .events
-                        .iter()
-                        .map(|(_, e)| {
-                            let next = numbers.len() as u32;
-                            *numbers.entry(e.caller.clone()).or_insert(next)
-                        })
-                        .collect();
+                if let Some(callers) = number_callers(numbers, &chunk.events, &chunk.callers) {
+                    chunk.callers = callers;
                 }
-                let mut parts = vec![Vec::with_capacity(chunk.events.len() / shards + 1); shards];
-                for (i, &c) in chunk.callers.iter().enumerate() {
-                    parts[c as usize % shards].push(i);
-                }
+                let parts = split_by_number(&chunk.callers, shards);
                 let chunk = Arc::new(chunk);
                 for (queue, part) in queues.iter().zip(parts) {
                     if queue.send((Arc::clone(&chunk), part)).is_err() {
@@ -591,6 +584,39 @@ impl Sweeper {
             Ok(())
         })
     }
+}
+
+/// The callers' numbers of `events` in a sweep that has numbered callers
+/// itself in `numbers`: `None` when the log's own (`given`,
+/// [`CallLog::callers`]) serve, as they do while the sweep has numbered
+/// none; else the numbers, given here.
+fn number_callers(
+    numbers: &mut foldhash::HashMap<compact_str::CompactString, u32>,
+    events: &[(u64, CallEvent)],
+    given: &[u32],
+) -> Option<Vec<u32>> {
+    if given.len() == events.len() && numbers.is_empty() {
+        return None;
+    }
+    Some(
+        events
+            .iter()
+            .map(|(_, e)| {
+                let next = numbers.len() as u32;
+                *numbers.entry(e.caller.clone()).or_insert(next)
+            })
+            .collect(),
+    )
+}
+
+/// Per shard, the indices of the events whose caller's number it holds
+/// (the number modulo the shards).
+fn split_by_number(callers: &[u32], shards: usize) -> Vec<Vec<usize>> {
+    let mut parts = vec![Vec::with_capacity(callers.len() / shards + 1); shards];
+    for (i, &c) in callers.iter().enumerate() {
+        parts[c as usize % shards].push(i);
+    }
+    parts
 }
 
 /// The shards of a [`Sweeper`]'s base replay, summed.
