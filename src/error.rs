@@ -238,6 +238,9 @@ pub enum ReplayError {
     /// The window store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// An output column asked for does not exist.
+    #[error(transparent)]
+    Column(#[from] crate::engine::record::UnknownColumn),
 }
 
 /// Failures of a sweep over a file.

@@ -94,6 +94,72 @@ async fn features_file_holds_the_replay_counts_with_typed_columns() {
     );
 }
 
+/// `--columns`: only the named columns, in that order, with the full
+/// table's values (also when distinct callees are then not tracked, and
+/// when they are); an unknown name is refused with the list of columns.
+#[test]
+fn selected_columns_hold_the_full_tables_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let features = |name: &str, columns: Option<&str>| {
+        let out = dir.path().join(name);
+        let mut cmd = std::process::Command::new(common::bin());
+        cmd.args([
+            "features",
+            "-i",
+            "data/calls.csv",
+            "--rules",
+            "data/rules.toml",
+        ])
+        .args(["-o", out.to_str().unwrap()]);
+        if let Some(c) = columns {
+            cmd.args(["--columns", c]);
+        }
+        let o = cmd.output().unwrap();
+        (o, out)
+    };
+    let read = |path: &std::path::Path| {
+        ParquetReader::new(std::fs::File::open(path).unwrap())
+            .finish()
+            .unwrap()
+    };
+    let (o, full) = features("full.parquet", None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let full = read(&full);
+    for (name, columns) in [
+        (
+            "lean.parquet",
+            "call_id,count_minute,count_hour,retry_after_ms,reason",
+        ),
+        (
+            "callees.parquet",
+            "distinct_callees, call_id,since_prev_ms,call_id",
+        ),
+    ] {
+        let (o, path) = features(name, Some(columns));
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let got = read(&path);
+        let mut wanted: Vec<&str> = Vec::new();
+        for c in columns.split(',').map(str::trim) {
+            if !wanted.contains(&c) {
+                wanted.push(c);
+            }
+        }
+        let names: Vec<&str> = got.get_column_names().iter().map(|n| n.as_str()).collect();
+        assert_eq!(names, wanted);
+        assert!(
+            got.equals_missing(&full.select(wanted.iter().copied()).unwrap()),
+            "{columns}: values differ from the full table"
+        );
+    }
+    let (o, _) = features("bad.parquet", Some("call_id,count_minutes"));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("no column `count_minutes`") && err.contains("count_minute,"),
+        "{err}"
+    );
+}
+
 #[tokio::test]
 async fn appending_future_calls_changes_no_earlier_feature() {
     let mut log = read_call_log(

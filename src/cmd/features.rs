@@ -26,6 +26,13 @@ pub struct FeaturesArgs {
     /// Feature table: `.parquet` (recommended: typed timestamps) or `.csv`.
     #[arg(long, short)]
     pub output: PathBuf,
+    /// Write only these columns, in this order, e.g.
+    /// `call_id,count_minute,since_prev_ms` (default: all). Values are the
+    /// full table's; work for features not asked for is skipped (distinct
+    /// callees are not tracked unless `distinct_callees` or `rules_version`
+    /// is asked for). An unknown name is an error listing the columns.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub columns: Vec<String>,
 }
 
 /// Runs `callguard features`.
@@ -33,9 +40,14 @@ pub async fn run(args: FeaturesArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
     let mut read = args.input.read_options(progress_wanted())?;
     args.privacy.apply(&mut read.decoder)?;
-    let report =
-        callguard::offline::features::export(&args.input.input, &read, &rules, &args.output)
-            .await?;
+    let report = callguard::offline::features::export(
+        &args.input.input,
+        &read,
+        &rules,
+        &args.columns,
+        &args.output,
+    )
+    .await?;
     println!(
         "features         {} rows to {}",
         report.rows,

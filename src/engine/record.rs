@@ -287,6 +287,16 @@ pub struct Column {
     pub field: Field,
 }
 
+/// A column asked for by name that the output does not have.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("no column `{name}`; the columns are: {columns}")]
+pub struct UnknownColumn {
+    /// The name asked for.
+    pub name: String,
+    /// The columns there are, comma-separated.
+    pub columns: String,
+}
+
 /// The columns of one output, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schema {
@@ -336,6 +346,11 @@ impl Schema {
                 field,
             });
         }
+        Self::from_columns(columns)
+    }
+
+    /// The schema of these columns, in this order.
+    fn from_columns(columns: Vec<Column>) -> Self {
         let mut by_name: Vec<usize> = (0..columns.len()).collect();
         by_name.sort_by(|&a, &b| columns[a].name.cmp(&columns[b].name));
         let keys = by_name
@@ -408,6 +423,41 @@ impl Schema {
     /// The columns, in order.
     pub fn columns(&self) -> &[Column] {
         &self.columns
+    }
+
+    /// Only the columns named in `names`, in that order (a name given
+    /// twice is kept once); the values are this schema's. An empty list
+    /// keeps every column. A name not in the schema is an error naming the
+    /// columns there are.
+    pub fn select(&self, names: &[String]) -> Result<Self, UnknownColumn> {
+        if names.is_empty() {
+            return Ok(self.clone());
+        }
+        let mut columns: Vec<Column> = Vec::with_capacity(names.len());
+        for name in names {
+            let name = name.trim();
+            let Some(c) = self.columns.iter().find(|c| c.name == name) else {
+                return Err(UnknownColumn {
+                    name: name.to_string(),
+                    columns: self.column_names(),
+                });
+            };
+            if !columns.iter().any(|k| k.name == c.name) {
+                columns.push(c.clone());
+            }
+        }
+        Ok(Self::from_columns(columns))
+    }
+
+    /// Whether a column holds `field`.
+    pub fn has(&self, field: Field) -> bool {
+        self.columns.iter().any(|c| c.field == field)
+    }
+
+    /// The column names, comma-separated.
+    pub fn column_names(&self) -> String {
+        let names: Vec<&str> = self.columns.iter().map(|c| c.name.as_str()).collect();
+        names.join(", ")
     }
 
     /// One row as a flat JSON object (a topic's payload).

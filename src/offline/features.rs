@@ -2,11 +2,12 @@
 //!
 //! Every value is computed only from calls at or before the call in
 //! processing order (no leakage from the future). The columns are
-//! [`Schema::features`]: the same the consumer emits on the features topic.
+//! [`Schema::features`]: the same the consumer emits on the features topic;
+//! or a selection of them, which holds the same values.
 
 use std::path::Path;
 
-use crate::engine::record::Schema;
+use crate::engine::record::{Field, Schema};
 use crate::engine::rules::RuleSet;
 use crate::error::ReplayError;
 use crate::offline::read::ReadOptions;
@@ -14,14 +15,30 @@ use crate::offline::replay::{to_table, TableReport};
 use crate::store::sharded::ShardedStore;
 
 /// Writes the feature table of the call log at `input` to `output`
-/// (Parquet, recommended for its typed timestamps, or CSV).
+/// (Parquet, recommended for its typed timestamps, or CSV): the columns
+/// named in `columns`, in that order, or all of them if it is empty.
+///
+/// Work a selection does not need is skipped: without `distinct_callees`
+/// (and `rules_version`, which names the rule set including that
+/// feature), the callees are not tracked.
 pub async fn export(
     input: &Path,
     read: &ReadOptions,
     rules: &RuleSet,
+    columns: &[String],
     output: &Path,
 ) -> Result<TableReport, ReplayError> {
-    let schema = Schema::features(rules);
+    let schema = Schema::features(rules).select(columns)?;
+    let lean;
+    let rules = if rules.tracks_callees()
+        && !schema.has(Field::DistinctCallees)
+        && !schema.has(Field::RulesVersion)
+    {
+        lean = rules.with_distinct_callees(false);
+        &lean
+    } else {
+        rules
+    };
     to_table(
         input,
         read,

@@ -73,6 +73,59 @@ pub fn run_shards<T: Send, R: Send>(
     })
 }
 
+/// Threads kept for the life of a sharded computation, one per shard, that
+/// run [`run_shards`]' work batch after batch: a batch costs no thread
+/// start, and each thread's allocator keeps the memory it freed for the
+/// next batch instead of faulting in fresh pages. One shard, or a pool
+/// that could not be started, runs as [`run_shards`] does.
+#[derive(Debug)]
+pub struct ShardThreads {
+    pool: Option<rayon::ThreadPool>,
+}
+
+impl ShardThreads {
+    /// Threads for `shards` shards (none for one).
+    pub fn new(shards: usize) -> Self {
+        let pool = (shards > 1)
+            .then(|| {
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(shards)
+                    .thread_name(|i| format!("shard-{i}"))
+                    .build()
+            })
+            .and_then(|built| {
+                built
+                    .map_err(|e| tracing::warn!(error = %e, "shard threads not started; using scoped threads"))
+                    .ok()
+            });
+        ShardThreads { pool }
+    }
+
+    /// Runs `work(shard, its indices)` for every shard, each on a thread,
+    /// and returns the results in shard order. A panic in a shard is
+    /// resumed here.
+    pub fn run<T: Send, R: Send>(
+        &self,
+        shards: &mut [T],
+        parts: &[Vec<usize>],
+        work: impl Fn(&mut T, &[usize]) -> R + Sync,
+    ) -> Vec<R> {
+        let Some(pool) = &self.pool else {
+            return run_shards(shards, parts, work);
+        };
+        let work = &work;
+        let mut out: Vec<Option<R>> = shards.iter().map(|_| None).collect();
+        pool.scope(|s| {
+            for ((shard, idx), slot) in shards.iter_mut().zip(parts).zip(&mut out) {
+                s.spawn(move |_| *slot = Some(work(shard, idx)));
+            }
+        });
+        // Every spawned job filled its slot (a panic would have been
+        // resumed by the scope).
+        out.into_iter().flatten().collect()
+    }
+}
+
 /// The number of shards that suits this machine: one per core.
 pub fn shards_per_core() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
@@ -86,13 +139,16 @@ pub fn shards_per_core() -> usize {
 #[derive(Debug)]
 pub struct ShardedStore {
     shards: Vec<MemoryStore>,
+    threads: ShardThreads,
 }
 
 impl ShardedStore {
     /// An empty store of `shards` shards (at least one).
     pub fn new(shards: usize) -> Self {
+        let shards = shards.max(1);
         ShardedStore {
-            shards: (0..shards.max(1)).map(|_| MemoryStore::new()).collect(),
+            shards: (0..shards).map(|_| MemoryStore::new()).collect(),
+            threads: ShardThreads::new(shards),
         }
     }
 
@@ -123,15 +179,17 @@ impl ShardedStore {
         let (of, parts) =
             split_by_caller(events.iter().map(|e| e.caller.as_str()), self.shards.len());
         let flag = |i: usize| unique.get(i).copied().unwrap_or(false);
-        let results = run_shards(&mut self.shards, &parts, |store, idx| {
+        let results = self.threads.run(&mut self.shards, &parts, |store, idx| {
             idx.iter()
                 .map(|&i| store.apply_unique(rules, &events[i], flag(i)))
                 .collect::<Vec<_>>()
         });
         let mut per_shard: Vec<_> = results.into_iter().map(Vec::into_iter).collect();
-        of.iter()
-            .filter_map(|&s| per_shard.get_mut(s).and_then(Iterator::next))
-            .collect()
+        let mut verdicts = Vec::with_capacity(of.len());
+        for &s in &of {
+            verdicts.extend(per_shard.get_mut(s).and_then(Iterator::next));
+        }
+        verdicts
     }
 }
 
