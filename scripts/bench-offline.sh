@@ -2,8 +2,10 @@
 # Offline benchmark: `callguard tune` (one rule swept over N = 1..200) and
 # `callguard features` on a generated call log, beside DuckDB computing the
 # same sliding-window counts in the same run (and polars' rolling group-by
-# computing the counts). Prints wall time and peak memory (max RSS) of each,
-# the ratios, and checks that the peers' counts and sweep equal callguard's.
+# computing the counts). `features` runs twice: the whole feature table (17
+# columns), and `--columns call_id,count_minute,count_hour`, the table the
+# peers write. Prints wall time and peak memory (max RSS) of each, the
+# ratios, and checks that the peers' counts and sweep equal callguard's.
 #
 #   scripts/bench-offline.sh [ROWS]     (default 10000000; BENCH_DIR=out/bench)
 set -euo pipefail
@@ -43,6 +45,9 @@ measure callguard-tune "$bin" tune -i "$log" --rule minute:sliding:60s --limits 
 measure duckdb-tune "$py" scripts/bench_duckdb.py sweep "$log" "$work/duckdb-sweep.csv"
 measure callguard-features "$bin" features -i "$log" \
   --rule minute:sliding:60s:10 --rule hour:sliding:1h:200 -o "$work/callguard-features.parquet"
+measure callguard-counts "$bin" features -i "$log" \
+  --rule minute:sliding:60s:10 --rule hour:sliding:1h:200 \
+  --columns call_id,count_minute,count_hour -o "$work/callguard-counts.parquet"
 measure duckdb-features "$py" scripts/bench_duckdb.py counts "$log" "$work/duckdb-counts.parquet"
 measure polars-features "$py" scripts/bench_polars.py counts "$log" "$work/polars-counts.parquet"
 
@@ -50,6 +55,7 @@ echo "== same results?"
 "$py" scripts/bench_duckdb.py check-sweep "$work/callguard-sweep.csv" "$work/duckdb-sweep.csv"
 "$py" scripts/bench_duckdb.py check "$work/callguard-features.parquet" "$work/duckdb-counts.parquet"
 "$py" scripts/bench_duckdb.py check "$work/callguard-features.parquet" "$work/polars-counts.parquet"
+"$py" scripts/bench_duckdb.py check "$work/callguard-counts.parquet" "$work/duckdb-counts.parquet"
 
 echo "== $rows rows"
 awk '{ t[$1] = $2; m[$1] = $3 }
@@ -62,4 +68,8 @@ awk '{ t[$1] = $2; m[$1] = $3 }
       t["callguard-features"] / t["duckdb-features"], m["callguard-features"] / m["duckdb-features"]
     printf "features: time ratio callguard/polars %.2f, memory ratio %.2f\n",
       t["callguard-features"] / t["polars-features"], m["callguard-features"] / m["polars-features"]
+    printf "counts (same columns): time ratio callguard/duckdb %.2f, memory ratio %.2f\n",
+      t["callguard-counts"] / t["duckdb-features"], m["callguard-counts"] / m["duckdb-features"]
+    printf "counts (same columns): time ratio callguard/polars %.2f, memory ratio %.2f\n",
+      t["callguard-counts"] / t["polars-features"], m["callguard-counts"] / m["polars-features"]
   }' "$results"

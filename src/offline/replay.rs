@@ -16,6 +16,7 @@ use crate::offline::order::{OrderedLog, CHUNK_ROWS};
 use crate::offline::read::{CallLog, InvalidRow, ReadOptions};
 use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
+use crate::store::sharded::{split_by_caller, ShardedStore};
 use crate::store::WindowStore;
 
 /// What a replay did.
@@ -136,6 +137,9 @@ pub async fn run_ordered<S: WindowStore>(
     progress: bool,
     mut sink: impl FnMut(DecidedChunk) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
+    if let Some(sharded) = store.as_sharded() {
+        return run_sharded(log, rules, sharded, progress, sink);
+    }
     let bar = progress_bar(log.rows() as u64, progress, "replaying");
     let mut tally = Tally::default();
     let mut invalid = Vec::new();
@@ -155,6 +159,133 @@ pub async fn run_ordered<S: WindowStore>(
         invalid.append(&mut chunk.invalid);
         sink(DecidedChunk { events, verdicts })?;
     }
+    bar.finish_and_clear();
+    invalid.sort_by_key(|r| r.row);
+    Ok(Streamed {
+        summary: tally.finish(invalid.len()),
+        invalid,
+    })
+}
+
+/// One shard's share of a chunk: the indices of its callers' events.
+struct ShardJob {
+    events: Arc<Vec<CallEvent>>,
+    unique: Arc<Vec<bool>>,
+    idx: Vec<usize>,
+}
+
+/// A chunk whose shares are with the shards.
+struct InFlight {
+    events: Arc<Vec<CallEvent>>,
+    /// Per event, its shard.
+    of: Vec<usize>,
+    invalid: Vec<InvalidRow>,
+}
+
+/// [`run_ordered`] on the in-memory store split by caller, pipelined: each
+/// shard decides its callers' events on a thread of its own for the whole
+/// run, a chunk as soon as it is split, while this thread puts the chunk
+/// before back in processing order and hands it to the sink. Each shard
+/// sees its callers' events in the same order as through
+/// [`ShardedStore::apply_unique`], so the verdicts are the same.
+fn run_sharded(
+    log: Arc<OrderedLog>,
+    rules: &RuleSet,
+    store: &mut ShardedStore,
+    progress: bool,
+    mut sink: impl FnMut(DecidedChunk) -> Result<(), IoError>,
+) -> Result<Streamed, ReplayError> {
+    let bar = progress_bar(log.rows() as u64, progress, "replaying");
+    let mut tally = Tally::default();
+    let mut invalid = Vec::new();
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
+    let shards = store.shards_mut();
+    let n = shards.len();
+    let lost = || IoError::WorkerLost("shard");
+    std::thread::scope(|s| -> Result<(), ReplayError> {
+        let mut jobs = Vec::with_capacity(n);
+        let mut results = Vec::with_capacity(n);
+        for (k, shard) in shards.iter_mut().enumerate() {
+            let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<ShardJob>(2);
+            let (out_tx, out_rx) = std::sync::mpsc::sync_channel::<Vec<Verdict>>(2);
+            std::thread::Builder::new()
+                .name(format!("shard-{k}"))
+                .spawn_scoped(s, move || {
+                    for job in job_rx {
+                        let flag = |i: usize| job.unique.get(i).copied().unwrap_or(false);
+                        let verdicts: Vec<Verdict> = job
+                            .idx
+                            .iter()
+                            .map(|&i| shard.apply_unique(rules, &job.events[i], flag(i)))
+                            .collect();
+                        // The chunk's events go back to their owner whole.
+                        drop(job);
+                        if out_tx.send(verdicts).is_err() {
+                            break;
+                        }
+                    }
+                })
+                .map_err(|source| IoError::Io {
+                    context: "starting a shard thread".into(),
+                    source,
+                })?;
+            jobs.push(job_tx);
+            results.push(out_rx);
+        }
+        let mut finish = |c: InFlight| -> Result<(), ReplayError> {
+            let mut parts = Vec::with_capacity(n);
+            for r in &results {
+                parts.push(r.recv().map_err(|_| lost())?.into_iter());
+            }
+            let mut verdicts = Vec::with_capacity(c.of.len());
+            for &k in &c.of {
+                verdicts.extend(parts[k].next());
+            }
+            let events = Arc::try_unwrap(c.events).unwrap_or_else(|shared| (*shared).clone());
+            tally.add(&verdicts);
+            bar.inc((events.len() + c.invalid.len()) as u64);
+            invalid.extend(c.invalid);
+            sink(DecidedChunk { events, verdicts })?;
+            Ok(())
+        };
+        // Two chunks in flight: the shards decide one while the other is
+        // merged and written.
+        let mut flight = std::collections::VecDeque::with_capacity(2);
+        for chunk in chunks {
+            let mut chunk = chunk?;
+            let events: Vec<CallEvent> = std::mem::take(&mut chunk.events)
+                .into_iter()
+                .map(|(_, e)| e)
+                .collect();
+            let (of, parts) = split_by_caller(events.iter().map(|e| e.caller.as_str()), n);
+            let events = Arc::new(events);
+            let unique = Arc::new(std::mem::take(&mut chunk.unique));
+            for (job, idx) in jobs.iter().zip(parts) {
+                let (events, unique) = (Arc::clone(&events), Arc::clone(&unique));
+                job.send(ShardJob {
+                    events,
+                    unique,
+                    idx,
+                })
+                .map_err(|_| lost())?;
+            }
+            flight.push_back(InFlight {
+                events,
+                of,
+                invalid: chunk.invalid,
+            });
+            if flight.len() > 1 {
+                if let Some(c) = flight.pop_front() {
+                    finish(c)?;
+                }
+            }
+        }
+        while let Some(c) = flight.pop_front() {
+            finish(c)?;
+        }
+        Ok(())
+    })?;
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
     Ok(Streamed {

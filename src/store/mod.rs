@@ -61,6 +61,13 @@ pub trait WindowStore: Send {
     fn conflicts(&self) -> u64 {
         0
     }
+
+    /// This store as a [`sharded::ShardedStore`], if it is one: an offline
+    /// replay then keeps the shards deciding the next chunk while the last
+    /// one is merged and written (see [`crate::offline::replay`]).
+    fn as_sharded(&mut self) -> Option<&mut sharded::ShardedStore> {
+        None
+    }
 }
 
 /// The store chosen at run time.
@@ -131,6 +138,13 @@ impl WindowStore for AnyStore {
         match self {
             AnyStore::Cached(s) => s.conflicts(),
             _ => 0,
+        }
+    }
+
+    fn as_sharded(&mut self) -> Option<&mut sharded::ShardedStore> {
+        match self {
+            AnyStore::Sharded(s) => Some(s),
+            _ => None,
         }
     }
 }

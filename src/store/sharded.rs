@@ -162,6 +162,11 @@ impl ShardedStore {
         self.shards.len()
     }
 
+    /// The shards: shard `i` holds the callers [`shard_of`] puts in it.
+    pub fn shards_mut(&mut self) -> &mut [MemoryStore] {
+        &mut self.shards
+    }
+
     /// Number of callers with state, over all shards.
     pub fn callers(&self) -> usize {
         self.shards.iter().map(MemoryStore::callers).sum()
@@ -213,6 +218,10 @@ impl WindowStore for ShardedStore {
 
     fn replay_batch(&self) -> usize {
         SHARDED_BATCH
+    }
+
+    fn as_sharded(&mut self) -> Option<&mut ShardedStore> {
+        Some(self)
     }
 }
 
