@@ -1,13 +1,15 @@
 //! A steady load of call events at wall-clock event times, for soak runs.
 //!
-//! Run: `cargo run --release --example loadgen -- BROKERS TOPIC RATE SECONDS [CALLERS]`
+//! Run: `cargo run --release --example loadgen -- BROKERS TOPIC RATE SECONDS [CALLERS] [LINGER_MS]`
 //!
 //! Sends RATE events per second for SECONDS seconds (both bounded: at most
 //! RATE x SECONDS events, and it stops at the deadline) to TOPIC, keyed by
 //! caller, as JSON call events stamped with the current time. Callers are
 //! drawn from CALLERS numbers (default 50,000) with a skew: a few busy
 //! trunks and diallers, a long tail of subscribers, so window state keeps
-//! being created and expiring. Loopback brokers only in tests.
+//! being created and expiring. LINGER_MS (default 5) is the producer's
+//! `linger.ms`: part of the latency measured from an event's stamp.
+//! Loopback brokers only in tests.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -21,7 +23,7 @@ fn arg<T: std::str::FromStr>(args: &[String], i: usize, name: &str, default: Opt
         Some(Ok(v)) => v,
         _ => default.unwrap_or_else(|| {
             eprintln!(
-                "usage: loadgen BROKERS TOPIC RATE SECONDS [CALLERS] ({name} missing or bad)"
+                "usage: loadgen BROKERS TOPIC RATE SECONDS [CALLERS] [LINGER_MS] ({name} missing or bad)"
             );
             std::process::exit(2)
         }),
@@ -36,10 +38,11 @@ async fn main() {
     let rate: u64 = arg(&args, 3, "RATE", None);
     let seconds: u64 = arg(&args, 4, "SECONDS", None);
     let callers: u64 = arg(&args, 5, "CALLERS", Some(50_000));
+    let linger_ms: u64 = arg(&args, 6, "LINGER_MS", Some(5));
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .set("partitioner", "murmur2_random")
-        .set("linger.ms", "5")
+        .set("linger.ms", linger_ms.to_string())
         .set("compression.type", "lz4")
         .set("queue.buffering.max.messages", "1000000")
         .create()

@@ -15,7 +15,9 @@
 #      consume runs with its default settings; the time from each
 #      event's wall-clock stamp to its decision record's Kafka timestamp,
 #      p50/p90/p99/max (`examples/decision_latency.rs`), and how many were
-#      decided.
+#      decided; beside it the floor: the events' arrival at a plain
+#      consumer of the input topic (same fetch setting), measured in the
+#      same run.
 #
 #   Sections 2 and 3 run once per --redis-mode (MODES, default
 #   "script cached").
@@ -109,11 +111,19 @@ latency() {
     > "$work/consume-$topic.log" 2>&1 &
   local pid=$!
   track "$pid"
+  # The floor: the same events arriving at a plain consumer with
+  # callguard's fetch setting, measured beside it.
+  "$ex/decision_latency" "$brokers" "$topic" "$((r * seconds))" 20 --arrival \
+    fetch.wait.max.ms=10 > "$work/arrival-$topic.log" 2>&1 &
+  local apid=$!
+  track "$apid"
   sleep 5
   "$ex/loadgen" "$brokers" "$topic" "$r" "$seconds" > "$work/loadgen-$topic.log" 2>&1
   sleep 3
   echo "consume decided $(decided) events"
   "$ex/decision_latency" "$brokers" "$topic-decisions" "$((r * seconds))" 20
+  wait "$apid" 2>/dev/null || true
+  echo "floor, the events' arrival at a plain consumer: $(cat "$work/arrival-$topic.log")"
   echo "loadgen: $(tail -1 "$work/loadgen-$topic.log")"
   kill "$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true

@@ -56,6 +56,12 @@ pub struct ConsumeArgs {
     /// Largest batch of events per store round trip.
     #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = consumer::DEFAULT_BATCH_SIZE)]
     pub batch_size: usize,
+    /// Longest wait, in microseconds, for a batch to fill once its first
+    /// event is in, while no batch is with the store (one that is keeps
+    /// the next one filling anyway). Lower: less latency at low rates;
+    /// higher: fuller batches, fewer store round trips.
+    #[arg(long, env = "CALLGUARD_BATCH_LINGER_US", default_value_t = consumer::DEFAULT_BATCH_LINGER_US)]
+    pub batch_linger_us: u64,
     /// Batches that may await broker acknowledgement at once.
     #[arg(long, env = "CALLGUARD_MAX_IN_FLIGHT", default_value_t = consumer::DEFAULT_MAX_IN_FLIGHT)]
     pub max_in_flight: usize,
@@ -110,6 +116,7 @@ impl ConsumeArgs {
         config.kafka_settings = self.kafka.settings.parse()?;
         config.batch_size = self.batch_size.max(1);
         config.max_in_flight = self.max_in_flight.max(1);
+        config.batch_linger = std::time::Duration::from_micros(self.batch_linger_us);
         config.on_store_error = self.on_store_error.into();
         config.max_payload_bytes = self.max_payload_bytes;
         config.decoder = self.decoder.decoder()?;
@@ -221,5 +228,17 @@ mod tests {
         assert!(e.contains("--store memory"), "{e}");
         let c = consume(&["--store", "memory"]);
         assert_eq!(c.store.kind(StoreKind::Redis).unwrap(), StoreKind::Memory);
+    }
+
+    #[test]
+    fn batch_linger_defaults_to_five_ms_and_is_set_in_microseconds() {
+        use std::time::Duration;
+        let linger = |args: &[&str]| consume(args).config("127.0.0.1:1").unwrap().batch_linger;
+        assert_eq!(linger(&[]), Duration::from_millis(5));
+        assert_eq!(
+            linger(&["--batch-linger-us", "250"]),
+            Duration::from_micros(250)
+        );
+        assert_eq!(linger(&["--batch-linger-us", "0"]), Duration::ZERO);
     }
 }

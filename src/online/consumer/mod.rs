@@ -89,6 +89,8 @@ pub const DEFAULT_GROUP: &str = "callguard";
 /// longest a broker may hold a fetch when no new data has arrived.
 pub const DEFAULT_FETCH_WAIT_MS: &str = "10";
 
+/// Default longest wait for a batch to fill, microseconds.
+pub const DEFAULT_BATCH_LINGER_US: u64 = 5_000;
 /// Default largest batch of events per store call.
 pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Default number of batches that may await acknowledgement at once.
@@ -169,7 +171,7 @@ impl ConsumeConfig {
             dlq_topic: dlq.to_string(),
             kafka_settings: Vec::new(),
             batch_size: DEFAULT_BATCH_SIZE,
-            batch_linger: Duration::from_millis(5),
+            batch_linger: Duration::from_micros(DEFAULT_BATCH_LINGER_US),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             on_store_error: StoreErrorPolicy::Block,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
