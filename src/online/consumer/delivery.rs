@@ -111,18 +111,10 @@ impl Shared {
         self.stored_through.load(Ordering::Acquire)
     }
 
-    /// Drops from `batch` the messages of partitions revoked since the last
-    /// call.
-    pub fn drop_revoked(&self, batch: &mut Vec<rdkafka::message::OwnedMessage>) {
-        use rdkafka::message::Message;
-        let revoked = std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()));
-        if !revoked.is_empty() {
-            batch.retain(|m| {
-                !revoked
-                    .iter()
-                    .any(|(t, p)| *p == m.partition() && t == m.topic())
-            });
-        }
+    /// The partitions revoked since the last call: messages read from them
+    /// are dropped undecided (their new owner reads them again).
+    pub fn take_revoked(&self) -> Vec<(String, i32)> {
+        std::mem::take(&mut *self.revoked.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Stores the offsets of the acknowledged batches at the head of the

@@ -263,12 +263,12 @@ pub async fn run<S: WindowStore + 'static>(
     };
     // A checkpoint is due but not committed yet; messages read meanwhile.
     let mut checkpoint_due = false;
-    let mut held: Vec<OwnedMessage> = Vec::new();
+    let mut held = Read::default();
     // The batch being decided while the next one is collected.
     let mut deciding: Option<Deciding> = None;
     loop {
         let next = next_batch(&clients, &config, &mut shutdown, held, deciding.as_mut()).await?;
-        held = Vec::new();
+        held = Read::default();
         // Store what was acknowledged meanwhile; a wanted background commit
         // may start.
         clients
@@ -294,23 +294,27 @@ pub async fn run<S: WindowStore + 'static>(
         let current_rules = rules.borrow().clone();
         let span_limit = checkpoint::span_limit(current_rules.dedup_ms());
         p.span_limit = span_limit;
-        let mut decoded: Vec<Result<CallEvent, EventError>> =
-            batch.iter().map(|m| decode_message(m, &config)).collect();
         // Decide only what fits in the checkpoint allowance; when nothing
         // does, wait for the commit under way, or commit now.
-        let mut cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+        let mut cut = p
+            .uncommitted
+            .cut(&batch.messages, &batch.decoded, span_limit);
         if cut == 0 || checkpoint_due {
             // Everything decided is produced first, so a commit covers it.
             if !finish(&clients, &config, &metrics, &mut p, deciding.take(), false).await? {
                 break;
             }
             p.early.finish(&mut p.uncommitted).await;
-            cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+            cut = p
+                .uncommitted
+                .cut(&batch.messages, &batch.decoded, span_limit);
             if cut == 0 || checkpoint_due {
                 if commit_now(&clients, config.drain_timeout).await? {
                     checkpoint_due = false;
                     p.uncommitted = Uncommitted::default();
-                    cut = p.uncommitted.cut(&batch, &decoded, span_limit);
+                    cut = p
+                        .uncommitted
+                        .cut(&batch.messages, &batch.decoded, span_limit);
                 } else {
                     // Decide nothing more until it is committed (a
                     // rebalance usually; reading on serves it). What was
@@ -325,8 +329,11 @@ pub async fn run<S: WindowStore + 'static>(
         }
         if cut < batch.len() {
             held = batch.split_off(cut);
-            decoded.truncate(cut);
         }
+        let Read {
+            messages: batch,
+            decoded,
+        } = batch;
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
         let (events, spans) =
             sort_decoded(&batch, decoded, &config, &metrics, &mut p.stats, &mut out);
@@ -474,6 +481,61 @@ fn connect(
     })
 }
 
+/// Messages read and not yet decided, each with its decoded event (or why
+/// it is not one), index for index: decoded as they arrive, while the
+/// batch before is with the store.
+#[derive(Default)]
+struct Read {
+    messages: Vec<OwnedMessage>,
+    decoded: Vec<Result<CallEvent, EventError>>,
+}
+
+impl Read {
+    fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    fn push(&mut self, m: OwnedMessage, config: &ConsumeConfig) {
+        self.decoded.push(decode_message(&m, config));
+        self.messages.push(m);
+    }
+
+    /// Drops the messages of partitions revoked since the last call.
+    fn drop_revoked(&mut self, shared: &Shared) {
+        let revoked = shared.take_revoked();
+        if revoked.is_empty() {
+            return;
+        }
+        let keep: Vec<bool> = self
+            .messages
+            .iter()
+            .map(|m| {
+                !revoked
+                    .iter()
+                    .any(|(t, p)| *p == m.partition() && t == m.topic())
+            })
+            .collect();
+        let mut flags = keep.iter();
+        self.messages
+            .retain(|_| flags.next().copied().unwrap_or(true));
+        let mut flags = keep.iter();
+        self.decoded
+            .retain(|_| flags.next().copied().unwrap_or(true));
+    }
+
+    /// Splits off the messages from `at` on.
+    fn split_off(&mut self, at: usize) -> Read {
+        Read {
+            messages: self.messages.split_off(at),
+            decoded: self.decoded.split_off(at),
+        }
+    }
+}
+
 /// Collects the next batch: waits for a first message, then up to the
 /// linger time or the batch size. When the verdicts of the batch being
 /// decided arrive it stops lingering: it returns at once if it has nothing,
@@ -484,9 +546,9 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
     clients: &Clients,
     config: &ConsumeConfig,
     shutdown: &mut F,
-    held: Vec<OwnedMessage>,
+    held: Read,
     mut deciding: Option<&mut Deciding>,
-) -> Result<Option<Vec<OwnedMessage>>, KafkaError> {
+) -> Result<Option<Read>, KafkaError> {
     // Held messages (see `checkpoint_due` in `run`) come first, topped up to
     // a batch; while a checkpoint waits, at least one more message is read
     // per retry, as reading serves rebalances.
@@ -496,7 +558,7 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
         config.batch_size.max(held.len() + 1)
     };
     let mut batch = held;
-    clients.shared.drop_revoked(&mut batch);
+    batch.drop_revoked(&clients.shared);
     let mut lingering = !batch.is_empty();
     // One timer per batch, not one per message: the linger deadline once
     // a message is in, the idle settle interval before.
@@ -530,8 +592,8 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
                 Ok(m) => {
                     // What was read from partitions revoked meanwhile is read again
                     // by their new owner; this message comes from the current assignment.
-                    clients.shared.drop_revoked(&mut batch);
-                    batch.push(m.detach());
+                    batch.drop_revoked(&clients.shared);
+                    batch.push(m.detach(), config);
                     if !lingering {
                         lingering = true;
                         timer.as_mut().reset(tokio::time::Instant::now() + config.batch_linger);
@@ -551,7 +613,7 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
             }
         }
     }
-    clients.shared.drop_revoked(&mut batch);
+    batch.drop_revoked(&clients.shared);
     Ok(Some(batch))
 }
 
