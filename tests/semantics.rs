@@ -277,18 +277,41 @@ fn ids_seen_once_need_no_idempotency_record() {
     }
 }
 
+/// Which rule kinds and counting policies a suite of random rule sets met.
+#[derive(Default)]
+struct Coverage {
+    kinds: std::collections::HashSet<&'static str>,
+    policies: std::collections::HashSet<bool>,
+}
+
+impl Coverage {
+    fn note(&mut self, rules: &callguard::engine::rules::RuleSet) {
+        use callguard::engine::rules::{CountPolicy, WindowKind};
+        self.kinds.extend(rules.rules.iter().map(|r| match r.kind {
+            WindowKind::Fixed => "fixed",
+            WindowKind::Sliding => "sliding",
+            WindowKind::SlidingApprox => "sliding-approx",
+        }));
+        self.policies.insert(rules.count == CountPolicy::Attempts);
+    }
+
+    /// Every rule kind and both policies were met.
+    fn assert_all(&self) {
+        assert_eq!(self.kinds.len(), 3, "rule kinds covered: {:?}", self.kinds);
+        assert_eq!(self.policies.len(), 2, "both counting policies covered");
+    }
+}
+
 /// The in-memory store split by caller over threads gives the sequential
 /// store's verdicts, in input order, on time-sorted logs (what replays
 /// feed it): every rule kind, both counting policies, one to four shards,
 /// batches of any size, with and without the unique-id hint.
 #[test]
 fn the_sharded_store_equals_the_sequential_store() {
-    use callguard::engine::rules::{CountPolicy, WindowKind};
     use callguard::store::sharded::ShardedStore;
     use rand::{Rng, SeedableRng};
-    use std::collections::{HashMap, HashSet};
-    let mut kinds = HashSet::new();
-    let mut policies = HashSet::new();
+    use std::collections::HashMap;
+    let mut covered = Coverage::default();
     for seed in 0..32u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let rules = random::random_rules(&mut rng);
@@ -317,15 +340,9 @@ fn the_sharded_store_equals_the_sequential_store() {
             }
             at = end;
         }
-        kinds.extend(rules.rules.iter().map(|r| match r.kind {
-            WindowKind::Fixed => "fixed",
-            WindowKind::Sliding => "sliding",
-            WindowKind::SlidingApprox => "sliding-approx",
-        }));
-        policies.insert(rules.count == CountPolicy::Attempts);
+        covered.note(&rules);
     }
-    assert_eq!(kinds.len(), 3, "rule kinds covered: {kinds:?}");
-    assert_eq!(policies.len(), 2, "both counting policies covered");
+    covered.assert_all();
 }
 
 /// A replay of a call log file through the split store (its pipelined path:
@@ -335,18 +352,15 @@ fn the_sharded_store_equals_the_sequential_store() {
 /// one to three shards, redelivered call ids and same-millisecond calls.
 #[tokio::test]
 async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
-    use callguard::engine::rules::{CountPolicy, WindowKind};
     use callguard::offline::order::OrderedLog;
     use callguard::offline::read::ReadOptions;
     use callguard::offline::replay::run_ordered;
     use callguard::store::sharded::ShardedStore;
     use rand::SeedableRng;
-    use std::collections::HashSet;
     use std::fmt::Write as _;
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
-    let mut kinds = HashSet::new();
-    let mut policies = HashSet::new();
+    let mut covered = Coverage::default();
     for seed in 0..12u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let rules = random::random_rules(&mut rng);
@@ -384,15 +398,9 @@ async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
             sequential.summary.duplicates > 0,
             "seed {seed}: no redelivery"
         );
-        kinds.extend(rules.rules.iter().map(|r| match r.kind {
-            WindowKind::Fixed => "fixed",
-            WindowKind::Sliding => "sliding",
-            WindowKind::SlidingApprox => "sliding-approx",
-        }));
-        policies.insert(rules.count == CountPolicy::Attempts);
+        covered.note(&rules);
     }
-    assert_eq!(kinds.len(), 3, "rule kinds covered: {kinds:?}");
-    assert_eq!(policies.len(), 2, "both counting policies covered");
+    covered.assert_all();
 }
 
 /// Each shard of the split store drops idle callers against the newest time

@@ -140,31 +140,65 @@ pub async fn run_ordered<S: WindowStore>(
     if let Some(sharded) = store.as_sharded() {
         return run_sharded(log, rules, sharded, progress, sink);
     }
-    let bar = progress_bar(log.rows() as u64, progress, "replaying");
-    let mut tally = Tally::default();
-    let mut invalid = Vec::new();
+    let mut replaying = Replaying::new(&log, progress);
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
     log.decode_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
         let mut chunk = chunk?;
-        // The chunk is ours: its events move to the store and the sink,
-        // never cloned.
-        let events: Vec<CallEvent> = std::mem::take(&mut chunk.events)
-            .into_iter()
-            .map(|(_, e)| e)
-            .collect();
+        let events = take_events(&mut chunk);
         let verdicts = apply_events(&events, &chunk.unique, rules, store).await?;
-        tally.add(&verdicts);
-        bar.inc((events.len() + chunk.invalid.len()) as u64);
-        invalid.append(&mut chunk.invalid);
-        sink(DecidedChunk { events, verdicts })?;
+        replaying.decided(events, verdicts, chunk.invalid, &mut sink)?;
     }
-    bar.finish_and_clear();
-    invalid.sort_by_key(|r| r.row);
-    Ok(Streamed {
-        summary: tally.finish(invalid.len()),
-        invalid,
-    })
+    Ok(replaying.finish())
+}
+
+/// A streamed replay's progress: the bar, the tally and the invalid rows.
+struct Replaying {
+    bar: indicatif::ProgressBar,
+    tally: Tally,
+    invalid: Vec<InvalidRow>,
+}
+
+impl Replaying {
+    fn new(log: &OrderedLog, progress: bool) -> Self {
+        Replaying {
+            bar: progress_bar(log.rows() as u64, progress, "replaying"),
+            tally: Tally::default(),
+            invalid: Vec::new(),
+        }
+    }
+
+    /// Counts a decided chunk and hands it to the sink.
+    fn decided(
+        &mut self,
+        events: Vec<CallEvent>,
+        verdicts: Vec<Verdict>,
+        invalid: Vec<InvalidRow>,
+        sink: &mut impl FnMut(DecidedChunk) -> Result<(), IoError>,
+    ) -> Result<(), IoError> {
+        self.tally.add(&verdicts);
+        self.bar.inc((events.len() + invalid.len()) as u64);
+        self.invalid.extend(invalid);
+        sink(DecidedChunk { events, verdicts })
+    }
+
+    fn finish(mut self) -> Streamed {
+        self.bar.finish_and_clear();
+        self.invalid.sort_by_key(|r| r.row);
+        Streamed {
+            summary: self.tally.finish(self.invalid.len()),
+            invalid: self.invalid,
+        }
+    }
+}
+
+/// A chunk's events, taken out of it (they move to the store and the
+/// sink, never cloned).
+fn take_events(chunk: &mut CallLog) -> Vec<CallEvent> {
+    std::mem::take(&mut chunk.events)
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect()
 }
 
 /// One shard's share of a chunk: the indices of its callers' events.
@@ -195,9 +229,7 @@ fn run_sharded(
     progress: bool,
     mut sink: impl FnMut(DecidedChunk) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
-    let bar = progress_bar(log.rows() as u64, progress, "replaying");
-    let mut tally = Tally::default();
-    let mut invalid = Vec::new();
+    let mut replaying = Replaying::new(&log, progress);
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
     log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
     let shards = store.shards_mut();
@@ -243,10 +275,7 @@ fn run_sharded(
                 verdicts.extend(parts[k].next());
             }
             let events = Arc::try_unwrap(c.events).unwrap_or_else(|shared| (*shared).clone());
-            tally.add(&verdicts);
-            bar.inc((events.len() + c.invalid.len()) as u64);
-            invalid.extend(c.invalid);
-            sink(DecidedChunk { events, verdicts })?;
+            replaying.decided(events, verdicts, c.invalid, &mut sink)?;
             Ok(())
         };
         // Two chunks in flight: the shards decide one while the other is
@@ -254,10 +283,7 @@ fn run_sharded(
         let mut flight = std::collections::VecDeque::with_capacity(2);
         for chunk in chunks {
             let mut chunk = chunk?;
-            let events: Vec<CallEvent> = std::mem::take(&mut chunk.events)
-                .into_iter()
-                .map(|(_, e)| e)
-                .collect();
+            let events = take_events(&mut chunk);
             let (of, parts) = split_by_caller(events.iter().map(|e| e.caller.as_str()), n);
             let events = Arc::new(events);
             let unique = Arc::new(std::mem::take(&mut chunk.unique));
@@ -286,12 +312,7 @@ fn run_sharded(
         }
         Ok(())
     })?;
-    bar.finish_and_clear();
-    invalid.sort_by_key(|r| r.row);
-    Ok(Streamed {
-        summary: tally.finish(invalid.len()),
-        invalid,
-    })
+    Ok(replaying.finish())
 }
 
 impl fmt::Display for ReplaySummary {
