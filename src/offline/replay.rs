@@ -412,16 +412,19 @@ pub async fn to_table<S: WindowStore>(
     let log = Arc::new(OrderedLog::open(input, read)?);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
-    let mut out = BackgroundWriter::spawn(output, &empty, move |chunk: DecidedChunk| {
+    // Frames are built here (beside the store's shards) and only encoded
+    // and written on the writer's thread, the longest stage otherwise.
+    let mut out = BackgroundWriter::spawn(output, &empty, Ok)?;
+    let streamed = run_ordered(log, rules, store, read.progress, |chunk: DecidedChunk| {
         let rows: Vec<Row<'_>> = chunk
             .events
             .iter()
             .zip(&chunk.verdicts)
             .map(|(event, verdict)| Row { event, verdict })
             .collect();
-        table::frame(&schema, &rows)
-    })?;
-    let streamed = run_ordered(log, rules, store, read.progress, |chunk| out.send(chunk)).await?;
+        out.send(table::frame(&schema, &rows)?)
+    })
+    .await?;
     let rows = out.finish()?;
     let invalid_file = write_invalid(output, &streamed.invalid)?;
     Ok(TableReport {
