@@ -449,6 +449,16 @@ impl Schema {
         Ok(Self::from_columns(columns))
     }
 
+    /// The first `at` columns and the rest, as two schemas (for building
+    /// a table's columns in two places).
+    pub fn split_at(&self, at: usize) -> (Self, Self) {
+        let at = at.min(self.columns.len());
+        (
+            Self::from_columns(self.columns[..at].to_vec()),
+            Self::from_columns(self.columns[at..].to_vec()),
+        )
+    }
+
     /// Whether a column holds `field`.
     pub fn has(&self, field: Field) -> bool {
         self.columns.iter().any(|c| c.field == field)
@@ -668,6 +678,33 @@ impl Verdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A schema split in two holds its columns in order, once; selecting
+    /// keeps the order asked for and refuses an unknown name.
+    #[test]
+    fn split_and_select_keep_the_columns() {
+        let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+        let all = Schema::features(&rules);
+        let names =
+            |s: &Schema| -> Vec<String> { s.columns().iter().map(|c| c.name.clone()).collect() };
+        for at in [0, 1, 8, all.columns().len(), 99] {
+            let (a, b) = all.split_at(at);
+            assert_eq!(a.columns().len(), at.min(all.columns().len()));
+            assert_eq!(
+                [names(&a), names(&b)].concat(),
+                names(&all),
+                "split at {at}"
+            );
+        }
+        let picked = all
+            .select(&["reason".into(), "call_id".into(), "reason".into()])
+            .unwrap();
+        assert_eq!(names(&picked), ["reason", "call_id"]);
+        assert_eq!(names(&all.select(&[]).unwrap()), names(&all));
+        let e = all.select(&["count_x".into()]).unwrap_err();
+        assert_eq!(e.name, "count_x");
+        assert!(e.columns.contains("count_m"), "{e}");
+    }
 
     /// The direct writer gives exactly the map's text, for every field
     /// kind with and without a value, and names that need escaping.

@@ -8,12 +8,14 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use polars::prelude::DataFrame;
+
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{IoError, ReplayError, StoreError};
 use crate::offline::order::{OrderedLog, CHUNK_ROWS};
-use crate::offline::read::{CallLog, InvalidRow, ReadOptions};
+use crate::offline::read::{polars_err, CallLog, InvalidRow, ReadOptions};
 use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
 use crate::store::sharded::{split_by_caller, ShardedStore};
@@ -125,6 +127,17 @@ pub struct DecidedChunk {
     pub events: Vec<CallEvent>,
     /// Their verdicts.
     pub verdicts: Vec<Verdict>,
+}
+
+impl DecidedChunk {
+    /// The chunk as output rows, in order.
+    pub fn rows(&self) -> Vec<Row<'_>> {
+        self.events
+            .iter()
+            .zip(&self.verdicts)
+            .map(|(event, verdict)| Row { event, verdict })
+            .collect()
+    }
 }
 
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
@@ -387,6 +400,10 @@ async fn apply_events<S: WindowStore>(
     Ok(verdicts)
 }
 
+/// Most columns of a table whose columns are all built on the writer's
+/// thread (see [`to_table`]).
+const NARROW_TABLE: usize = 8;
+
 /// What [`to_table`] wrote.
 #[derive(Debug)]
 pub struct TableReport {
@@ -412,17 +429,37 @@ pub async fn to_table<S: WindowStore>(
     let log = Arc::new(OrderedLog::open(input, read)?);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
-    // Frames are built here (beside the store's shards) and only encoded
-    // and written on the writer's thread, the longest stage otherwise.
-    let mut out = BackgroundWriter::spawn(output, &empty, Ok)?;
+    // The writer's thread encodes and writes each chunk's frame and builds
+    // its columns; of a wide table (the 17 feature columns) it builds only
+    // the second half, the first half being built here, beside the store's
+    // shards: otherwise that thread is the longest stage. A narrow table is
+    // built there whole: building it here delays the shards' next chunk
+    // more than it saves (measurements in BENCHMARKS.md).
+    let at = if schema.columns().len() > NARROW_TABLE {
+        schema.columns().len().div_ceil(2)
+    } else {
+        0
+    };
+    let (front, back) = schema.split_at(at);
+    let mut out = BackgroundWriter::spawn(
+        output,
+        &empty,
+        move |(chunk, mut df): (DecidedChunk, DataFrame)| {
+            if !back.columns().is_empty() {
+                let rest = table::frame(&back, &chunk.rows())?;
+                df.hstack_mut(rest.columns())
+                    .map_err(polars_err("building a table"))?;
+            }
+            Ok(df)
+        },
+    )?;
     let streamed = run_ordered(log, rules, store, read.progress, |chunk: DecidedChunk| {
-        let rows: Vec<Row<'_>> = chunk
-            .events
-            .iter()
-            .zip(&chunk.verdicts)
-            .map(|(event, verdict)| Row { event, verdict })
-            .collect();
-        out.send(table::frame(&schema, &rows)?)
+        let df = if front.columns().is_empty() {
+            DataFrame::empty_with_height(chunk.events.len())
+        } else {
+            table::frame(&front, &chunk.rows())?
+        };
+        out.send((chunk, df))
     })
     .await?;
     let rows = out.finish()?;
