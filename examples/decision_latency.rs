@@ -9,11 +9,11 @@
 //! `examples/loadgen.rs`, which stamps each event with the wall clock when
 //! it is sent, that is the time from producing a call to producing its
 //! decision. With `--arrival`, started before the load, it measures (the
-//! wall clock when a record arrives here - its `ts_ms`, or `ts`) instead: on the
-//! input topic, the broker's and the client's share of that time (the
-//! floor under callguard's). KEY=VALUE are librdkafka consumer settings
-//! (e.g. `fetch.wait.max.ms=10`, callguard's default). Loopback brokers
-//! only in tests.
+//! wall clock when a record arrives here - its `ts_ms`, or `ts`) instead:
+//! on the input topic, the broker's and the client's share of that time
+//! (the floor under callguard's). KEY=VALUE are librdkafka consumer
+//! settings (e.g. `fetch.wait.max.ms=10`, callguard's default). Loopback
+//! brokers only in tests.
 
 use std::time::Duration;
 

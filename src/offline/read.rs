@@ -422,9 +422,10 @@ pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError
 /// lists its invalid rows by row number.
 ///
 /// CSV (and Asterisk) files are streamed: one thread parses records while
-/// others decode them, and no text column of the whole file is ever held. A row's number is its place among the data records (the
-/// header and blank lines are not counted). Parquet files are read whole,
-/// then decoded.
+/// others decode them, and no text column of the whole file is ever held.
+/// A row's number is its place among the data records (the header and
+/// blank lines are not counted). Parquet files are read whole, then
+/// decoded.
 pub fn read_events(
     path: &Path,
     opts: &ReadOptions,

@@ -18,7 +18,7 @@ use crate::offline::order::{OrderedLog, CHUNK_ROWS};
 use crate::offline::read::{polars_err, CallLog, InvalidRow, ReadOptions};
 use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
-use crate::store::sharded::{split_by_caller, ShardedStore};
+use crate::store::sharded::{decide_share, merge_in_order, split_by_caller, ShardedStore};
 use crate::store::WindowStore;
 
 /// What a replay did.
@@ -258,12 +258,8 @@ fn run_sharded(
                 .name(format!("shard-{k}"))
                 .spawn_scoped(s, move || {
                     for job in job_rx {
-                        let flag = |i: usize| job.unique.get(i).copied().unwrap_or(false);
-                        let verdicts: Vec<Verdict> = job
-                            .idx
-                            .iter()
-                            .map(|&i| shard.apply_unique(rules, &job.events[i], flag(i)))
-                            .collect();
+                        let verdicts =
+                            decide_share(shard, rules, &job.events, &job.unique, &job.idx);
                         // The chunk's events go back to their owner whole.
                         drop(job);
                         if out_tx.send(verdicts).is_err() {
@@ -281,12 +277,9 @@ fn run_sharded(
         let mut finish = |c: InFlight| -> Result<(), ReplayError> {
             let mut parts = Vec::with_capacity(n);
             for r in &results {
-                parts.push(r.recv().map_err(|_| lost())?.into_iter());
+                parts.push(r.recv().map_err(|_| lost())?);
             }
-            let mut verdicts = Vec::with_capacity(c.of.len());
-            for &k in &c.of {
-                verdicts.extend(parts[k].next());
-            }
+            let verdicts = merge_in_order(&c.of, parts);
             let events = Arc::try_unwrap(c.events).unwrap_or_else(|shared| (*shared).clone());
             replaying.decided(events, verdicts, c.invalid, &mut sink)?;
             Ok(())

@@ -73,57 +73,30 @@ pub fn run_shards<T: Send, R: Send>(
     })
 }
 
-/// Threads kept for the life of a sharded computation, one per shard, that
-/// run [`run_shards`]' work batch after batch: a batch costs no thread
-/// start, and each thread's allocator keeps the memory it freed for the
-/// next batch instead of faulting in fresh pages. One shard, or a pool
-/// that could not be started, runs as [`run_shards`] does.
-#[derive(Debug)]
-pub struct ShardThreads {
-    pool: Option<rayon::ThreadPool>,
+/// Decides a shard's share of `events` (the indices `idx`, in order) on
+/// its store; `unique[i]` as in [`MemoryStore::apply_unique`] (missing
+/// flags are false).
+pub fn decide_share(
+    store: &mut MemoryStore,
+    rules: &RuleSet,
+    events: &[CallEvent],
+    unique: &[bool],
+    idx: &[usize],
+) -> Vec<Verdict> {
+    idx.iter()
+        .map(|&i| store.apply_unique(rules, &events[i], unique.get(i).copied().unwrap_or(false)))
+        .collect()
 }
 
-impl ShardThreads {
-    /// Threads for `shards` shards (none for one).
-    pub fn new(shards: usize) -> Self {
-        let pool = (shards > 1)
-            .then(|| {
-                rayon::ThreadPoolBuilder::new()
-                    .num_threads(shards)
-                    .thread_name(|i| format!("shard-{i}"))
-                    .build()
-            })
-            .and_then(|built| {
-                built
-                    .map_err(|e| tracing::warn!(error = %e, "shard threads not started; using scoped threads"))
-                    .ok()
-            });
-        ShardThreads { pool }
+/// The shards' verdicts back in input order: `of[i]` is event `i`'s shard,
+/// and each shard's verdicts are in its events' order.
+pub fn merge_in_order(of: &[usize], parts: Vec<Vec<Verdict>>) -> Vec<Verdict> {
+    let mut parts: Vec<_> = parts.into_iter().map(Vec::into_iter).collect();
+    let mut verdicts = Vec::with_capacity(of.len());
+    for &s in of {
+        verdicts.extend(parts.get_mut(s).and_then(Iterator::next));
     }
-
-    /// Runs `work(shard, its indices)` for every shard, each on a thread,
-    /// and returns the results in shard order. A panic in a shard is
-    /// resumed here.
-    pub fn run<T: Send, R: Send>(
-        &self,
-        shards: &mut [T],
-        parts: &[Vec<usize>],
-        work: impl Fn(&mut T, &[usize]) -> R + Sync,
-    ) -> Vec<R> {
-        let Some(pool) = &self.pool else {
-            return run_shards(shards, parts, work);
-        };
-        let work = &work;
-        let mut out: Vec<Option<R>> = shards.iter().map(|_| None).collect();
-        pool.scope(|s| {
-            for ((shard, idx), slot) in shards.iter_mut().zip(parts).zip(&mut out) {
-                s.spawn(move |_| *slot = Some(work(shard, idx)));
-            }
-        });
-        // Every spawned job filled its slot (a panic would have been
-        // resumed by the scope).
-        out.into_iter().flatten().collect()
-    }
+    verdicts
 }
 
 /// The number of shards that suits this machine: one per core.
@@ -139,16 +112,13 @@ pub fn shards_per_core() -> usize {
 #[derive(Debug)]
 pub struct ShardedStore {
     shards: Vec<MemoryStore>,
-    threads: ShardThreads,
 }
 
 impl ShardedStore {
     /// An empty store of `shards` shards (at least one).
     pub fn new(shards: usize) -> Self {
-        let shards = shards.max(1);
         ShardedStore {
-            shards: (0..shards).map(|_| MemoryStore::new()).collect(),
-            threads: ShardThreads::new(shards),
+            shards: (0..shards.max(1)).map(|_| MemoryStore::new()).collect(),
         }
     }
 
@@ -183,18 +153,10 @@ impl ShardedStore {
     ) -> Vec<Verdict> {
         let (of, parts) =
             split_by_caller(events.iter().map(|e| e.caller.as_str()), self.shards.len());
-        let flag = |i: usize| unique.get(i).copied().unwrap_or(false);
-        let results = self.threads.run(&mut self.shards, &parts, |store, idx| {
-            idx.iter()
-                .map(|&i| store.apply_unique(rules, &events[i], flag(i)))
-                .collect::<Vec<_>>()
+        let results = run_shards(&mut self.shards, &parts, |store, idx| {
+            decide_share(store, rules, events, unique, idx)
         });
-        let mut per_shard: Vec<_> = results.into_iter().map(Vec::into_iter).collect();
-        let mut verdicts = Vec::with_capacity(of.len());
-        for &s in &of {
-            verdicts.extend(per_shard.get_mut(s).and_then(Iterator::next));
-        }
-        verdicts
+        merge_in_order(&of, results)
     }
 }
 

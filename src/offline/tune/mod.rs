@@ -30,7 +30,7 @@ use crate::offline::read::{CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
 use crate::progress::progress_bar;
 use crate::store::memory::MemoryStore;
-use crate::store::sharded::{shards_per_core, ShardThreads};
+use crate::store::sharded::{run_shards, shards_per_core};
 
 /// One row of the sweep.
 #[derive(Debug, Clone, PartialEq)]
@@ -211,8 +211,6 @@ pub struct Sweeper {
     /// The replay under the rule set as given, split by caller over the
     /// cores (see [`crate::store::sharded`]).
     base: Vec<BaseShard>,
-    /// The threads the base shards run on, batch after batch.
-    threads: ShardThreads,
     replayed: Vec<Replayed>,
     /// Caller numbers given to logs fed without them.
     numbers: foldhash::HashMap<compact_str::CompactString, u32>,
@@ -275,7 +273,6 @@ impl Sweeper {
             limits: limits.to_vec(),
             target,
             base: Vec::new(),
-            threads: ShardThreads::new(shards_per_core()),
             replayed,
             numbers: Default::default(),
         };
@@ -288,7 +285,6 @@ impl Sweeper {
     /// Call before feeding anything.
     pub fn with_shards(mut self, shards: usize) -> Self {
         self.base = self.shards(shards);
-        self.threads = ShardThreads::new(self.base.len());
         self
     }
 
@@ -340,7 +336,7 @@ impl Sweeper {
         let shards = self.base.len();
         let parts = split_by_number(callers, shards);
         let (rules, index) = (&self.rules, self.index);
-        self.threads.run(&mut self.base, &parts, |shard, idx| {
+        run_shards(&mut self.base, &parts, |shard, idx| {
             shard.feed_all(rules, index, (events, unique, callers), idx, shards);
         });
         if self.replayed.is_empty() {

@@ -510,21 +510,17 @@ impl Read {
         if revoked.is_empty() {
             return;
         }
-        let keep: Vec<bool> = self
-            .messages
-            .iter()
-            .map(|m| {
+        let (messages, decoded) = std::mem::take(&mut self.messages)
+            .into_iter()
+            .zip(std::mem::take(&mut self.decoded))
+            .filter(|(m, _)| {
                 !revoked
                     .iter()
                     .any(|(t, p)| *p == m.partition() && t == m.topic())
             })
-            .collect();
-        let mut flags = keep.iter();
-        self.messages
-            .retain(|_| flags.next().copied().unwrap_or(true));
-        let mut flags = keep.iter();
-        self.decoded
-            .retain(|_| flags.next().copied().unwrap_or(true));
+            .unzip();
+        self.messages = messages;
+        self.decoded = decoded;
     }
 
     /// Splits off the messages from `at` on.
