@@ -34,8 +34,7 @@ fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, V
     .unwrap();
     let log = callguard::offline::order::OrderedLog::open(&path, &Default::default())
         .unwrap()
-        .read_all()
-        .unwrap();
+        .read_all();
     let events: Vec<CallEvent> = log.events.into_iter().map(|(_, e)| e).collect();
     let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
     let expected = common::replay_records(&events, &rules);

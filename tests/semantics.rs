@@ -377,7 +377,7 @@ async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
         let log = Arc::new(OrderedLog::open(&path, &ReadOptions::default()).unwrap());
         let mut want = Vec::new();
         let sequential = run_ordered(log.clone(), &rules, &mut MemoryStore::new(), false, |c| {
-            want.push((c.events, c.verdicts));
+            want.push(c.into_parts());
             Ok(())
         })
         .await
@@ -385,7 +385,11 @@ async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
         let shards = 1 + seed as usize % 3;
         let mut got = Vec::new();
         let sharded = run_ordered(log, &rules, &mut ShardedStore::new(shards), false, |c| {
-            got.push((c.events, c.verdicts));
+            // The writer reads the shares in order by reference.
+            let in_order: Vec<_> = c.verdicts().into_iter().cloned().collect();
+            let (events, verdicts) = c.into_parts();
+            assert_eq!(in_order, verdicts);
+            got.push((events, verdicts));
             Ok(())
         })
         .await

@@ -75,7 +75,6 @@ fn sweep_equals_a_replay_for_every_n() {
                         .unwrap()
                         .with_shards(shards);
                 for chunk in ordered.chunks(1_009) {
-                    let chunk = chunk.unwrap();
                     assert_eq!(chunk.callers.len(), chunk.events.len());
                     numbered.feed_log(&chunk);
                 }

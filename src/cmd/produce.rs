@@ -38,8 +38,7 @@ pub async fn run(args: ProduceArgs) -> Result<()> {
         progress,
     )?;
     let mut invalid = Vec::new();
-    for chunk in log.chunks(CHUNK_ROWS) {
-        let mut chunk = chunk?;
+    for mut chunk in log.chunks(CHUNK_ROWS) {
         for (_, e) in &chunk.events {
             loader.send(e).await?;
         }

@@ -174,6 +174,15 @@ impl<'a> RawValue<'a> {
 /// The canonical field names of a call event.
 pub const FIELDS: [&str; 6] = ["call_id", "caller", "ts", "callee", "duration_ms", "label"];
 
+/// Places in [`FIELDS`].
+const CALL_ID: usize = 0;
+const CALLER: usize = 1;
+/// The place of `ts` in [`FIELDS`].
+pub const TS: usize = 2;
+const CALLEE: usize = 3;
+const DURATION_MS: usize = 4;
+const LABEL: usize = 5;
+
 /// Maps canonical field names to the names used by an input (`--map caller=src`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FieldMap {
@@ -244,9 +253,19 @@ impl Decoder {
     where
         F: Fn(&str) -> RawValue<'a>,
     {
-        let field = |canon: &'static str| get(self.map.source(canon));
-        let call_id = decode_call_id(field("call_id"))?;
-        let caller = match field("caller") {
+        self.decode_indexed(|i| get(self.map.source(FIELDS[i])))
+    }
+
+    /// Decodes one event from its fields by place: `get(i)` returns the raw
+    /// value of the input field mapped to `FIELDS[i]` (for callers that
+    /// resolved the mapping once, not once per event and field).
+    pub fn decode_indexed<'a, F>(&self, get: F) -> Result<CallEvent, EventError>
+    where
+        F: Fn(usize) -> RawValue<'a>,
+    {
+        let field = |canon: usize| get(canon);
+        let call_id = decode_call_id(field(CALL_ID))?;
+        let caller = match field(CALLER) {
             RawValue::Str(s) if !s.trim().is_empty() => {
                 normalize_number(s, self.default_country_code.as_deref())?
             }
@@ -261,8 +280,8 @@ impl Decoder {
                 })
             }
         };
-        let ts_ms = check_ts_range(parse_ts(field("ts"))?)?;
-        let callee = match field("callee") {
+        let ts_ms = check_ts_range(parse_ts(field(TS))?)?;
+        let callee = match field(CALLEE) {
             v if v.is_null() => None,
             RawValue::Str(s) => self.callee(s),
             RawValue::Int(i) => self.callee(&i.to_string()),
@@ -273,7 +292,7 @@ impl Decoder {
                 })
             }
         };
-        let duration_ms = match field("duration_ms") {
+        let duration_ms = match field(DURATION_MS) {
             v if v.is_null() => None,
             RawValue::Int(i) if i >= 0 => Some(i),
             RawValue::Str(s) => match s.trim().parse::<i64>() {
@@ -292,7 +311,7 @@ impl Decoder {
                 })
             }
         };
-        let label = parse_label(field("label"))?;
+        let label = parse_label(field(LABEL))?;
         let (caller, callee, list_number) = match &self.hasher {
             // After normalisation, so a number has one pseudonym however it
             // was written; the real number stays only for list matching.
@@ -351,16 +370,13 @@ impl Decoder {
                 });
             }
         }
-        let ts_name = self.map.source("ts");
-        self.decode(|name| {
-            let v = names
-                .iter()
-                .position(|n| *n == name)
-                .and_then(|i| found[i].as_ref())
+        self.decode_indexed(|i| {
+            let v = found[i]
+                .as_ref()
                 .and_then(json::Scalar::raw)
                 .unwrap_or(RawValue::Null);
             match default_ts_ms {
-                Some(now) if name == ts_name && v == RawValue::Null => RawValue::Int(now),
+                Some(now) if i == TS && v == RawValue::Null => RawValue::Int(now),
                 _ => v,
             }
         })
@@ -471,6 +487,9 @@ pub fn parse_ts(v: RawValue<'_>) -> Result<i64, EventError> {
             if let Ok(i) = s.parse::<i64>() {
                 return Ok(i);
             }
+            if let Some(ms) = utc_rfc3339_ms(s) {
+                return Ok(ms);
+            }
             DateTime::parse_from_rfc3339(s)
                 .map(|d| d.timestamp_millis())
                 .map_err(|_| EventError::BadTimestamp(printable(s)))
@@ -478,6 +497,59 @@ pub fn parse_ts(v: RawValue<'_>) -> Result<i64, EventError> {
         RawValue::Null => Err(EventError::Missing("ts")),
         other => Err(EventError::BadTimestamp(format!("{other:?}"))),
     }
+}
+
+/// The common shape of an event time, parsed without a general parser:
+/// `YYYY-MM-DDTHH:MM:SSZ` or `YYYY-MM-DDTHH:MM:SS.sssZ` (UTC, what most
+/// exporters write), as epoch milliseconds. `None` for any other text
+/// (which [`parse_ts`] hands to the full RFC 3339 parser), including
+/// impossible dates and leap seconds.
+fn utc_rfc3339_ms(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    let millis = match b.len() {
+        20 => 0,
+        24 if b[19] == b'.' => digits(&b[20..23])?,
+        _ => return None,
+    };
+    if b[4] != b'-' || b[7] != b'-' || b[10] != b'T' || b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    if b[b.len() - 1] != b'Z' {
+        return None;
+    }
+    let (year, month, day) = (digits(&b[0..4])?, digits(&b[5..7])?, digits(&b[8..10])?);
+    let (hour, minute, second) = (
+        digits(&b[11..13])?,
+        digits(&b[14..16])?,
+        digits(&b[17..19])?,
+    );
+    let leap = year % 4 == 0 && (year % 100 != 0 || year % 400 == 0);
+    let month_days = match month {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if leap => 29,
+        2 => 28,
+        _ => return None,
+    };
+    if day == 0 || day > month_days || hour > 23 || minute > 59 || second > 59 {
+        return None;
+    }
+    // Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's
+    // days_from_civil, years counted from March).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let year_of_era = y - era * 400;
+    let day_of_year = (153 * ((month + 9) % 12) + 2) / 5 + day - 1;
+    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
+    let days = era * 146_097 + day_of_era - 719_468;
+    Some(((days * 24 + hour) * 60 + minute) * 60_000 + second * 1_000 + millis)
+}
+
+/// ASCII decimal digits as a number; `None` if any byte is not a digit.
+fn digits(b: &[u8]) -> Option<i64> {
+    b.iter().try_fold(0i64, |n, &d| {
+        d.is_ascii_digit().then(|| n * 10 + i64::from(d - b'0'))
+    })
 }
 
 /// Parses a label: `1`/`0`, `true`/`false`, `fraud`/`legit`; empty means unknown.
@@ -507,6 +579,71 @@ pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shortcut for the common UTC shape gives the full parser's time,
+    /// and leaves every other text (impossible dates, leap seconds, offsets,
+    /// other shapes) to it.
+    #[test]
+    fn utc_times_parse_as_the_rfc3339_parser_does() {
+        use chrono::SecondsFormat;
+        let full = |s: &str| {
+            DateTime::parse_from_rfc3339(s)
+                .ok()
+                .map(|d| d.timestamp_millis())
+        };
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut shortcut = 0;
+        for k in 0..20_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // 0000-01-01 to 9999-12-31, and the range callguard accepts.
+            let span = if k % 2 == 0 {
+                315_537_897_600_000
+            } else {
+                4_102_444_800_000
+            };
+            let ms = (state % span) as i64 - 62_167_219_200_000 * i64::from(k % 2 == 0);
+            let t = DateTime::from_timestamp_millis(ms).unwrap();
+            for form in [SecondsFormat::Millis, SecondsFormat::Secs] {
+                let text = t.to_rfc3339_opts(form, true);
+                assert_eq!(utc_rfc3339_ms(&text), full(&text), "{text}");
+                assert_eq!(parse_ts(RawValue::Str(&text)).ok(), full(&text), "{text}");
+                shortcut += usize::from(utc_rfc3339_ms(&text).is_some());
+            }
+        }
+        assert!(shortcut > 39_000, "{shortcut}");
+        for text in [
+            "2024-02-29T23:59:59.999Z",
+            "2025-02-29T00:00:00Z",
+            "2100-02-29T00:00:00Z",
+            "2000-02-29T12:00:00.5Z",
+            "2025-04-31T00:00:00Z",
+            "2025-13-01T00:00:00Z",
+            "2025-00-10T00:00:00Z",
+            "2025-01-00T00:00:00Z",
+            "2025-01-01T24:00:00Z",
+            "2025-01-01T23:60:00Z",
+            "2016-12-31T23:59:60Z",
+            "2016-12-31T23:59:60.500Z",
+            "2025-01-01t10:00:00z",
+            "2025-01-01 10:00:00Z",
+            "2025-01-01T10:00:00+01:00",
+            "2025-01-01T10:00:00.123+00:00",
+            "2025-01-01T10:00:00.12Z",
+            "2025-01-01T10:00:00,123Z",
+            "2025-1-01T10:00:00.123Z",
+            "+025-01-01T10:00:00.123Z",
+            "2025-01-01T10:0a:00.123Z",
+        ] {
+            assert_eq!(parse_ts(RawValue::Str(text)).ok(), full(text), "{text}");
+            if let Some(ms) = utc_rfc3339_ms(text) {
+                assert_eq!(Some(ms), full(text), "{text}");
+            }
+        }
+        assert_eq!(utc_rfc3339_ms("2016-12-31T23:59:60Z"), None);
+        assert_eq!(utc_rfc3339_ms("2025-02-29T00:00:00Z"), None);
+    }
 
     #[test]
     fn pseudonyms_are_keyed_stable_and_never_show_the_key() {

@@ -1,9 +1,11 @@
 //! A call log in its processing order (stable by event time), handed out
 //! a chunk at a time.
 
+use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::engine::event::CallEvent;
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
 use crate::offline::read::{read_events, CallLog, InvalidRow, ReadOptions};
@@ -12,6 +14,18 @@ use crate::offline::read::{read_events, CallLog, InvalidRow, ReadOptions};
 /// built, decided, written) are in memory at once, each with its events
 /// and verdicts, so this bounds their share of the peak.
 pub const CHUNK_ROWS: usize = 16_384;
+
+/// A chunk of a log in processing order, for a replay: the events alone
+/// (no row numbers), their call ids' uniqueness, and the invalid rows.
+#[derive(Debug, Default)]
+pub struct EventChunk {
+    /// The events, in processing order.
+    pub events: Vec<CallEvent>,
+    /// Per event, as [`CallLog::unique`].
+    pub unique: Vec<bool>,
+    /// Invalid rows (all with the first chunk).
+    pub invalid: Vec<InvalidRow>,
+}
 
 /// A call log in its processing order, as events a chunk at a time.
 ///
@@ -77,69 +91,125 @@ impl OrderedLog {
         self.events.len() + self.invalid.len()
     }
 
-    /// The log in processing order, `size` events at a time. Row numbers
-    /// are the file's (1-based); the invalid rows come with the first chunk.
-    pub fn chunks(&self, size: usize) -> impl Iterator<Item = Result<CallLog, IoError>> + '_ {
+    /// The chunks of `size` events (at least one when there are invalid
+    /// rows to hand out): each chunk's number and its range of positions
+    /// in processing order.
+    fn chunk_ranges(&self, size: usize) -> impl Iterator<Item = (usize, Range<usize>)> {
         let size = size.max(1);
         let n = self.events.len();
-        // At least one chunk when there are invalid rows to hand out.
         let chunks = n.div_ceil(size).max(usize::from(!self.invalid.is_empty()));
-        (0..chunks).map(move |c| {
-            let at = |p: usize| match &self.order {
-                Some(order) => order[p] as usize,
-                None => p,
-            };
-            let range = c * size..((c + 1) * size).min(n);
-            let mut log = CallLog {
-                events: Vec::with_capacity(range.len()),
-                invalid: if c == 0 {
-                    self.invalid.clone()
-                } else {
-                    Vec::new()
-                },
-                unique: Vec::with_capacity(range.len()),
-                callers: Vec::with_capacity(range.len()),
-            };
-            for p in range {
-                let i = at(p);
-                log.events.push((self.events.row(i), self.events.event(i)));
-                log.unique.push(self.unique[i]);
-                log.callers.push(self.callers[i]);
-            }
-            Ok(log)
-        })
+        (0..chunks).map(move |c| (c, c * size..((c + 1) * size).min(n)))
     }
 
-    /// Decodes the chunks on a thread of its own, handing each to `send` in
-    /// order, so decoding overlaps the window work; stops when `send`
-    /// returns false (the consumer is gone). Bound the channel behind `send`
-    /// to bound the chunks in memory.
-    pub fn decode_ahead(
+    /// The index of the event at position `p` in processing order.
+    fn at(&self, p: usize) -> usize {
+        match &self.order {
+            Some(order) => order[p] as usize,
+            None => p,
+        }
+    }
+
+    /// The invalid rows for chunk `c`: all of them with the first.
+    fn invalid_for(&self, c: usize) -> Vec<InvalidRow> {
+        if c == 0 {
+            self.invalid.clone()
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The log in processing order, `size` events at a time. Row numbers
+    /// are the file's (1-based); the invalid rows come with the first chunk.
+    pub fn chunks(&self, size: usize) -> impl Iterator<Item = CallLog> + '_ {
+        self.chunk_ranges(size)
+            .map(|(c, range)| self.call_log(c, range))
+    }
+
+    /// Chunk `c`, the events at positions `range`, as a [`CallLog`].
+    fn call_log(&self, c: usize, range: Range<usize>) -> CallLog {
+        let mut log = CallLog {
+            events: Vec::with_capacity(range.len()),
+            invalid: self.invalid_for(c),
+            unique: Vec::with_capacity(range.len()),
+            callers: Vec::with_capacity(range.len()),
+        };
+        for p in range {
+            let i = self.at(p);
+            log.events.push((self.events.row(i), self.events.event(i)));
+            log.unique.push(self.unique[i]);
+            log.callers.push(self.callers[i]);
+        }
+        log
+    }
+
+    /// Chunk `c`, the events at positions `range`, as an [`EventChunk`].
+    fn event_chunk(&self, c: usize, range: Range<usize>) -> EventChunk {
+        let mut chunk = EventChunk {
+            events: Vec::with_capacity(range.len()),
+            unique: Vec::with_capacity(range.len()),
+            invalid: self.invalid_for(c),
+        };
+        for p in range {
+            let i = self.at(p);
+            chunk.events.push(self.events.event(i));
+            chunk.unique.push(self.unique[i]);
+        }
+        chunk
+    }
+
+    /// Builds the chunks on a thread of its own with `build`, handing each
+    /// to `send` in order, so decoding overlaps the work on the chunk
+    /// before; stops when `send` returns false (the consumer is gone).
+    /// Bound the channel behind `send` to bound the chunks in memory.
+    fn ahead<T: 'static>(
         self: Arc<Self>,
         size: usize,
-        mut send: impl FnMut(Result<CallLog, IoError>) -> bool + Send + 'static,
+        build: fn(&Self, usize, Range<usize>) -> T,
+        mut send: impl FnMut(T) -> bool + Send + 'static,
     ) {
         std::thread::spawn(move || {
-            for chunk in self.chunks(size) {
-                if !send(chunk) {
+            for (c, range) in self.chunk_ranges(size) {
+                if !send(build(&self, c, range)) {
                     break;
                 }
             }
         });
     }
 
+    /// [`OrderedLog::chunks`], decoded on a thread of its own (see
+    /// [`OrderedLog::events_ahead`]).
+    pub fn decode_ahead(
+        self: Arc<Self>,
+        size: usize,
+        send: impl FnMut(CallLog) -> bool + Send + 'static,
+    ) {
+        self.ahead(size, Self::call_log, send);
+    }
+
+    /// The log as [`EventChunk`]s of `size` events, in processing order,
+    /// decoded on a thread of its own and handed to `send`, so decoding
+    /// overlaps the work on the chunk before; stops when `send` returns
+    /// false (the consumer is gone). Bound the channel behind `send` to
+    /// bound the chunks in memory.
+    pub fn events_ahead(
+        self: Arc<Self>,
+        size: usize,
+        send: impl FnMut(EventChunk) -> bool + Send + 'static,
+    ) {
+        self.ahead(size, Self::event_chunk, send);
+    }
+
     /// The whole log, decoded and in processing order (for small logs).
-    pub fn read_all(&self) -> Result<CallLog, IoError> {
+    pub fn read_all(&self) -> CallLog {
         let mut all = CallLog::default();
         for chunk in self.chunks(CHUNK_ROWS) {
-            let chunk = chunk?;
             all.events.extend(chunk.events);
             all.invalid.extend(chunk.invalid);
             all.unique.extend(chunk.unique);
             all.callers.extend(chunk.callers);
         }
         all.invalid.sort_by_key(|r| r.row);
-        Ok(all)
+        all
     }
 }
 

@@ -13,7 +13,7 @@ use chrono::{NaiveDateTime, TimeZone};
 use chrono_tz::Tz;
 use polars::prelude::*;
 
-use crate::engine::event::{CallEvent, Decoder, FieldMap, RawValue, FIELDS};
+use crate::engine::event::{CallEvent, Decoder, FieldMap, RawValue, FIELDS, TS};
 use crate::error::{EventError, IoError};
 use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
@@ -393,9 +393,6 @@ pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
     FieldMap::parse(&entries).unwrap_or_else(|_| user.clone())
 }
 
-/// Index of `ts` in [`FIELDS`].
-const TS_FIELD: usize = 2;
-
 /// The input's column names to read for `opts`: every mapped field, but the
 /// callee when `opts.callees` is false.
 pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str> {
@@ -621,8 +618,6 @@ struct DecodedBatch {
 struct RowDecoder<'d> {
     decoder: &'d Decoder,
     tz: Option<Tz>,
-    /// Per field of [`FIELDS`], its column's name in the input.
-    sources: Vec<&'d str>,
     ts_buf: String,
 }
 
@@ -631,7 +626,6 @@ impl<'d> RowDecoder<'d> {
         RowDecoder {
             decoder,
             tz,
-            sources: FIELDS.iter().map(|f| decoder.map.source(f)).collect(),
             ts_buf: String::new(),
         }
     }
@@ -651,22 +645,28 @@ impl<'d> RowDecoder<'d> {
         let mut lossy: [String; FIELDS.len()] = Default::default();
         let first_row = (seq * CSV_BATCH) as u64 + 1;
         for (record, n) in records.iter().zip(first_row..) {
-            let mut text: [Option<&[u8]>; FIELDS.len()] = [None; FIELDS.len()];
-            for (t, col) in text.iter_mut().zip(fields) {
-                *t = col.and_then(|c| record.get(c)).filter(|b| !b.is_empty());
-            }
+            // The record's text is checked once, whole (a few fields of a
+            // few bytes each cost more checked one by one); a field is its
+            // slice of it unless a multi-byte character straddles its edge.
+            let whole = std::str::from_utf8(record.as_slice()).ok();
             // Invalid UTF-8 is replaced (the row then fails decoding and
             // is listed, not the file).
             let mut values: [Option<&str>; FIELDS.len()] = [None; FIELDS.len()];
             let mut bad = [false; FIELDS.len()];
-            for (f, bytes) in text.iter().enumerate() {
-                if let Some(bytes) = bytes {
-                    match std::str::from_utf8(bytes) {
-                        Ok(s) => values[f] = Some(s),
-                        Err(_) => {
-                            lossy[f] = String::from_utf8_lossy(bytes).into_owned();
-                            bad[f] = true;
-                        }
+            for (f, col) in fields.iter().enumerate() {
+                let Some(range) = col.and_then(|c| record.range(c)).filter(|r| !r.is_empty())
+                else {
+                    continue;
+                };
+                let text = whole.and_then(|w| w.get(range.clone())).map_or_else(
+                    || std::str::from_utf8(&record.as_slice()[range.clone()]),
+                    Ok,
+                );
+                match text {
+                    Ok(s) => values[f] = Some(s),
+                    Err(_) => {
+                        lossy[f] = String::from_utf8_lossy(&record.as_slice()[range]).into_owned();
+                        bad[f] = true;
                     }
                 }
             }
@@ -691,25 +691,22 @@ impl<'d> RowDecoder<'d> {
         use std::fmt::Write;
         // Naive local times (Asterisk's `YYYY-MM-DD HH:MM:SS`) become epoch milliseconds first.
         self.ts_buf.clear();
-        if let Some(ms) = values[TS_FIELD].and_then(|raw| naive_to_ms(raw, self.tz)) {
+        if let Some(ms) = values[TS].and_then(|raw| naive_to_ms(raw, self.tz)) {
             let _ = write!(self.ts_buf, "{ms}");
         }
         let ts_value = if self.ts_buf.is_empty() {
-            values[TS_FIELD]
+            values[TS]
         } else {
             Some(self.ts_buf.as_str())
         };
-        let sources = &self.sources;
-        self.decoder
-            .decode(|name| match sources.iter().position(|src| *src == name) {
-                Some(TS_FIELD) => ts_value.map_or(RawValue::Null, RawValue::Str),
-                Some(i) => values
-                    .get(i)
-                    .copied()
-                    .flatten()
-                    .map_or(RawValue::Null, RawValue::Str),
-                None => RawValue::Null,
-            })
+        self.decoder.decode_indexed(|i| {
+            let value = if i == TS {
+                ts_value
+            } else {
+                values.get(i).copied().flatten()
+            };
+            value.map_or(RawValue::Null, RawValue::Str)
+        })
     }
 }
 

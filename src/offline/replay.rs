@@ -14,7 +14,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{IoError, ReplayError, StoreError};
-use crate::offline::order::{OrderedLog, CHUNK_ROWS};
+use crate::offline::order::{EventChunk, OrderedLog, CHUNK_ROWS};
 use crate::offline::read::{polars_err, CallLog, InvalidRow, ReadOptions};
 use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
@@ -81,7 +81,8 @@ impl Rejections {
     }
 }
 
-/// A summary being counted, chunk by chunk.
+/// A summary being counted, chunk by chunk (or shard by shard: tallies of
+/// disjoint sets of verdicts add up with [`Tally::merge`]).
 #[derive(Default)]
 struct Tally {
     summary: ReplaySummary,
@@ -89,7 +90,7 @@ struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, verdicts: &[Verdict]) {
+    fn add<'a>(&mut self, verdicts: impl IntoIterator<Item = &'a Verdict>) {
         let s = &mut self.summary;
         for v in verdicts {
             let r = &v.record;
@@ -99,6 +100,20 @@ impl Tally {
             s.late += u64::from(r.late);
             self.rejections.add(v, None);
         }
+    }
+
+    /// Adds another tally's counts (its callers joined to these).
+    fn merge(&mut self, other: Tally) {
+        let (s, o) = (&mut self.summary, other.summary);
+        s.events += o.events;
+        s.would_reject += o.would_reject;
+        s.duplicates += o.duplicates;
+        s.late += o.late;
+        let (r, o) = (&mut self.rejections, other.rejections);
+        r.calls += o.calls;
+        r.fraud_calls += o.fraud_calls;
+        r.legit_calls += o.legit_calls;
+        r.callers.extend(o.callers);
     }
 
     fn finish(self, invalid: usize) -> ReplaySummary {
@@ -120,23 +135,61 @@ pub struct Streamed {
     pub invalid: Vec<InvalidRow>,
 }
 
+/// A chunk's verdicts: in order, or as the shards' shares, which are put
+/// in order only by reference (a verdict is a few hundred bytes; moving
+/// every one into a merged list was a tenth of the main thread's work).
+enum Verdicts {
+    InOrder(Vec<Verdict>),
+    Shares {
+        /// Per event, its shard.
+        of: Vec<usize>,
+        /// Per shard, its events' verdicts in their order.
+        shares: Vec<Vec<Verdict>>,
+    },
+}
+
 /// A chunk of a log, decided: its time-sorted events and their verdicts,
 /// index for index.
 pub struct DecidedChunk {
     /// The events.
     pub events: Vec<CallEvent>,
-    /// Their verdicts.
-    pub verdicts: Vec<Verdict>,
+    verdicts: Verdicts,
 }
 
 impl DecidedChunk {
+    /// The verdicts, in the events' order.
+    pub fn verdicts(&self) -> Vec<&Verdict> {
+        match &self.verdicts {
+            Verdicts::InOrder(v) => v.iter().collect(),
+            Verdicts::Shares { of, shares } => {
+                let mut next = vec![0; shares.len()];
+                of.iter()
+                    .filter_map(|&s| {
+                        let v = shares.get(s)?.get(next[s]);
+                        next[s] += 1;
+                        v
+                    })
+                    .collect()
+            }
+        }
+    }
+
     /// The chunk as output rows, in order.
     pub fn rows(&self) -> Vec<Row<'_>> {
         self.events
             .iter()
-            .zip(&self.verdicts)
+            .zip(self.verdicts())
             .map(|(event, verdict)| Row { event, verdict })
             .collect()
+    }
+
+    /// The events and their verdicts, in order.
+    pub fn into_parts(self) -> (Vec<CallEvent>, Vec<Verdict>) {
+        let verdicts = match self.verdicts {
+            Verdicts::InOrder(v) => v,
+            Verdicts::Shares { of, shares } => merge_in_order(&of, shares),
+        };
+        (self.events, verdicts)
     }
 }
 
@@ -155,12 +208,20 @@ pub async fn run_ordered<S: WindowStore>(
     }
     let mut replaying = Replaying::new(&log, progress);
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
-    log.decode_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
+    log.events_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
-        let mut chunk = chunk?;
-        let events = take_events(&mut chunk);
-        let verdicts = apply_events(&events, &chunk.unique, rules, store).await?;
-        replaying.decided(events, verdicts, chunk.invalid, &mut sink)?;
+        let EventChunk {
+            events,
+            unique,
+            invalid,
+        } = chunk;
+        let verdicts = apply_events(&events, &unique, rules, store).await?;
+        replaying.tally.add(&verdicts);
+        let chunk = DecidedChunk {
+            events,
+            verdicts: Verdicts::InOrder(verdicts),
+        };
+        replaying.decided(chunk, invalid, &mut sink)?;
     }
     Ok(replaying.finish())
 }
@@ -181,18 +242,16 @@ impl Replaying {
         }
     }
 
-    /// Counts a decided chunk and hands it to the sink.
+    /// Hands a decided (and tallied) chunk to the sink.
     fn decided(
         &mut self,
-        events: Vec<CallEvent>,
-        verdicts: Vec<Verdict>,
+        chunk: DecidedChunk,
         invalid: Vec<InvalidRow>,
         sink: &mut impl FnMut(DecidedChunk) -> Result<(), IoError>,
     ) -> Result<(), IoError> {
-        self.tally.add(&verdicts);
-        self.bar.inc((events.len() + invalid.len()) as u64);
+        self.bar.inc((chunk.events.len() + invalid.len()) as u64);
         self.invalid.extend(invalid);
-        sink(DecidedChunk { events, verdicts })
+        sink(chunk)
     }
 
     fn finish(mut self) -> Streamed {
@@ -203,15 +262,6 @@ impl Replaying {
             invalid: self.invalid,
         }
     }
-}
-
-/// A chunk's events, taken out of it (they move to the store and the
-/// sink, never cloned).
-fn take_events(chunk: &mut CallLog) -> Vec<CallEvent> {
-    std::mem::take(&mut chunk.events)
-        .into_iter()
-        .map(|(_, e)| e)
-        .collect()
 }
 
 /// One shard's share of a chunk: the indices of its callers' events.
@@ -230,10 +280,10 @@ struct InFlight {
 }
 
 /// [`run_ordered`] on the in-memory store split by caller, pipelined: each
-/// shard decides its callers' events on a thread of its own for the whole
-/// run, a chunk as soon as it is split, while this thread puts the chunk
-/// before back in processing order and hands it to the sink. Each shard
-/// sees its callers' events in the same order as through
+/// shard decides (and tallies) its callers' events on a thread of its own
+/// for the whole run, a chunk as soon as it is split, while this thread
+/// hands the chunk before, its verdicts put in processing order, to the
+/// sink. Each shard sees its callers' events in the same order as through
 /// [`ShardedStore::apply_unique`], so the verdicts are the same.
 fn run_sharded(
     log: Arc<OrderedLog>,
@@ -244,28 +294,32 @@ fn run_sharded(
 ) -> Result<Streamed, ReplayError> {
     let mut replaying = Replaying::new(&log, progress);
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
+    log.events_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
     let shards = store.shards_mut();
     let n = shards.len();
     let lost = || IoError::WorkerLost("shard");
-    std::thread::scope(|s| -> Result<(), ReplayError> {
+    let tallies = std::thread::scope(|s| -> Result<Vec<Tally>, ReplayError> {
         let mut jobs = Vec::with_capacity(n);
         let mut results = Vec::with_capacity(n);
+        let mut threads = Vec::with_capacity(n);
         for (k, shard) in shards.iter_mut().enumerate() {
             let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<ShardJob>(2);
             let (out_tx, out_rx) = std::sync::mpsc::sync_channel::<Vec<Verdict>>(2);
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("shard-{k}"))
                 .spawn_scoped(s, move || {
+                    let mut tally = Tally::default();
                     for job in job_rx {
                         let verdicts =
                             decide_share(shard, rules, &job.events, &job.unique, &job.idx);
+                        tally.add(&verdicts);
                         // The chunk's events go back to their owner whole.
                         drop(job);
                         if out_tx.send(verdicts).is_err() {
                             break;
                         }
                     }
+                    tally
                 })
                 .map_err(|source| IoError::Io {
                     context: "starting a shard thread".into(),
@@ -273,26 +327,28 @@ fn run_sharded(
                 })?;
             jobs.push(job_tx);
             results.push(out_rx);
+            threads.push(thread);
         }
         let mut finish = |c: InFlight| -> Result<(), ReplayError> {
-            let mut parts = Vec::with_capacity(n);
+            let mut shares = Vec::with_capacity(n);
             for r in &results {
-                parts.push(r.recv().map_err(|_| lost())?);
+                shares.push(r.recv().map_err(|_| lost())?);
             }
-            let verdicts = merge_in_order(&c.of, parts);
             let events = Arc::try_unwrap(c.events).unwrap_or_else(|shared| (*shared).clone());
-            replaying.decided(events, verdicts, c.invalid, &mut sink)?;
+            let chunk = DecidedChunk {
+                events,
+                verdicts: Verdicts::Shares { of: c.of, shares },
+            };
+            replaying.decided(chunk, c.invalid, &mut sink)?;
             Ok(())
         };
         // Two chunks in flight: the shards decide one while the other is
-        // merged and written.
+        // handed on.
         let mut flight = std::collections::VecDeque::with_capacity(2);
         for chunk in chunks {
-            let mut chunk = chunk?;
-            let events = take_events(&mut chunk);
-            let (of, parts) = split_by_caller(events.iter().map(|e| e.caller.as_str()), n);
-            let events = Arc::new(events);
-            let unique = Arc::new(std::mem::take(&mut chunk.unique));
+            let (of, parts) = split_by_caller(chunk.events.iter().map(|e| e.caller.as_str()), n);
+            let events = Arc::new(chunk.events);
+            let unique = Arc::new(chunk.unique);
             for (job, idx) in jobs.iter().zip(parts) {
                 let (events, unique) = (Arc::clone(&events), Arc::clone(&unique));
                 job.send(ShardJob {
@@ -316,8 +372,15 @@ fn run_sharded(
         while let Some(c) = flight.pop_front() {
             finish(c)?;
         }
-        Ok(())
+        drop(jobs);
+        threads
+            .into_iter()
+            .map(|t| Ok(t.join().unwrap_or_else(|p| std::panic::resume_unwind(p))))
+            .collect()
     })?;
+    for tally in tallies {
+        replaying.tally.merge(tally);
+    }
     Ok(replaying.finish())
 }
 

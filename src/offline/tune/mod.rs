@@ -520,18 +520,16 @@ pub fn sweep_ordered(
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
     log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let mut invalid = Vec::new();
-    let mut chunks = chunks.into_iter().map(|chunk| {
-        chunk.map(|mut chunk| {
-            bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
-            invalid.append(&mut chunk.invalid);
-            chunk
-        })
+    let mut chunks = chunks.into_iter().map(|mut chunk: CallLog| {
+        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        invalid.append(&mut chunk.invalid);
+        chunk
     });
     if sweeper.replayed.is_empty() {
         sweeper.feed_queued(&mut chunks)?;
     } else {
         for chunk in chunks {
-            sweeper.feed_log(&chunk?);
+            sweeper.feed_log(&chunk);
         }
     }
     bar.finish_and_clear();
@@ -548,10 +546,7 @@ impl Sweeper {
     /// `chunks`, each shard of callers on a thread of its own with a queue,
     /// so the shards never wait for each other between chunks. Chunks
     /// without caller numbers are numbered here, like [`Sweeper::feed_unique`].
-    fn feed_queued(
-        &mut self,
-        chunks: &mut dyn Iterator<Item = Result<CallLog, IoError>>,
-    ) -> Result<(), IoError> {
+    fn feed_queued(&mut self, chunks: &mut dyn Iterator<Item = CallLog>) -> Result<(), IoError> {
         let shards = self.base.len();
         let (rules, index) = (&self.rules, self.index);
         let numbers = &mut self.numbers;
@@ -568,8 +563,7 @@ impl Sweeper {
                     }
                 });
             }
-            for chunk in chunks {
-                let mut chunk = chunk?;
+            for mut chunk in chunks {
                 if let Some(callers) = number_callers(numbers, &chunk.events, &chunk.callers) {
                     chunk.callers = callers;
                 }
