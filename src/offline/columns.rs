@@ -30,7 +30,7 @@ pub struct EventColumns {
     caller: Vec<u64>,
     callee: Vec<u64>,
     /// Call ids, concatenated; `id_end[i]` is where event `i`'s ends.
-    ids: Vec<u8>,
+    ids: String,
     id_end: Vec<u64>,
     duration: Vec<i64>,
     /// 0: no duration and no label; bit 0: a duration; bits 1-2: the
@@ -52,7 +52,7 @@ impl EventColumns {
             row: Vec::with_capacity(n),
             caller: Vec::with_capacity(n),
             callee: Vec::with_capacity(n),
-            ids: Vec::with_capacity(n * 8),
+            ids: String::with_capacity(n * 8),
             id_end: Vec::with_capacity(n),
             duration: Vec::with_capacity(n),
             flags: Vec::with_capacity(n),
@@ -83,9 +83,10 @@ impl EventColumns {
     /// The call id of event `i`.
     pub fn call_id(&self, i: usize) -> &str {
         let start = if i == 0 { 0 } else { self.id_end[i - 1] } as usize;
-        let bytes = &self.ids[start..self.id_end[i] as usize];
-        // Pushed from a `str`, cut at the same boundaries.
-        std::str::from_utf8(bytes).unwrap_or_default()
+        // Pushed whole, so cut at character boundaries.
+        self.ids
+            .get(start..self.id_end[i] as usize)
+            .unwrap_or_default()
     }
 
     /// Appends an event read from file row `row`.
@@ -100,7 +101,7 @@ impl EventColumns {
             None => NO_NUMBER,
         };
         self.callee.push(callee);
-        self.ids.extend_from_slice(e.call_id.as_bytes());
+        self.ids.push_str(&e.call_id);
         self.id_end.push(self.ids.len() as u64);
         self.duration.push(e.duration_ms.unwrap_or(0));
         let label = match e.label {
@@ -121,7 +122,7 @@ impl EventColumns {
         let id_base = self.ids.len() as u64;
         self.ts.extend_from_slice(&other.ts);
         self.row.extend_from_slice(&other.row);
-        self.ids.extend_from_slice(&other.ids);
+        self.ids.push_str(&other.ids);
         self.id_end.extend(other.id_end.iter().map(|e| e + id_base));
         self.duration.extend_from_slice(&other.duration);
         self.flags.extend_from_slice(&other.flags);
@@ -200,13 +201,13 @@ impl EventColumns {
             return self.texts.get((code & !TEXT_FLAG) as usize).cloned();
         }
         let len = (code >> DIGIT_BITS) as usize;
-        let mut value = code & ((1 << DIGIT_BITS) - 1);
+        let mut digits = itoa::Buffer::new();
+        let value = digits.format(code & ((1 << DIGIT_BITS) - 1)).as_bytes();
+        // `+`, the leading zeros, then the value's digits.
         let mut buf = [b'0'; 16];
         buf[0] = b'+';
-        for slot in buf[1..=len].iter_mut().rev() {
-            *slot = b'0' + (value % 10) as u8;
-            value /= 10;
-        }
+        buf.get_mut(len.checked_sub(value.len())? + 1..=len)?
+            .copy_from_slice(value);
         std::str::from_utf8(&buf[..=len])
             .ok()
             .map(CompactString::from)

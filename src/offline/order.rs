@@ -5,6 +5,8 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
+use rayon::slice::ParallelSliceMut;
+
 use crate::engine::event::CallEvent;
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
@@ -42,15 +44,28 @@ pub struct OrderedLog {
     order: Option<Vec<u32>>,
     /// Per event: its call id occurs on no other valid row.
     unique: Vec<bool>,
-    /// Per event: its caller's number (see [`CallLog::callers`]).
+    /// Per event: its caller's number (see [`CallLog::callers`]); empty
+    /// when not numbered.
     callers: Vec<u32>,
     /// Rows that are not valid events, by row number.
     invalid: Vec<InvalidRow>,
 }
 
 impl OrderedLog {
-    /// Reads `path` and computes the processing order.
+    /// Reads `path`, computes the processing order and numbers the callers
+    /// (see [`CallLog::callers`]).
     pub fn open(path: &Path, opts: &ReadOptions) -> Result<Self, IoError> {
+        Self::open_with(path, opts, true)
+    }
+
+    /// [`OrderedLog::open`] without numbering the callers (their chunks'
+    /// [`CallLog::callers`] are empty: unknown), for work that never uses
+    /// the numbers (a replay).
+    pub fn open_unnumbered(path: &Path, opts: &ReadOptions) -> Result<Self, IoError> {
+        Self::open_with(path, opts, false)
+    }
+
+    fn open_with(path: &Path, opts: &ReadOptions, number: bool) -> Result<Self, IoError> {
         let (events, invalid) = read_events(path, opts)?;
         if events.len() > u32::MAX as usize {
             return Err(IoError::BadShape {
@@ -71,7 +86,11 @@ impl OrderedLog {
         // Two passes over every event, independent: one per core.
         let (unique, callers) = std::thread::scope(|s| {
             let unique = s.spawn(|| unique_ids(&events));
-            let callers = events.caller_ids();
+            let callers = if number {
+                events.caller_ids()
+            } else {
+                Vec::new()
+            };
             let unique = unique
                 .join()
                 .unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -137,7 +156,9 @@ impl OrderedLog {
             let i = self.at(p);
             log.events.push((self.events.row(i), self.events.event(i)));
             log.unique.push(self.unique[i]);
-            log.callers.push(self.callers[i]);
+            if let Some(&n) = self.callers.get(i) {
+                log.callers.push(n);
+            }
         }
         log
     }
@@ -221,7 +242,7 @@ fn unique_ids(events: &EventColumns) -> Vec<bool> {
     let state = foldhash::fast::FixedState::with_seed(0x0069_6473);
     let hash = |i: usize| state.hash_one(events.call_id(i));
     let mut sorted: Vec<u64> = (0..events.len()).map(hash).collect();
-    sorted.sort_unstable();
+    sorted.par_sort_unstable();
     let repeated: foldhash::HashSet<u64> = sorted
         .windows(2)
         .filter(|w| w[0] == w[1])

@@ -482,7 +482,7 @@ pub async fn to_table<S: WindowStore>(
     schema: Schema,
     output: &Path,
 ) -> Result<TableReport, ReplayError> {
-    let log = Arc::new(OrderedLog::open(input, read)?);
+    let log = Arc::new(OrderedLog::open_unnumbered(input, read)?);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
     // The writer's thread encodes and writes each chunk's frame and builds

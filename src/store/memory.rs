@@ -19,7 +19,9 @@ const EVICT_EVERY: u64 = 16_384;
 /// counts as no state.
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    callers: foldhash::HashMap<compact_str::CompactString, CallerState>,
+    /// Boxed: the table holds a key and a pointer per caller, so growing it
+    /// moves (and faults in) 32 bytes a caller rather than a whole state.
+    callers: foldhash::HashMap<compact_str::CompactString, Box<CallerState>>,
     watermark: Option<i64>,
     applied: u64,
     /// When (in events applied) to evict idle callers next.
@@ -65,7 +67,7 @@ impl MemoryStore {
         match self.callers.get_mut(ev.caller.as_str()) {
             Some(state) => state.apply_unique(rules, ev, unique),
             None => {
-                let mut state = CallerState::default();
+                let mut state = Box::<CallerState>::default();
                 let v = state.apply_unique(rules, ev, unique);
                 self.callers.insert(ev.caller.clone(), state);
                 v
