@@ -95,8 +95,9 @@ async fn features_file_holds_the_replay_counts_with_typed_columns() {
 }
 
 /// `--columns`: only the named columns, in that order, with the full
-/// table's values (also when distinct callees are then not tracked, and
-/// when they are); an unknown name is refused with the list of columns.
+/// table's values (also when distinct callees are then not tracked, or
+/// callees not even read, and when they are); an unknown name is refused
+/// with the list of columns.
 #[test]
 fn selected_columns_hold_the_full_tables_values() {
     let dir = tempfile::tempdir().unwrap();
@@ -134,6 +135,8 @@ fn selected_columns_hold_the_full_tables_values() {
             "callees.parquet",
             "distinct_callees, call_id,since_prev_ms,call_id",
         ),
+        // The callees are read for their column, not tracked.
+        ("callee.parquet", "callee,call_id,count_minute"),
     ] {
         let (o, path) = features(name, Some(columns));
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -20,7 +20,8 @@ use crate::store::sharded::ShardedStore;
 ///
 /// Work a selection does not need is skipped: without `distinct_callees`
 /// (and `rules_version`, which names the rule set including that
-/// feature), the callees are not tracked.
+/// feature), the callees are not tracked, and without `callee` either,
+/// not even read.
 pub async fn export(
     input: &Path,
     read: &ReadOptions,
@@ -39,9 +40,13 @@ pub async fn export(
     } else {
         rules
     };
+    // Callees are read only for a column that shows or counts them (a
+    // callee never makes a row invalid: the same rows are valid either way).
+    let mut read = read.clone();
+    read.callees &= schema.has(Field::Callee) || rules.tracks_callees();
     to_table(
         input,
-        read,
+        &read,
         rules,
         &mut ShardedStore::per_core(),
         schema,
