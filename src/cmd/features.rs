@@ -30,7 +30,8 @@ pub struct FeaturesArgs {
     /// `call_id,count_minute,since_prev_ms` (default: all). Values are the
     /// full table's; work for features not asked for is skipped (distinct
     /// callees are not tracked unless `distinct_callees` or `rules_version`
-    /// is asked for). An unknown name is an error listing the columns.
+    /// is asked for, nor callees read without `callee` either). An unknown
+    /// name is an error listing the columns.
     #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
     pub columns: Vec<String>,
 }
