@@ -271,12 +271,12 @@ impl CachedStore {
 
     /// The key of a caller's state hash, `<prefix>{<caller>}:s`.
     pub fn state_key(&self, caller: &str) -> String {
-        format!("{}{{{}}}:s", self.config.key_prefix, caller)
+        tagged_key(&self.config.key_prefix, "", caller, ":s")
     }
 
     /// The key of a caller's sliding log kept apart, `<prefix>{<caller>}:l`.
     pub fn log_key(&self, caller: &str) -> String {
-        format!("{}{{{}}}:l", self.config.key_prefix, caller)
+        tagged_key(&self.config.key_prefix, "", caller, ":l")
     }
 
     /// How a caller's log is written back, and where it then is: `old_len`
@@ -333,7 +333,7 @@ impl CachedStore {
     }
 
     fn block_key(&self, caller: &str) -> String {
-        format!("{}block:{{{}}}", self.config.key_prefix, caller)
+        tagged_key(&self.config.key_prefix, "block:", caller, "")
     }
 
     /// Decides `p`'s events on its cached state and says what to write.
@@ -358,7 +358,7 @@ impl CachedStore {
                 .apply_journaled(rules, ev, !idem, &mut journal);
             if !v.duplicate {
                 if idem {
-                    sets.push((format!("r:{}", ev.call_id), v.to_reply()));
+                    sets.push((record_field(&ev.call_id), v.to_reply()));
                 }
                 if self.config.block_keys && v.record.decision == Decision::Reject {
                     if let Some(ms) = v.record.retry_after_ms {
@@ -373,7 +373,7 @@ impl CachedStore {
             .dropped_records
             .iter()
             .filter(|id| !p.cached.state.holds_record(id))
-            .map(|id| format!("r:{id}"))
+            .map(|id| record_field(id))
             .collect();
         let (log_op, log) = self.log_write(&p.cached.state, p.cached.log, old_len, &journal);
         let mut packed = Vec::with_capacity(64);
@@ -600,6 +600,27 @@ impl CachedStore {
             });
         }
     }
+}
+
+/// `<prefix><head>{<caller>}<tail>`, built without `format!` (a few per
+/// caller and batch).
+fn tagged_key(prefix: &str, head: &str, caller: &str, tail: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + head.len() + caller.len() + tail.len() + 2);
+    key.push_str(prefix);
+    key.push_str(head);
+    key.push('{');
+    key.push_str(caller);
+    key.push('}');
+    key.push_str(tail);
+    key
+}
+
+/// The hash field of call `id`'s record, `r:<id>`.
+fn record_field(id: &str) -> String {
+    let mut field = String::with_capacity(2 + id.len());
+    field.push_str("r:");
+    field.push_str(id);
+    field
 }
 
 fn unexpected(what: String) -> redis::RedisError {
