@@ -263,9 +263,8 @@ impl Decoder {
     where
         F: Fn(usize) -> RawValue<'a>,
     {
-        let field = |canon: usize| get(canon);
-        let call_id = decode_call_id(field(CALL_ID))?;
-        let caller = match field(CALLER) {
+        let call_id = decode_call_id(get(CALL_ID))?;
+        let caller = match get(CALLER) {
             RawValue::Str(s) if !s.trim().is_empty() => {
                 normalize_number(s, self.default_country_code.as_deref())?
             }
@@ -280,8 +279,8 @@ impl Decoder {
                 })
             }
         };
-        let ts_ms = check_ts_range(parse_ts(field(TS))?)?;
-        let callee = match field(CALLEE) {
+        let ts_ms = check_ts_range(parse_ts(get(TS))?)?;
+        let callee = match get(CALLEE) {
             v if v.is_null() => None,
             RawValue::Str(s) => self.callee(s),
             RawValue::Int(i) => self.callee(&i.to_string()),
@@ -292,7 +291,7 @@ impl Decoder {
                 })
             }
         };
-        let duration_ms = match field(DURATION_MS) {
+        let duration_ms = match get(DURATION_MS) {
             v if v.is_null() => None,
             RawValue::Int(i) if i >= 0 => Some(i),
             RawValue::Str(s) => match s.trim().parse::<i64>() {
@@ -311,7 +310,7 @@ impl Decoder {
                 })
             }
         };
-        let label = parse_label(field(LABEL))?;
+        let label = parse_label(get(LABEL))?;
         let (caller, callee, list_number) = match &self.hasher {
             // After normalisation, so a number has one pseudonym however it
             // was written; the real number stays only for list matching.

@@ -208,10 +208,7 @@ impl OrderedLog {
     }
 
     /// The log as [`EventChunk`]s of `size` events, in processing order,
-    /// decoded on a thread of its own and handed to `send`, so decoding
-    /// overlaps the work on the chunk before; stops when `send` returns
-    /// false (the consumer is gone). Bound the channel behind `send` to
-    /// bound the chunks in memory.
+    /// built on a thread of its own like [`OrderedLog::decode_ahead`]'s.
     pub fn events_ahead(
         self: Arc<Self>,
         size: usize,

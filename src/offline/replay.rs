@@ -161,16 +161,7 @@ impl DecidedChunk {
     pub fn verdicts(&self) -> Vec<&Verdict> {
         match &self.verdicts {
             Verdicts::InOrder(v) => v.iter().collect(),
-            Verdicts::Shares { of, shares } => {
-                let mut next = vec![0; shares.len()];
-                of.iter()
-                    .filter_map(|&s| {
-                        let v = shares.get(s)?.get(next[s]);
-                        next[s] += 1;
-                        v
-                    })
-                    .collect()
-            }
+            Verdicts::Shares { of, shares } => merge_in_order(of, shares.iter().map(|s| s.iter())),
         }
     }
 
@@ -187,7 +178,9 @@ impl DecidedChunk {
     pub fn into_parts(self) -> (Vec<CallEvent>, Vec<Verdict>) {
         let verdicts = match self.verdicts {
             Verdicts::InOrder(v) => v,
-            Verdicts::Shares { of, shares } => merge_in_order(&of, shares),
+            Verdicts::Shares { of, shares } => {
+                merge_in_order(&of, shares.into_iter().map(Vec::into_iter))
+            }
         };
         (self.events, verdicts)
     }

@@ -271,12 +271,12 @@ impl CachedStore {
 
     /// The key of a caller's state hash, `<prefix>{<caller>}:s`.
     pub fn state_key(&self, caller: &str) -> String {
-        tagged_key(&self.config.key_prefix, "", caller, ":s")
+        self.config.caller_key(caller, ":s")
     }
 
     /// The key of a caller's sliding log kept apart, `<prefix>{<caller>}:l`.
     pub fn log_key(&self, caller: &str) -> String {
-        tagged_key(&self.config.key_prefix, "", caller, ":l")
+        self.config.caller_key(caller, ":l")
     }
 
     /// How a caller's log is written back, and where it then is: `old_len`
@@ -332,10 +332,6 @@ impl CachedStore {
         }
     }
 
-    fn block_key(&self, caller: &str) -> String {
-        tagged_key(&self.config.key_prefix, "block:", caller, "")
-    }
-
     /// Decides `p`'s events on its cached state and says what to write.
     fn decide(
         &self,
@@ -382,7 +378,7 @@ impl CachedStore {
             Some(until) if p.cached.version.is_some() && ttl.now < until);
         Write {
             key: self.state_key(p.caller),
-            block_key: self.block_key(p.caller),
+            block_key: self.config.block_key(p.caller),
             expected: p.cached.version,
             version: rand::random::<u64>() | 1,
             // SET drops a key's TTL: a replaced log gets it again.
@@ -600,19 +596,6 @@ impl CachedStore {
             });
         }
     }
-}
-
-/// `<prefix><head>{<caller>}<tail>`, built without `format!` (a few per
-/// caller and batch).
-fn tagged_key(prefix: &str, head: &str, caller: &str, tail: &str) -> String {
-    let mut key = String::with_capacity(prefix.len() + head.len() + caller.len() + tail.len() + 2);
-    key.push_str(prefix);
-    key.push_str(head);
-    key.push('{');
-    key.push_str(caller);
-    key.push('}');
-    key.push_str(tail);
-    key
 }
 
 /// The hash field of call `id`'s record, `r:<id>`.

@@ -105,6 +105,36 @@ impl std::fmt::Debug for RedisConfig {
     }
 }
 
+impl RedisConfig {
+    /// A key of a caller, `<prefix>{<caller>}<tail>`: hash-tagged by the
+    /// caller, so all of its keys share a Cluster slot. Built without
+    /// `format!`: a few per caller and batch.
+    pub fn caller_key(&self, caller: &str, tail: &str) -> String {
+        self.tagged("", caller, tail)
+    }
+
+    /// The block key of a caller, `<prefix>block:{<caller>}`. Set (with
+    /// [`RedisConfig::block_keys`]) to the reason of a reject, expiring when
+    /// the caller's retry-after ends; both stores write it.
+    pub fn block_key(&self, caller: &str) -> String {
+        self.tagged("block:", caller, "")
+    }
+
+    /// `<prefix><head>{<caller>}<tail>`.
+    fn tagged(&self, head: &str, caller: &str, tail: &str) -> String {
+        let prefix = &self.key_prefix;
+        let mut key =
+            String::with_capacity(prefix.len() + head.len() + caller.len() + tail.len() + 2);
+        key.push_str(prefix);
+        key.push_str(head);
+        key.push('{');
+        key.push_str(caller);
+        key.push('}');
+        key.push_str(tail);
+        key
+    }
+}
+
 impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
@@ -447,14 +477,12 @@ impl RedisStore {
     /// The stem of a caller's keys, `<prefix>{<caller>}`: the script names
     /// each of the caller's keys by a suffix to it.
     pub fn stem(&self, caller: &str) -> String {
-        format!("{}{{{}}}", self.config.key_prefix, caller)
+        self.config.caller_key(caller, "")
     }
 
-    /// The block key of a caller: `<prefix>block:{<caller>}`. Set (with
-    /// [`RedisConfig::block_keys`]) to the reason of a reject, expiring when
-    /// the caller's retry-after ends.
+    /// The block key of a caller (see [`RedisConfig::block_key`]).
     pub fn block_key(&self, caller: &str) -> String {
-        format!("{}block:{{{}}}", self.config.key_prefix, caller)
+        self.config.block_key(caller)
     }
 
     /// The `EVALSHA` of the window script for `events`, decided in order in

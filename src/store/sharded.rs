@@ -88,15 +88,19 @@ pub fn decide_share(
         .collect()
 }
 
-/// The shards' verdicts back in input order: `of[i]` is event `i`'s shard,
-/// and each shard's verdicts are in its events' order.
-pub fn merge_in_order(of: &[usize], parts: Vec<Vec<Verdict>>) -> Vec<Verdict> {
-    let mut parts: Vec<_> = parts.into_iter().map(Vec::into_iter).collect();
-    let mut verdicts = Vec::with_capacity(of.len());
+/// The shards' results back in input order: `of[i]` is event `i`'s shard,
+/// and each shard's results (verdicts, or references to them) come in its
+/// events' order.
+pub fn merge_in_order<I: Iterator>(
+    of: &[usize],
+    parts: impl IntoIterator<Item = I>,
+) -> Vec<I::Item> {
+    let mut parts: Vec<I> = parts.into_iter().collect();
+    let mut merged = Vec::with_capacity(of.len());
     for &s in of {
-        verdicts.extend(parts.get_mut(s).and_then(Iterator::next));
+        merged.extend(parts.get_mut(s).and_then(Iterator::next));
     }
-    verdicts
+    merged
 }
 
 /// The number of shards that suits this machine: one per core.
@@ -156,7 +160,7 @@ impl ShardedStore {
         let results = run_shards(&mut self.shards, &parts, |store, idx| {
             decide_share(store, rules, events, unique, idx)
         });
-        merge_in_order(&of, results)
+        merge_in_order(&of, results.into_iter().map(Vec::into_iter))
     }
 }
 
