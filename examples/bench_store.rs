@@ -1,6 +1,6 @@
 //! Benchmark of the Redis window store against a local redis-server.
 //!
-//! Run: `cargo run --release --example bench_store [-- EVENTS [flood]]`
+//! Run: `cargo run --release --example bench_store [-- EVENTS [flood|ceiling]]`
 //!
 //! It starts its own redis-server on a free loopback port and reports:
 //! 1. Redis memory per active caller for each rule kind at 20 calls per
@@ -19,6 +19,8 @@
 //! 4. one caller flooding at 1,000 calls/s of event time: events/s of each
 //!    mode, per stretch of the flood, as the caller's state grows
 //!    (`bench_store EVENTS flood` runs only this section).
+//!
+//! `bench_store EVENTS ceiling` runs only section 3.
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -102,11 +104,20 @@ async fn main() {
         std::thread::sleep(Duration::from_millis(20));
     };
 
-    if std::env::args().nth(2).as_deref() == Some("flood") {
-        flood(&mut con, &url).await;
-        let _ = server.kill();
-        let _ = server.wait();
-        return;
+    match std::env::args().nth(2).as_deref() {
+        Some("flood") => {
+            flood(&mut con, &url).await;
+            let _ = server.kill();
+            let _ = server.wait();
+            return;
+        }
+        Some("ceiling") => {
+            ceiling_comparison(&mut con, &url, port, total).await;
+            let _ = server.kill();
+            let _ = server.wait();
+            return;
+        }
+        _ => {}
     }
     println!("## Redis memory per active caller (20 calls per window, 2,000 callers)\n");
     println!("| rule | script, idempotency on | script, off | cached, on | cached, off |");
