@@ -43,7 +43,8 @@ const MODES: [Mode; 2] = [Mode::Script, Mode::Cached];
 
 /// A Redis store in `mode` (the cached store with a small cache, so it
 /// also evicts and re-reads callers, and keeps logs of more than 6 times
-/// apart, so they move out, grow, get trimmed, compacted and move back in).
+/// and more than 4 records apart, so they move out, grow, get trimmed,
+/// compacted and move back in).
 async fn open(mode: Mode, urls: Vec<String>, prefix: &str) -> AnyStore {
     let c = config(urls, prefix);
     match mode {
@@ -52,7 +53,8 @@ async fn open(mode: Mode, urls: Vec<String>, prefix: &str) -> AnyStore {
             CachedStore::connect(c, 4)
                 .await
                 .unwrap()
-                .with_log_apart_above(6),
+                .with_log_apart_above(6)
+                .with_records_apart_above(4),
         )),
     }
 }
@@ -542,11 +544,13 @@ async fn cached_writers_of_the_same_callers_match_memory() {
         let mut a = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
             .unwrap()
-            .with_log_apart_above(3);
+            .with_log_apart_above(3)
+            .with_records_apart_above(2);
         let mut b = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
             .unwrap()
-            .with_log_apart_above(3);
+            .with_log_apart_above(3)
+            .with_records_apart_above(2);
         let mut got = Vec::new();
         for (i, batch) in random_batches(&events, seed).into_iter().enumerate() {
             let store = if i % 2 == 0 { &mut a } else { &mut b };
@@ -573,6 +577,7 @@ async fn cached_store_restarts_from_what_redis_holds() {
     let server = RedisServer::start(&[]);
     let mut redelivered = 0;
     let mut logs_apart = 0;
+    let mut records_apart = 0;
     for seed in 0..16u64 {
         let (rules, mut events) = random::case(seed, 600, 6);
         let cut = events.len() * 2 / 3;
@@ -584,7 +589,8 @@ async fn cached_store_restarts_from_what_redis_holds() {
         let mut first = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
             .unwrap()
-            .with_log_apart_above(3);
+            .with_log_apart_above(3)
+            .with_records_apart_above(3);
         let mut got = first.apply_batch(&rules, &events[..cut]).await.unwrap();
         drop(first);
         let mut con = redis::Client::open(server.url())
@@ -596,10 +602,16 @@ async fn cached_store_restarts_from_what_redis_holds() {
             .query(&mut con)
             .unwrap();
         logs_apart += logs.len();
+        let records: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{prefix}*:r"))
+            .query(&mut con)
+            .unwrap();
+        records_apart += records.len();
         let mut second = CachedStore::connect(config(vec![server.url()], &prefix), 1_000)
             .await
             .unwrap()
-            .with_log_apart_above(3);
+            .with_log_apart_above(3)
+            .with_records_apart_above(3);
         for batch in events[cut..].chunks(50) {
             got.extend(second.apply_batch(&rules, batch).await.unwrap());
         }
@@ -615,6 +627,10 @@ async fn cached_store_restarts_from_what_redis_holds() {
     assert!(
         logs_apart > 5,
         "logs kept apart were not read back: {logs_apart}"
+    );
+    assert!(
+        records_apart > 5,
+        "records kept apart were not read back: {records_apart}"
     );
 }
 
@@ -638,7 +654,8 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
     let mut store = CachedStore::connect(config(vec![server.url()], "cttl:"), 1_000)
         .await
         .unwrap()
-        .with_log_apart_above(3);
+        .with_log_apart_above(3)
+        .with_records_apart_above(1);
     let events: Vec<CallEvent> = (0..2_000i64)
         .map(|i| {
             ev(
@@ -669,10 +686,12 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
         .filter(|k| k.starts_with("cttl:block:"))
         .count();
     let logs = names.iter().filter(|k| k.ends_with(":l")).count();
-    assert_eq!(states, 97, "one state hash per caller: {names:?}");
+    let records = names.iter().filter(|k| k.ends_with(":r")).count();
+    assert_eq!(states, 97, "one state string per caller: {names:?}");
     assert!(logs > 0, "no log kept apart: {names:?}");
+    assert!(records > 0, "no records kept apart: {names:?}");
     assert_eq!(
-        states + blocks + logs,
+        states + blocks + logs + records,
         names.len(),
         "unexpected keys: {names:?}"
     );
@@ -705,6 +724,21 @@ async fn a_prefix_holds_one_mode() {
     CachedStore::connect(config(vec![server.url()], "two:"), 10)
         .await
         .unwrap();
+    // A prefix the cached mode kept in an older layout is refused too.
+    let mut con = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("three:mode")
+        .arg("cached")
+        .query(&mut con)
+        .unwrap();
+    let err = CachedStore::connect(config(vec![server.url()], "three:"), 10)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("another layout"), "{err}");
 }
 
 /// A flooding caller's log kept apart grows by appends and is compacted

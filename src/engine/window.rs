@@ -860,6 +860,17 @@ impl CallerState {
     pub fn holds_record(&self, call_id: &str) -> bool {
         self.seen.contains_key(call_id)
     }
+
+    /// How many call records the state keeps.
+    pub fn record_count(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// The call records the state keeps (call id and verdict), in no
+    /// particular order.
+    pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
+        self.seen.iter().map(|(id, v)| (id.as_str(), v))
+    }
 }
 
 #[cfg(test)]

@@ -39,8 +39,9 @@ use crate::store::WindowStore;
 /// The commit script (see its header for KEYS, ARGV and the reply).
 pub const COMMIT_LUA: &str = include_str!("../../lua/commit.lua");
 
-/// This store's name for its way of keeping state (`--redis-mode cached`).
-pub const MODE: &str = "cached";
+/// This store's name for its way of keeping state (`--redis-mode cached`)
+/// and the version of its key layout, as recorded in `<prefix>mode`.
+pub const MODE: &str = "cached:2";
 
 /// Most callers written by one script call (it holds Redis while it runs).
 const CALLERS_PER_CALL: usize = 64;
@@ -61,6 +62,12 @@ const TTL_MARGIN_DIVISOR: u64 = 16;
 /// this, so a flooding caller's writes append its new times instead of
 /// rewriting all of them; it moves back in below a quarter of it.
 pub const DEFAULT_LOG_APART_ABOVE: usize = 128;
+
+/// A caller's records move out of its state string into a hash
+/// (`<prefix>{<caller>}:r`) once it holds more than this many, so a busy
+/// caller's writes add its new records instead of rewriting all of them;
+/// they move back in at a quarter of it.
+pub const DEFAULT_RECORDS_APART_ABOVE: usize = 32;
 
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
@@ -108,6 +115,47 @@ struct Cached {
     /// Where the sliding log is kept: `Inline` in the packed state, or
     /// apart (the string's times, of which the first `dead` are trimmed).
     log: PackedLog,
+    /// Where the records are kept.
+    records: Records,
+}
+
+/// Where a caller's records are kept in Redis.
+#[derive(Debug)]
+enum Records {
+    /// In its state string: each record's call id and text, as written.
+    Inline(Vec<(CompactString, String)>),
+    /// In its records hash.
+    Apart,
+}
+
+impl Default for Records {
+    fn default() -> Self {
+        Records::Inline(Vec::new())
+    }
+}
+
+/// What a write does to a caller's records hash.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RecordsOp {
+    /// Records inline; no hash.
+    Inline,
+    /// The hash: records set and deleted.
+    Hash,
+    /// The records moved out: the hash replaced by the ones set.
+    Replace,
+    /// The records moved back inline: the hash deleted.
+    Delete,
+}
+
+impl RecordsOp {
+    fn code(self) -> &'static str {
+        match self {
+            RecordsOp::Inline => "",
+            RecordsOp::Hash => "H",
+            RecordsOp::Replace => "S",
+            RecordsOp::Delete => "D",
+        }
+    }
 }
 
 /// One caller's part of a batch while it is being decided.
@@ -122,17 +170,20 @@ struct Pending<'a> {
 struct Write {
     key: String,
     block_key: String,
+    log_key: String,
+    records_key: String,
     expected: Option<u64>,
     version: u64,
-    /// The TTL to set (ms), or `None` to leave the key's.
+    /// The TTL to set (ms), or `None` to leave the keys'.
     ttl_ms: Option<u64>,
-    log_key: String,
     log_op: LogOp,
     /// Where the log is after this write.
     log: PackedLog,
-    packed: Vec<u8>,
-    sets: Vec<(String, String)>,
-    dels: Vec<String>,
+    /// The new state string (see `lua/commit.lua`).
+    value: Vec<u8>,
+    records_op: RecordsOp,
+    sets: Vec<(CompactString, String)>,
+    dels: Vec<CompactString>,
     block: Option<(CompactString, i64)>,
 }
 
@@ -140,8 +191,9 @@ struct Write {
 /// writes, and per refused write its index and the caller's current hash.
 type Committed = (usize, Vec<Write>, Vec<Refused>);
 
-/// A refused write: its index, the caller's hash and its log kept apart.
-type Refused = (usize, Vec<Value>, Option<Vec<u8>>);
+/// A refused write: its index, the caller's state string, records hash
+/// and log kept apart.
+type Refused = (usize, Option<Vec<u8>>, Vec<Value>, Option<Vec<u8>>);
 
 /// Why an attempt at a batch failed.
 enum Failed {
@@ -209,6 +261,8 @@ pub struct CachedStore {
     conflicts: u64,
     /// See [`DEFAULT_LOG_APART_ABOVE`].
     log_apart_above: usize,
+    /// See [`DEFAULT_RECORDS_APART_ABOVE`].
+    records_apart_above: usize,
 }
 
 impl std::fmt::Debug for CachedStore {
@@ -237,6 +291,7 @@ impl CachedStore {
             watermark: i64::MIN,
             conflicts: 0,
             log_apart_above: DEFAULT_LOG_APART_ABOVE,
+            records_apart_above: DEFAULT_RECORDS_APART_ABOVE,
         })
     }
 
@@ -245,6 +300,14 @@ impl CachedStore {
     /// to move logs in and out often).
     pub fn with_log_apart_above(mut self, n: usize) -> Self {
         self.log_apart_above = n.max(1);
+        self
+    }
+
+    /// Keeps a caller's records apart once it holds more than `n` (default
+    /// [`DEFAULT_RECORDS_APART_ABOVE`]; tests use small values to move
+    /// records in and out often).
+    pub fn with_records_apart_above(mut self, n: usize) -> Self {
+        self.records_apart_above = n.max(1);
         self
     }
 
@@ -269,7 +332,12 @@ impl CachedStore {
         self.cache.clear();
     }
 
-    /// The key of a caller's state hash, `<prefix>{<caller>}:s`.
+    /// The key of a caller's records kept apart, `<prefix>{<caller>}:r`.
+    pub fn records_key(&self, caller: &str) -> String {
+        self.config.caller_key(caller, ":r")
+    }
+
+    /// The key of a caller's state string, `<prefix>{<caller>}:s`.
     pub fn state_key(&self, caller: &str) -> String {
         self.config.caller_key(caller, ":s")
     }
@@ -344,7 +412,7 @@ impl CachedStore {
         let idem = self.config.idempotency;
         let mut journal = Journal::default();
         let old_len = p.cached.state.log().len();
-        let mut sets = Vec::new();
+        let mut made: Vec<(CompactString, String)> = Vec::new();
         let mut block = None;
         for &i in &p.events {
             let ev = &events[i];
@@ -354,7 +422,7 @@ impl CachedStore {
                 .apply_journaled(rules, ev, !idem, &mut journal);
             if !v.duplicate {
                 if idem {
-                    sets.push((record_field(&ev.call_id), v.to_reply()));
+                    made.push((ev.call_id.clone(), v.to_reply()));
                 }
                 if self.config.block_keys && v.record.decision == Decision::Reject {
                     if let Some(ms) = v.record.retry_after_ms {
@@ -364,29 +432,65 @@ impl CachedStore {
             }
             verdicts[i] = Some(v);
         }
-        // A record trimmed and then made again in this batch stays.
-        let dels = journal
-            .dropped_records
-            .iter()
-            .filter(|id| !p.cached.state.holds_record(id))
-            .map(|id| record_field(id))
-            .collect();
-        let (log_op, log) = self.log_write(&p.cached.state, p.cached.log, old_len, &journal);
-        let mut packed = Vec::with_capacity(64);
-        p.cached.state.pack(&mut packed, log);
+        let state = &p.cached.state;
+        let (records_op, sets, dels) = match &mut p.cached.records {
+            Records::Inline(list) => {
+                // Records trimmed leave; a record trimmed and made again in
+                // this batch is replaced.
+                if !made.is_empty() || !journal.dropped_records.is_empty() {
+                    list.retain(|(id, _)| {
+                        state.holds_record(id) && !made.iter().any(|(m, _)| m == id)
+                    });
+                    list.extend(made.drain(..).filter(|(id, _)| state.holds_record(id)));
+                }
+                if list.len() > self.records_apart_above {
+                    let all = std::mem::take(list);
+                    p.cached.records = Records::Apart;
+                    (RecordsOp::Replace, all, Vec::new())
+                } else {
+                    (RecordsOp::Inline, Vec::new(), Vec::new())
+                }
+            }
+            Records::Apart if state.record_count() <= self.records_apart_above / 4 => {
+                let all = state
+                    .records()
+                    .map(|(id, v)| (CompactString::from(id), v.to_reply()))
+                    .collect();
+                p.cached.records = Records::Inline(all);
+                (RecordsOp::Delete, Vec::new(), Vec::new())
+            }
+            Records::Apart => {
+                // A record trimmed and then made again in this batch stays.
+                let dels = journal
+                    .dropped_records
+                    .iter()
+                    .filter(|id| !state.holds_record(id))
+                    .cloned()
+                    .collect();
+                (RecordsOp::Hash, made, dels)
+            }
+        };
+        let (log_op, log) = self.log_write(state, p.cached.log, old_len, &journal);
+        let version = rand::random::<u64>() | 1;
+        let value = state_value(version, state, log, &p.cached.records);
         let fresh = matches!(p.cached.ttl_fresh_until,
             Some(until) if p.cached.version.is_some() && ttl.now < until);
+        // SET drops a key's TTL, and a new hash has none: a replaced log
+        // or records moved out get it again.
+        let must_set_ttl = matches!(log_op, LogOp::Set(_)) || records_op == RecordsOp::Replace;
+        let caller = p.caller;
         Write {
-            key: self.state_key(p.caller),
-            block_key: self.config.block_key(p.caller),
+            key: self.state_key(caller),
+            block_key: self.config.block_key(caller),
+            log_key: self.log_key(caller),
+            records_key: self.records_key(caller),
             expected: p.cached.version,
-            version: rand::random::<u64>() | 1,
-            // SET drops a key's TTL: a replaced log gets it again.
-            ttl_ms: (!fresh || matches!(log_op, LogOp::Set(_))).then_some(ttl.ms),
-            log_key: self.log_key(p.caller),
+            version,
+            ttl_ms: (!fresh || must_set_ttl).then_some(ttl.ms),
             log_op,
             log,
-            packed,
+            value,
+            records_op,
             sets,
             dels,
             block,
@@ -396,34 +500,37 @@ impl CachedStore {
     /// The commit call for `writes`.
     fn invocation(&self, writes: &[&Write]) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(writes.len() * 3);
+        cmd.arg(&self.sha).arg(writes.len() * 4);
         for w in writes {
-            cmd.arg(&w.key).arg(&w.block_key).arg(&w.log_key);
+            cmd.arg(&w.key)
+                .arg(&w.block_key)
+                .arg(&w.log_key)
+                .arg(&w.records_key);
         }
         for w in writes {
             match w.expected {
-                Some(v) => cmd.arg(v),
+                Some(v) => cmd.arg(&v.to_le_bytes()[..]),
                 None => cmd.arg(""),
             };
             match w.ttl_ms {
                 Some(ms) => cmd.arg(ms),
                 None => cmd.arg(""),
             };
-            cmd.arg(w.version)
-                .arg(&w.packed[..])
+            cmd.arg(&w.value[..])
                 .arg(w.log_op.code())
                 .arg(w.log_op.bytes())
+                .arg(w.records_op.code())
                 .arg(w.sets.len())
                 .arg(w.dels.len());
             match &w.block {
                 Some((reason, ms)) => cmd.arg(reason.as_str()).arg(*ms),
                 None => cmd.arg("").arg(0),
             };
-            for (f, v) in &w.sets {
-                cmd.arg(f).arg(v);
+            for (id, record) in &w.sets {
+                cmd.arg(id.as_str()).arg(record);
             }
-            for f in &w.dels {
-                cmd.arg(f);
+            for id in &w.dels {
+                cmd.arg(id.as_str());
             }
         }
         cmd
@@ -454,21 +561,17 @@ impl CachedStore {
                         return Err(unexpected(format!("{reply:?}")));
                     };
                     let mut it = items.into_iter();
-                    while let (Some(idx), Some(hash), Some(log)) = (it.next(), it.next(), it.next())
+                    while let (Some(idx), Some(value), Some(hash), Some(log)) =
+                        (it.next(), it.next(), it.next(), it.next())
                     {
                         let (Value::Int(idx), Value::Array(hash)) = (idx, hash) else {
                             return Err(unexpected("a malformed refusal".into()));
-                        };
-                        let log = match log {
-                            Value::BulkString(b) => Some(b),
-                            Value::Nil => None,
-                            other => return Err(unexpected(format!("log {other:?}"))),
                         };
                         let at = usize::try_from(idx)
                             .ok()
                             .and_then(|i| chunk.get(i))
                             .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
-                        refused.push((*at, hash, log));
+                        refused.push((*at, bulk(value)?, hash, bulk(log)?));
                     }
                 }
                 Ok(refused)
@@ -537,10 +640,10 @@ impl CachedStore {
                     }
                 })?;
                 let mut refused_set = vec![false; writes.len()];
-                for (w, hash, log) in refused {
+                for (w, value, hash, log) in refused {
                     refused_set[w] = true;
                     let p = &mut pending[todo[base + w]];
-                    p.cached = load(p.caller, hash, log)?;
+                    p.cached = load(p.caller, value, hash, log)?;
                     next.push(todo[base + w]);
                 }
                 for (w, write) in writes.iter().enumerate() {
@@ -598,12 +701,63 @@ impl CachedStore {
     }
 }
 
-/// The hash field of call `id`'s record, `r:<id>`.
-fn record_field(id: &str) -> String {
-    let mut field = String::with_capacity(2 + id.len());
-    field.push_str("r:");
-    field.push_str(id);
-    field
+/// A string of a reply, or nil.
+fn bulk(v: Value) -> Result<Option<Vec<u8>>, redis::RedisError> {
+    match v {
+        Value::BulkString(b) => Ok(Some(b)),
+        Value::Nil => Ok(None),
+        other => Err(unexpected(format!("{other:?}"))),
+    }
+}
+
+/// A caller's state string (see `lua/commit.lua`): version, form, the
+/// packed window state and the records when inline.
+fn state_value(version: u64, state: &CallerState, log: PackedLog, records: &Records) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    out.extend_from_slice(&version.to_le_bytes());
+    let mut packed = Vec::with_capacity(48);
+    state.pack(&mut packed, log);
+    match records {
+        Records::Inline(list) => {
+            out.push(0);
+            put_bytes(&mut out, &packed);
+            for (id, record) in list {
+                put_bytes(&mut out, id.as_bytes());
+                put_bytes(&mut out, record.as_bytes());
+            }
+        }
+        Records::Apart => {
+            out.push(1);
+            put_bytes(&mut out, &packed);
+        }
+    }
+    out
+}
+
+/// `bytes` after their length (LEB128).
+fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    let mut n = bytes.len() as u64;
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+    out.extend_from_slice(bytes);
+}
+
+/// The bytes at the front of `input` after their length (LEB128), and the
+/// rest.
+fn take_bytes(input: &[u8]) -> Option<(&[u8], &[u8])> {
+    let mut n: u64 = 0;
+    for (i, &b) in input.iter().enumerate().take(10) {
+        n |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            let rest = &input[i + 1..];
+            let n = usize::try_from(n).ok().filter(|&n| n <= rest.len())?;
+            return Some(rest.split_at(n));
+        }
+    }
+    None
 }
 
 fn unexpected(what: String) -> redis::RedisError {
@@ -622,39 +776,29 @@ fn text(v: &Value) -> Option<&[u8]> {
     }
 }
 
-/// A caller's cache entry from its hash (as HGETALL returns it): version,
-/// packed state and records.
-fn load(caller: &str, hash: Vec<Value>, log: Option<Vec<u8>>) -> Result<Cached, StoreError> {
+/// A caller's cache entry from its state string, records hash (as HGETALL
+/// returns it) and log kept apart; no state string: a new caller.
+fn load(
+    caller: &str,
+    value: Option<Vec<u8>>,
+    hash: Vec<Value>,
+    log: Option<Vec<u8>>,
+) -> Result<Cached, StoreError> {
     let bad = |what: &str| {
         StoreError::fatal(format!(
             "unreadable window state of caller {caller} in Redis: {what}"
         ))
     };
-    let mut state = None;
-    let mut version = None;
-    let mut records = Vec::new();
-    let mut it = hash.iter();
-    while let (Some(f), Some(v)) = (it.next(), it.next()) {
-        let (Some(f), Some(v)) = (text(f), text(v)) else {
-            return Err(bad("not a string"));
-        };
-        match f {
-            b"v" => {
-                version = Some(
-                    std::str::from_utf8(v)
-                        .ok()
-                        .and_then(|s| s.parse::<u64>().ok())
-                        .ok_or_else(|| bad("version"))?,
-                )
-            }
-            b"s" => state = Some(CallerState::unpack(v).ok_or_else(|| bad("packed state"))?),
-            _ => {
-                let id = f.strip_prefix(b"r:").ok_or_else(|| bad("unknown field"))?;
-                records.push((id, v));
-            }
-        }
-    }
-    let (mut state, log_form) = state.unwrap_or_default();
+    let Some(value) = value else {
+        return Ok(Cached::default());
+    };
+    let (version, rest) = value
+        .split_first_chunk::<8>()
+        .ok_or_else(|| bad("too short"))?;
+    let version = u64::from_le_bytes(*version);
+    let (&form, rest) = rest.split_first().ok_or_else(|| bad("too short"))?;
+    let (packed, mut rest) = take_bytes(rest).ok_or_else(|| bad("packed state"))?;
+    let (mut state, log_form) = CallerState::unpack(packed).ok_or_else(|| bad("packed state"))?;
     if let PackedLog::Outside { dead, len } = log_form {
         let bytes = log.unwrap_or_default();
         let times: Option<std::collections::VecDeque<i64>> =
@@ -669,18 +813,43 @@ fn load(caller: &str, hash: Vec<Value>, log: Option<Vec<u8>>) -> Result<Cached, 
             .and_then(|t| state.restore_log(t))
             .ok_or_else(|| bad("log kept apart"))?;
     }
-    for (id, rec) in records {
+    let restore = |state: &mut CallerState, id: &[u8], rec: &[u8]| {
         let (Ok(id), Ok(rec)) = (std::str::from_utf8(id), std::str::from_utf8(rec)) else {
             return Err(bad("record not UTF-8"));
         };
         let verdict = Verdict::from_stored(rec, id, caller, false).ok_or_else(|| bad(rec))?;
         state.restore_record(id, verdict);
-    }
+        Ok((CompactString::from(id), rec.to_string()))
+    };
+    let records = match form {
+        0 => {
+            let mut list = Vec::new();
+            while !rest.is_empty() {
+                let (id, after) = take_bytes(rest).ok_or_else(|| bad("record id"))?;
+                let (rec, after) = take_bytes(after).ok_or_else(|| bad("record"))?;
+                list.push(restore(&mut state, id, rec)?);
+                rest = after;
+            }
+            Records::Inline(list)
+        }
+        1 => {
+            let mut it = hash.iter();
+            while let (Some(id), Some(rec)) = (it.next(), it.next()) {
+                let (Some(id), Some(rec)) = (text(id), text(rec)) else {
+                    return Err(bad("record not a string"));
+                };
+                restore(&mut state, id, rec)?;
+            }
+            Records::Apart
+        }
+        _ => return Err(bad("unknown form")),
+    };
     Ok(Cached {
         state,
-        version,
+        version: Some(version),
         ttl_fresh_until: None,
         log: log_form,
+        records,
     })
 }
 

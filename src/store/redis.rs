@@ -280,11 +280,25 @@ impl Conn {
             Conn::Cluster(c) => cmd.query_async(c).await,
         }
         .map_err(classify)?;
+        // A mode may name its layout's version after a colon.
+        let flag = |m: &str| m.split(':').next().unwrap_or(m).to_string();
         match before {
+            Some(other) if other != mode && flag(&other) == flag(mode) => {
+                Err(StoreError::fatal(format!(
+                    "the key prefix {prefix:?} holds --redis-mode {} window state in another \
+                     layout ({other}; this version keeps {mode}): drain the input and delete \
+                     the prefix's keys, or use another --key-prefix (the key {key} records the \
+                     layout)",
+                    flag(mode)
+                )))
+            }
             Some(other) if other != mode => Err(StoreError::fatal(format!(
-                "the key prefix {prefix:?} holds window state kept by --redis-mode {other}, \
-                 not {mode}: use --redis-mode {other}, or another --key-prefix (the key {key} \
-                 records the mode)"
+                "the key prefix {prefix:?} holds window state kept by --redis-mode {}, \
+                 not {}: use --redis-mode {}, or another --key-prefix (the key {key} \
+                 records the mode)",
+                flag(&other),
+                flag(mode),
+                flag(&other)
             ))),
             _ => Ok(()),
         }
