@@ -7,11 +7,12 @@
 //! consumer owns its partitions' callers, so after the first call the cache
 //! is nearly always current), decides a batch with the reference engine,
 //! and writes each touched caller back in one atomic `EVALSHA` of
-//! `lua/commit.lua` per group of callers: the caller's packed state, its new
-//! records, the records trimmed, the block key.
+//! `lua/commit.lua` per group of callers: the caller's state string (its
+//! version, packed state and, while few, its records), a busy caller's new
+//! and trimmed records, the block key. A new caller is one `SET ... NX PX`.
 //!
-//! Every write is conditional on the caller's version field being the one
-//! the cache read (optimistic concurrency). Another writer (a second
+//! Every write is conditional on the caller's version being the one the
+//! cache read (optimistic concurrency). Another writer (a second
 //! instance after a rebalance, `serve` beside `consume`, a cache entry
 //! evicted and later recreated) changes the version: that caller is not
 //! written, the script returns its current state, and callguard decides
@@ -50,7 +51,7 @@ const CALLERS_PER_CALL: usize = 64;
 /// keeps changing under it (another writer deciding the same caller).
 const MAX_ROUNDS: usize = 8;
 
-/// A hash's TTL is set to the needed span (the idempotency horizon plus
+/// A caller's TTL is set to the needed span (the idempotency horizon plus
 /// slack) plus a sixteenth of it, and refreshed only once that sixteenth
 /// has passed: a busy caller's writes skip the `PEXPIRE`, and the key still
 /// outlives the needed span after every write. (Wall-clock time, read here
@@ -108,7 +109,7 @@ impl TtlPlan {
 struct Cached {
     state: CallerState,
     version: Option<u64>,
-    /// Until when the TTL this store last set on the caller's hash still
+    /// Until when the TTL this store last set on the caller's keys still
     /// covers a full TTL from now (see [`TTL_MARGIN_DIVISOR`]); `None`:
     /// unknown, so the next write sets it.
     ttl_fresh_until: Option<std::time::Instant>,
@@ -188,7 +189,7 @@ struct Write {
 }
 
 /// A commit's outcome: the index of its first write in the round, its
-/// writes, and per refused write its index and the caller's current hash.
+/// writes, and per refused write its index and the caller's current state.
 type Committed = (usize, Vec<Write>, Vec<Refused>);
 
 /// A refused write: its index, the caller's state string, records hash
@@ -538,7 +539,7 @@ impl CachedStore {
 
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
     /// concurrently) and returns `base`, the writes and, per write that was
-    /// refused, its index and the caller's current hash.
+    /// refused, its index and the caller's current state.
     async fn commit(
         &self,
         writes: Vec<Write>,
