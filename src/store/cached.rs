@@ -53,8 +53,8 @@ const MAX_ROUNDS: usize = 8;
 
 /// A caller's TTL is set to the needed span (the idempotency horizon plus
 /// slack) plus a sixteenth of it, and refreshed only once that sixteenth
-/// has passed: a busy caller's writes skip the `PEXPIRE`, and the key still
-/// outlives the needed span after every write. (Wall-clock time, read here
+/// has passed: a busy caller's writes keep the TTL (`KEEPTTL`, no
+/// `PEXPIRE`), and the keys still outlive the needed span after every write. (Wall-clock time, read here
 /// for garbage collection only; decisions run on event time.)
 const TTL_MARGIN_DIVISOR: u64 = 16;
 
