@@ -330,10 +330,7 @@ async fn every_key_has_a_ttl_and_all_expire() {
     for chunk in rng_events.chunks(256) {
         redis.apply_batch(&rules, chunk).await.unwrap();
     }
-    let mut con = redis::Client::open(server.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut con = server.connection();
     let mut names: Vec<String> = redis::cmd("KEYS").arg("ttl:*").query(&mut con).unwrap();
     // The prefix's mode claim is the one key without a TTL.
     names.retain(|k| k != "ttl:mode");
@@ -593,10 +590,7 @@ async fn cached_store_restarts_from_what_redis_holds() {
             .with_records_apart_above(3);
         let mut got = first.apply_batch(&rules, &events[..cut]).await.unwrap();
         drop(first);
-        let mut con = redis::Client::open(server.url())
-            .unwrap()
-            .get_connection()
-            .unwrap();
+        let mut con = server.connection();
         let logs: Vec<String> = redis::cmd("KEYS")
             .arg(format!("{prefix}*:l"))
             .query(&mut con)
@@ -674,10 +668,7 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
         got.extend(store.apply_batch(&rules, chunk).await.unwrap());
     }
     assert_eq!(got, memory_run(&rules, &events).await);
-    let mut con = redis::Client::open(server.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut con = server.connection();
     let mut names: Vec<String> = redis::cmd("KEYS").arg("cttl:*").query(&mut con).unwrap();
     names.retain(|k| k != "cttl:mode");
     let states = names.iter().filter(|k| k.ends_with(":s")).count();
@@ -725,10 +716,7 @@ async fn a_prefix_holds_one_mode() {
         .await
         .unwrap();
     // A prefix the cached mode kept in an older layout is refused too.
-    let mut con = redis::Client::open(server.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut con = server.connection();
     let _: () = redis::cmd("SET")
         .arg("three:mode")
         .arg("cached")
@@ -755,10 +743,7 @@ async fn cached_flood_log_is_appended_and_compacted() {
     let events: Vec<CallEvent> = (0..6_000i64)
         .map(|i| ev("+34911000009", &format!("f{i}"), T0 + i * 10))
         .collect();
-    let mut con = redis::Client::open(server.url())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut con = server.connection();
     let mut got = Vec::new();
     let mut longest = 0usize;
     for chunk in events.chunks(37) {

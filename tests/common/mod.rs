@@ -145,6 +145,13 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A blocking client connection to it.
+    pub fn connection(&self) -> redis::Connection {
+        redis::Client::open(self.url())
+            .and_then(|c| c.get_connection())
+            .expect("connect to the test redis-server")
+    }
+
     /// `INFO memory`'s `used_memory`, bytes.
     pub fn used_memory(&self) -> i64 {
         raw_command(self.port, "INFO memory")
