@@ -285,6 +285,9 @@ pub enum ConsumeError {
     /// The task that decides batches stopped (it panicked).
     #[error("the deciding task stopped unexpectedly")]
     DeciderStopped,
+    /// The configuration cannot work.
+    #[error("consume configuration: {0}")]
+    Config(String),
 }
 
 /// Failures of `callguard demo`.

@@ -374,8 +374,8 @@ async fn cached_mode_sigkill_at_random_points_still_one_decision_per_call() {
 /// idempotency horizon (`data/rules.toml`), a SIGKILL between two timed
 /// commits used to redeliver calls whose callers had moved on by more than
 /// the horizon, decided again, differently. The consumer now never lets a
-/// partition's uncommitted events span more than half the horizon (a commit
-/// starts in the background at an eighth).
+/// partition's uncommitted events span the horizon (a commit starts in the
+/// background at a quarter of it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn catch_up_crashes_with_the_default_horizon_decide_each_call_once() {
     sigkill_rounds(

@@ -4,6 +4,7 @@
 mod common;
 
 use callguard::engine::record::{Decision, Verdict};
+use callguard::online::consumer::span_limit;
 use callguard::store::memory::MemoryStore;
 use common::scenarios::{self, T0};
 use common::{ev, random, reference};
@@ -133,6 +134,32 @@ proptest! {
     #[test]
     fn engine_matches_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
         check_against_reference(seed, n, callers)?;
+    }
+
+    /// What `consume`'s checkpoints rely on: after a partition's calls are
+    /// decided, the longest suffix of them whose event times span at most
+    /// `span_limit(D)` (the most a partition may hold uncommitted), read
+    /// again as after a crash, gets every call's first record back. Random
+    /// sequences hold several callers, late calls, idle gaps longer than
+    /// short horizons and repeated call ids.
+    #[test]
+    fn a_redelivered_uncommitted_span_gets_its_first_records(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
+        let (rules, events) = random::case(seed, n, callers);
+        let limit = span_limit(rules.dedup_ms());
+        let mut store = MemoryStore::new();
+        let first: Vec<Verdict> = events.iter().map(|e| store.apply(&rules, e)).collect();
+        let (mut k, mut lo, mut hi) = (events.len(), i64::MAX, i64::MIN);
+        while k > 0 {
+            let t = events[k - 1].ts_ms;
+            if hi.max(t) - lo.min(t) > limit {
+                break;
+            }
+            (lo, hi, k) = (lo.min(t), hi.max(t), k - 1);
+        }
+        for (i, e) in events.iter().enumerate().skip(k) {
+            let again = store.apply(&rules, e);
+            prop_assert_eq!(&again.record, &first[i].record, "call #{} ({}) of the redelivered suffix from #{}", i, e.call_id, k);
+        }
     }
 
     /// Windows of 5 to 100 ms, so the reference can find each reject's

@@ -33,7 +33,8 @@ pub struct ConsumeArgs {
     /// Topic of feature records.
     #[arg(long, env = "CALLGUARD_FEATURES_TOPIC", default_value = consumer::DEFAULT_FEATURES_TOPIC)]
     pub features_topic: String,
-    /// Dead-letter topic (original bytes, error in headers).
+    /// Dead-letter topic (original bytes, error in headers); it must differ
+    /// from the input, decisions and features topics.
     #[arg(long, env = "CALLGUARD_DLQ_TOPIC", default_value = consumer::DEFAULT_DLQ_TOPIC)]
     pub dlq_topic: String,
     /// Rule options (the rules file is reloaded on SIGHUP and when it changes).

@@ -7,14 +7,18 @@
 //! timed commits could redeliver calls whose callers moved on by more than
 //! `D`, and they would be decided again, differently.
 //!
-//! A caller's calls share a partition (events are keyed by caller), so when
-//! a call is redelivered its caller has moved on by at most the span of its
-//! partition's uncommitted events, plus how late the call itself was. So no
-//! partition's uncommitted events may span more than `D / 2` of event time
-//! ([`span_limit`]), which leaves half the horizon for lateness (the grace
-//! is seconds, `D` at least the longest window): before a batch would pass
-//! that, the consumer waits until what it decided is committed. Exactness
-//! does not depend on how fast it runs.
+//! A caller's calls share a partition (events are keyed by caller). Take a
+//! redelivered call `e`: its caller's latest time has moved since `e` was
+//! first decided only through calls decided after `e`, and those, like `e`
+//! itself, are among its partition's uncommitted events. So the caller has
+//! moved on from `e`'s time by at most the span (latest minus earliest
+//! event time) of those uncommitted events, or not at all since `e`'s first
+//! decision. So no partition's uncommitted events may span `D` or more
+//! ([`span_limit`]: `D - 1` ms): before a batch would pass that, the
+//! consumer waits until what it decided is committed. Exactness does not
+//! depend on how fast it runs. `tests/semantics.rs` checks the bound on
+//! random sequences: redelivering the longest suffix that fits gives every
+//! call its first record back.
 //!
 //! Waiting for a commit costs the producer's linger, the broker's
 //! acknowledgements and a commit round trip. So a commit is started in the
@@ -27,19 +31,17 @@ use std::sync::Arc;
 
 use futures::FutureExt;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::types::RDKafkaErrorCode;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use crate::engine::event::CallEvent;
-use crate::error::EventError;
 use crate::online::consumer::delivery::{ConsumerCtx, Shared};
+use crate::online::consumer::Item;
 
 /// How much event time a partition's uncommitted events may span, for an
-/// idempotency horizon of `dedup_ms`.
-pub(super) fn span_limit(dedup_ms: i64) -> i64 {
-    dedup_ms / 2
+/// idempotency horizon of `dedup_ms`: less than the horizon.
+pub fn span_limit(dedup_ms: i64) -> i64 {
+    dedup_ms.saturating_sub(1)
 }
 
 /// Earliest and latest event time per partition: (topic, partition,
@@ -120,18 +122,13 @@ impl Uncommitted {
     /// How many messages of `batch` can be decided before some partition's
     /// uncommitted events would span more than `limit` ms of event time
     /// (after a commit, at least one: a single event spans nothing).
-    pub fn cut(
-        &self,
-        batch: &[OwnedMessage],
-        decoded: &[Result<CallEvent, EventError>],
-        limit: i64,
-    ) -> usize {
+    pub fn cut(&self, batch: &[Item], limit: i64) -> usize {
         let mut spans = self.total.clone();
-        for (i, (m, e)) in batch.iter().zip(decoded).enumerate() {
-            let Ok(e) = e else {
+        for (i, m) in batch.iter().enumerate() {
+            let Ok(e) = &m.event else {
                 continue; // a dead letter decides nothing
             };
-            spans.note(m.topic(), m.partition(), e.ts_ms);
+            spans.note(&m.topic, m.partition, e.ts_ms);
             if spans.due(limit) {
                 return i;
             }

@@ -16,8 +16,6 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
-use crate::online::consumer::delivery::OutRecord;
-use crate::online::consumer::encode::Encoder;
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
@@ -25,9 +23,9 @@ use crate::store::WindowStore;
 /// Longest wait between retries of a blocked store.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
-/// The window store on a task of its own: it decides a batch and encodes
-/// its records while the loop collects and decodes the next and produces
-/// the one before. Batches are decided one at a time in the order
+/// The window store on a task of its own: it decides a batch while the
+/// loop collects and decodes the next and encodes and produces the one
+/// before. Batches are decided one at a time in the order
 /// submitted, so a partition's order holds.
 pub(super) struct Decider {
     jobs: mpsc::Sender<Job>,
@@ -45,9 +43,10 @@ pub(super) struct Decided {
     /// One verdict per event; `None` if shutdown came while the store was
     /// failing under `block`.
     pub verdicts: Option<Result<Vec<Verdict>, ConsumeError>>,
-    /// The decision and feature records of the verdicts, encoded with the
-    /// batch's rules.
-    pub records: Vec<OutRecord>,
+    /// The rules it was decided with.
+    pub rules: RuleSet,
+    /// The events, as submitted.
+    pub events: Vec<CallEvent>,
 }
 
 impl Decider {
@@ -55,7 +54,6 @@ impl Decider {
     pub fn spawn<S, F>(
         mut store: S,
         config: ConsumeConfig,
-        mut encoder: Encoder,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
         mut shutdown: Shared<F>,
@@ -78,13 +76,11 @@ impl Decider {
                     &mut Pin::new(&mut shutdown),
                 )
                 .await;
-                let mut records = Vec::new();
-                if let Some(Ok(v)) = &verdicts {
-                    encoder.follow(&job.rules);
-                    records.reserve(2 * v.len());
-                    encoder.encode(&job.events, v, &config, &mut records);
-                }
-                let _ = job.reply.send(Decided { verdicts, records });
+                let _ = job.reply.send(Decided {
+                    verdicts,
+                    rules: job.rules,
+                    events: job.events,
+                });
             }
         });
         Decider { jobs }

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use compact_str::CompactString;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
@@ -19,23 +20,55 @@ use crate::online::metrics::{Health, Metrics, PartitionLabels};
 
 /// One record to produce.
 pub(super) struct OutRecord {
-    /// Destination topic.
-    pub topic: String,
-    /// Key (the caller, or the original key of a dead letter).
-    pub key: Vec<u8>,
+    /// Destination topic (shared by every record bound for it).
+    pub topic: Arc<str>,
+    /// Key: the caller, or the original key of a dead letter.
+    pub key: OutKey,
     /// Payload.
     pub payload: Vec<u8>,
     /// Headers (dead letters only).
     pub headers: Option<OwnedHeaders>,
-    /// A dead letter: if it cannot be produced it is logged and counted,
-    /// and the batch goes on (a poison pill must not stop the consumer).
-    pub dead_letter: bool,
 }
 
-/// What a delivery report refers to.
-pub(super) struct Delivery {
-    pending: Arc<Pending>,
-    dead_letter: bool,
+/// The key of an [`OutRecord`].
+pub(super) enum OutKey {
+    /// A caller (normalised numbers are kept inline: no allocation).
+    Caller(CompactString),
+    /// A dead letter's original key, as read.
+    Bytes(Vec<u8>),
+}
+
+impl OutKey {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            OutKey::Caller(c) => c.as_bytes(),
+            OutKey::Bytes(b) => b,
+        }
+    }
+}
+
+/// The last offset read per partition of a batch (a batch reads a few
+/// partitions: a short list beats a map).
+#[derive(Debug, Default)]
+pub(super) struct Offsets(Vec<(Arc<str>, i32, i64)>);
+
+impl Offsets {
+    /// Notes a message at `offset` of `topic`/`partition`.
+    pub fn note(&mut self, topic: &Arc<str>, partition: i32, offset: i64) {
+        match self
+            .0
+            .iter_mut()
+            .find(|(t, p, _)| *p == partition && *t == *topic)
+        {
+            Some((_, _, last)) => *last = (*last).max(offset),
+            None => self.0.push((topic.clone(), partition, offset)),
+        }
+    }
+
+    /// (topic, partition, last offset), one per partition.
+    pub fn into_vec(self) -> Vec<(Arc<str>, i32, i64)> {
+        self.0
+    }
 }
 
 /// A batch produced and awaiting acknowledgement.
@@ -43,14 +76,14 @@ pub(super) struct Pending {
     /// The batch's sequence number (they grow from 1).
     seq: u64,
     /// (topic, partition) → last offset of the batch.
-    offsets: Vec<(String, i32, i64)>,
+    offsets: Vec<(Arc<str>, i32, i64)>,
     remaining: AtomicUsize,
     failure: Mutex<Option<String>>,
 }
 
 impl Pending {
     /// Batch `seq` of `records` records covering these last offsets.
-    pub fn new(seq: u64, offsets: Vec<(String, i32, i64)>, records: usize) -> Arc<Self> {
+    pub fn new(seq: u64, offsets: Vec<(Arc<str>, i32, i64)>, records: usize) -> Arc<Self> {
         Arc::new(Pending {
             seq,
             offsets,
@@ -143,7 +176,7 @@ impl Shared {
             for (topic, partition, offset) in &head.offsets {
                 if let Err(e) = consumer.store_offset(topic, *partition, *offset) {
                     // The partition was revoked meanwhile: its new owner re-reads it.
-                    debug!(topic, partition, offset, error = %e, "offset not stored");
+                    debug!(topic = &**topic, partition, offset, error = %e, "offset not stored");
                 }
             }
             self.stored_through.store(head.seq, Ordering::Release);
@@ -230,21 +263,26 @@ impl ConsumerContext for ConsumerCtx {
     }
 }
 
-/// Producer callbacks: delivery reports count down their batch.
+/// Producer callbacks: delivery reports count down their batch. A record's
+/// delivery opaque is its batch's [`Pending`] (no allocation per record);
+/// a dead letter is told apart by its topic, which differs from the output
+/// topics (see [`super::ConsumeConfig::check`]).
 pub(super) struct ProducerCtx {
     pub metrics: Arc<Metrics>,
+    /// The dead-letter topic.
+    pub dlq_topic: String,
 }
 
 impl ProducerCtx {
     /// A record failed for good: a dead letter is logged and counted (the
     /// batch goes on), any other record fails its batch.
-    fn failed(&self, d: &Delivery, topic: &str, why: String) {
-        if d.dead_letter {
+    fn failed(&self, pending: &Pending, topic: &str, why: String) {
+        if topic == self.dlq_topic {
             self.metrics.dlq_failures.inc();
             error!(topic, error = %why, "a dead letter could not be produced; it is dropped, the batch goes on");
-            d.pending.done();
+            pending.done();
         } else {
-            d.pending.fail(format!("cannot produce to {topic}: {why}"));
+            pending.fail(format!("cannot produce to {topic}: {why}"));
         }
     }
 }
@@ -252,15 +290,15 @@ impl ProducerCtx {
 impl ClientContext for ProducerCtx {}
 
 impl ProducerContext for ProducerCtx {
-    type DeliveryOpaque = Box<Delivery>;
+    type DeliveryOpaque = Arc<Pending>;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, d: Box<Delivery>) {
+    fn delivery(&self, result: &DeliveryResult<'_>, pending: Arc<Pending>) {
         match result {
             Err((e, m)) => {
                 use rdkafka::message::Message;
-                self.failed(&d, m.topic(), e.to_string());
+                self.failed(&pending, m.topic(), e.to_string());
             }
-            Ok(_) => d.pending.done(),
+            Ok(_) => pending.done(),
         }
     }
 }
@@ -272,12 +310,8 @@ pub(super) async fn send(
     pending: &Arc<Pending>,
 ) {
     loop {
-        let delivery = Box::new(Delivery {
-            pending: pending.clone(),
-            dead_letter: rec.dead_letter,
-        });
-        let mut r = BaseRecord::with_opaque_to(&rec.topic, delivery)
-            .key(&rec.key)
+        let mut r = BaseRecord::with_opaque_to(&rec.topic, pending.clone())
+            .key(rec.key.as_bytes())
             .payload(&rec.payload);
         if let Some(h) = &rec.headers {
             r = r.headers(h.clone());

@@ -1,17 +1,19 @@
 //! Messages in, records out: decoding call events from Kafka messages and
 //! encoding decisions, features and dead letters as records to produce.
 
-use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use std::sync::Arc;
+
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::EventError;
-use crate::online::consumer::delivery::OutRecord;
+use crate::online::consumer::delivery::{OutKey, OutRecord};
 use crate::online::consumer::ConsumeConfig;
 
 /// Decodes a message; the key must be present (producers key by caller).
-pub fn decode_message(m: &OwnedMessage, config: &ConsumeConfig) -> Result<CallEvent, EventError> {
+pub fn decode_message(m: &impl Message, config: &ConsumeConfig) -> Result<CallEvent, EventError> {
     let payload = m.payload().unwrap_or_default();
     if payload.len() > config.max_payload_bytes {
         return Err(EventError::Oversized {
@@ -72,9 +74,9 @@ const MAX_DEAD_HEADERS: usize = 16 * 1024;
 /// partition and offset still point at the whole message), a key over 1 KiB
 /// likewise, and original headers beyond 16 KiB are left out.
 pub(super) fn dead_letter(
-    m: &OwnedMessage,
+    m: &impl Message,
     err: &EventError,
-    topic: &str,
+    topic: &Arc<str>,
     max_payload: usize,
 ) -> OutRecord {
     let payload = m.payload().unwrap_or_default();
@@ -131,11 +133,10 @@ pub(super) fn dead_letter(
         }
     }
     OutRecord {
-        topic: topic.to_string(),
-        key: key[..key.len().min(MAX_DEAD_KEY)].to_vec(),
+        topic: topic.clone(),
+        key: OutKey::Bytes(key[..key.len().min(MAX_DEAD_KEY)].to_vec()),
         payload: payload[..payload.len().min(max_payload)].to_vec(),
         headers: Some(headers),
-        dead_letter: true,
     }
 }
 
@@ -168,12 +169,19 @@ impl Schemas {
 pub(super) struct Encoder {
     /// Most recent first; the current rule set's at the front.
     schemas: std::collections::VecDeque<Schemas>,
+    /// Topic of decision records.
+    decisions_topic: Arc<str>,
+    /// Topic of feature records.
+    features_topic: Arc<str>,
 }
 
 impl Encoder {
-    pub fn new(rules: &RuleSet) -> Self {
+    /// An encoder for `rules`, writing to the configured output topics.
+    pub fn new(rules: &RuleSet, config: &ConsumeConfig) -> Self {
         Encoder {
             schemas: std::iter::once(Schemas::of(rules)).collect(),
+            decisions_topic: config.decisions_topic.as_str().into(),
+            features_topic: config.features_topic.as_str().into(),
         }
     }
 
@@ -200,32 +208,23 @@ impl Encoder {
     }
 
     /// One decision record and one feature record per call, keyed by caller.
-    pub fn encode(
-        &self,
-        events: &[CallEvent],
-        verdicts: &[Verdict],
-        config: &ConsumeConfig,
-        out: &mut Vec<OutRecord>,
-    ) {
+    pub fn encode(&self, events: &[CallEvent], verdicts: &[Verdict], out: &mut Vec<OutRecord>) {
         for (event, verdict) in events.iter().zip(verdicts) {
             let Some(schemas) = self.for_version(&verdict.record.rules_version) else {
                 continue;
             };
             let row = Row { event, verdict };
-            let key = event.caller.as_bytes();
             out.push(OutRecord {
-                topic: config.decisions_topic.clone(),
-                key: key.to_vec(),
+                topic: self.decisions_topic.clone(),
+                key: OutKey::Caller(event.caller.clone()),
                 payload: schemas.decisions.json_bytes(row),
                 headers: None,
-                dead_letter: false,
             });
             out.push(OutRecord {
-                topic: config.features_topic.clone(),
-                key: key.to_vec(),
+                topic: self.features_topic.clone(),
+                key: OutKey::Caller(event.caller.clone()),
                 payload: schemas.features.json_bytes(row),
                 headers: None,
-                dead_letter: false,
             });
         }
     }
@@ -262,9 +261,9 @@ mod tests {
     fn records_are_encoded_with_the_rules_that_decided_them() {
         let before = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
         let after = RuleSet::from_args(None, &["hour:sliding:1h:50".into()]).unwrap();
-        let mut encoder = Encoder::new(&before);
-        encoder.follow(&after);
         let config = ConsumeConfig::new("b", "g", "calls", "d", "f", "dlq");
+        let mut encoder = Encoder::new(&before, &config);
+        encoder.follow(&after);
         let event = CallEvent {
             call_id: "c1".into(),
             caller: "+34911000001".into(),
@@ -279,7 +278,6 @@ mod tests {
         encoder.encode(
             &events,
             &[verdict(&before, vec![4]), verdict(&after, vec![7])],
-            &config,
             &mut out,
         );
         let decision =

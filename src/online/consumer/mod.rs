@@ -11,9 +11,9 @@
 //! (librdkafka's auto-commit of stored offsets, checkpoints, and
 //! synchronously on revoke and shutdown).
 //!
-//! The steps overlap: the decider (the store and the encoder, on a task of
-//! its own) works on one batch while the loop collects and decodes the next
-//! and produces the one before. Batches are decided one at a time, in the
+//! The steps overlap: the decider (the store, on a task of its own) works on
+//! one batch while the loop collects and decodes the next and encodes and
+//! produces the one before. Batches are decided one at a time, in the
 //! order read, so a partition's events are decided in partition order.
 //!
 //! Delivery is at least once with exact effects:
@@ -28,8 +28,8 @@
 //!   not yet decided are dropped and read again from the committed offsets
 //!   (a batch the decider holds at that moment is finished and produced, so
 //!   its calls may get a second, identical record from the new owner);
-//! * no partition's uncommitted events span more than half the idempotency
-//!   horizon in event time ([`checkpoint`]);
+//! * no partition's uncommitted events span the idempotency horizon in
+//!   event time or more ([`checkpoint`]);
 //! * on shutdown the batch being decided is finished and the rest drains
 //!   within a deadline.
 //!
@@ -38,10 +38,10 @@
 
 mod checkpoint;
 mod decide;
+pub use checkpoint::span_limit;
 mod delivery;
 pub mod encode;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -50,20 +50,20 @@ use std::time::{Duration, Instant};
 use futures::FutureExt;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Message, OwnedMessage};
+use rdkafka::message::Message;
 use rdkafka::producer::{Producer, ThreadedProducer};
 use tokio::sync::{oneshot, watch};
 use tracing::{debug, info, warn};
 
 use crate::engine::event::{CallEvent, Decoder};
 use crate::engine::rules::RuleSet;
-use crate::error::{ConsumeError, EventError, KafkaError};
+use crate::error::{ConsumeError, KafkaError};
 use crate::online::kafka::{client_config, client_err, producer_config};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 use checkpoint::{Early, Spans, Uncommitted};
 use decide::{Decided, Decider};
-use delivery::{ConsumerCtx, OutRecord, Pending, ProducerCtx, Shared};
+use delivery::{ConsumerCtx, Offsets, OutRecord, Pending, ProducerCtx, Shared};
 use encode::{dead_letter, decode_message, Encoder};
 
 /// Most messages held undecided while a checkpoint waits for its commit.
@@ -182,6 +182,35 @@ impl ConsumeConfig {
     }
 }
 
+impl ConsumeConfig {
+    /// Refuses topic settings that would mix streams: an output topic equal
+    /// to the input (the consumer would read its own records back as calls)
+    /// or the dead-letter topic equal to an output topic (dead letters are
+    /// told apart from records by their topic).
+    pub fn check(&self) -> Result<(), ConsumeError> {
+        let outputs = [
+            ("--decisions-topic", &self.decisions_topic),
+            ("--features-topic", &self.features_topic),
+            ("--dlq-topic", &self.dlq_topic),
+        ];
+        for (flag, topic) in outputs {
+            if *topic == self.input_topic {
+                return Err(ConsumeError::Config(format!(
+                    "{flag} {topic} is also the input topic; the consumer would read its own records as calls"
+                )));
+            }
+        }
+        for (flag, topic) in &outputs[..2] {
+            if **topic == self.dlq_topic {
+                return Err(ConsumeError::Config(format!(
+                    "{flag} {topic} is also the dead-letter topic; give dead letters a topic of their own"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Counts of what a run did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConsumeStats {
@@ -200,6 +229,10 @@ struct Clients {
     consumer: Arc<StreamConsumer<ConsumerCtx>>,
     producer: Arc<ThreadedProducer<ProducerCtx>>,
     shared: Arc<Shared>,
+    /// The input topic's name, shared by the messages read from it.
+    input_topic: Arc<str>,
+    /// The dead-letter topic's name, shared by the dead letters.
+    dlq_topic: Arc<str>,
 }
 
 /// A batch handed to the [`Decider`], with what the loop keeps of it
@@ -207,8 +240,9 @@ struct Clients {
 struct Deciding {
     /// Sequence number (from 1).
     seq: u64,
-    /// The messages it came from (their offsets are stored once produced).
-    batch: Vec<OwnedMessage>,
+    /// The last offset per partition of the messages it came from (stored
+    /// once its records are produced).
+    offsets: Offsets,
     /// Its dead letters, to which the records are added.
     out: Vec<OutRecord>,
     /// The verdicts, on their way.
@@ -220,6 +254,8 @@ struct Deciding {
 
 /// What the loop carries from one batch to the next.
 struct Progress {
+    /// Encodes the records of decided batches.
+    encoder: Encoder,
     stats: ConsumeStats,
     uncommitted: Uncommitted,
     early: Early,
@@ -241,6 +277,7 @@ pub async fn run<S: WindowStore + 'static>(
     health: Arc<Health>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<ConsumeStats, ConsumeError> {
+    config.check()?;
     let clients = connect(&config, &metrics, &health)?;
     warm_producer(&clients, &config).await;
     health.store_ok.store(true, Ordering::Relaxed);
@@ -250,12 +287,12 @@ pub async fn run<S: WindowStore + 'static>(
     let decider = Decider::spawn(
         store,
         config.clone(),
-        Encoder::new(&rules.borrow()),
         metrics.clone(),
         health.clone(),
         shutdown.clone(),
     );
     let mut p = Progress {
+        encoder: Encoder::new(&rules.borrow(), &config),
         stats: ConsumeStats::default(),
         uncommitted: Uncommitted::default(),
         early: Early::default(),
@@ -297,25 +334,19 @@ pub async fn run<S: WindowStore + 'static>(
         p.span_limit = span_limit;
         // Decide only what fits in the checkpoint allowance; when nothing
         // does, wait for the commit under way, or commit now.
-        let mut cut = p
-            .uncommitted
-            .cut(&batch.messages, &batch.decoded, span_limit);
+        let mut cut = p.uncommitted.cut(&batch.items, span_limit);
         if cut == 0 || checkpoint_due {
             // Everything decided is produced first, so a commit covers it.
             if !finish(&clients, &config, &metrics, &mut p, deciding.take(), false).await? {
                 break;
             }
             p.early.finish(&mut p.uncommitted).await;
-            cut = p
-                .uncommitted
-                .cut(&batch.messages, &batch.decoded, span_limit);
+            cut = p.uncommitted.cut(&batch.items, span_limit);
             if cut == 0 || checkpoint_due {
                 if commit_now(&clients, config.drain_timeout).await? {
                     checkpoint_due = false;
                     p.uncommitted = Uncommitted::default();
-                    cut = p
-                        .uncommitted
-                        .cut(&batch.messages, &batch.decoded, span_limit);
+                    cut = p.uncommitted.cut(&batch.items, span_limit);
                 } else {
                     // Decide nothing more until it is committed (a
                     // rebalance usually; reading on serves it). What was
@@ -331,20 +362,19 @@ pub async fn run<S: WindowStore + 'static>(
         if cut < batch.len() {
             held = batch.split_off(cut);
         }
-        let Read {
-            messages: batch,
-            decoded,
-        } = batch;
         let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
-        let (events, spans) =
-            sort_decoded(&batch, decoded, &config, &metrics, &mut p.stats, &mut out);
+        let Sorted {
+            events,
+            spans,
+            offsets,
+        } = sort_read(batch.items, &metrics, &mut p.stats, &mut out);
         p.seq += 1;
         p.uncommitted.push(p.seq, spans);
         // The previous batch is produced while this one is decided.
         let reply = decider.submit(current_rules.clone(), events).await?;
         let previous = deciding.replace(Deciding {
             seq: p.seq,
-            batch,
+            offsets,
             out,
             reply,
             ready: None,
@@ -395,9 +425,13 @@ async fn finish(
     for v in &verdicts {
         decide::count(metrics, &mut p.stats, v);
     }
-    d.out.extend(decided.records);
+    // Encoded here, not by the decider: the store is the pipeline's slowest
+    // step, so it does nothing else.
+    p.encoder.follow(&decided.rules);
+    d.out.reserve(2 * verdicts.len());
+    p.encoder.encode(&decided.events, &verdicts, &mut d.out);
     p.stats.batches += 1;
-    produce_batch(clients, d.seq, &d.batch, &d.out).await;
+    produce_batch(clients, d.seq, d.offsets, &d.out).await;
     wait_for_room(clients, config.max_in_flight).await?;
     if cut || p.uncommitted.due(p.span_limit / 4) {
         // A quarter of the allowance used, or the next batch cut: commit in
@@ -462,6 +496,7 @@ fn connect(
     let producer: Arc<ThreadedProducer<ProducerCtx>> = Arc::new(
         pcfg.create_with_context(ProducerCtx {
             metrics: metrics.clone(),
+            dlq_topic: config.dlq_topic.clone(),
         })
         .map_err(client_err("creating the producer"))?,
     );
@@ -479,6 +514,8 @@ fn connect(
         consumer: Arc::new(consumer),
         producer,
         shared,
+        input_topic: config.input_topic.as_str().into(),
+        dlq_topic: config.dlq_topic.as_str().into(),
     })
 }
 
@@ -507,27 +544,49 @@ async fn warm_producer(clients: &Clients, config: &ConsumeConfig) {
     .await;
 }
 
-/// Messages read and not yet decided, each with its decoded event (or why
-/// it is not one), index for index: decoded as they arrive, while the
+/// A message read: where it came from, and its event, or its dead letter
+/// if it is not one (built as it is read, so the message's bytes are not
+/// kept).
+struct Item {
+    topic: Arc<str>,
+    partition: i32,
+    offset: i64,
+    /// The event, or the error's kind and the dead letter.
+    event: Result<CallEvent, (&'static str, Box<OutRecord>)>,
+}
+
+/// Messages read and not yet decided: decoded as they arrive, while the
 /// batch before is with the store.
 #[derive(Default)]
 struct Read {
-    messages: Vec<OwnedMessage>,
-    decoded: Vec<Result<CallEvent, EventError>>,
+    items: Vec<Item>,
 }
 
 impl Read {
     fn len(&self) -> usize {
-        self.messages.len()
+        self.items.len()
     }
 
     fn is_empty(&self) -> bool {
-        self.messages.is_empty()
+        self.items.is_empty()
     }
 
-    fn push(&mut self, m: OwnedMessage, config: &ConsumeConfig) {
-        self.decoded.push(decode_message(&m, config));
-        self.messages.push(m);
+    fn push(&mut self, m: &impl Message, clients: &Clients, config: &ConsumeConfig) {
+        let topic = if m.topic() == &*clients.input_topic {
+            clients.input_topic.clone()
+        } else {
+            m.topic().into()
+        };
+        let event = decode_message(m, config).map_err(|err| {
+            let letter = dead_letter(m, &err, &clients.dlq_topic, config.max_payload_bytes);
+            (err.kind(), Box::new(letter))
+        });
+        self.items.push(Item {
+            topic,
+            partition: m.partition(),
+            offset: m.offset(),
+            event,
+        });
     }
 
     /// Drops the messages of partitions revoked since the last call.
@@ -536,24 +595,17 @@ impl Read {
         if revoked.is_empty() {
             return;
         }
-        let (messages, decoded) = std::mem::take(&mut self.messages)
-            .into_iter()
-            .zip(std::mem::take(&mut self.decoded))
-            .filter(|(m, _)| {
-                !revoked
-                    .iter()
-                    .any(|(t, p)| *p == m.partition() && t == m.topic())
-            })
-            .unzip();
-        self.messages = messages;
-        self.decoded = decoded;
+        self.items.retain(|m| {
+            !revoked
+                .iter()
+                .any(|(t, p)| *p == m.partition && *t == *m.topic)
+        });
     }
 
     /// Splits off the messages from `at` on.
     fn split_off(&mut self, at: usize) -> Read {
         Read {
-            messages: self.messages.split_off(at),
-            decoded: self.decoded.split_off(at),
+            items: self.items.split_off(at),
         }
     }
 }
@@ -615,7 +667,7 @@ async fn next_batch<F: Future<Output = ()> + Unpin>(
                     // What was read from partitions revoked meanwhile is read again
                     // by their new owner; this message comes from the current assignment.
                     batch.drop_revoked(&clients.shared);
-                    batch.push(m.detach(), config);
+                    batch.push(&m, clients, config);
                     if !lingering {
                         lingering = true;
                         timer.as_mut().reset(tokio::time::Instant::now() + config.batch_linger);
@@ -650,54 +702,52 @@ fn reply_of<'a, 'b: 'a>(
     })
 }
 
-/// Sorts a decoded batch: events to decide, and dead letters (in `out`)
-/// for messages that did not decode; with the event times per partition.
-fn sort_decoded(
-    batch: &[OwnedMessage],
-    decoded: Vec<Result<CallEvent, EventError>>,
-    config: &ConsumeConfig,
+/// A batch sorted for deciding.
+struct Sorted {
+    /// The events to decide, in the order read.
+    events: Vec<CallEvent>,
+    /// Their event times per partition.
+    spans: Spans,
+    /// The last offset per partition of every message of the batch.
+    offsets: Offsets,
+}
+
+/// Sorts a batch read: events to decide, and dead letters (into `out`) for
+/// messages that did not decode.
+fn sort_read(
+    items: Vec<Item>,
     metrics: &Metrics,
     stats: &mut ConsumeStats,
     out: &mut Vec<OutRecord>,
-) -> (Vec<CallEvent>, Spans) {
-    let mut events = Vec::with_capacity(batch.len());
+) -> Sorted {
+    let mut events = Vec::with_capacity(items.len());
     let mut spans = Spans::default();
-    for (m, result) in batch.iter().zip(decoded) {
-        match result {
+    let mut offsets = Offsets::default();
+    for m in items {
+        offsets.note(&m.topic, m.partition, m.offset);
+        match m.event {
             Ok(e) => {
-                spans.note(m.topic(), m.partition(), e.ts_ms);
+                spans.note(&m.topic, m.partition, e.ts_ms);
                 events.push(e);
             }
-            Err(err) => {
-                Metrics::inc(&metrics.dlq, err.kind());
+            Err((kind, letter)) => {
+                Metrics::inc(&metrics.dlq, kind);
                 stats.dead_letters += 1;
-                out.push(dead_letter(
-                    m,
-                    &err,
-                    &config.dlq_topic,
-                    config.max_payload_bytes,
-                ));
+                out.push(*letter);
             }
         }
     }
-    (events, spans)
+    Sorted {
+        events,
+        spans,
+        offsets,
+    }
 }
 
 /// Produces a batch's records; its offsets are stored once every record is
 /// acknowledged.
-async fn produce_batch(clients: &Clients, seq: u64, batch: &[OwnedMessage], out: &[OutRecord]) {
-    let mut last: HashMap<(String, i32), i64> = HashMap::new();
-    for m in batch {
-        let e = last
-            .entry((m.topic().to_string(), m.partition()))
-            .or_insert(m.offset());
-        *e = (*e).max(m.offset());
-    }
-    let pending = Pending::new(
-        seq,
-        last.into_iter().map(|((t, p), o)| (t, p, o)).collect(),
-        out.len(),
-    );
+async fn produce_batch(clients: &Clients, seq: u64, offsets: Offsets, out: &[OutRecord]) {
+    let pending = Pending::new(seq, offsets.into_vec(), out.len());
     clients.shared.push(pending.clone());
     for rec in out {
         delivery::send(&clients.producer, rec, &pending).await;
@@ -775,6 +825,28 @@ async fn drain(clients: &Clients, timeout: Duration) -> Result<(), KafkaError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn topics_that_would_mix_streams_are_refused() {
+        let ok = ConsumeConfig::new("b", "g", "calls", "d", "f", "dlq");
+        assert!(ok.check().is_ok());
+        let looped = ConsumeConfig::new("b", "g", "calls", "calls", "f", "dlq");
+        let e = looped.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--decisions-topic calls is also the input topic"),
+            "{e}"
+        );
+        let mixed = ConsumeConfig::new("b", "g", "calls", "d", "dlq", "dlq");
+        let e = mixed.check().unwrap_err().to_string();
+        assert!(
+            e.contains("--features-topic dlq is also the dead-letter topic"),
+            "{e}"
+        );
+        // Decisions and features may share a topic.
+        assert!(ConsumeConfig::new("b", "g", "calls", "out", "out", "dlq")
+            .check()
+            .is_ok());
+    }
 
     #[test]
     fn fetches_are_answered_quickly_by_default_and_settings_win() {
