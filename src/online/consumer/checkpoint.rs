@@ -35,7 +35,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use crate::online::consumer::delivery::{ConsumerCtx, Shared};
+use crate::online::consumer::delivery::{ByPartition, ConsumerCtx, Shared};
 use crate::online::consumer::Item;
 
 /// How much event time a partition's uncommitted events may span, for an
@@ -44,31 +44,22 @@ pub fn span_limit(dedup_ms: i64) -> i64 {
     dedup_ms.saturating_sub(1)
 }
 
-/// Earliest and latest event time per partition: (topic, partition,
-/// earliest, latest). A consumer owns a few partitions, so a vector searched
-/// in place (no allocation per event).
+/// Earliest and latest event time per partition.
 #[derive(Debug, Default, Clone)]
-pub(super) struct Spans(Vec<(String, i32, i64, i64)>);
+pub(super) struct Spans(ByPartition<(i64, i64)>);
 
 impl Spans {
     /// Notes one event time of a partition.
-    pub fn note(&mut self, topic: &str, partition: i32, ts: i64) {
-        match self
-            .0
-            .iter_mut()
-            .find(|(t, p, _, _)| *p == partition && t == topic)
-        {
-            Some((_, _, lo, hi)) => {
-                *lo = (*lo).min(ts);
-                *hi = (*hi).max(ts);
-            }
-            None => self.0.push((topic.to_string(), partition, ts, ts)),
-        }
+    pub fn note(&mut self, topic: &Arc<str>, partition: i32, ts: i64) {
+        self.0.note(topic, partition, (ts, ts), |(lo, hi)| {
+            *lo = (*lo).min(ts);
+            *hi = (*hi).max(ts);
+        });
     }
 
     /// Notes every span of `other`.
     fn merge(&mut self, other: &Spans) {
-        for (t, p, lo, hi) in &other.0 {
+        for (t, p, (lo, hi)) in other.0.iter() {
             self.note(t, *p, *lo);
             self.note(t, *p, *hi);
         }
@@ -78,7 +69,7 @@ impl Spans {
     pub fn due(&self, limit: i64) -> bool {
         self.0
             .iter()
-            .any(|(_, _, lo, hi)| hi.saturating_sub(*lo) > limit)
+            .any(|(_, _, (lo, hi))| hi.saturating_sub(*lo) > limit)
     }
 }
 
@@ -217,9 +208,10 @@ mod tests {
 
     fn spans(parts: &[(i32, i64, i64)]) -> Spans {
         let mut s = Spans::default();
+        let t: Arc<str> = "t".into();
         for (p, lo, hi) in parts {
-            s.note("t", *p, *lo);
-            s.note("t", *p, *hi);
+            s.note(&t, *p, *lo);
+            s.note(&t, *p, *hi);
         }
         s
     }

@@ -47,29 +47,51 @@ impl OutKey {
     }
 }
 
-/// The last offset read per partition of a batch (a batch reads a few
-/// partitions: a short list beats a map).
-#[derive(Debug, Default)]
-pub(super) struct Offsets(Vec<(Arc<str>, i32, i64)>);
+/// A value per (topic, partition). A consumer owns a few partitions, so a
+/// vector searched in place beats a map (no allocation per message: topic
+/// names are shared).
+#[derive(Debug, Clone)]
+pub(super) struct ByPartition<V>(Vec<(Arc<str>, i32, V)>);
 
-impl Offsets {
-    /// Notes a message at `offset` of `topic`/`partition`.
-    pub fn note(&mut self, topic: &Arc<str>, partition: i32, offset: i64) {
+impl<V> Default for ByPartition<V> {
+    fn default() -> Self {
+        ByPartition(Vec::new())
+    }
+}
+
+impl<V> ByPartition<V> {
+    /// Updates the value of `topic`/`partition` with `update`, or starts it
+    /// at `first`.
+    pub fn note(
+        &mut self,
+        topic: &Arc<str>,
+        partition: i32,
+        first: V,
+        update: impl FnOnce(&mut V),
+    ) {
         match self
             .0
             .iter_mut()
             .find(|(t, p, _)| *p == partition && *t == *topic)
         {
-            Some((_, _, last)) => *last = (*last).max(offset),
-            None => self.0.push((topic.clone(), partition, offset)),
+            Some((_, _, v)) => update(v),
+            None => self.0.push((topic.clone(), partition, first)),
         }
     }
 
-    /// (topic, partition, last offset), one per partition.
-    pub fn into_vec(self) -> Vec<(Arc<str>, i32, i64)> {
+    /// (topic, partition, value) for each partition noted.
+    pub fn iter(&self) -> impl Iterator<Item = &(Arc<str>, i32, V)> {
+        self.0.iter()
+    }
+
+    /// (topic, partition, value) for each partition noted.
+    pub fn into_vec(self) -> Vec<(Arc<str>, i32, V)> {
         self.0
     }
 }
+
+/// The last offset read per partition of a batch.
+pub(super) type Offsets = ByPartition<i64>;
 
 /// A batch produced and awaiting acknowledgement.
 pub(super) struct Pending {
@@ -345,6 +367,31 @@ mod tests {
 
     use super::*;
     use crate::online::kafka::{client_config, EmbeddedKafka};
+
+    /// A failed delivery is told apart by its topic: a dead letter is
+    /// dropped and its batch goes on; a decision or feature record fails
+    /// its batch.
+    #[test]
+    fn a_failed_dead_letter_is_dropped_and_a_failed_record_fails_its_batch() {
+        let metrics = Arc::new(Metrics::new());
+        let ctx = ProducerCtx {
+            metrics: metrics.clone(),
+            dlq_topic: "calls-dlq".into(),
+        };
+        let batch = Pending::new(1, vec![("calls".into(), 0, 9)], 2);
+        ctx.failed(&batch, "calls-dlq", "too large".into());
+        assert_eq!(batch.remaining.load(Ordering::Acquire), 1);
+        assert!(batch.failure.lock().unwrap().is_none());
+        assert_eq!(metrics.dlq_failures.get(), 1);
+        ctx.failed(&batch, "call-decisions", "broker said no".into());
+        assert_eq!(batch.remaining.load(Ordering::Acquire), 0);
+        let why = batch.failure.lock().unwrap().clone().unwrap();
+        assert!(
+            why.contains("cannot produce to call-decisions: broker said no"),
+            "{why}"
+        );
+        assert_eq!(metrics.dlq_failures.get(), 1);
+    }
 
     /// A batch whose delivery failed stays failed: later calls of `settle`
     /// (the revoke handler's, the loop's) never store its offsets, so a

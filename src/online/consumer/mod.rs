@@ -180,9 +180,7 @@ impl ConsumeConfig {
             drain_timeout: Duration::from_secs(DEFAULT_DRAIN_TIMEOUT_S),
         }
     }
-}
 
-impl ConsumeConfig {
     /// Refuses topic settings that would mix streams: an output topic equal
     /// to the input (the consumer would read its own records back as calls)
     /// or the dead-letter topic equal to an output topic (dead letters are
@@ -724,7 +722,9 @@ fn sort_read(
     let mut spans = Spans::default();
     let mut offsets = Offsets::default();
     for m in items {
-        offsets.note(&m.topic, m.partition, m.offset);
+        offsets.note(&m.topic, m.partition, m.offset, |last| {
+            *last = (*last).max(m.offset)
+        });
         match m.event {
             Ok(e) => {
                 spans.note(&m.topic, m.partition, e.ts_ms);
