@@ -164,15 +164,15 @@ struct Pending<'a> {
     caller: &'a str,
     /// Indices of its events in the batch, in order.
     events: Vec<usize>,
-    cached: Cached,
+    /// Boxed, so the cache's table holds a pointer per caller: growing it
+    /// moves a few bytes per caller, not the whole state.
+    cached: Box<Cached>,
 }
 
-/// What one caller's commit writes.
-struct Write {
-    key: String,
-    block_key: String,
-    log_key: String,
-    records_key: String,
+/// What one caller's commit writes (its keys are written into the call
+/// from the caller, see [`CachedStore::invocation`]).
+struct Write<'a> {
+    caller: &'a str,
     expected: Option<u64>,
     version: u64,
     /// The TTL to set (ms), or `None` to leave the keys'.
@@ -190,7 +190,7 @@ struct Write {
 
 /// A commit's outcome: the index of its first write in the round, its
 /// writes, and per refused write its index and the caller's current state.
-type Committed = (usize, Vec<Write>, Vec<Refused>);
+type Committed<'a> = (usize, Vec<Write<'a>>, Vec<Refused>);
 
 /// A refused write: its index, the caller's state string, records hash
 /// and log kept apart.
@@ -253,7 +253,7 @@ pub struct CachedStore {
     conn: Conn,
     sha: String,
     config: RedisConfig,
-    cache: foldhash::HashMap<CompactString, Cached>,
+    cache: foldhash::HashMap<CompactString, Box<Cached>>,
     max_callers: usize,
     /// Newest event time seen: callers idle past the idempotency horizon
     /// leave the cache first.
@@ -402,14 +402,14 @@ impl CachedStore {
     }
 
     /// Decides `p`'s events on its cached state and says what to write.
-    fn decide(
+    fn decide<'a>(
         &self,
         rules: &RuleSet,
         events: &[CallEvent],
-        p: &mut Pending<'_>,
+        p: &mut Pending<'a>,
         verdicts: &mut [Option<Verdict>],
         ttl: TtlPlan,
-    ) -> Write {
+    ) -> Write<'a> {
         let idem = self.config.idempotency;
         let mut journal = Journal::default();
         let old_len = p.cached.state.log().len();
@@ -479,12 +479,8 @@ impl CachedStore {
         // SET drops a key's TTL, and a new hash has none: a replaced log
         // or records moved out get it again.
         let must_set_ttl = matches!(log_op, LogOp::Set(_)) || records_op == RecordsOp::Replace;
-        let caller = p.caller;
         Write {
-            key: self.state_key(caller),
-            block_key: self.config.block_key(caller),
-            log_key: self.log_key(caller),
-            records_key: self.records_key(caller),
+            caller: p.caller,
             expected: p.cached.version,
             version,
             ttl_ms: (!fresh || must_set_ttl).then_some(ttl.ms),
@@ -499,14 +495,16 @@ impl CachedStore {
     }
 
     /// The commit call for `writes`.
-    fn invocation(&self, writes: &[&Write]) -> redis::Cmd {
+    fn invocation(&self, writes: &[&Write<'_>]) -> redis::Cmd {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&self.sha).arg(writes.len() * 4);
+        // The keys, built in one buffer rather than four strings a caller.
+        let mut key = String::new();
         for w in writes {
-            cmd.arg(&w.key)
-                .arg(&w.block_key)
-                .arg(&w.log_key)
-                .arg(&w.records_key);
+            for (head, tail) in [("", ":s"), ("block:", ""), ("", ":l"), ("", ":r")] {
+                self.config.write_tagged(&mut key, head, w.caller, tail);
+                cmd.arg(key.as_str());
+            }
         }
         for w in writes {
             match w.expected {
@@ -540,12 +538,14 @@ impl CachedStore {
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
     /// concurrently) and returns `base`, the writes and, per write that was
     /// refused, its index and the caller's current state.
-    async fn commit(
+    async fn commit<'a>(
         &self,
-        writes: Vec<Write>,
+        writes: Vec<Write<'a>>,
         base: usize,
-    ) -> Result<Committed, redis::RedisError> {
-        let groups = self.conn.groups(writes.iter().map(|w| &w.key));
+    ) -> Result<Committed<'a>, redis::RedisError> {
+        let groups = self
+            .conn
+            .groups(writes.len(), |i| self.state_key(writes[i].caller));
         let timeout = self.config.timeout * 2;
         let calls = groups.into_iter().map(|group| {
             let mut pipe = redis::pipe();
@@ -644,7 +644,7 @@ impl CachedStore {
                 for (w, value, hash, log) in refused {
                     refused_set[w] = true;
                     let p = &mut pending[todo[base + w]];
-                    p.cached = load(p.caller, value, hash, log)?;
+                    *p.cached = load(p.caller, value, hash, log)?;
                     next.push(todo[base + w]);
                 }
                 for (w, write) in writes.iter().enumerate() {

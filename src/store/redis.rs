@@ -122,16 +122,23 @@ impl RedisConfig {
 
     /// `<prefix><head>{<caller>}<tail>`.
     fn tagged(&self, head: &str, caller: &str, tail: &str) -> String {
+        let mut key = String::new();
+        self.write_tagged(&mut key, head, caller, tail);
+        key
+    }
+
+    /// Writes `<prefix><head>{<caller>}<tail>` into `key`, replacing what
+    /// it held (a buffer reused for many keys).
+    pub(crate) fn write_tagged(&self, key: &mut String, head: &str, caller: &str, tail: &str) {
         let prefix = &self.key_prefix;
-        let mut key =
-            String::with_capacity(prefix.len() + head.len() + caller.len() + tail.len() + 2);
+        key.clear();
+        key.reserve(prefix.len() + head.len() + caller.len() + tail.len() + 2);
         key.push_str(prefix);
         key.push_str(head);
         key.push('{');
         key.push_str(caller);
         key.push('}');
         key.push_str(tail);
-        key
     }
 }
 
@@ -226,15 +233,20 @@ impl Conn {
         Ok(conn)
     }
 
-    /// Indices of `keys` in the groups that may share a pipeline: all of
-    /// them on a standalone server, one group per hash slot on a Cluster
-    /// (a caller's keys share a slot, so its order is kept).
-    pub(crate) fn groups(&self, keys: impl Iterator<Item = impl AsRef<[u8]>>) -> Vec<Vec<usize>> {
+    /// Indices `0..n` in the groups that may share a pipeline: all of
+    /// them on a standalone server, one group per hash slot of `key(i)` on
+    /// a Cluster (a caller's keys share a slot, so its order is kept).
+    /// `key` is called only on a Cluster.
+    pub(crate) fn groups<K: AsRef<[u8]>>(
+        &self,
+        n: usize,
+        key: impl Fn(usize) -> K,
+    ) -> Vec<Vec<usize>> {
         match self {
-            Conn::Single(_) => vec![(0..keys.count()).collect()],
+            Conn::Single(_) => vec![(0..n).collect()],
             Conn::Cluster(_) => {
                 let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
-                for (i, key) in keys.enumerate() {
+                for (i, key) in (0..n).map(|i| (i, key(i))) {
                     by_slot
                         .entry(Slot::for_key(key.as_ref()))
                         .or_default()
@@ -557,7 +569,7 @@ impl RedisStore {
         }
         let groups = self
             .conn
-            .groups(events.iter().map(|ev| self.stem(&ev.caller)));
+            .groups(events.len(), |i| self.stem(&events[i].caller));
         let mut replies: Vec<Option<Value>> = vec![None; events.len()];
         let mut pending = groups;
         for attempt in 0..2 {
