@@ -18,8 +18,11 @@
 --                inline, each record as (varint length, call id, varint
 --                length, record). Records are in the window script's
 --                reply form (src/engine/record.rs REPLY_FIELDS) and leave
---                past the idempotency horizon. A new caller is one
---                `SET ... NX PX`: created with its TTL, only if absent.
+--                past the idempotency horizon. A new caller is created
+--                with its TTL, only if absent (`SET ... NX PX`); when it
+--                needs nothing else (no log or records apart, no block
+--                key) callguard sends that SET itself, with GET, outside
+--                this script.
 --   <prefix>{<caller>}:r  hash call id -> record, while the caller holds
 --                more records than fit inline (a busy caller's: each
 --                write then adds its new records instead of rewriting all)

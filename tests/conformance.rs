@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use callguard::engine::event::CallEvent;
-use callguard::engine::record::Verdict;
+use callguard::engine::record::{Decision, Verdict};
 use callguard::engine::rules::RuleSet;
 use callguard::store::cached::CachedStore;
 use callguard::store::memory::MemoryStore;
@@ -626,6 +626,61 @@ async fn cached_store_restarts_from_what_redis_holds() {
         records_apart > 5,
         "records kept apart were not read back: {records_apart}"
     );
+}
+
+/// A caller the cached store believes new but whose state is in Redis
+/// (written by another instance) comes back from the plain `SET ... NX`
+/// write: a state string that holds the whole state is loaded from that
+/// reply, and one whose log is kept apart is read back with its log (here
+/// idempotency is off, so the string has no records and only the log is
+/// apart). Either way the calls are decided again on what Redis holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_store_reads_back_a_log_kept_apart_of_a_caller_it_thought_new() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:10s:30".into()]).unwrap();
+    let mut c = config(vec![server.url()], "back:");
+    c.idempotency = false;
+    let (busy, quiet) = ("+34600000001", "+34600000002");
+    let events: Vec<CallEvent> = (0..80i64)
+        .map(|i| {
+            let caller = if i % 8 == 7 { quiet } else { busy };
+            ev(caller, &format!("c{i}"), T0 + i * 100)
+        })
+        .collect();
+    let mut memory = MemoryStore::new();
+    let expected: Vec<Verdict> = events
+        .iter()
+        .map(|e| memory.apply_unique(&rules, e, true))
+        .collect();
+    let (head, tail) = events.split_at(40);
+    let mut first = CachedStore::connect(c.clone(), 1_000)
+        .await
+        .unwrap()
+        .with_log_apart_above(8);
+    let mut got = first.apply_batch(&rules, head).await.unwrap();
+    drop(first);
+    let mut con = server.connection();
+    let mut apart: Vec<String> = redis::cmd("KEYS")
+        .arg("back:*:[lr]")
+        .query(&mut con)
+        .unwrap();
+    apart.sort();
+    assert_eq!(apart, vec![format!("back:{{{busy}}}:l")]);
+    let mut second = CachedStore::connect(c, 1_000)
+        .await
+        .unwrap()
+        .with_log_apart_above(8);
+    for chunk in tail.chunks(8) {
+        got.extend(second.apply_batch(&rules, chunk).await.unwrap());
+    }
+    assert_eq!(got, expected);
+    assert!(
+        got[40..]
+            .iter()
+            .any(|v| v.record.decision == Decision::Reject),
+        "the busy caller's window, read back, must reach its limit"
+    );
+    assert_eq!(second.conflicts(), 2, "each caller was refused once");
 }
 
 /// The cached store keeps one hash per caller (plus block keys and logs

@@ -9,7 +9,8 @@
 //! and writes each touched caller back in one atomic `EVALSHA` of
 //! `lua/commit.lua` per group of callers: the caller's state string (its
 //! version, packed state and, while few, its records), a busy caller's new
-//! and trimmed records, the block key. A new caller is one `SET ... NX PX`.
+//! and trimmed records, the block key. A new caller whose first write
+//! needs nothing else is one plain `SET ... NX PX ... GET`, no script.
 //!
 //! Every write is conditional on the caller's version being the one the
 //! cache read (optimistic concurrency). Another writer (a second
@@ -186,6 +187,27 @@ struct Write<'a> {
     sets: Vec<(CompactString, String)>,
     dels: Vec<CompactString>,
     block: Option<(CompactString, i64)>,
+}
+
+impl Write<'_> {
+    /// A write that only creates a new caller's state string (no log or
+    /// records apart, no block key): one plain `SET ... NX`, no script.
+    fn is_plain(&self) -> bool {
+        self.expected.is_none()
+            && self.ttl_ms.is_some()
+            && matches!(self.log_op, LogOp::Inline)
+            && self.records_op == RecordsOp::Inline
+            && self.block.is_none()
+    }
+}
+
+/// Whether a caller's state string holds its whole state: records inline
+/// and the sliding log in the packed state (else they are in other keys).
+fn self_contained(value: &[u8]) -> bool {
+    value.get(8) == Some(&0)
+        && take_bytes(&value[9..])
+            .and_then(|(packed, _)| CallerState::unpack(packed))
+            .is_some_and(|(_, log)| log == PackedLog::Inline)
 }
 
 /// A commit's outcome: the index of its first write in the round, its
@@ -538,6 +560,13 @@ impl CachedStore {
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
     /// concurrently) and returns `base`, the writes and, per write that was
     /// refused, its index and the caller's current state.
+    ///
+    /// A plain write (see [`Write::is_plain`]) is one `SET ... NX PX ...
+    /// GET` outside the script: it creates the caller's state string only
+    /// if absent, or returns the string it found. When that string says the
+    /// caller keeps records or log apart, those are read back with it in
+    /// one transaction, so a refusal always carries the caller's whole
+    /// state.
     async fn commit<'a>(
         &self,
         writes: Vec<Write<'a>>,
@@ -548,16 +577,40 @@ impl CachedStore {
             .groups(writes.len(), |i| self.state_key(writes[i].caller));
         let timeout = self.config.timeout * 2;
         let calls = groups.into_iter().map(|group| {
+            let (plain, scripted): (Vec<usize>, Vec<usize>) =
+                group.iter().partition(|&&i| writes[i].is_plain());
             let mut pipe = redis::pipe();
-            for chunk in group.chunks(CALLERS_PER_CALL) {
+            for chunk in scripted.chunks(CALLERS_PER_CALL) {
                 let ws: Vec<&Write> = chunk.iter().map(|&i| &writes[i]).collect();
                 pipe.add_command(self.invocation(&ws));
             }
+            let mut key = String::new();
+            for &i in &plain {
+                let w = &writes[i];
+                self.config.write_tagged(&mut key, "", w.caller, ":s");
+                pipe.cmd("SET")
+                    .arg(key.as_str())
+                    .arg(&w.value[..])
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(w.ttl_ms.unwrap_or(1))
+                    .arg("GET");
+            }
             let mut conn = self.conn.clone();
+            let writes = &writes;
             async move {
                 let replies = conn.query(&pipe, timeout).await?;
+                let n_calls = scripted.len().div_ceil(CALLERS_PER_CALL);
+                if replies.len() != n_calls + plain.len() {
+                    return Err(unexpected(format!(
+                        "{} replies to {} commands",
+                        replies.len(),
+                        n_calls + plain.len()
+                    )));
+                }
+                let mut replies = replies.into_iter();
                 let mut refused = Vec::new();
-                for (chunk, reply) in group.chunks(CALLERS_PER_CALL).zip(replies) {
+                for (chunk, reply) in scripted.chunks(CALLERS_PER_CALL).zip(replies.by_ref()) {
                     let Value::Array(items) = reply else {
                         return Err(unexpected(format!("{reply:?}")));
                     };
@@ -573,6 +626,36 @@ impl CachedStore {
                             .and_then(|i| chunk.get(i))
                             .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
                         refused.push((*at, bulk(value)?, hash, bulk(log)?));
+                    }
+                }
+                // Plain writes: nil when written, else the string found.
+                let mut read_back = Vec::new();
+                for (&i, reply) in plain.iter().zip(replies) {
+                    match bulk(reply)? {
+                        None => {}
+                        Some(value) if self_contained(&value) => {
+                            refused.push((i, Some(value), Vec::new(), None));
+                        }
+                        Some(_) => read_back.push(i),
+                    }
+                }
+                if !read_back.is_empty() {
+                    let mut pipe = redis::pipe();
+                    pipe.atomic();
+                    for &i in &read_back {
+                        let caller = writes[i].caller;
+                        pipe.cmd("GET").arg(self.state_key(caller));
+                        pipe.cmd("HGETALL").arg(self.records_key(caller));
+                        pipe.cmd("GET").arg(self.log_key(caller));
+                    }
+                    let mut it = conn.query(&pipe, timeout).await?.into_iter();
+                    for &i in &read_back {
+                        let (Some(value), Some(Value::Array(hash)), Some(log)) =
+                            (it.next(), it.next(), it.next())
+                        else {
+                            return Err(unexpected("a malformed read back".into()));
+                        };
+                        refused.push((i, bulk(value)?, hash, bulk(log)?));
                     }
                 }
                 Ok(refused)
