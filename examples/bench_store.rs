@@ -14,8 +14,13 @@
 //!    (three rules, idempotency and distinct callees on) beside the seeds'
 //!    one-key sliding-window script (ZREMRANGEBYSCORE, ZCARD, ZADD,
 //!    PEXPIRE) through `redis-benchmark` (pipeline 256, 8 clients, 100,000
-//!    keys): the median of 3 alternating rounds, the ratios, and Redis CPU
-//!    microseconds per event (`INFO cpu` deltas). Issue #13's yardstick;
+//!    keys): the median of 3 alternating rounds, the ratios, Redis CPU
+//!    microseconds per event (`INFO cpu` deltas) and the store's own (this
+//!    thread's CPU time: it decides, encodes and runs the Redis
+//!    connection's task, on a single-threaded runtime). The store's
+//!    events go to 100,000 callers in turn, so with EVENTS = 100,000 each
+//!    is a new caller and with 200,000 each caller calls twice. Issue #13's
+//!    yardstick;
 //! 4. one caller flooding at 1,000 calls/s of event time: events/s of each
 //!    mode, per stretch of the flood, as the caller's state grows
 //!    (`bench_store EVENTS flood` runs only this section).
@@ -271,7 +276,23 @@ fn redis_cpu(con: &mut redis::Connection) -> f64 {
 }
 
 /// Events/s and Redis CPU µs per event of the seeds' script.
-fn seeds_round(con: &mut redis::Connection, port: u16, total: usize) -> (f64, f64) {
+/// One timed round: events/s, Redis CPU µs per event and, for the store,
+/// the benchmark thread's own CPU µs per event (deciding, encoding and the
+/// Redis connection's task: all run on it).
+type Round = (f64, f64, Option<f64>);
+
+/// CPU time of the calling thread so far, in ns (Linux's schedstat), if
+/// readable.
+fn thread_cpu_ns() -> Option<f64> {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn seeds_round(con: &mut redis::Connection, port: u16, total: usize) -> Round {
     let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
@@ -294,17 +315,18 @@ fn seeds_round(con: &mut redis::Connection, port: u16, total: usize) -> (f64, f6
         .find(|(_, b)| *b == "requests")
         .and_then(|(a, _)| a.parse().ok())
         .unwrap_or_else(|| panic!("cannot read redis-benchmark output: {text}"));
-    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64)
+    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64, None)
 }
 
-/// Events/s and Redis CPU µs per event of the store on `rules`.
+/// Events/s, Redis CPU µs per event and the store's own CPU µs per event
+/// on `rules`.
 async fn store_round(
     con: &mut redis::Connection,
     url: &str,
     rules: &RuleSet,
     total: usize,
     cached: bool,
-) -> (f64, f64) {
+) -> Round {
     let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
     let config = RedisConfig {
         urls: vec![url.to_string()],
@@ -319,15 +341,19 @@ async fn store_round(
         })
         .collect();
     let cpu = redis_cpu(con);
+    let own = thread_cpu_ns();
     let start = Instant::now();
     for chunk in events.chunks(PIPELINE) {
         store.apply_batch(rules, chunk).await.expect("apply");
     }
     let rate = total as f64 / start.elapsed().as_secs_f64();
-    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64)
+    let own = own
+        .zip(thread_cpu_ns())
+        .map(|(a, b)| (b - a) / 1e3 / total as f64);
+    (rate, (redis_cpu(con) - cpu) * 1e6 / total as f64, own)
 }
 
-fn median(mut v: Vec<(f64, f64)>) -> (f64, f64) {
+fn median(mut v: Vec<Round>) -> Round {
     v.sort_by(|a, b| a.0.total_cmp(&b.0));
     v[v.len() / 2]
 }
@@ -355,10 +381,12 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
     println!(
         "\n## Against the seeds' one-key sliding script, {total} events, median of 3 rounds\n"
     );
-    println!("| what | events/s | ratio to the seeds' script | Redis CPU µs/event |");
-    println!("|---|---|---|---|");
     println!(
-        "| seeds' script (redis-benchmark, P 256, 8 clients) | {:.0} | 1.00 | {:.1} |",
+        "| what | events/s | ratio to the seeds' script | Redis CPU µs/event | callguard CPU µs/event |"
+    );
+    println!("|---|---|---|---|---|");
+    println!(
+        "| seeds' script (redis-benchmark, P 256, 8 clients) | {:.0} | 1.00 | {:.1} | |",
         seeds.0, seeds.1
     );
     for (what, r) in [
@@ -367,8 +395,9 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
         ("cached store, 1 sliding rule", c1),
         ("cached store, data/rules.toml (3 rules)", c3),
     ] {
+        let own = r.2.map_or_else(|| "n/a".into(), |us| format!("{us:.1}"));
         println!(
-            "| {what} | {:.0} | {:.2} | {:.1} |",
+            "| {what} | {:.0} | {:.2} | {:.1} | {own} |",
             r.0,
             r.0 / seeds.0,
             r.1

@@ -32,31 +32,42 @@
 --                already (the state says how many)
 --   <prefix>block:{<caller>}  the block key, as with the window script
 --
--- KEYS, per caller i: the state string, the block key, the log, the
---   records hash (same hash tag).
--- ARGV, per caller i, in KEYS order:
---   expected version (8 bytes; '' when callguard believes the key absent),
---   TTL to set (ms; '' to keep the keys' TTLs, which callguard sends only
---   while the TTL it set last still covers the needed span: the
---   idempotency horizon, or the retention when records are not kept, plus
---   the slack; never '' with an empty expected version), the new string,
---   log operation ('' log in the state, no string; K keep the string;
---   A append the bytes; S set the string to the bytes; D delete the
---   string), bytes,
---   records operation ('' records inline, no hash; H the hash: set and
---   delete the records below; S records moved out: the hash replaced by
---   the records set below; D records moved inline: delete the hash),
---   s = number of records to set, d = number of records to delete, block
---   reason ('' for none), block TTL (ms), then s pairs (call id, record),
---   then d call ids.
+-- KEYS, per caller i, in order: the state string; the log, when the log
+--   operation is not '-'; the records hash, when the records operation is
+--   not '-'; the block key, when blocking (all under one hash tag). A
+--   write declares only the keys it touches: most touch one.
+-- ARGV, per caller i, in KEYS order of callers:
+--   head: 4 bytes of flags, then the expected version (8 bytes) unless
+--     callguard believes the caller absent (the head is then 4 bytes and
+--     the string is created only if absent, with its TTL):
+--     1. log operation: '-' log in the state, no string; K keep the
+--        string; A append the bytes below; S set the string to them;
+--        D delete the string;
+--     2. records operation: '-' records inline, no hash; H the hash: set
+--        and delete the records below; S records moved out: the hash
+--        replaced by the records set below; D records moved inline:
+--        delete the hash;
+--     3. 'B' to set the block key, else '-';
+--     4. 'T' to set the TTL below, else '-' to keep the keys' TTLs (which
+--        callguard does only while the TTL it set last still covers the
+--        needed span: the idempotency horizon, or the retention when
+--        records are not kept, plus the slack; always 'T' for a caller
+--        believed absent);
+--   the new state string;
+--   then, only when its flag asks for it, in this order: the TTL (ms);
+--   the log's bytes (A, S); the block reason and the block TTL (ms);
+--   s = records to set, d = records to delete, s pairs (call id, record),
+--   d call ids (H, S).
 -- Returns: a flat array, per caller that was not written: its index
---   (0-based, in KEYS order), its state string (nil when none), its
---   records hash as HGETALL returns it and its log string (nil when none).
+--   (0-based, in call order) and its state string (nil when none).
+--   callguard reads a log or records kept apart back itself when that
+--   string says there are any.
 -- Needs Redis >= 7.0 (#!lua: refused up front when out of memory, so a
 -- call applies all of its writes or none).
 
-local call, tonumber = redis.call, tonumber
+local call, tonumber, byte, sub = redis.call, tonumber, string.byte, string.sub
 local CHUNK = 1000
+local DASH, K, A, S, D, H, B, T = byte('-KASDHBT', 1, 8)
 
 -- HSET/HDEL of ARGV[first..last] in chunks: Lua's unpack has a stack
 -- limit. CHUNK is even, so field/value pairs stay together.
@@ -66,52 +77,63 @@ local function chunked(cmd, key, first, last)
   end
 end
 
-local a = 1
+local a, k, i = 1, 1, 0
 local out = {}
-for i = 1, #KEYS / 4 do
-  local key, bkey, lkey, rkey = KEYS[4 * i - 3], KEYS[4 * i - 2], KEYS[4 * i - 1], KEYS[4 * i]
-  local expected, ttl, value = ARGV[a], ARGV[a + 1], ARGV[a + 2]
-  local lop, lbytes, rop = ARGV[a + 3], ARGV[a + 4], ARGV[a + 5]
-  local s, d = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
-  local reason, bttl = ARGV[a + 8], ARGV[a + 9]
-  local sets = a + 10
-  local dels = sets + 2 * s
-  a = dels + d
+while k <= #KEYS do
+  local head, value = ARGV[a], ARGV[a + 1]
+  a = a + 2
+  local lop, rop, blk, ttlf = byte(head, 1, 4)
+  local key = KEYS[k]
+  k = k + 1
+  local lkey, rkey, bkey, ttl, lbytes, reason, bttl
+  if lop ~= DASH then lkey = KEYS[k]; k = k + 1 end
+  if rop ~= DASH then rkey = KEYS[k]; k = k + 1 end
+  if blk == B then bkey = KEYS[k]; k = k + 1 end
+  if ttlf == T then ttl = ARGV[a]; a = a + 1 end
+  if lop == A or lop == S then lbytes = ARGV[a]; a = a + 1 end
+  if blk == B then reason, bttl = ARGV[a], ARGV[a + 1]; a = a + 2 end
+  local sets, dels, last = a, a, a - 1
+  if rop == H or rop == S then
+    local s, d = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    sets = a + 2
+    dels = sets + 2 * s
+    last = dels + d - 1
+    a = last + 1
+  end
   local written
-  if expected == '' then
+  if #head == 4 then
     written = call('SET', key, value, 'NX', 'PX', ttl)
-  elseif call('GETRANGE', key, 0, 7) == expected then
-    if ttl ~= '' then
+  elseif call('GETRANGE', key, 0, 7) == sub(head, 5, 12) then
+    if ttl then
       written = call('SET', key, value, 'PX', ttl)
     else
       written = call('SET', key, value, 'KEEPTTL')
     end
   end
   if not written then
-    out[#out + 1] = i - 1
+    out[#out + 1] = i
     out[#out + 1] = call('GET', key)
-    out[#out + 1] = call('HGETALL', rkey)
-    out[#out + 1] = call('GET', lkey)
   else
-    if rop == 'S' then call('DEL', rkey) end
-    if rop == 'H' or rop == 'S' then
-      if s > 0 then chunked('HSET', rkey, sets, dels - 1) end
-      if d > 0 then chunked('HDEL', rkey, dels, a - 1) end
-      if ttl ~= '' then call('PEXPIRE', rkey, ttl) end
-    elseif rop == 'D' then
+    if rop == S then call('DEL', rkey) end
+    if rop == H or rop == S then
+      if dels > sets then chunked('HSET', rkey, sets, dels - 1) end
+      if last >= dels then chunked('HDEL', rkey, dels, last) end
+      if ttl then call('PEXPIRE', rkey, ttl) end
+    elseif rop == D then
       call('DEL', rkey)
     end
-    if lop == 'A' then
+    if lop == A then
       call('APPEND', lkey, lbytes)
-    elseif lop == 'S' then
+    elseif lop == S then
       call('SET', lkey, lbytes)
-    elseif lop == 'D' then
+    elseif lop == D then
       call('DEL', lkey)
     end
-    if ttl ~= '' and (lop == 'K' or lop == 'A' or lop == 'S') then
+    if ttl and (lop == K or lop == A or lop == S) then
       call('PEXPIRE', lkey, ttl)
     end
-    if reason ~= '' then call('SET', bkey, reason, 'PX', bttl) end
+    if blk == B then call('SET', bkey, reason, 'PX', bttl) end
   end
+  i = i + 1
 end
 return out

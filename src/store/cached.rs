@@ -150,12 +150,13 @@ enum RecordsOp {
 }
 
 impl RecordsOp {
-    fn code(self) -> &'static str {
+    /// Its flag in the commit call's head (see `lua/commit.lua`).
+    fn code(self) -> u8 {
         match self {
-            RecordsOp::Inline => "",
-            RecordsOp::Hash => "H",
-            RecordsOp::Replace => "S",
-            RecordsOp::Delete => "D",
+            RecordsOp::Inline => b'-',
+            RecordsOp::Hash => b'H',
+            RecordsOp::Replace => b'S',
+            RecordsOp::Delete => b'D',
         }
     }
 }
@@ -190,6 +191,13 @@ struct Write<'a> {
 }
 
 impl Write<'_> {
+    /// How many keys its commit declares.
+    fn keys(&self) -> usize {
+        1 + usize::from(!matches!(self.log_op, LogOp::Inline))
+            + usize::from(self.records_op != RecordsOp::Inline)
+            + usize::from(self.block.is_some())
+    }
+
     /// A write that only creates a new caller's state string (no log or
     /// records apart, no block key): one plain `SET ... NX`, no script.
     fn is_plain(&self) -> bool {
@@ -247,20 +255,22 @@ enum LogOp {
 }
 
 impl LogOp {
-    fn code(&self) -> &'static str {
+    /// Its flag in the commit call's head (see `lua/commit.lua`).
+    fn code(&self) -> u8 {
         match self {
-            LogOp::Inline => "",
-            LogOp::Keep => "K",
-            LogOp::Append(_) => "A",
-            LogOp::Set(_) => "S",
-            LogOp::Delete => "D",
+            LogOp::Inline => b'-',
+            LogOp::Keep => b'K',
+            LogOp::Append(_) => b'A',
+            LogOp::Set(_) => b'S',
+            LogOp::Delete => b'D',
         }
     }
 
-    fn bytes(&self) -> &[u8] {
+    /// The times it sends, if any.
+    fn bytes(&self) -> Option<&[u8]> {
         match self {
-            LogOp::Append(b) | LogOp::Set(b) => b,
-            _ => &[],
+            LogOp::Append(b) | LogOp::Set(b) => Some(b),
+            _ => None,
         }
     }
 }
@@ -517,41 +527,65 @@ impl CachedStore {
     }
 
     /// The commit call for `writes`.
+    /// Keys and arguments are those each write needs (most need the
+    /// state key, a head and the new string), as `lua/commit.lua`'s header
+    /// lays out.
     fn invocation(&self, writes: &[&Write<'_>]) -> redis::Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.sha).arg(writes.len() * 4);
-        // The keys, built in one buffer rather than four strings a caller.
+        let keys: usize = writes.iter().map(|w| w.keys()).sum();
+        let mut cmd = redis::Cmd::with_capacity(
+            2 + keys + writes.len() * 3,
+            64 + writes.iter().map(|w| 96 + w.value.len()).sum::<usize>(),
+        );
+        cmd.arg("EVALSHA").arg(&self.sha).arg(keys);
+        // The keys, built in one buffer rather than a string each.
         let mut key = String::new();
         for w in writes {
-            for (head, tail) in [("", ":s"), ("block:", ""), ("", ":l"), ("", ":r")] {
+            let mut put = |head: &str, tail: &str| {
                 self.config.write_tagged(&mut key, head, w.caller, tail);
                 cmd.arg(key.as_str());
+            };
+            put("", ":s");
+            if !matches!(w.log_op, LogOp::Inline) {
+                put("", ":l");
+            }
+            if w.records_op != RecordsOp::Inline {
+                put("", ":r");
+            }
+            if w.block.is_some() {
+                put("block:", "");
             }
         }
         for w in writes {
-            match w.expected {
-                Some(v) => cmd.arg(&v.to_le_bytes()[..]),
-                None => cmd.arg(""),
+            let mut head = [0u8; 12];
+            head[0] = w.log_op.code();
+            head[1] = w.records_op.code();
+            head[2] = if w.block.is_some() { b'B' } else { b'-' };
+            head[3] = if w.ttl_ms.is_some() { b'T' } else { b'-' };
+            let head = match w.expected {
+                Some(v) => {
+                    head[4..].copy_from_slice(&v.to_le_bytes());
+                    &head[..]
+                }
+                None => &head[..4],
             };
-            match w.ttl_ms {
-                Some(ms) => cmd.arg(ms),
-                None => cmd.arg(""),
-            };
-            cmd.arg(&w.value[..])
-                .arg(w.log_op.code())
-                .arg(w.log_op.bytes())
-                .arg(w.records_op.code())
-                .arg(w.sets.len())
-                .arg(w.dels.len());
-            match &w.block {
-                Some((reason, ms)) => cmd.arg(reason.as_str()).arg(*ms),
-                None => cmd.arg("").arg(0),
-            };
-            for (id, record) in &w.sets {
-                cmd.arg(id.as_str()).arg(record);
+            cmd.arg(head).arg(&w.value[..]);
+            if let Some(ms) = w.ttl_ms {
+                cmd.arg(ms);
             }
-            for id in &w.dels {
-                cmd.arg(id.as_str());
+            if let Some(bytes) = w.log_op.bytes() {
+                cmd.arg(bytes);
+            }
+            if let Some((reason, ms)) = &w.block {
+                cmd.arg(reason.as_str()).arg(*ms);
+            }
+            if matches!(w.records_op, RecordsOp::Hash | RecordsOp::Replace) {
+                cmd.arg(w.sets.len()).arg(w.dels.len());
+                for (id, record) in &w.sets {
+                    cmd.arg(id.as_str()).arg(record);
+                }
+                for id in &w.dels {
+                    cmd.arg(id.as_str());
+                }
             }
         }
         cmd
@@ -563,10 +597,11 @@ impl CachedStore {
     ///
     /// A plain write (see [`Write::is_plain`]) is one `SET ... NX PX ...
     /// GET` outside the script: it creates the caller's state string only
-    /// if absent, or returns the string it found. When that string says the
-    /// caller keeps records or log apart, those are read back with it in
-    /// one transaction, so a refusal always carries the caller's whole
-    /// state.
+    /// if absent, or returns the string it found; the script also returns
+    /// only the state string of a caller it did not write. When that
+    /// string says the caller keeps records or a log apart, those are read
+    /// back with it in one transaction, so a refusal always carries the
+    /// caller's whole state.
     async fn commit<'a>(
         &self,
         writes: Vec<Write<'a>>,
@@ -609,34 +644,36 @@ impl CachedStore {
                     )));
                 }
                 let mut replies = replies.into_iter();
-                let mut refused = Vec::new();
+                // Per refused write, the state string found (nil: none).
+                let mut found: Vec<(usize, Option<Vec<u8>>)> = Vec::new();
                 for (chunk, reply) in scripted.chunks(CALLERS_PER_CALL).zip(replies.by_ref()) {
                     let Value::Array(items) = reply else {
                         return Err(unexpected(format!("{reply:?}")));
                     };
                     let mut it = items.into_iter();
-                    while let (Some(idx), Some(value), Some(hash), Some(log)) =
-                        (it.next(), it.next(), it.next(), it.next())
-                    {
-                        let (Value::Int(idx), Value::Array(hash)) = (idx, hash) else {
+                    while let (Some(idx), Some(value)) = (it.next(), it.next()) {
+                        let Value::Int(idx) = idx else {
                             return Err(unexpected("a malformed refusal".into()));
                         };
                         let at = usize::try_from(idx)
                             .ok()
                             .and_then(|i| chunk.get(i))
                             .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
-                        refused.push((*at, bulk(value)?, hash, bulk(log)?));
+                        found.push((*at, bulk(value)?));
                     }
                 }
                 // Plain writes: nil when written, else the string found.
-                let mut read_back = Vec::new();
                 for (&i, reply) in plain.iter().zip(replies) {
-                    match bulk(reply)? {
-                        None => {}
-                        Some(value) if self_contained(&value) => {
-                            refused.push((i, Some(value), Vec::new(), None));
-                        }
-                        Some(_) => read_back.push(i),
+                    if let Some(value) = bulk(reply)? {
+                        found.push((i, Some(value)));
+                    }
+                }
+                let mut refused = Vec::new();
+                let mut read_back = Vec::new();
+                for (i, value) in found {
+                    match value {
+                        Some(value) if !self_contained(&value) => read_back.push(i),
+                        value => refused.push((i, value, Vec::new(), None)),
                     }
                 }
                 if !read_back.is_empty() {
