@@ -17,10 +17,13 @@
 #      p50/p90/p99/max (`examples/decision_latency.rs`), and how many were
 #      decided; beside it the floor: the events' arrival at a plain
 #      consumer of the input topic (same fetch setting), measured in the
-#      same run.
+#      same run; and, from consume's metrics, its batches' mean size and
+#      the store's time per batch (mean, and the histogram bucket holding
+#      p99).
 #
 #   Sections 2 and 3 run once per --redis-mode (MODES, default
-#   "script cached").
+#   "script cached"). CONSUME_ARGS adds options to section 3's consume
+#   (e.g. "--batch-linger-us 1000").
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -55,6 +58,20 @@ for mode in $modes; do
 done
 redis="redis://127.0.0.1:$rport"
 decided() { curl -s "127.0.0.1:$mport/metrics" | awk '/^callguard_events_total/ {s += $NF} END {print s+0}'; }
+# consume's batches and store time per batch, from its metrics.
+batches() {
+  curl -s "127.0.0.1:$mport/metrics" | awk '
+    /^callguard_batch_size_sum/ {bs = $NF} /^callguard_batch_size_count/ {bn = $NF}
+    /^callguard_store_latency_seconds_sum/ {ls = $NF} /^callguard_store_latency_seconds_count/ {ln = $NF}
+    /^callguard_store_latency_seconds_bucket/ {
+      le = $1; sub(/.*le="/, "", le); sub(/".*/, "", le); n++; les[n] = le; cum[n] = $NF }
+    END {
+      if (bn == 0 || ln == 0) { print "no batches"; exit }
+      p99 = "+Inf"
+      for (i = 1; i <= n; i++) if (cum[i] >= 0.99 * ln) { p99 = les[i]; break }
+      if (p99 != "+Inf") p99 = sprintf("%.1f", p99 * 1000)
+      printf "%d batches of %.0f events on average; store time per batch mean %.2f ms, p99 <= %s ms\n", bn, bs / bn, ls / ln * 1000, p99 }'
+}
 now() { date +%s.%N; }
 
 "$bin" generate --rows "$events" --seed 11 --output "$work/calls.csv" >/dev/null
@@ -108,7 +125,7 @@ latency() {
   "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml --redis-mode "$mode" \
     --input-topic "$topic" --decisions-topic "$topic-decisions" --features-topic "$topic-features" \
     --dlq-topic "$topic-dlq" --group "$group" --metrics-addr "127.0.0.1:$mport" \
-    > "$work/consume-$topic.log" 2>&1 &
+    ${CONSUME_ARGS:-} > "$work/consume-$topic.log" 2>&1 &
   local pid=$!
   track "$pid"
   # The floor: the same events arriving at a plain consumer with
@@ -121,6 +138,7 @@ latency() {
   "$ex/loadgen" "$brokers" "$topic" "$r" "$seconds" > "$work/loadgen-$topic.log" 2>&1
   sleep 3
   echo "consume decided $(decided) events"
+  echo "consume: $(batches)"
   "$ex/decision_latency" "$brokers" "$topic-decisions" "$((r * seconds))" 20
   wait "$apid" 2>/dev/null || true
   echo "floor, the events' arrival at a plain consumer: $(cat "$work/arrival-$topic.log")"
