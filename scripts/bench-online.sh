@@ -9,7 +9,8 @@
 #      4-partition topic, then `callguard consume` (data/rules.toml) timed
 #      until every call is decided, beside `callguard replay --store redis`
 #      on the same log and a fresh Redis (the store through the same batch
-#      path): events/s and the ratio;
+#      path): events/s and the ratio, and consume's batches and store
+#      time per batch (as in section 3);
 #   3. latency: `examples/loadgen.rs` offering RATE events/s (default 20000),
 #      then LOW events/s (default 5000), for SECONDS (default 10) each while
 #      consume runs with its default settings; the time from each
@@ -109,6 +110,7 @@ e2e() {
   printf '| replay --store redis --redis-mode %s (the store) | %.0f |\n' "$mode" "$store_rate"
   printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
   printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
+  echo "consume: $(batches), over $(printf '%.2f' "$(echo "$t1 - $t0" | bc -l)") s"
   kill "$cpid" 2>/dev/null || true
   wait "$cpid" 2>/dev/null || true
 }
