@@ -198,14 +198,15 @@ impl Write<'_> {
             + usize::from(self.block.is_some())
     }
 
-    /// A write that only creates a new caller's state string (no log or
-    /// records apart, no block key): one plain `SET ... NX`, no script.
-    fn is_plain(&self) -> bool {
-        self.expected.is_none()
-            && self.ttl_ms.is_some()
+    /// The TTL of a write that only creates a new caller's state string
+    /// (no log or records apart, no block key): one plain `SET ... NX PX`,
+    /// no script. `None` for any other write.
+    fn plain_ttl(&self) -> Option<u64> {
+        let plain = self.expected.is_none()
             && matches!(self.log_op, LogOp::Inline)
             && self.records_op == RecordsOp::Inline
-            && self.block.is_none()
+            && self.block.is_none();
+        self.ttl_ms.filter(|_| plain)
     }
 }
 
@@ -595,7 +596,7 @@ impl CachedStore {
     /// concurrently) and returns `base`, the writes and, per write that was
     /// refused, its index and the caller's current state.
     ///
-    /// A plain write (see [`Write::is_plain`]) is one `SET ... NX PX ...
+    /// A plain write (see [`Write::plain_ttl`]) is one `SET ... NX PX ...
     /// GET` outside the script: it creates the caller's state string only
     /// if absent, or returns the string it found; the script also returns
     /// only the state string of a caller it did not write. When that
@@ -612,15 +613,22 @@ impl CachedStore {
             .groups(writes.len(), |i| self.state_key(writes[i].caller));
         let timeout = self.config.timeout * 2;
         let calls = groups.into_iter().map(|group| {
-            let (plain, scripted): (Vec<usize>, Vec<usize>) =
-                group.iter().partition(|&&i| writes[i].is_plain());
+            // Plain writes with their TTLs, and the scripted ones.
+            let mut plain: Vec<(usize, u64)> = Vec::new();
+            let mut scripted: Vec<usize> = Vec::new();
+            for &i in &group {
+                match writes[i].plain_ttl() {
+                    Some(ttl) => plain.push((i, ttl)),
+                    None => scripted.push(i),
+                }
+            }
             let mut pipe = redis::pipe();
             for chunk in scripted.chunks(CALLERS_PER_CALL) {
                 let ws: Vec<&Write> = chunk.iter().map(|&i| &writes[i]).collect();
                 pipe.add_command(self.invocation(&ws));
             }
             let mut key = String::new();
-            for &i in &plain {
+            for &(i, ttl) in &plain {
                 let w = &writes[i];
                 self.config.write_tagged(&mut key, "", w.caller, ":s");
                 pipe.cmd("SET")
@@ -628,7 +636,7 @@ impl CachedStore {
                     .arg(&w.value[..])
                     .arg("NX")
                     .arg("PX")
-                    .arg(w.ttl_ms.unwrap_or(1))
+                    .arg(ttl)
                     .arg("GET");
             }
             let mut conn = self.conn.clone();
@@ -663,7 +671,7 @@ impl CachedStore {
                     }
                 }
                 // Plain writes: nil when written, else the string found.
-                for (&i, reply) in plain.iter().zip(replies) {
+                for (&(i, _), reply) in plain.iter().zip(replies) {
                     if let Some(value) = bulk(reply)? {
                         found.push((i, Some(value)));
                     }
