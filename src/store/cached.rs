@@ -191,11 +191,19 @@ struct Write<'a> {
 }
 
 impl Write<'_> {
-    /// How many keys its commit declares.
-    fn keys(&self) -> usize {
-        1 + usize::from(!matches!(self.log_op, LogOp::Inline))
-            + usize::from(self.records_op != RecordsOp::Inline)
-            + usize::from(self.block.is_some())
+    /// The keys its commit declares, in `lua/commit.lua`'s order, as
+    /// (head, tail) of `<prefix><head>{<caller>}<tail>`: the state string,
+    /// then the log, the records hash and the block key when it touches
+    /// them.
+    fn key_parts(&self) -> impl Iterator<Item = (&'static str, &'static str)> {
+        [
+            Some(("", ":s")),
+            (!matches!(self.log_op, LogOp::Inline)).then_some(("", ":l")),
+            (self.records_op != RecordsOp::Inline).then_some(("", ":r")),
+            self.block.is_some().then_some(("block:", "")),
+        ]
+        .into_iter()
+        .flatten()
     }
 
     /// The TTL of a write that only creates a new caller's state string
@@ -532,7 +540,7 @@ impl CachedStore {
     /// state key, a head and the new string), as `lua/commit.lua`'s header
     /// lays out.
     fn invocation(&self, writes: &[&Write<'_>]) -> redis::Cmd {
-        let keys: usize = writes.iter().map(|w| w.keys()).sum();
+        let keys: usize = writes.iter().map(|w| w.key_parts().count()).sum();
         let mut cmd = redis::Cmd::with_capacity(
             2 + keys + writes.len() * 3,
             64 + writes.iter().map(|w| 96 + w.value.len()).sum::<usize>(),
@@ -541,19 +549,9 @@ impl CachedStore {
         // The keys, built in one buffer rather than a string each.
         let mut key = String::new();
         for w in writes {
-            let mut put = |head: &str, tail: &str| {
+            for (head, tail) in w.key_parts() {
                 self.config.write_tagged(&mut key, head, w.caller, tail);
                 cmd.arg(key.as_str());
-            };
-            put("", ":s");
-            if !matches!(w.log_op, LogOp::Inline) {
-                put("", ":l");
-            }
-            if w.records_op != RecordsOp::Inline {
-                put("", ":r");
-            }
-            if w.block.is_some() {
-                put("block:", "");
             }
         }
         for w in writes {
