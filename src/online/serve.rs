@@ -56,6 +56,7 @@ use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
 use crate::online::produce::event_json;
+use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
 /// Default listening address.
@@ -322,13 +323,19 @@ async fn batcher<S: WindowStore>(
         metrics.batch_size.observe(events.len() as f64);
         let start = Instant::now();
         let conflicts = store.conflicts();
-        let result = store.apply_batch(&current, &events).await;
+        let result = store.apply_batch_partial(&current, &events).await;
         metrics.store_latency.observe(start.elapsed().as_secs_f64());
         metrics.count_conflicts(&store, conflicts);
-        let verdicts = match result {
+        let (verdicts, why) = match result {
             Ok(v) => {
                 health.store_ok.store(true, Ordering::Relaxed);
-                v
+                // Calls of a caller another writer kept changing: only
+                // they are left undecided, and nothing of them written.
+                let why = v.iter().any(Option::is_none).then(|| {
+                    Metrics::inc(&metrics.store_errors, "contended");
+                    CONTENDED.to_string()
+                });
+                (v, why)
             }
             Err(e) => {
                 Metrics::inc(&metrics.store_errors, e.kind());
@@ -337,22 +344,29 @@ async fn batcher<S: WindowStore>(
                 if let Ok(mut d) = health.detail.lock() {
                     d.clone_from(&why);
                 }
-                let decision = match config.on_store_error {
-                    StoreErrorPolicy::Block => {
-                        warn!(error = %why, calls = replies.len(), "store failed; answering 503");
-                        for reply in replies {
-                            let _ = reply
-                                .send(Outcome::Unavailable(format!("window store failed: {why}")));
-                        }
-                        continue;
-                    }
-                    StoreErrorPolicy::Allow => Decision::Allow,
-                    StoreErrorPolicy::Reject => Decision::Reject,
+                (vec![None; events.len()], Some(why))
+            }
+        };
+        let verdicts = match (&why, config.on_store_error) {
+            (None, _) => verdicts,
+            (Some(why), StoreErrorPolicy::Block) => {
+                let failed = verdicts.iter().filter(|v| v.is_none()).count();
+                warn!(error = %why, calls = failed, "store failed; answering 503");
+                verdicts
+            }
+            (Some(why), policy) => {
+                let decision = if policy == StoreErrorPolicy::Allow {
+                    Decision::Allow
+                } else {
+                    Decision::Reject
                 };
-                warn!(error = %why, policy = ?config.on_store_error, "store failed; deciding degraded");
+                warn!(error = %why, policy = ?policy, "store failed; deciding degraded");
                 events
                     .iter()
-                    .map(|e| Verdict::degraded(e, &current, decision))
+                    .zip(verdicts)
+                    .map(|(e, v)| {
+                        Some(v.unwrap_or_else(|| Verdict::degraded(e, &current, decision)))
+                    })
                     .collect()
             }
         };
@@ -367,8 +381,17 @@ async fn batcher<S: WindowStore>(
             );
         }
         for (reply, v) in replies.into_iter().zip(verdicts) {
-            metrics.count_decided(&v);
-            let _ = reply.send(Outcome::Decided(v, schema.clone()));
+            let outcome = match v {
+                Some(v) => {
+                    metrics.count_decided(&v);
+                    Outcome::Decided(v, schema.clone())
+                }
+                None => Outcome::Unavailable(format!(
+                    "window store failed: {}",
+                    why.as_deref().unwrap_or_default()
+                )),
+            };
+            let _ = reply.send(outcome);
         }
     }
 }
@@ -381,11 +404,15 @@ fn publish(
     topics: &ServeTopics,
     (decisions, features): (&Schema, &Schema),
     events: &[CallEvent],
-    verdicts: &[Verdict],
+    verdicts: &[Option<Verdict>],
     metrics: &Arc<Metrics>,
 ) {
     let mut pending = Vec::new();
-    for (e, v) in events.iter().zip(verdicts).filter(|(_, v)| !v.duplicate) {
+    let decided = events
+        .iter()
+        .zip(verdicts)
+        .filter_map(|(e, v)| Some((e, v.as_ref()?)));
+    for (e, v) in decided.filter(|(_, v)| !v.duplicate) {
         let row = Row {
             event: e,
             verdict: v,

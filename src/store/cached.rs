@@ -35,7 +35,7 @@ use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::engine::window::{CallerState, Journal, PackedLog};
 use crate::error::StoreError;
-use crate::store::redis::{classify, is_noscript, Conn, RedisConfig};
+use crate::store::redis::{classify, Conn, RedisConfig, CLAIM_EVERY};
 use crate::store::WindowStore;
 
 /// The commit script (see its header for KEYS, ARGV and the reply).
@@ -50,7 +50,12 @@ const CALLERS_PER_CALL: usize = 64;
 
 /// Rounds of decide-and-commit before a batch gives up on a caller that
 /// keeps changing under it (another writer deciding the same caller).
-const MAX_ROUNDS: usize = 8;
+pub const DEFAULT_MAX_ROUNDS: usize = 8;
+
+/// Why a caller's calls were left undecided. Names no caller: it reaches
+/// answers, logs and readiness that other callers' calls share.
+pub const CONTENDED: &str =
+    "a caller changed under each of its commit rounds: another writer is deciding it";
 
 /// A caller's TTL is set to the needed span (the idempotency horizon plus
 /// slack) plus a sixteenth of it, and refreshed only once that sixteenth
@@ -81,8 +86,9 @@ struct TtlPlan {
     ms: u64,
     /// When the batch started.
     now: std::time::Instant,
-    /// Until when a TTL set now still covers the needed span.
-    fresh_until: std::time::Instant,
+    /// The span the keys must outlive from now: the idempotency horizon
+    /// (or the retention without records) plus the slack.
+    needed: std::time::Duration,
 }
 
 impl TtlPlan {
@@ -94,13 +100,24 @@ impl TtlPlan {
         }
         .max(1) as u64
             + config.ttl_slack.as_millis() as u64;
-        let margin = needed / TTL_MARGIN_DIVISOR;
-        let now = std::time::Instant::now();
         TtlPlan {
-            ms: needed + margin,
-            now,
-            fresh_until: now + std::time::Duration::from_millis(margin),
+            ms: needed + needed / TTL_MARGIN_DIVISOR,
+            now: std::time::Instant::now(),
+            needed: std::time::Duration::from_millis(needed),
         }
+    }
+
+    /// Whether keys whose TTL runs out at `until` (at the earliest) still
+    /// outlive the needed span from now. Compared with the rules of this
+    /// batch, so a reload that lengthens the span sets the TTL again.
+    fn covered_by(&self, until: Option<std::time::Instant>) -> bool {
+        until.is_some_and(|u| u >= self.now + self.needed)
+    }
+
+    /// When a TTL set by this batch runs out, at the earliest (Redis sets
+    /// it a little later than `now`).
+    fn until(&self) -> std::time::Instant {
+        self.now + std::time::Duration::from_millis(self.ms)
     }
 }
 
@@ -110,10 +127,11 @@ impl TtlPlan {
 struct Cached {
     state: CallerState,
     version: Option<u64>,
-    /// Until when the TTL this store last set on the caller's keys still
-    /// covers a full TTL from now (see [`TTL_MARGIN_DIVISOR`]); `None`:
-    /// unknown, so the next write sets it.
-    ttl_fresh_until: Option<std::time::Instant>,
+    /// When the TTL this store last set on the caller's keys runs out, at
+    /// the earliest; `None`: unknown, so the next write sets it.
+    ttl_until: Option<std::time::Instant>,
+    /// The batch that last used it (see [`CachedStore::evict`]).
+    used: u64,
     /// Where the sliding log is kept: `Inline` in the packed state, or
     /// apart (the string's times, of which the first `dead` are trimmed).
     log: PackedLog,
@@ -175,6 +193,8 @@ struct Pending<'a> {
 /// from the caller, see [`CachedStore::invocation`]).
 struct Write<'a> {
     caller: &'a str,
+    /// Its caller's place in the batch's list of callers.
+    pending: usize,
     expected: Option<u64>,
     version: u64,
     /// The TTL to set (ms), or `None` to leave the keys'.
@@ -227,26 +247,22 @@ fn self_contained(value: &[u8]) -> bool {
             .is_some_and(|(_, log)| log == PackedLog::Inline)
 }
 
-/// A commit's outcome: the index of its first write in the round, its
-/// writes, and per refused write its index and the caller's current state.
-type Committed<'a> = (usize, Vec<Write<'a>>, Vec<Refused>);
-
-/// A refused write: its index, the caller's state string, records hash
-/// and log kept apart.
-type Refused = (usize, Option<Vec<u8>>, Vec<Value>, Option<Vec<u8>>);
-
-/// Why an attempt at a batch failed.
-enum Failed {
-    /// The server does not know the script (restarted or flushed).
-    NoScript,
-    /// Any other store error.
-    Store(StoreError),
+/// A refused write: the caller's state as Redis holds it.
+struct Refused {
+    /// Which of the round's writes.
+    write: usize,
+    /// The caller's state string (`None`: the caller has none).
+    value: Option<Vec<u8>>,
+    /// Its records hash, as `HGETALL` returns it (empty unless kept apart).
+    hash: Vec<Value>,
+    /// Its log kept apart, if any.
+    log: Option<Vec<u8>>,
 }
 
-impl From<StoreError> for Failed {
-    fn from(e: StoreError) -> Self {
-        Failed::Store(e)
-    }
+/// A group of writes sent, and those of them that were refused.
+struct Committed<'a> {
+    writes: Vec<Write<'a>>,
+    refused: Vec<Refused>,
 }
 
 /// What a write does to a caller's log kept apart.
@@ -301,6 +317,12 @@ pub struct CachedStore {
     watermark: i64,
     /// Commits refused because another writer had changed the caller.
     conflicts: u64,
+    /// Batches so far (the cache's clock for least recent use).
+    batches: u64,
+    /// When the prefix's mode was last claimed (see [`CLAIM_EVERY`]).
+    claimed: std::time::Instant,
+    /// See [`DEFAULT_MAX_ROUNDS`].
+    max_rounds: usize,
     /// See [`DEFAULT_LOG_APART_ABOVE`].
     log_apart_above: usize,
     /// See [`DEFAULT_RECORDS_APART_ABOVE`].
@@ -332,9 +354,20 @@ impl CachedStore {
             max_callers: max_callers.max(1),
             watermark: i64::MIN,
             conflicts: 0,
+            batches: 0,
+            claimed: std::time::Instant::now(),
+            max_rounds: DEFAULT_MAX_ROUNDS,
             log_apart_above: DEFAULT_LOG_APART_ABOVE,
             records_apart_above: DEFAULT_RECORDS_APART_ABOVE,
         })
+    }
+
+    /// Gives up on a caller refused in `n` rounds in a row (default
+    /// [`DEFAULT_MAX_ROUNDS`]; tests use 1 to leave a caller undecided at
+    /// its first conflict).
+    pub fn with_max_rounds(mut self, n: usize) -> Self {
+        self.max_rounds = n.max(1);
+        self
     }
 
     /// Keeps a caller's sliding log apart once it holds more than `n`
@@ -442,20 +475,23 @@ impl CachedStore {
         }
     }
 
-    /// Decides `p`'s events on its cached state and says what to write.
+    /// Decides `p`'s events on its cached state and says what to write;
+    /// nothing when every one of them was a call already decided (a
+    /// duplicate changes no state, so the caller keeps its version).
     fn decide<'a>(
         &self,
         rules: &RuleSet,
         events: &[CallEvent],
-        p: &mut Pending<'a>,
+        (at, p): (usize, &mut Pending<'a>),
         verdicts: &mut [Option<Verdict>],
         ttl: TtlPlan,
-    ) -> Write<'a> {
+    ) -> Option<Write<'a>> {
         let idem = self.config.idempotency;
         let mut journal = Journal::default();
         let old_len = p.cached.state.log().len();
         let mut made: Vec<(CompactString, String)> = Vec::new();
         let mut block = None;
+        let mut changed = false;
         for &i in &p.events {
             let ev = &events[i];
             let v = p
@@ -463,6 +499,7 @@ impl CachedStore {
                 .state
                 .apply_journaled(rules, ev, !idem, &mut journal);
             if !v.duplicate {
+                changed = true;
                 if idem {
                     made.push((ev.call_id.clone(), v.to_reply()));
                 }
@@ -473,6 +510,9 @@ impl CachedStore {
                 }
             }
             verdicts[i] = Some(v);
+        }
+        if !changed {
+            return None;
         }
         let state = &p.cached.state;
         let (records_op, sets, dels) = match &mut p.cached.records {
@@ -515,13 +555,13 @@ impl CachedStore {
         let (log_op, log) = self.log_write(state, p.cached.log, old_len, &journal);
         let version = rand::random::<u64>() | 1;
         let value = state_value(version, state, log, &p.cached.records);
-        let fresh = matches!(p.cached.ttl_fresh_until,
-            Some(until) if p.cached.version.is_some() && ttl.now < until);
+        let fresh = p.cached.version.is_some() && ttl.covered_by(p.cached.ttl_until);
         // SET drops a key's TTL, and a new hash has none: a replaced log
         // or records moved out get it again.
         let must_set_ttl = matches!(log_op, LogOp::Set(_)) || records_op == RecordsOp::Replace;
-        Write {
+        Some(Write {
             caller: p.caller,
+            pending: at,
             expected: p.cached.version,
             version,
             ttl_ms: (!fresh || must_set_ttl).then_some(ttl.ms),
@@ -532,20 +572,27 @@ impl CachedStore {
             sets,
             dels,
             block,
-        }
+        })
     }
 
     /// The commit call for `writes`.
     /// Keys and arguments are those each write needs (most need the
     /// state key, a head and the new string), as `lua/commit.lua`'s header
     /// lays out.
-    fn invocation(&self, writes: &[&Write<'_>]) -> redis::Cmd {
+    /// With `text`, the call carries the script's text (`EVAL`, which
+    /// also loads it again), else its SHA.
+    fn invocation(&self, writes: &[&Write<'_>], text: bool) -> redis::Cmd {
         let keys: usize = writes.iter().map(|w| w.key_parts().count()).sum();
         let mut cmd = redis::Cmd::with_capacity(
             2 + keys + writes.len() * 3,
             64 + writes.iter().map(|w| 96 + w.value.len()).sum::<usize>(),
         );
-        cmd.arg("EVALSHA").arg(&self.sha).arg(keys);
+        if text {
+            cmd.arg("EVAL").arg(COMMIT_LUA);
+        } else {
+            cmd.arg("EVALSHA").arg(&self.sha);
+        }
+        cmd.arg(keys);
         // The keys, built in one buffer rather than a string each.
         let mut key = String::new();
         for w in writes {
@@ -591,8 +638,23 @@ impl CachedStore {
     }
 
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
-    /// concurrently) and returns `base`, the writes and, per write that was
-    /// refused, its index and the caller's current state.
+    /// concurrently) and returns them with those that were refused.
+    async fn commit<'a>(&self, writes: Vec<Write<'a>>) -> Result<Committed<'a>, redis::RedisError> {
+        let groups = self
+            .conn
+            .groups(writes.len(), |i| self.state_key(writes[i].caller));
+        let calls = groups
+            .into_iter()
+            .map(|group| self.commit_group(&writes, group));
+        let mut refused = Vec::new();
+        for outcome in futures::future::join_all(calls).await {
+            refused.extend(outcome?);
+        }
+        Ok(Committed { writes, refused })
+    }
+
+    /// Sends the writes `group` of `writes` (all in one slot) in one
+    /// pipeline and returns the refused ones with their callers' state.
     ///
     /// A plain write (see [`Write::plain_ttl`]) is one `SET ... NX PX ...
     /// GET` outside the script: it creates the caller's state string only
@@ -601,124 +663,139 @@ impl CachedStore {
     /// string says the caller keeps records or a log apart, those are read
     /// back with it in one transaction, so a refusal always carries the
     /// caller's whole state.
-    async fn commit<'a>(
+    ///
+    /// Each reply stands alone: a script call the server no longer knows
+    /// (`NOSCRIPT`: restarted, flushed or failed over) ran nothing, and only
+    /// that call is sent again, with the script's text, while the plain
+    /// writes and other calls of the pipeline stand as written.
+    async fn commit_group(
         &self,
-        writes: Vec<Write<'a>>,
-        base: usize,
-    ) -> Result<Committed<'a>, redis::RedisError> {
-        let groups = self
-            .conn
-            .groups(writes.len(), |i| self.state_key(writes[i].caller));
+        writes: &[Write<'_>],
+        group: Vec<usize>,
+    ) -> Result<Vec<Refused>, redis::RedisError> {
         let timeout = self.config.timeout * 2;
-        let calls = groups.into_iter().map(|group| {
-            // Plain writes with their TTLs, and the scripted ones.
-            let mut plain: Vec<(usize, u64)> = Vec::new();
-            let mut scripted: Vec<usize> = Vec::new();
-            for &i in &group {
-                match writes[i].plain_ttl() {
-                    Some(ttl) => plain.push((i, ttl)),
-                    None => scripted.push(i),
-                }
-            }
-            let mut pipe = redis::pipe();
-            for chunk in scripted.chunks(CALLERS_PER_CALL) {
-                let ws: Vec<&Write> = chunk.iter().map(|&i| &writes[i]).collect();
-                pipe.add_command(self.invocation(&ws));
-            }
-            let mut key = String::new();
-            for &(i, ttl) in &plain {
-                let w = &writes[i];
-                self.config.write_tagged(&mut key, "", w.caller, ":s");
-                pipe.cmd("SET")
-                    .arg(key.as_str())
-                    .arg(&w.value[..])
-                    .arg("NX")
-                    .arg("PX")
-                    .arg(ttl)
-                    .arg("GET");
-            }
-            let mut conn = self.conn.clone();
-            let writes = &writes;
-            async move {
-                let replies = conn.query(&pipe, timeout).await?;
-                let n_calls = scripted.len().div_ceil(CALLERS_PER_CALL);
-                if replies.len() != n_calls + plain.len() {
-                    return Err(unexpected(format!(
-                        "{} replies to {} commands",
-                        replies.len(),
-                        n_calls + plain.len()
-                    )));
-                }
-                let mut replies = replies.into_iter();
-                // Per refused write, the state string found (nil: none).
-                let mut found: Vec<(usize, Option<Vec<u8>>)> = Vec::new();
-                for (chunk, reply) in scripted.chunks(CALLERS_PER_CALL).zip(replies.by_ref()) {
-                    let Value::Array(items) = reply else {
-                        return Err(unexpected(format!("{reply:?}")));
-                    };
-                    let mut it = items.into_iter();
-                    while let (Some(idx), Some(value)) = (it.next(), it.next()) {
-                        let Value::Int(idx) = idx else {
-                            return Err(unexpected("a malformed refusal".into()));
-                        };
-                        let at = usize::try_from(idx)
-                            .ok()
-                            .and_then(|i| chunk.get(i))
-                            .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
-                        found.push((*at, bulk(value)?));
-                    }
-                }
-                // Plain writes: nil when written, else the string found.
-                for (&(i, _), reply) in plain.iter().zip(replies) {
-                    if let Some(value) = bulk(reply)? {
-                        found.push((i, Some(value)));
-                    }
-                }
-                let mut refused = Vec::new();
-                let mut read_back = Vec::new();
-                for (i, value) in found {
-                    match value {
-                        Some(value) if !self_contained(&value) => read_back.push(i),
-                        value => refused.push((i, value, Vec::new(), None)),
-                    }
-                }
-                if !read_back.is_empty() {
-                    let mut pipe = redis::pipe();
-                    pipe.atomic();
-                    for &i in &read_back {
-                        let caller = writes[i].caller;
-                        pipe.cmd("GET").arg(self.state_key(caller));
-                        pipe.cmd("HGETALL").arg(self.records_key(caller));
-                        pipe.cmd("GET").arg(self.log_key(caller));
-                    }
-                    let mut it = conn.query(&pipe, timeout).await?.into_iter();
-                    for &i in &read_back {
-                        let (Some(value), Some(Value::Array(hash)), Some(log)) =
-                            (it.next(), it.next(), it.next())
-                        else {
-                            return Err(unexpected("a malformed read back".into()));
-                        };
-                        refused.push((i, bulk(value)?, hash, bulk(log)?));
-                    }
-                }
-                Ok(refused)
-            }
-        });
-        let mut refused = Vec::new();
-        for outcome in futures::future::join_all(calls).await {
-            refused.extend(outcome?);
+        let (plain, scripted): (Vec<usize>, Vec<usize>) = group
+            .into_iter()
+            .partition(|&i| writes[i].plain_ttl().is_some());
+        let calls: Vec<Vec<&Write>> = scripted
+            .chunks(CALLERS_PER_CALL)
+            .map(|chunk| chunk.iter().map(|&i| &writes[i]).collect())
+            .collect();
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        for ws in &calls {
+            pipe.add_command(self.invocation(ws, false));
         }
-        Ok((base, writes, refused))
+        let mut key = String::new();
+        for &i in &plain {
+            let w = &writes[i];
+            self.config.write_tagged(&mut key, "", w.caller, ":s");
+            pipe.cmd("SET")
+                .arg(key.as_str())
+                .arg(&w.value[..])
+                .arg("NX")
+                .arg("PX")
+                .arg(w.plain_ttl())
+                .arg("GET");
+        }
+        let mut conn = self.conn.clone();
+        let replies = conn.query(&pipe, timeout).await?;
+        if replies.len() != calls.len() + plain.len() {
+            return Err(unexpected(format!(
+                "{} replies to {} commands",
+                replies.len(),
+                calls.len() + plain.len()
+            )));
+        }
+        let mut replies = replies.into_iter();
+        // Per refused write, the state string found (nil: none).
+        let mut found: Vec<(usize, Option<Vec<u8>>)> = Vec::new();
+        for (ws, chunk) in calls.iter().zip(scripted.chunks(CALLERS_PER_CALL)) {
+            let reply = match replies.next() {
+                Some(Value::ServerError(e)) if e.code() == "NOSCRIPT" => {
+                    let mut again = redis::pipe();
+                    again.add_command(self.invocation(ws, true));
+                    conn.query(&again, timeout).await?.pop()
+                }
+                reply => reply,
+            };
+            refusals(reply, chunk, &mut found)?;
+        }
+        // Plain writes: nil when written, else the string found.
+        for (&i, reply) in plain.iter().zip(replies) {
+            if let Some(value) = bulk(reply)? {
+                found.push((i, Some(value)));
+            }
+        }
+        let mut refused = Vec::new();
+        let mut read_back = Vec::new();
+        for (write, value) in found {
+            match value {
+                Some(value) if !self_contained(&value) => read_back.push(write),
+                value => refused.push(Refused {
+                    write,
+                    value,
+                    hash: Vec::new(),
+                    log: None,
+                }),
+            }
+        }
+        if !read_back.is_empty() {
+            refused.extend(self.read_back(&mut conn, writes, read_back).await?);
+        }
+        Ok(refused)
     }
 
-    /// One attempt at a batch. The callers it touches are out of the cache
-    /// while it runs and go back only on success: after a failure their
-    /// next call re-reads Redis, whatever part of the writes landed.
+    /// The whole state of the callers of `which` writes (state string,
+    /// records hash, log kept apart), read in one transaction.
+    async fn read_back(
+        &self,
+        conn: &mut Conn,
+        writes: &[Write<'_>],
+        which: Vec<usize>,
+    ) -> Result<Vec<Refused>, redis::RedisError> {
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for &i in &which {
+            let caller = writes[i].caller;
+            pipe.cmd("GET").arg(self.state_key(caller));
+            pipe.cmd("HGETALL").arg(self.records_key(caller));
+            pipe.cmd("GET").arg(self.log_key(caller));
+        }
+        let mut it = conn
+            .query(&pipe, self.config.timeout * 2)
+            .await?
+            .into_iter();
+        which
+            .into_iter()
+            .map(|write| {
+                let (Some(value), Some(Value::Array(hash)), Some(log)) =
+                    (it.next(), it.next(), it.next())
+                else {
+                    return Err(unexpected("a malformed read back".into()));
+                };
+                Ok(Refused {
+                    write,
+                    value: bulk(value)?,
+                    hash,
+                    log: bulk(log)?,
+                })
+            })
+            .collect()
+    }
+
+    /// One attempt at a batch: up to [`DEFAULT_MAX_ROUNDS`] rounds of deciding and
+    /// committing the callers not yet written. The callers it touches are
+    /// out of the cache while it runs and go back only once written: after
+    /// a failure their next call re-reads Redis, whatever part of the
+    /// writes landed. A caller still refused after the last round is left
+    /// undecided (`None` for its calls; nothing of them was written).
     async fn try_batch(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
-    ) -> Result<Vec<Verdict>, Failed> {
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        self.batches += 1;
         let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
         let mut pending: Vec<Pending<'_>> = Vec::new();
         for (i, ev) in events.iter().enumerate() {
@@ -736,80 +813,96 @@ impl CachedStore {
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
-        for _ in 0..MAX_ROUNDS {
-            // Each group of callers is sent as soon as it is decided, so
-            // Redis runs one group's commit while the next is decided.
-            let mut inflight = futures::stream::FuturesOrdered::new();
-            let mut outcomes = Vec::new();
-            for (g, group) in todo.chunks(CALLERS_PER_CALL).enumerate() {
-                let writes: Vec<Write> = group
-                    .iter()
-                    .map(|&p| self.decide(rules, events, &mut pending[p], &mut verdicts, ttl))
-                    .collect();
-                inflight.push_back(self.commit(writes, g * CALLERS_PER_CALL));
-                // Start sending it (and let the connection's task write it).
-                if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
-                    outcomes.push(out);
-                }
-                tokio::task::yield_now().await;
-            }
-            while let Some(out) = inflight.next().await {
-                outcomes.push(out);
-            }
-            drop(inflight);
+        for _ in 0..self.max_rounds {
+            let outcomes = self
+                .round(rules, events, &mut pending, &todo, &mut verdicts, ttl)
+                .await
+                .map_err(classify)?;
             let mut next = Vec::new();
-            for out in outcomes {
-                let (base, writes, refused) = out.map_err(|e| {
-                    if is_noscript(&e) {
-                        Failed::NoScript
-                    } else {
-                        Failed::Store(classify(e))
-                    }
-                })?;
+            for Committed { writes, refused } in outcomes {
                 let mut refused_set = vec![false; writes.len()];
-                for (w, value, hash, log) in refused {
-                    refused_set[w] = true;
-                    let p = &mut pending[todo[base + w]];
-                    *p.cached = load(p.caller, value, hash, log)?;
-                    next.push(todo[base + w]);
+                for r in refused {
+                    refused_set[r.write] = true;
+                    let w = &writes[r.write];
+                    // A caller it had never seen is a miss, not a conflict.
+                    self.conflicts += u64::from(w.expected.is_some());
+                    let p = &mut pending[w.pending];
+                    *p.cached = load(p.caller, r.value, r.hash, r.log)?;
+                    next.push(w.pending);
                 }
-                for (w, write) in writes.iter().enumerate() {
-                    if !refused_set[w] {
-                        let cached = &mut pending[todo[base + w]].cached;
-                        cached.version = Some(write.version);
-                        cached.log = write.log;
-                        if write.ttl_ms.is_some() {
-                            cached.ttl_fresh_until = Some(ttl.fresh_until);
-                        }
+                for (write, _) in writes.iter().zip(refused_set).filter(|(_, r)| !r) {
+                    let cached = &mut pending[write.pending].cached;
+                    cached.version = Some(write.version);
+                    cached.log = write.log;
+                    if write.ttl_ms.is_some() {
+                        cached.ttl_until = Some(ttl.until());
                     }
                 }
             }
-            self.conflicts += next.len() as u64;
             next.sort_unstable();
             todo = next;
             if todo.is_empty() {
                 break;
             }
         }
-        if let Some(&p) = todo.first() {
-            return Err(Failed::Store(StoreError::transient(format!(
-                "caller {} changed under each of {MAX_ROUNDS} commits: another writer is deciding it",
-                pending[p].caller
-            ))));
+        for &p in &todo {
+            // Refused in every round: its calls stay undecided, and its
+            // state (just read) is not kept, so its next call reads again.
+            for &i in &pending[p].events {
+                verdicts[i] = None;
+            }
         }
-        for p in pending {
-            self.cache.insert(p.caller.into(), p.cached);
+        let mut contended = todo.into_iter().peekable();
+        for (at, mut p) in pending.into_iter().enumerate() {
+            if contended.next_if_eq(&at).is_none() {
+                p.cached.used = self.batches;
+                self.cache.insert(p.caller.into(), p.cached);
+            }
         }
         self.evict(rules);
-        verdicts
-            .into_iter()
-            .map(|v| v.ok_or_else(|| Failed::Store(StoreError::fatal("a call was left undecided"))))
-            .collect()
+        Ok(verdicts)
+    }
+
+    /// One round: decides the callers `todo` of `pending` and commits
+    /// what changed, a group of callers per script call. Each group is
+    /// sent as soon as it is decided, so Redis runs one group's commit
+    /// while the next is decided.
+    async fn round<'a>(
+        &self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        pending: &mut [Pending<'a>],
+        todo: &[usize],
+        verdicts: &mut [Option<Verdict>],
+        ttl: TtlPlan,
+    ) -> Result<Vec<Committed<'a>>, redis::RedisError> {
+        let mut inflight = futures::stream::FuturesOrdered::new();
+        let mut outcomes = Vec::new();
+        for group in todo.chunks(CALLERS_PER_CALL) {
+            let writes: Vec<Write> = group
+                .iter()
+                .filter_map(|&at| self.decide(rules, events, (at, &mut pending[at]), verdicts, ttl))
+                .collect();
+            if writes.is_empty() {
+                continue;
+            }
+            inflight.push_back(self.commit(writes));
+            // Start sending it (and let the connection's task write it).
+            if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
+                outcomes.push(out?);
+            }
+            tokio::task::yield_now().await;
+        }
+        while let Some(out) = inflight.next().await {
+            outcomes.push(out?);
+        }
+        Ok(outcomes)
     }
 
     /// Keeps the cache within its size: callers idle past the idempotency
-    /// horizon go first, then any (the next call of an evicted caller
-    /// re-reads it).
+    /// horizon go first, then the least recently used, down to three
+    /// quarters of the size (the next call of an evicted caller re-reads
+    /// it).
     fn evict(&mut self, rules: &RuleSet) {
         if self.cache.len() <= self.max_callers {
             return;
@@ -817,15 +910,39 @@ impl CachedStore {
         let cutoff = self.watermark.saturating_sub(rules.dedup_ms());
         self.cache
             .retain(|_, c| c.state.latest().is_some_and(|l| l > cutoff));
-        let mut excess = self.cache.len().saturating_sub(self.max_callers * 3 / 4);
+        let excess = self.cache.len().saturating_sub(self.max_callers * 3 / 4);
         if excess > 0 {
-            self.cache.retain(|_, _| {
-                let keep = excess == 0;
-                excess = excess.saturating_sub(1);
-                keep
-            });
+            let mut used: Vec<u64> = self.cache.values().map(|c| c.used).collect();
+            let (_, &mut oldest_kept, _) = used.select_nth_unstable(excess);
+            self.cache.retain(|_, c| c.used >= oldest_kept);
         }
     }
+}
+
+/// The refused writes of one script call's `reply`, as indices of
+/// `chunk` (the call's writes), with the state strings found.
+fn refusals(
+    reply: Option<Value>,
+    chunk: &[usize],
+    found: &mut Vec<(usize, Option<Vec<u8>>)>,
+) -> Result<(), redis::RedisError> {
+    let items = match reply {
+        Some(Value::Array(items)) => items,
+        Some(Value::ServerError(e)) => return Err(e.into()),
+        other => return Err(unexpected(format!("{other:?}"))),
+    };
+    let mut it = items.into_iter();
+    while let (Some(idx), Some(value)) = (it.next(), it.next()) {
+        let Value::Int(idx) = idx else {
+            return Err(unexpected("a malformed refusal".into()));
+        };
+        let at = usize::try_from(idx)
+            .ok()
+            .and_then(|i| chunk.get(i))
+            .ok_or_else(|| unexpected(format!("caller index {idx}")))?;
+        found.push((*at, bulk(value)?));
+    }
+    Ok(())
 }
 
 /// A string of a reply, or nil.
@@ -833,6 +950,7 @@ fn bulk(v: Value) -> Result<Option<Vec<u8>>, redis::RedisError> {
     match v {
         Value::BulkString(b) => Ok(Some(b)),
         Value::Nil => Ok(None),
+        Value::ServerError(e) => Err(e.into()),
         other => Err(unexpected(format!("{other:?}"))),
     }
 }
@@ -974,7 +1092,8 @@ fn load(
     Ok(Cached {
         state,
         version: Some(version),
-        ttl_fresh_until: None,
+        ttl_until: None,
+        used: 0,
         log: log_form,
         records,
     })
@@ -990,23 +1109,25 @@ impl WindowStore for CachedStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
+        self.apply_batch_partial(rules, events)
+            .await?
+            .into_iter()
+            .collect::<Option<Vec<Verdict>>>()
+            .ok_or_else(|| StoreError::transient(CONTENDED))
+    }
+
+    async fn apply_batch_partial(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }
-        match self.try_batch(rules, events).await {
-            Ok(v) => Ok(v),
-            Err(Failed::Store(e)) => Err(e),
-            // A restarted or flushed server lost the script: load it and
-            // try once more (a refused call wrote nothing).
-            Err(Failed::NoScript) => {
-                self.sha = self.conn.load_script(COMMIT_LUA).await?;
-                self.try_batch(rules, events).await.map_err(|e| match e {
-                    Failed::Store(e) => e,
-                    Failed::NoScript => {
-                        StoreError::fatal("the commit script vanished right after loading")
-                    }
-                })
-            }
-        }
+        let prefix = &self.config.key_prefix;
+        self.conn
+            .keep_mode_every(prefix, MODE, &mut self.claimed, CLAIM_EVERY)
+            .await?;
+        self.try_batch(rules, events).await
     }
 }

@@ -36,6 +36,23 @@ pub trait WindowStore: Send {
         events: &[CallEvent],
     ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send;
 
+    /// [`WindowStore::apply_batch`], except that a caller another writer
+    /// kept changing while this store decided it (the cached store gives
+    /// up after a few rounds) leaves only that caller's calls undecided
+    /// (`None`): nothing of theirs was written, so they can be tried again,
+    /// and every other call's verdict stands. The online paths use this;
+    /// by default it is `apply_batch`.
+    fn apply_batch_partial(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> impl Future<Output = Result<Vec<Option<Verdict>>, StoreError>> + Send {
+        async move {
+            let verdicts = self.apply_batch(rules, events).await?;
+            Ok(verdicts.into_iter().map(Some).collect())
+        }
+    }
+
     /// [`WindowStore::apply_batch`] where `unique[i]` says event `i`'s call
     /// id occurs nowhere else in the input, so a store may skip its
     /// idempotency record. Verdicts are the same; by default `unique` is
@@ -122,6 +139,19 @@ impl WindowStore for AnyStore {
             AnyStore::Sharded(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
             AnyStore::Cached(s) => s.apply_batch(rules, events).await,
+        }
+    }
+
+    async fn apply_batch_partial(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        match self {
+            AnyStore::Cached(s) => s.apply_batch_partial(rules, events).await,
+            AnyStore::Memory(s) => s.apply_batch_partial(rules, events).await,
+            AnyStore::Sharded(s) => s.apply_batch_partial(rules, events).await,
+            AnyStore::Redis(s) => s.apply_batch_partial(rules, events).await,
         }
     }
 

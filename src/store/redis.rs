@@ -36,6 +36,12 @@ pub const MODE: &str = "script";
 /// batches are split into pipelined calls.
 pub const EVENTS_PER_CALL: usize = 32;
 
+/// How often a store claims its key prefix's mode again while it runs
+/// (see [`Conn::keep_mode`]): a Redis that lost its keys (a restart
+/// without persistence, a flush) lost the claim too, and another mode
+/// could take the prefix over.
+pub const CLAIM_EVERY: Duration = Duration::from_secs(1);
+
 /// Default Redis URL.
 pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 /// Default prefix of every key.
@@ -278,20 +284,67 @@ impl Conn {
         }
     }
 
-    /// Claims the key prefix for a way of keeping window state (`mode`):
-    /// sets `<prefix>mode` if absent, and refuses a prefix another mode
-    /// claimed, since the two keep different keys and would each count
-    /// only their own share of a caller's calls. The one key per prefix
-    /// without a TTL.
+    /// Claims the key prefix for a way of keeping window state (`mode`)
+    /// at start: sets `<prefix>mode` if absent, and refuses a prefix
+    /// another mode claimed, since the two keep different keys and would
+    /// each count only their own share of a caller's calls. The one key
+    /// per prefix without a TTL.
+    ///
+    /// A prefix without the key but with window state (found by a bounded
+    /// `SCAN`) was written by a callguard that did not record its mode
+    /// (the window script's layout): refused, rather than every caller
+    /// starting afresh.
     pub(crate) async fn claim_mode(&mut self, prefix: &str, mode: &str) -> Result<(), StoreError> {
+        let key = format!("{prefix}mode");
+        let recorded: Option<String> = self.run(redis::cmd("GET").arg(&key)).await?;
+        if recorded.is_none() {
+            if let Some(found) = self.any_key(prefix, &key).await? {
+                return Err(StoreError::fatal(format!(
+                    "the key prefix {prefix:?} holds window state (e.g. {found}) but no {key}: \
+                     it was written by a callguard that did not record its mode, in the window \
+                     script's layout. To keep it, record the mode (`SET {key} script`) and run \
+                     with --redis-mode script; to start afresh, drain the input and delete the \
+                     prefix's keys, or use another --key-prefix"
+                )));
+            }
+        }
+        self.keep_mode(prefix, mode).await.map(|_| ())
+    }
+
+    /// [`Conn::keep_mode`] once `every` has passed since `*claimed`; a
+    /// claim found gone is logged, since every window and record of the
+    /// prefix went with it.
+    pub(crate) async fn keep_mode_every(
+        &mut self,
+        prefix: &str,
+        mode: &str,
+        claimed: &mut std::time::Instant,
+        every: Duration,
+    ) -> Result<(), StoreError> {
+        if claimed.elapsed() < every {
+            return Ok(());
+        }
+        if self.keep_mode(prefix, mode).await? {
+            tracing::warn!(
+                prefix,
+                "the key prefix's mode key was gone: Redis lost its keys (a restart without \
+                 persistence, a flush, or a failover to a replica that had not received them); \
+                 every window and record of the prefix went with it"
+            );
+        }
+        *claimed = std::time::Instant::now();
+        Ok(())
+    }
+
+    /// Claims the key prefix for `mode` again while running (see
+    /// [`Conn::claim_mode`]): a Redis that lost its keys lost the claim
+    /// too. Refuses a prefix another mode claimed meanwhile; `true` when
+    /// the claim was gone (and is now made again).
+    pub(crate) async fn keep_mode(&mut self, prefix: &str, mode: &str) -> Result<bool, StoreError> {
         let key = format!("{prefix}mode");
         let mut cmd = redis::cmd("SET");
         cmd.arg(&key).arg(mode).arg("NX").arg("GET");
-        let before: Option<String> = match self {
-            Conn::Single(c) => cmd.query_async(c).await,
-            Conn::Cluster(c) => cmd.query_async(c).await,
-        }
-        .map_err(classify)?;
+        let before: Option<String> = self.run(&cmd).await?;
         // A mode may name its layout's version after a colon.
         let flag = |m: &str| m.split(':').next().unwrap_or(m).to_string();
         match before {
@@ -312,8 +365,81 @@ impl Conn {
                 flag(mode),
                 flag(&other)
             ))),
-            _ => Ok(()),
+            Some(_) => Ok(false),
+            None => Ok(true),
         }
+    }
+
+    /// A key of the prefix other than `except`, if a bounded `SCAN` finds
+    /// one (up to 8 rounds of 1,000 on a server; one of 10,000 on each
+    /// primary of a Cluster).
+    async fn any_key(&mut self, prefix: &str, except: &str) -> Result<Option<String>, StoreError> {
+        let pattern: String = prefix
+            .chars()
+            .flat_map(|c| {
+                let escape = matches!(c, '*' | '?' | '[' | ']' | '\\');
+                escape.then_some('\\').into_iter().chain(std::iter::once(c))
+            })
+            .chain(std::iter::once('*'))
+            .collect();
+        let found = |keys: Vec<String>| keys.into_iter().find(|k| k != except);
+        match self {
+            Conn::Single(c) => {
+                let mut cursor = 0u64;
+                for _ in 0..8 {
+                    let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                        .arg(cursor)
+                        .arg("MATCH")
+                        .arg(&pattern)
+                        .arg("COUNT")
+                        .arg(1_000)
+                        .query_async(c)
+                        .await
+                        .map_err(classify)?;
+                    if let Some(k) = found(keys) {
+                        return Ok(Some(k));
+                    }
+                    if next == 0 {
+                        break;
+                    }
+                    cursor = next;
+                }
+                Ok(None)
+            }
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let mut cmd = redis::cmd("SCAN");
+                cmd.arg(0)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(10_000);
+                let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
+                let v = c.route_command(cmd, route).await.map_err(classify)?;
+                let replies: Vec<Value> = match v {
+                    Value::Map(pairs) => pairs.into_iter().map(|(_, v)| v).collect(),
+                    Value::Array(items) => items,
+                    other => vec![other],
+                };
+                for reply in replies {
+                    let (_, keys): (u64, Vec<String>) =
+                        redis::from_redis_value(reply).map_err(|e| classify(e.into()))?;
+                    if let Some(k) = found(keys) {
+                        return Ok(Some(k));
+                    }
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Runs one command.
+    async fn run<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Result<T, StoreError> {
+        match self {
+            Conn::Single(c) => cmd.query_async(c).await,
+            Conn::Cluster(c) => cmd.query_async(c).await,
+        }
+        .map_err(classify)
     }
 
     /// Loads a script (on every primary of a Cluster) and returns its SHA.
@@ -358,6 +484,8 @@ pub struct RedisStore {
     conn: Conn,
     sha: String,
     config: RedisConfig,
+    /// When the prefix's mode was last claimed (see [`CLAIM_EVERY`]).
+    claimed: std::time::Instant,
 }
 
 /// Server error codes that retrying may get past.
@@ -463,7 +591,12 @@ impl RedisStore {
         let mut conn = Conn::open(&config).await?;
         conn.claim_mode(&config.key_prefix, MODE).await?;
         let sha = conn.load_script(WINDOW_LUA).await?;
-        Ok(RedisStore { conn, sha, config })
+        Ok(RedisStore {
+            conn,
+            sha,
+            config,
+            claimed: std::time::Instant::now(),
+        })
     }
 
     /// The configuration in use.
@@ -567,6 +700,10 @@ impl RedisStore {
         if events.is_empty() {
             return Ok(Vec::new());
         }
+        let prefix = &self.config.key_prefix;
+        self.conn
+            .keep_mode_every(prefix, MODE, &mut self.claimed, CLAIM_EVERY)
+            .await?;
         let groups = self
             .conn
             .groups(events.len(), |i| self.stem(&events[i].caller));

@@ -18,6 +18,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
+use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
 /// Longest wait between retries of a blocked store.
@@ -105,7 +106,10 @@ impl Decider {
     }
 }
 
-/// Decides a batch under the failure policy; `None` if shutdown came while blocked.
+/// Decides a batch under the failure policy; `None` if shutdown came while
+/// blocked. Calls the store left undecided (their caller kept changing
+/// under it: another writer) are tried again alone under `block`, or
+/// decided degraded under `allow` and `reject`; the others' verdicts stand.
 pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
     store: &mut S,
     rules: &RuleSet,
@@ -116,30 +120,59 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
     shutdown: &mut Pin<&mut F>,
 ) -> Option<Result<Vec<Verdict>, ConsumeError>> {
     let mut backoff = Duration::from_millis(50);
+    let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
+    // The calls still undecided, when not the whole batch.
+    let mut left: Option<Vec<usize>> = None;
     loop {
+        let retried: Vec<CallEvent>;
+        let batch = match &left {
+            None => events,
+            Some(idx) => {
+                retried = idx.iter().map(|&i| events[i].clone()).collect();
+                &retried
+            }
+        };
         let start = Instant::now();
         let conflicts = store.conflicts();
-        let result = store.apply_batch(rules, events).await;
+        let result = store.apply_batch_partial(rules, batch).await;
         metrics.store_latency.observe(start.elapsed().as_secs_f64());
         metrics.count_conflicts(store, conflicts);
-        let err = match result {
-            Ok(v) => {
+        let why = match result {
+            Ok(got) => {
                 health.store_ok.store(true, Ordering::Relaxed);
-                return Some(Ok(v));
+                match &left {
+                    None => verdicts = got,
+                    Some(idx) => {
+                        for (&i, v) in idx.iter().zip(got) {
+                            verdicts[i] = v;
+                        }
+                    }
+                }
+                let undecided: Vec<usize> = (0..events.len())
+                    .filter(|&i| verdicts[i].is_none())
+                    .collect();
+                if undecided.is_empty() {
+                    return Some(Ok(verdicts.into_iter().flatten().collect()));
+                }
+                Metrics::inc(&metrics.store_errors, "contended");
+                left = Some(undecided);
+                CONTENDED.to_string()
             }
-            Err(e) => e,
-        };
-        Metrics::inc(&metrics.store_errors, err.kind());
-        health.store_ok.store(false, Ordering::Relaxed);
-        let why = chain(&err);
-        if let Ok(mut d) = health.detail.lock() {
-            d.clone_from(&why);
-        }
-        let decision = match policy {
-            StoreErrorPolicy::Block => {
-                if !err.is_transient() {
+            Err(err) => {
+                Metrics::inc(&metrics.store_errors, err.kind());
+                health.store_ok.store(false, Ordering::Relaxed);
+                let why = chain(&err);
+                if let Ok(mut d) = health.detail.lock() {
+                    d.clone_from(&why);
+                }
+                if policy == StoreErrorPolicy::Block && !err.is_transient() {
                     return Some(Err(err.into()));
                 }
+                why
+            }
+        };
+        let decision = match policy {
+            StoreErrorPolicy::Block => {
                 warn!(error = %why, retry_in_ms = backoff.as_millis() as u64, "store failed; blocking");
                 tokio::select! {
                     _ = shutdown.as_mut() => return None,
@@ -154,7 +187,8 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
         warn!(error = %why, policy = ?policy, "store failed; deciding degraded");
         return Some(Ok(events
             .iter()
-            .map(|e| Verdict::degraded(e, rules, decision))
+            .zip(verdicts)
+            .map(|(e, v)| v.unwrap_or_else(|| Verdict::degraded(e, rules, decision)))
             .collect()));
     }
 }

@@ -1,0 +1,382 @@
+//! The cached store's own guarantees through a real redis-server, one test
+//! per way a call could get a wrong or second record: a reload that
+//! lengthens the needed span, a restarted server's lost script in the
+//! middle of a batch, a batch of duplicates, writers really at once on the
+//! same caller, a contended caller that exhausts its rounds, a prefix
+//! whose claim was lost or never recorded.
+
+mod common;
+
+use std::time::Duration;
+
+use callguard::engine::event::CallEvent;
+use callguard::engine::record::Verdict;
+use callguard::engine::rules::RuleSet;
+use callguard::store::cached::CachedStore;
+use callguard::store::memory::MemoryStore;
+use callguard::store::redis::{RedisConfig, RedisStore};
+use callguard::store::WindowStore;
+use common::scenarios::T0;
+use common::{ev, raw_command, RedisCluster, RedisServer};
+
+fn config(urls: Vec<String>, prefix: &str, idempotency: bool) -> RedisConfig {
+    RedisConfig {
+        cluster: urls.len() > 1,
+        urls,
+        key_prefix: prefix.to_string(),
+        idempotency,
+        timeout: Duration::from_secs(5),
+        ttl_slack: Duration::ZERO,
+        tls_ca: None,
+        block_keys: true,
+    }
+}
+
+async fn cached(urls: Vec<String>, prefix: &str) -> CachedStore {
+    CachedStore::connect(config(urls, prefix, true), 1_000)
+        .await
+        .unwrap()
+}
+
+async fn memory_run(rules: &RuleSet, batches: &[&[CallEvent]]) -> Vec<Verdict> {
+    let mut m = MemoryStore::new();
+    let mut out = Vec::new();
+    for b in batches {
+        out.extend(m.apply_batch(rules, b).await.unwrap());
+    }
+    out
+}
+
+fn pttl(con: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(con).unwrap()
+}
+
+fn version(con: &mut redis::Connection, key: &str) -> Vec<u8> {
+    redis::cmd("GETRANGE")
+        .arg(key)
+        .arg(0)
+        .arg(7)
+        .query(con)
+        .unwrap()
+}
+
+/// A reload from a 10 s to a 30 min window: the caller's keys must outlive
+/// the new span (and so its calls 30 min apart still count), not keep the
+/// TTL set under the old rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_lengthens_the_span_sets_the_ttl_again() {
+    let server = RedisServer::start(&[]);
+    // The idempotency horizon at 160 s: the window's span decides it.
+    let short = RuleSet::from_args(None, &["s:sliding:10s:2".into()])
+        .unwrap()
+        .with_dedup(160_000)
+        .unwrap();
+    let long = RuleSet::from_args(None, &["s:sliding:30m:2".into()])
+        .unwrap()
+        .with_dedup(160_000)
+        .unwrap();
+    assert!(long.dedup_ms() >= 1_800_000, "{}", long.dedup_ms());
+    let mut store = cached(vec![server.url()], "reload:").await;
+    let caller = "+34911000001";
+    store
+        .apply_batch(&short, &[ev(caller, "c1", T0)])
+        .await
+        .unwrap();
+    store
+        .apply_batch(&long, &[ev(caller, "c2", T0 + 1_000)])
+        .await
+        .unwrap();
+    let mut con = server.connection();
+    let ttl = pttl(&mut con, &store.state_key(caller));
+    assert!(
+        ttl >= long.dedup_ms() - 60_000,
+        "PTTL {ttl} ms after the reload: the keys would expire before the new span ({} ms)",
+        long.dedup_ms()
+    );
+}
+
+/// A server that lost the commit script (a restart, `SCRIPT FLUSH`, a
+/// failover) while a batch holds a known caller's scripted write and a
+/// new caller's plain write: only the script call is sent again, so the
+/// new caller's first call is decided once (not `duplicate`, counted
+/// once), as memory decides it. Standalone and Cluster, with and without
+/// idempotency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_script_resends_only_the_script_calls() {
+    let server = RedisServer::start(&[]);
+    let cluster = RedisCluster::start();
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    for (urls, ports) in [
+        (vec![server.url()], vec![server.port]),
+        (
+            cluster.urls(),
+            cluster.nodes.iter().map(|n| n.port).collect(),
+        ),
+    ] {
+        for idempotency in [true, false] {
+            let prefix = format!("ns{idempotency}:");
+            let mut store = CachedStore::connect(config(urls.clone(), &prefix, idempotency), 100)
+                .await
+                .unwrap();
+            let known: Vec<CallEvent> = (0..8)
+                .map(|i| ev(&format!("+3491100{i:04}"), &format!("k{i}"), T0))
+                .collect();
+            // Known callers (scripted writes) and new ones (plain writes),
+            // spread over the Cluster's slots.
+            let mixed: Vec<CallEvent> = (0..8)
+                .map(|i| ev(&format!("+3491100{i:04}"), &format!("m{i}"), T0 + 10))
+                .chain((0..8).map(|i| ev(&format!("+3492200{i:04}"), &format!("n{i}"), T0 + 10)))
+                .collect();
+            let mut got = store.apply_batch(&rules, &known).await.unwrap();
+            for port in &ports {
+                assert!(raw_command(*port, "SCRIPT FLUSH")
+                    .unwrap()
+                    .starts_with("+OK"));
+            }
+            got.extend(store.apply_batch(&rules, &mixed).await.unwrap());
+            let expected = memory_run(&rules, &[&known, &mixed]).await;
+            assert_eq!(got, expected, "idempotency {idempotency}, {urls:?}");
+            assert!(got.iter().all(|v| !v.duplicate));
+            // And the records stored are the ones answered.
+            let again = store.apply_batch(&rules, &mixed).await.unwrap();
+            if idempotency {
+                for (a, g) in again.iter().zip(&got[8..]) {
+                    assert!(a.duplicate);
+                    assert_eq!(a.record, g.record);
+                }
+            }
+        }
+    }
+}
+
+/// A batch of calls already decided changes nothing, so it writes
+/// nothing: the caller keeps its version (another writer holding it, e.g.
+/// `serve` beside `consume`, is not made to re-read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_duplicates_writes_nothing() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let mut store = CachedStore::connect(config(vec![server.url()], "dup:", true), 100)
+        .await
+        .unwrap()
+        .with_records_apart_above(2);
+    let mut con = server.connection();
+    let caller = "+34911000001";
+    let calls: Vec<CallEvent> = (0..5)
+        .map(|i| ev(caller, &format!("c{i}"), T0 + i))
+        .collect();
+    // Inline records, then records kept apart.
+    for n in [1, 5] {
+        let first = store.apply_batch(&rules, &calls[..n]).await.unwrap();
+        let before = version(&mut con, &store.state_key(caller));
+        let again = store.apply_batch(&rules, &calls[..n]).await.unwrap();
+        assert!(again.iter().all(|v| v.duplicate));
+        assert_eq!(
+            again.iter().map(|v| &v.record).collect::<Vec<_>>(),
+            first.iter().map(|v| &v.record).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            version(&mut con, &store.state_key(caller)),
+            before,
+            "a batch of {n} duplicates wrote a new version"
+        );
+    }
+}
+
+/// A caller refused in its last round leaves only its own calls
+/// undecided: the other callers of the batch are written and answered,
+/// nothing of the refused caller's calls is written (so when tried again
+/// they are decided once, not as duplicates), and a conflict is counted
+/// for it alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_caller_fails_alone() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:3".into()]).unwrap();
+    let urls = vec![server.url()];
+    let mut a = CachedStore::connect(config(urls.clone(), "cont:", true), 100)
+        .await
+        .unwrap()
+        .with_max_rounds(1);
+    let mut b = cached(urls, "cont:").await;
+    let hot = "+34911000001";
+    a.apply_batch(&rules, &[ev(hot, "h1", T0)]).await.unwrap();
+    // Another writer changes the hot caller behind a's back.
+    b.apply_batch(&rules, &[ev(hot, "h2", T0 + 1)])
+        .await
+        .unwrap();
+    let batch = vec![
+        ev("+34922000001", "o1", T0 + 2),
+        ev(hot, "h3", T0 + 2),
+        ev("+34922000002", "o2", T0 + 2),
+    ];
+    let conflicts = a.conflicts();
+    let got = a.apply_batch_partial(&rules, &batch).await.unwrap();
+    assert!(got[1].is_none(), "the contended call was decided: {got:?}");
+    let expected = memory_run(&rules, &[&batch[..1], &batch[2..]]).await;
+    assert_eq!(got[0].as_ref(), Some(&expected[0]));
+    assert_eq!(got[2].as_ref(), Some(&expected[1]));
+    assert_eq!(a.conflicts(), conflicts + 1);
+    // Nothing of h3 was written: b decides it as the third call.
+    let h3 = b.apply_batch(&rules, &batch[1..2]).await.unwrap();
+    assert!(!h3[0].duplicate);
+    assert_eq!(h3[0].record.counts[0], 3);
+    // The all-or-nothing call says why, naming no caller.
+    let hot = "+34911000002";
+    let mut c = CachedStore::connect(config(vec![server.url()], "cont:", true), 100)
+        .await
+        .unwrap()
+        .with_max_rounds(1);
+    c.apply_batch(&rules, &[ev(hot, "h4", T0 + 3)])
+        .await
+        .unwrap();
+    b.apply_batch(&rules, &[ev(hot, "h5", T0 + 4)])
+        .await
+        .unwrap();
+    let err = c
+        .apply_batch(&rules, &[ev(hot, "h6", T0 + 5)])
+        .await
+        .unwrap_err();
+    assert!(err.is_transient(), "{err}");
+    assert!(!err.to_string().contains(hot), "{err}");
+}
+
+/// Two cached stores deciding one hot caller at the same time, each also
+/// with callers of its own: no call is lost or counted twice (with one
+/// fixed bucket and no limit reached, the counts of all decided calls are
+/// exactly 1..=n), and the writers' own callers are always decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_at_once_on_a_hot_caller_lose_and_double_nothing() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["f:fixed:1h:1000000".into()]).unwrap();
+    const CALLS: usize = 300;
+    let run = |w: usize| {
+        let url = server.url();
+        let rules = rules.clone();
+        tokio::spawn(async move {
+            let mut store = CachedStore::connect(config(vec![url], "hot:", true), 1_000)
+                .await
+                .unwrap()
+                .with_max_rounds(2);
+            let mut counts = Vec::new();
+            let mut undecided = 0;
+            for i in 0..CALLS {
+                let mut batch = vec![
+                    ev("+34911000001", &format!("w{w}-{i}"), T0 + 1 + i as i64),
+                    ev(
+                        &format!("+3493{w}00{:04}", i % 50),
+                        &format!("own{w}-{i}"),
+                        T0 + 1 + i as i64,
+                    ),
+                ];
+                // Bounded: a contended call is tried again, at most 50 times.
+                for _ in 0..50 {
+                    let got = store.apply_batch_partial(&rules, &batch).await.unwrap();
+                    assert!(got[1..].iter().all(Option::is_some), "an own caller failed");
+                    match &got[0] {
+                        Some(v) => {
+                            assert!(!v.duplicate);
+                            counts.push(v.record.counts[0]);
+                            break;
+                        }
+                        None => {
+                            undecided += 1;
+                            batch.truncate(1);
+                        }
+                    }
+                }
+            }
+            (counts, undecided, store.conflicts())
+        })
+    };
+    let (a, b) = tokio::join!(run(0), run(1));
+    let (mut counts, undecided_a, conflicts_a) = a.unwrap();
+    let (counts_b, undecided_b, conflicts_b) = b.unwrap();
+    counts.extend(counts_b);
+    counts.sort_unstable();
+    assert_eq!(
+        counts,
+        (1..=(2 * CALLS) as u64).collect::<Vec<_>>(),
+        "calls lost or counted twice"
+    );
+    assert!(
+        conflicts_a + conflicts_b > 0,
+        "the writers never met: the test proves nothing"
+    );
+    eprintln!(
+        "conflicts {conflicts_a} + {conflicts_b}, undecided rounds {undecided_a} + {undecided_b}"
+    );
+}
+
+/// A prefix's claim is renewed while the store runs: after a flush, an
+/// instance of the other mode that claims the prefix is refused by the
+/// running one's next batch instead of both counting their own share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_claim_is_made_again() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let mut store = cached(vec![server.url()], "claim:").await;
+    store
+        .apply_batch(&rules, &[ev("+34911000001", "c1", T0)])
+        .await
+        .unwrap();
+    assert!(raw_command(server.port, "FLUSHALL")
+        .unwrap()
+        .starts_with("+OK"));
+    let _script = RedisStore::connect(config(vec![server.url()], "claim:", true))
+        .await
+        .unwrap();
+    tokio::time::sleep(callguard::store::redis::CLAIM_EVERY + Duration::from_millis(100)).await;
+    let err = store
+        .apply_batch(&rules, &[ev("+34911000001", "c2", T0 + 1)])
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--redis-mode script"), "{err}");
+}
+
+/// A prefix written by a callguard that recorded no mode (the window
+/// script's layout, before the mode key) is refused by both stores with a
+/// message that says what to do; a prefix without keys is claimed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_without_a_mode_but_with_state_is_refused() {
+    let server = RedisServer::start(&[]);
+    let cluster = RedisCluster::start();
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    for urls in [vec![server.url()], cluster.urls()] {
+        let mut old = RedisStore::connect(config(urls.clone(), "old:", true))
+            .await
+            .unwrap();
+        let events: Vec<CallEvent> = (0..20)
+            .map(|i| ev(&format!("+349110{i:05}"), &format!("c{i}"), T0))
+            .collect();
+        old.apply_batch(&rules, &events).await.unwrap();
+        let mut con = redis::Client::open(urls[0].as_str())
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        // Where the mode key lives (on a Cluster: whichever node holds it).
+        let deleted: i64 = if urls.len() > 1 {
+            let c = redis::cluster::ClusterClient::new(urls.clone()).unwrap();
+            redis::cmd("DEL")
+                .arg("old:mode")
+                .query(&mut c.get_connection().unwrap())
+                .unwrap()
+        } else {
+            redis::cmd("DEL").arg("old:mode").query(&mut con).unwrap()
+        };
+        assert_eq!(deleted, 1);
+        let err = CachedStore::connect(config(urls.clone(), "old:", true), 10)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("did not record its mode"), "{err}");
+        assert!(err.contains("SET old:mode script"), "{err}");
+        let err = RedisStore::connect(config(urls.clone(), "old:", true))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("did not record its mode"), "{err}");
+        // An empty prefix is simply claimed.
+        cached(urls, "new:").await;
+    }
+}
