@@ -683,9 +683,9 @@ async fn cached_store_reads_back_a_log_kept_apart_of_a_caller_it_thought_new() {
     assert_eq!(second.conflicts(), 2, "each caller was refused once");
 }
 
-/// The cached store keeps one hash per caller (plus block keys and logs
-/// kept apart), every key with a TTL, all expiring once the horizons pass;
-/// a flushed script is loaded again.
+/// The cached store keeps one string per caller (plus block keys, and
+/// records and logs kept apart), every key with a TTL, all expiring once
+/// the horizons pass; a flushed script is loaded again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
     let server = RedisServer::start(&[]);
@@ -700,7 +700,14 @@ async fn cached_store_keys_have_ttls_and_survive_a_script_flush() {
     .unwrap()
     .with_dedup(700)
     .unwrap();
-    let mut store = CachedStore::connect(config(vec![server.url()], "cttl:"), 1_000)
+    // Wall-clock TTLs of the 0.7 s horizon plus 3 s of slack: long enough
+    // that a slow machine never expires a caller between two of its
+    // batches, short enough that the test waits seconds for the expiry.
+    let slack = RedisConfig {
+        ttl_slack: Duration::from_secs(3),
+        ..config(vec![server.url()], "cttl:")
+    };
+    let mut store = CachedStore::connect(slack, 1_000)
         .await
         .unwrap()
         .with_log_apart_above(3)

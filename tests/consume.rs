@@ -116,7 +116,7 @@ struct Running {
 }
 
 async fn start_in_process(config: ConsumeConfig, redis_url: &str, rules: RuleSet) -> Running {
-    start_in_process_with(config, redis_url, rules, false).await
+    start_in_process_with(config, redis_url, rules, true).await
 }
 
 /// [`start_in_process`] with the window script (`cached = false`) or the
@@ -330,18 +330,18 @@ async fn tansu_100k_events_decisions_and_features_equal_replay() {
     assert_features_topic(&s, &brokers, Duration::from_secs(300)).await;
 }
 
-/// `--redis-mode cached` on a real broker: the same records as the replay.
+/// `--redis-mode script` on a real broker: the same records as the replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tansu_cached_mode_decisions_equal_replay() {
+async fn tansu_script_mode_decisions_equal_replay() {
     let redis = RedisServer::start(&[]);
     let (_tansu, brokers) = tansu_with_topics();
     let s = sample(30_000, 15).await;
     produce_sample(&s, &brokers).await;
     let run = start_in_process_with(
-        config(&brokers, "g-tansu-cached"),
+        config(&brokers, "g-tansu-script"),
         &redis.url(),
         s.rules.clone(),
-        true,
+        false,
     )
     .await;
     let records =
@@ -355,16 +355,16 @@ async fn sigkill_at_random_points_still_one_decision_per_call() {
     sigkill_rounds(&rules_path(), 13, "g-crash", &[]).await;
 }
 
-/// The cached store after SIGKILLs: each new process reads the callers'
-/// state and records back from Redis, so every call still has one record,
-/// equal to the replay.
+/// The window script after SIGKILLs: every call still has one record,
+/// equal to the replay (the default, cached, store reads the callers'
+/// state and records back from Redis in each new process).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cached_mode_sigkill_at_random_points_still_one_decision_per_call() {
+async fn script_mode_sigkill_at_random_points_still_one_decision_per_call() {
     sigkill_rounds(
         &rules_path(),
         14,
-        "g-crash-cached",
-        &["--redis-mode", "cached"],
+        "g-crash-script",
+        &["--redis-mode", "script"],
     )
     .await;
 }
@@ -507,12 +507,13 @@ async fn three_instances_one_stopped_midway_lose_nothing() {
     group_with_one_stopped_midway(3, 14, &[]).await;
 }
 
-/// A rebalance with the cached store: while partitions move, two
-/// instances may decide the same callers; version-checked writes make the
-/// later one re-read, so no call is lost or decided twice differently.
+/// The same with the window script. (With the default, cached, store,
+/// two instances may decide the same callers while partitions move;
+/// version-checked writes make the later one re-read, so no call is lost
+/// or decided twice differently.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cached_mode_three_instances_one_stopped_midway_lose_nothing() {
-    group_with_one_stopped_midway(3, 17, &["--redis-mode", "cached"]).await;
+async fn script_mode_three_instances_one_stopped_midway_lose_nothing() {
+    group_with_one_stopped_midway(3, 17, &["--redis-mode", "script"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -240,10 +240,10 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects() {
     declines_exactly_the_rejected_calls(&[]);
 }
 
-/// The same with `serve --redis-mode cached`.
+/// The same with `serve --redis-mode script`.
 #[test]
-fn kamailio_declines_exactly_the_calls_callguard_rejects_in_cached_mode() {
-    declines_exactly_the_rejected_calls(&["--redis-mode", "cached"]);
+fn kamailio_declines_exactly_the_calls_callguard_rejects_in_script_mode() {
+    declines_exactly_the_rejected_calls(&["--redis-mode", "script"]);
 }
 
 fn declines_exactly_the_rejected_calls(mode: &[&str]) {
@@ -365,10 +365,10 @@ fn kamailio_alone_declines_a_blocked_caller_until_its_key_expires() {
     blocked_until_the_key_expires(&[]);
 }
 
-/// The same with the block keys set by the cached store's commit script.
+/// The same with the block keys set by the window script.
 #[test]
-fn kamailio_alone_declines_a_blocked_caller_in_cached_mode() {
-    blocked_until_the_key_expires(&["--redis-mode", "cached"]);
+fn kamailio_alone_declines_a_blocked_caller_in_script_mode() {
+    blocked_until_the_key_expires(&["--redis-mode", "script"]);
 }
 
 fn blocked_until_the_key_expires(mode: &[&str]) {

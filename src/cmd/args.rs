@@ -262,8 +262,9 @@ pub enum RedisMode {
     /// sorted sets and hashes.
     Script,
     /// In callguard, on per-caller state cached in memory and written back
-    /// to one Redis hash per caller, each write checked against the version
-    /// it read: a fraction of the Redis work per call.
+    /// to one Redis string per caller (a busy caller's log and records in
+    /// keys of their own), each write checked against the version it read:
+    /// a fraction of the Redis work per call.
     Cached,
 }
 
@@ -290,15 +291,19 @@ pub struct StoreArgs {
     /// Use the Redis Cluster client (implied by several URLs).
     #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]
     pub redis_cluster: bool,
-    /// Where the window algorithm runs with Redis. `script`: in a Lua
-    /// script in Redis. `cached`: in callguard, on each caller's state cached
-    /// in memory, written back to one Redis hash per caller under a version
-    /// check (another writer of the caller, e.g. a second instance after a
-    /// rebalance, makes callguard re-read and decide again), so Redis does
-    /// a few writes per call instead of the algorithm. Same records either
+    /// Where the window algorithm runs with Redis. `cached` (the default):
+    /// in callguard, on each caller's state cached in memory and written
+    /// back to Redis under a version check, so Redis does a write or two per
+    /// caller and batch instead of the algorithm; the partitioning by caller
+    /// gives each caller one writer, and another writer of a caller (a
+    /// second instance during a rebalance, `serve` beside `consume`) makes
+    /// callguard re-read and decide again. `script`: in a Lua script in
+    /// Redis, every call decided there; no retries when several instances
+    /// decide the same callers at once (several `serve` instances behind a
+    /// load balancer that does not route by caller). Same records either
     /// way; the two keep different keys, so every instance on a
     /// --key-prefix must use the same mode (the prefix records it).
-    #[arg(long, value_enum, env = "CALLGUARD_REDIS_MODE", default_value_t = RedisMode::Script)]
+    #[arg(long, value_enum, env = "CALLGUARD_REDIS_MODE", default_value_t = RedisMode::Cached)]
     pub redis_mode: RedisMode,
     /// Most callers kept in memory with --redis-mode cached; beyond it the
     /// idle ones are dropped first, and a dropped caller's next call
