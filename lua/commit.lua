@@ -42,11 +42,15 @@
 --     the string is created only if absent, with its TTL):
 --     1. log operation: '-' log in the state, no string; K keep the
 --        string; A append the bytes below; S set the string to them;
---        D delete the string;
+--        D delete the string; C (with the other flags '-', an empty new
+--        string and an expected version) only check the version: write
+--        nothing, and refuse as usual if it changed (a batch of calls
+--        already decided);
 --     2. records operation: '-' records inline, no hash; H the hash: set
 --        and delete the records below; S records moved out: the hash
 --        replaced by the records set below; D records moved inline:
---        delete the hash;
+--        delete the hash (UNLINK: a flood's hash is freed off the main
+--        thread);
 --     3. 'B' to set the block key, else '-';
 --     4. 'T' to set the TTL below, else '-' to keep the keys' TTLs (which
 --        callguard does only while the TTL it set last still covers the
@@ -67,7 +71,7 @@
 
 local call, tonumber, byte, sub = redis.call, tonumber, string.byte, string.sub
 local CHUNK = 1000
-local DASH, K, A, S, D, H, B, T = byte('-KASDHBT', 1, 8)
+local DASH, K, A, S, D, H, B, T, C = byte('-KASDHBTC', 1, 9)
 
 -- HSET/HDEL of ARGV[first..last] in chunks: Lua's unpack has a stack
 -- limit. CHUNK is even, so field/value pairs stay together.
@@ -86,7 +90,7 @@ while k <= #KEYS do
   local key = KEYS[k]
   k = k + 1
   local lkey, rkey, bkey, ttl, lbytes, reason, bttl
-  if lop ~= DASH then lkey = KEYS[k]; k = k + 1 end
+  if lop ~= DASH and lop ~= C then lkey = KEYS[k]; k = k + 1 end
   if rop ~= DASH then rkey = KEYS[k]; k = k + 1 end
   if blk == B then bkey = KEYS[k]; k = k + 1 end
   if ttlf == T then ttl = ARGV[a]; a = a + 1 end
@@ -101,7 +105,9 @@ while k <= #KEYS do
     a = last + 1
   end
   local written
-  if #head == 4 then
+  if lop == C then
+    written = call('GETRANGE', key, 0, 7) == sub(head, 5, 12)
+  elseif #head == 4 then
     written = call('SET', key, value, 'NX', 'PX', ttl)
   elseif call('GETRANGE', key, 0, 7) == sub(head, 5, 12) then
     if ttl then
@@ -113,21 +119,21 @@ while k <= #KEYS do
   if not written then
     out[#out + 1] = i
     out[#out + 1] = call('GET', key)
-  else
-    if rop == S then call('DEL', rkey) end
+  elseif lop ~= C then
+    if rop == S then call('UNLINK', rkey) end
     if rop == H or rop == S then
       if dels > sets then chunked('HSET', rkey, sets, dels - 1) end
       if last >= dels then chunked('HDEL', rkey, dels, last) end
       if ttl then call('PEXPIRE', rkey, ttl) end
     elseif rop == D then
-      call('DEL', rkey)
+      call('UNLINK', rkey)
     end
     if lop == A then
       call('APPEND', lkey, lbytes)
     elseif lop == S then
       call('SET', lkey, lbytes)
     elseif lop == D then
-      call('DEL', lkey)
+      call('UNLINK', lkey)
     end
     if ttl and (lop == K or lop == A or lop == S) then
       call('PEXPIRE', lkey, ttl)

@@ -380,3 +380,63 @@ async fn a_prefix_without_a_mode_but_with_state_is_refused() {
         cached(urls, "new:").await;
     }
 }
+
+/// A flooding caller's records are read back and trimmed a bounded amount
+/// per call: with 100,000 records kept apart, a reload (the cache
+/// cleared), a jump in time that trims half of them, and one past the
+/// horizon, Redis runs no command for 10 ms or more (its slow log), the
+/// hash ends up holding exactly the records the state keeps, and every
+/// decision equals memory's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_callers_records_are_loaded_and_trimmed_in_bounded_steps() {
+    let server = RedisServer::start(&["--slowlog-log-slower-than", "10000"]);
+    let rules = RuleSet::from_args(None, &["s:sliding:10m:1000000".into()])
+        .unwrap()
+        .with_dedup(1_200_000)
+        .unwrap();
+    let mut store = cached(vec![server.url()], "flood:").await;
+    let caller = "+34911000009";
+    let flood: Vec<CallEvent> = (0..100_000i64)
+        .map(|i| ev(caller, &format!("f{i}"), T0 + i * 10))
+        .collect();
+    let mut batches: Vec<Vec<CallEvent>> = flood.chunks(1_000).map(<[_]>::to_vec).collect();
+    let end = T0 + 1_000_000;
+    // After the flood: a reload; a jump trimming the first half; calls
+    // that drain the trimmed records; a call past the horizon.
+    let later = |id: &str, ts: i64| vec![ev(caller, id, ts)];
+    let tail = vec![later("reload", end), later("jump", end + 700_000)];
+    let drain: Vec<Vec<CallEvent>> = (0..60)
+        .map(|i| later(&format!("d{i}"), end + 700_001 + i))
+        .collect();
+    let afresh = later("afresh", end + 5_000_000);
+    let mut con = server.connection();
+    let mut got = Vec::new();
+    for b in &batches {
+        got.extend(store.apply_batch(&rules, b).await.unwrap());
+    }
+    let _: () = redis::cmd("SLOWLOG").arg("RESET").query(&mut con).unwrap();
+    store.clear_cache();
+    for b in tail.iter().chain(&drain) {
+        got.extend(store.apply_batch(&rules, b).await.unwrap());
+    }
+    let records = store.records_key(caller);
+    let held: i64 = redis::cmd("HLEN").arg(&records).query(&mut con).unwrap();
+    // Calls after about end + 700_000 - 1_200_000 are kept: the flood's
+    // last 50,000 or so and the 62 since (the engine trims by its own
+    // horizon, a few calls either way); the other 50,000 left the hash.
+    assert!(
+        (49_900..=50_100).contains(&held),
+        "{held} records in the hash: the trimmed ones were not deleted"
+    );
+    got.extend(store.apply_batch(&rules, &afresh).await.unwrap());
+    let slow: Vec<redis::Value> = redis::cmd("SLOWLOG").arg("GET").query(&mut con).unwrap();
+    assert!(
+        slow.is_empty(),
+        "Redis ran commands for 10 ms or more: {slow:?}"
+    );
+    batches.extend(tail);
+    batches.extend(drain);
+    batches.push(afresh);
+    let refs: Vec<&[CallEvent]> = batches.iter().map(Vec::as_slice).collect();
+    assert_eq!(got, memory_run(&rules, &refs).await);
+}

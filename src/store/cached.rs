@@ -76,6 +76,12 @@ pub const DEFAULT_LOG_APART_ABOVE: usize = 128;
 /// they move back in at a quarter of it.
 pub const DEFAULT_RECORDS_APART_ABOVE: usize = 32;
 
+/// Records read per call when loading a busy caller's records hash
+/// (`HSCAN ... COUNT`), and most records deleted from it per write: a
+/// flooding caller's records are read and trimmed a bounded amount at a
+/// time, never in one call that holds Redis for long.
+pub const SCAN_COUNT: usize = 1_000;
+
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
 
@@ -137,6 +143,9 @@ struct Cached {
     log: PackedLog,
     /// Where the records are kept.
     records: Records,
+    /// Records trimmed from the state but still in the records hash, to
+    /// delete with the caller's next writes (see [`SCAN_COUNT`]).
+    stale: Vec<CompactString>,
 }
 
 /// Where a caller's records are kept in Redis.
@@ -195,6 +204,8 @@ struct Write<'a> {
     caller: &'a str,
     /// Its caller's place in the batch's list of callers.
     pending: usize,
+    /// Only check that the caller's version is `expected`; write nothing.
+    check: bool,
     expected: Option<u64>,
     version: u64,
     /// The TTL to set (ms), or `None` to leave the keys'.
@@ -317,6 +328,10 @@ pub struct CachedStore {
     watermark: i64,
     /// Commits refused because another writer had changed the caller.
     conflicts: u64,
+    /// Writes refused because a caller believed new existed (a first
+    /// sight after a restart, a rebalance or an eviction): misses, not
+    /// conflicts.
+    misses: u64,
     /// Batches so far (the cache's clock for least recent use).
     batches: u64,
     /// When the prefix's mode was last claimed (see [`CLAIM_EVERY`]).
@@ -354,6 +369,7 @@ impl CachedStore {
             max_callers: max_callers.max(1),
             watermark: i64::MIN,
             conflicts: 0,
+            misses: 0,
             batches: 0,
             claimed: std::time::Instant::now(),
             max_rounds: DEFAULT_MAX_ROUNDS,
@@ -395,6 +411,12 @@ impl CachedStore {
     /// caller (each was decided again on the current state).
     pub fn conflicts(&self) -> u64 {
         self.conflicts
+    }
+
+    /// Writes refused so far because a caller believed new existed (its
+    /// state was then read, and its calls decided on it).
+    pub fn misses(&self) -> u64 {
+        self.misses
     }
 
     /// Callers held in memory.
@@ -475,9 +497,11 @@ impl CachedStore {
         }
     }
 
-    /// Decides `p`'s events on its cached state and says what to write;
-    /// nothing when every one of them was a call already decided (a
-    /// duplicate changes no state, so the caller keeps its version).
+    /// Decides `p`'s events on its cached state and says what to write.
+    /// When every one of them was a call already decided (a duplicate
+    /// changes no state), the write only checks that the caller's version
+    /// is still the one cached, and writes nothing: the caller keeps its
+    /// version, and a cache another writer made stale is still caught.
     fn decide<'a>(
         &self,
         rules: &RuleSet,
@@ -512,7 +536,21 @@ impl CachedStore {
             verdicts[i] = Some(v);
         }
         if !changed {
-            return None;
+            return Some(Write {
+                caller: p.caller,
+                pending: at,
+                check: true,
+                expected: p.cached.version,
+                version: p.cached.version.unwrap_or_default(),
+                ttl_ms: None,
+                log_op: LogOp::Inline,
+                log: p.cached.log,
+                value: Vec::new(),
+                records_op: RecordsOp::Inline,
+                sets: Vec::new(),
+                dels: Vec::new(),
+                block: None,
+            });
         }
         let state = &p.cached.state;
         let (records_op, sets, dels) = match &mut p.cached.records {
@@ -539,15 +577,19 @@ impl CachedStore {
                     .map(|(id, v)| (CompactString::from(id), v.to_reply()))
                     .collect();
                 p.cached.records = Records::Inline(all);
+                p.cached.stale.clear();
                 (RecordsOp::Delete, Vec::new(), Vec::new())
             }
             Records::Apart => {
-                // A record trimmed and then made again in this batch stays.
-                let dels = journal
-                    .dropped_records
-                    .iter()
+                // Trimmed records leave the hash at most SCAN_COUNT a
+                // write; the rest wait for the caller's next writes. A
+                // record trimmed and then made again in this batch stays.
+                let stale = &mut p.cached.stale;
+                stale.extend(journal.dropped_records.drain(..));
+                let n = stale.len().min(SCAN_COUNT);
+                let dels = stale
+                    .drain(..n)
                     .filter(|id| !state.holds_record(id))
-                    .cloned()
                     .collect();
                 (RecordsOp::Hash, made, dels)
             }
@@ -562,6 +604,7 @@ impl CachedStore {
         Some(Write {
             caller: p.caller,
             pending: at,
+            check: false,
             expected: p.cached.version,
             version,
             ttl_ms: (!fresh || must_set_ttl).then_some(ttl.ms),
@@ -603,7 +646,7 @@ impl CachedStore {
         }
         for w in writes {
             let mut head = [0u8; 12];
-            head[0] = w.log_op.code();
+            head[0] = if w.check { b'C' } else { w.log_op.code() };
             head[1] = w.records_op.code();
             head[2] = if w.block.is_some() { b'B' } else { b'-' };
             head[3] = if w.ttl_ms.is_some() { b'T' } else { b'-' };
@@ -746,8 +789,12 @@ impl CachedStore {
         Ok(refused)
     }
 
-    /// The whole state of the callers of `which` writes (state string,
-    /// records hash, log kept apart), read in one transaction.
+    /// The whole state of the callers of `which` writes: state string,
+    /// records hash and log kept apart, read in one transaction with the
+    /// first [`SCAN_COUNT`] records; a busy caller's further records are
+    /// read [`SCAN_COUNT`] at a time (`HSCAN`), so no call holds Redis for
+    /// long, and its version is checked again after them: a caller written
+    /// meanwhile is read again.
     async fn read_back(
         &self,
         conn: &mut Conn,
@@ -759,29 +806,70 @@ impl CachedStore {
         for &i in &which {
             let caller = writes[i].caller;
             pipe.cmd("GET").arg(self.state_key(caller));
-            pipe.cmd("HGETALL").arg(self.records_key(caller));
+            pipe.cmd("HSCAN")
+                .arg(self.records_key(caller))
+                .arg(0)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
             pipe.cmd("GET").arg(self.log_key(caller));
         }
         let mut it = conn
             .query(&pipe, self.config.timeout * 2)
             .await?
             .into_iter();
-        which
-            .into_iter()
-            .map(|write| {
-                let (Some(value), Some(Value::Array(hash)), Some(log)) =
-                    (it.next(), it.next(), it.next())
-                else {
-                    return Err(unexpected("a malformed read back".into()));
-                };
-                Ok(Refused {
-                    write,
-                    value: bulk(value)?,
-                    hash,
-                    log: bulk(log)?,
-                })
-            })
-            .collect()
+        let mut out = Vec::with_capacity(which.len());
+        let mut again = Vec::new();
+        for write in which {
+            let (Some(value), Some(scan), Some(log)) = (it.next(), it.next(), it.next()) else {
+                return Err(unexpected("a malformed read back".into()));
+            };
+            let value = bulk(value)?;
+            let (mut cursor, mut hash) = scanned(scan)?;
+            if cursor != 0 {
+                let records = self.records_key(writes[write].caller);
+                while cursor != 0 {
+                    let mut pipe = redis::pipe();
+                    pipe.cmd("HSCAN")
+                        .arg(&records)
+                        .arg(cursor)
+                        .arg("COUNT")
+                        .arg(SCAN_COUNT);
+                    let reply = conn.query(&pipe, self.config.timeout).await?.pop();
+                    let (next, more) = scanned(reply.unwrap_or(Value::Nil))?;
+                    hash.extend(more);
+                    cursor = next;
+                }
+                let mut pipe = redis::pipe();
+                pipe.cmd("GETRANGE")
+                    .arg(self.state_key(writes[write].caller))
+                    .arg(0)
+                    .arg(7);
+                let now = bulk(
+                    conn.query(&pipe, self.config.timeout)
+                        .await?
+                        .pop()
+                        .unwrap_or(Value::Nil),
+                )?;
+                let before = value.as_deref().and_then(|v| v.get(..8));
+                if now.as_deref() != before {
+                    again.push(write);
+                    continue;
+                }
+                hash = distinct_fields(hash);
+            }
+            out.push(Refused {
+                write,
+                value,
+                hash,
+                log: bulk(log)?,
+            });
+        }
+        if !again.is_empty() {
+            // Written while its records were read: read it again (boxed,
+            // as the future calls itself).
+            out.extend(Box::pin(self.read_back(conn, writes, again)).await?);
+        }
+        Ok(out)
     }
 
     /// One attempt at a batch: up to [`DEFAULT_MAX_ROUNDS`] rounds of deciding and
@@ -825,7 +913,10 @@ impl CachedStore {
                     refused_set[r.write] = true;
                     let w = &writes[r.write];
                     // A caller it had never seen is a miss, not a conflict.
-                    self.conflicts += u64::from(w.expected.is_some());
+                    match w.expected {
+                        Some(_) => self.conflicts += 1,
+                        None => self.misses += 1,
+                    }
                     let p = &mut pending[w.pending];
                     *p.cached = load(p.caller, r.value, r.hash, r.log)?;
                     next.push(w.pending);
@@ -943,6 +1034,35 @@ fn refusals(
         found.push((*at, bulk(value)?));
     }
     Ok(())
+}
+
+/// An `HSCAN` reply: the next cursor and the field/value pairs.
+fn scanned(reply: Value) -> Result<(u64, Vec<Value>), redis::RedisError> {
+    let Value::Array(mut parts) = reply else {
+        return Err(unexpected(format!("HSCAN answered {reply:?}")));
+    };
+    let (Some(Value::Array(items)), Some(cursor)) = (parts.pop(), parts.pop()) else {
+        return Err(unexpected("a malformed HSCAN reply".into()));
+    };
+    let cursor = text(&cursor)
+        .and_then(|c| std::str::from_utf8(c).ok()?.parse().ok())
+        .ok_or_else(|| unexpected("an HSCAN cursor".into()))?;
+    Ok((cursor, items))
+}
+
+/// Field/value pairs with each field once (`HSCAN` may return a field
+/// twice across calls).
+fn distinct_fields(pairs: Vec<Value>) -> Vec<Value> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(pairs.len());
+    let mut it = pairs.into_iter();
+    while let (Some(field), Some(value)) = (it.next(), it.next()) {
+        if text(&field).is_some_and(|f| seen.insert(f.to_vec())) {
+            out.push(field);
+            out.push(value);
+        }
+    }
+    out
 }
 
 /// A string of a reply, or nil.
@@ -1094,6 +1214,7 @@ fn load(
         version: Some(version),
         ttl_until: None,
         used: 0,
+        stale: Vec::new(),
         log: log_form,
         records,
     })
