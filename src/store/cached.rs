@@ -585,7 +585,7 @@ impl CachedStore {
                 // write; the rest wait for the caller's next writes. A
                 // record trimmed and then made again in this batch stays.
                 let stale = &mut p.cached.stale;
-                stale.extend(journal.dropped_records.drain(..));
+                stale.append(&mut journal.dropped_records);
                 let n = stale.len().min(SCAN_COUNT);
                 let dels = stale
                     .drain(..n)
