@@ -35,7 +35,7 @@ use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::engine::window::{CallerState, Journal, PackedLog};
 use crate::error::StoreError;
-use crate::store::redis::{classify, Conn, RedisConfig, CLAIM_EVERY};
+use crate::store::redis::{classify, Conn, RedisConfig};
 use crate::store::WindowStore;
 
 /// The commit script (see its header for KEYS, ARGV and the reply).
@@ -221,7 +221,7 @@ struct Write<'a> {
     block: Option<(CompactString, i64)>,
 }
 
-impl Write<'_> {
+impl<'a> Write<'a> {
     /// The keys its commit declares, in `lua/commit.lua`'s order, as
     /// (head, tail) of `<prefix><head>{<caller>}<tail>`: the state string,
     /// then the log, the records hash and the block key when it touches
@@ -235,6 +235,26 @@ impl Write<'_> {
         ]
         .into_iter()
         .flatten()
+    }
+
+    /// A write of nothing that only checks that the caller's version is
+    /// still `cached`'s (its calls in the batch were all decided before).
+    fn check(caller: &'a str, pending: usize, cached: &Cached) -> Self {
+        Write {
+            caller,
+            pending,
+            check: true,
+            expected: cached.version,
+            version: cached.version.unwrap_or_default(),
+            ttl_ms: None,
+            log_op: LogOp::Inline,
+            log: cached.log,
+            value: Vec::new(),
+            records_op: RecordsOp::Inline,
+            sets: Vec::new(),
+            dels: Vec::new(),
+            block: None,
+        }
     }
 
     /// The TTL of a write that only creates a new caller's state string
@@ -258,11 +278,18 @@ fn self_contained(value: &[u8]) -> bool {
             .is_some_and(|(_, log)| log == PackedLog::Inline)
 }
 
-/// A refused write: the caller's state as Redis holds it.
+/// A refused write, with the caller's state as Redis holds it.
 struct Refused {
     /// Which of the round's writes.
     write: usize,
-    /// The caller's state string (`None`: the caller has none).
+    /// The state read; `None` when the caller was written again while its
+    /// records were read (the next round reads it again).
+    read: Option<Found>,
+}
+
+/// A caller's state as read from Redis.
+struct Found {
+    /// Its state string (`None`: the caller has none).
     value: Option<Vec<u8>>,
     /// Its records hash, as `HGETALL` returns it (empty unless kept apart).
     hash: Vec<Value>,
@@ -334,7 +361,7 @@ pub struct CachedStore {
     misses: u64,
     /// Batches so far (the cache's clock for least recent use).
     batches: u64,
-    /// When the prefix's mode was last claimed (see [`CLAIM_EVERY`]).
+    /// When the prefix's mode was last claimed (see [`crate::store::redis::CLAIM_EVERY`]).
     claimed: std::time::Instant,
     /// See [`DEFAULT_MAX_ROUNDS`].
     max_rounds: usize,
@@ -509,7 +536,7 @@ impl CachedStore {
         (at, p): (usize, &mut Pending<'a>),
         verdicts: &mut [Option<Verdict>],
         ttl: TtlPlan,
-    ) -> Option<Write<'a>> {
+    ) -> Write<'a> {
         let idem = self.config.idempotency;
         let mut journal = Journal::default();
         let old_len = p.cached.state.log().len();
@@ -536,21 +563,7 @@ impl CachedStore {
             verdicts[i] = Some(v);
         }
         if !changed {
-            return Some(Write {
-                caller: p.caller,
-                pending: at,
-                check: true,
-                expected: p.cached.version,
-                version: p.cached.version.unwrap_or_default(),
-                ttl_ms: None,
-                log_op: LogOp::Inline,
-                log: p.cached.log,
-                value: Vec::new(),
-                records_op: RecordsOp::Inline,
-                sets: Vec::new(),
-                dels: Vec::new(),
-                block: None,
-            });
+            return Write::check(p.caller, at, &p.cached);
         }
         let state = &p.cached.state;
         let (records_op, sets, dels) = match &mut p.cached.records {
@@ -601,7 +614,7 @@ impl CachedStore {
         // SET drops a key's TTL, and a new hash has none: a replaced log
         // or records moved out get it again.
         let must_set_ttl = matches!(log_op, LogOp::Set(_)) || records_op == RecordsOp::Replace;
-        Some(Write {
+        Write {
             caller: p.caller,
             pending: at,
             check: false,
@@ -615,7 +628,7 @@ impl CachedStore {
             sets,
             dels,
             block,
-        })
+        }
     }
 
     /// The commit call for `writes`.
@@ -777,9 +790,11 @@ impl CachedStore {
                 Some(value) if !self_contained(&value) => read_back.push(write),
                 value => refused.push(Refused {
                     write,
-                    value,
-                    hash: Vec::new(),
-                    log: None,
+                    read: Some(Found {
+                        value,
+                        hash: Vec::new(),
+                        log: None,
+                    }),
                 }),
             }
         }
@@ -794,7 +809,7 @@ impl CachedStore {
     /// first [`SCAN_COUNT`] records; a busy caller's further records are
     /// read [`SCAN_COUNT`] at a time (`HSCAN`), so no call holds Redis for
     /// long, and its version is checked again after them: a caller written
-    /// meanwhile is read again.
+    /// meanwhile comes back unread.
     async fn read_back(
         &self,
         conn: &mut Conn,
@@ -818,7 +833,6 @@ impl CachedStore {
             .await?
             .into_iter();
         let mut out = Vec::with_capacity(which.len());
-        let mut again = Vec::new();
         for write in which {
             let (Some(value), Some(scan), Some(log)) = (it.next(), it.next(), it.next()) else {
                 return Err(unexpected("a malformed read back".into()));
@@ -852,22 +866,21 @@ impl CachedStore {
                 )?;
                 let before = value.as_deref().and_then(|v| v.get(..8));
                 if now.as_deref() != before {
-                    again.push(write);
+                    // Written while its records were read: read again in
+                    // the next round, which the round limit bounds.
+                    out.push(Refused { write, read: None });
                     continue;
                 }
                 hash = distinct_fields(hash);
             }
             out.push(Refused {
                 write,
-                value,
-                hash,
-                log: bulk(log)?,
+                read: Some(Found {
+                    value,
+                    hash,
+                    log: bulk(log)?,
+                }),
             });
-        }
-        if !again.is_empty() {
-            // Written while its records were read: read it again (boxed,
-            // as the future calls itself).
-            out.extend(Box::pin(self.read_back(conn, writes, again)).await?);
         }
         Ok(out)
     }
@@ -918,7 +931,9 @@ impl CachedStore {
                         None => self.misses += 1,
                     }
                     let p = &mut pending[w.pending];
-                    *p.cached = load(p.caller, r.value, r.hash, r.log)?;
+                    if let Some(Found { value, hash, log }) = r.read {
+                        *p.cached = load(p.caller, value, hash, log)?;
+                    }
                     next.push(w.pending);
                 }
                 for (write, _) in writes.iter().zip(refused_set).filter(|(_, r)| !r) {
@@ -972,11 +987,8 @@ impl CachedStore {
         for group in todo.chunks(CALLERS_PER_CALL) {
             let writes: Vec<Write> = group
                 .iter()
-                .filter_map(|&at| self.decide(rules, events, (at, &mut pending[at]), verdicts, ttl))
+                .map(|&at| self.decide(rules, events, (at, &mut pending[at]), verdicts, ttl))
                 .collect();
-            if writes.is_empty() {
-                continue;
-            }
             inflight.push_back(self.commit(writes));
             // Start sending it (and let the connection's task write it).
             if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
@@ -1247,7 +1259,7 @@ impl WindowStore for CachedStore {
         }
         let prefix = &self.config.key_prefix;
         self.conn
-            .keep_mode_every(prefix, MODE, &mut self.claimed, CLAIM_EVERY)
+            .keep_mode_every(prefix, MODE, &mut self.claimed)
             .await?;
         self.try_batch(rules, events).await
     }

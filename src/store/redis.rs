@@ -311,7 +311,7 @@ impl Conn {
         self.keep_mode(prefix, mode).await.map(|_| ())
     }
 
-    /// [`Conn::keep_mode`] once `every` has passed since `*claimed`; a
+    /// [`Conn::keep_mode`] once [`CLAIM_EVERY`] has passed since `*claimed`; a
     /// claim found gone is logged, since every window and record of the
     /// prefix went with it.
     pub(crate) async fn keep_mode_every(
@@ -319,9 +319,8 @@ impl Conn {
         prefix: &str,
         mode: &str,
         claimed: &mut std::time::Instant,
-        every: Duration,
     ) -> Result<(), StoreError> {
-        if claimed.elapsed() < every {
+        if claimed.elapsed() < CLAIM_EVERY {
             return Ok(());
         }
         if self.keep_mode(prefix, mode).await? {
@@ -702,7 +701,7 @@ impl RedisStore {
         }
         let prefix = &self.config.key_prefix;
         self.conn
-            .keep_mode_every(prefix, MODE, &mut self.claimed, CLAIM_EVERY)
+            .keep_mode_every(prefix, MODE, &mut self.claimed)
             .await?;
         let groups = self
             .conn
