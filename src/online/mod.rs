@@ -6,12 +6,14 @@
 //! * [`produce`]: loading call events into a topic, keyed by caller.
 //! * [`kafka`]: client settings and the embedded mock cluster.
 //! * [`metrics`]: Prometheus metrics, `/healthz` and `/readyz`.
+//! * [`policy`]: the store call both paths make, timed and counted.
 //! * [`reload`]: rule reloads on SIGHUP and file changes.
 //! * [`serve`]: `callguard serve`, the check API a switch calls per INVITE.
 
 pub mod consumer;
 pub mod kafka;
 pub mod metrics;
+pub mod policy;
 pub mod produce;
 pub mod reload;
 pub mod serve;

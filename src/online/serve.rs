@@ -55,6 +55,7 @@ use crate::online::consumer::encode::{check_future_skew, now_ms};
 use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
+use crate::online::policy::apply_observed;
 use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
@@ -321,32 +322,16 @@ async fn batcher<S: WindowStore>(
         let (events, replies): (Vec<CallEvent>, Vec<_>) =
             jobs.drain(..).map(|j| (j.event, j.reply)).unzip();
         metrics.batch_size.observe(events.len() as f64);
-        let start = Instant::now();
-        let conflicts = store.conflicts();
-        let result = store.apply_batch_partial(&current, &events).await;
-        metrics.store_latency.observe(start.elapsed().as_secs_f64());
-        metrics.count_conflicts(&store, conflicts);
-        let (verdicts, why) = match result {
-            Ok(v) => {
-                health.store_ok.store(true, Ordering::Relaxed);
-                // Calls of a caller another writer kept changing: only
-                // they are left undecided, and nothing of them written.
-                let why = v.iter().any(Option::is_none).then(|| {
-                    Metrics::inc(&metrics.store_errors, "contended");
-                    CONTENDED.to_string()
-                });
-                (v, why)
-            }
-            Err(e) => {
-                Metrics::inc(&metrics.store_errors, e.kind());
-                health.store_ok.store(false, Ordering::Relaxed);
-                let why = chain(&e);
-                if let Ok(mut d) = health.detail.lock() {
-                    d.clone_from(&why);
+        let (verdicts, why) =
+            match apply_observed(&mut store, &current, &events, &metrics, &health).await {
+                // Calls of a caller another writer kept changing: only they
+                // are left undecided, and nothing of them written.
+                Ok(v) => {
+                    let why = v.iter().any(Option::is_none).then(|| CONTENDED.to_string());
+                    (v, why)
                 }
-                (vec![None; events.len()], Some(why))
-            }
-        };
+                Err(e) => (vec![None; events.len()], Some(chain(&e))),
+            };
         let verdicts = match (&why, config.on_store_error) {
             (None, _) => verdicts,
             (Some(why), StoreErrorPolicy::Block) => {

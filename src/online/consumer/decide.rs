@@ -4,9 +4,8 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::future::Shared;
 use tokio::sync::{mpsc, oneshot};
@@ -18,6 +17,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
+use crate::online::policy::apply_observed;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
@@ -132,14 +132,8 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
                 &retried
             }
         };
-        let start = Instant::now();
-        let conflicts = store.conflicts();
-        let result = store.apply_batch_partial(rules, batch).await;
-        metrics.store_latency.observe(start.elapsed().as_secs_f64());
-        metrics.count_conflicts(store, conflicts);
-        let why = match result {
+        let why = match apply_observed(store, rules, batch, metrics, health).await {
             Ok(got) => {
-                health.store_ok.store(true, Ordering::Relaxed);
                 match &left {
                     None => verdicts = got,
                     Some(idx) => {
@@ -154,22 +148,13 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
                 if undecided.is_empty() {
                     return Some(Ok(verdicts.into_iter().flatten().collect()));
                 }
-                Metrics::inc(&metrics.store_errors, "contended");
                 left = Some(undecided);
                 CONTENDED.to_string()
             }
-            Err(err) => {
-                Metrics::inc(&metrics.store_errors, err.kind());
-                health.store_ok.store(false, Ordering::Relaxed);
-                let why = chain(&err);
-                if let Ok(mut d) = health.detail.lock() {
-                    d.clone_from(&why);
-                }
-                if policy == StoreErrorPolicy::Block && !err.is_transient() {
-                    return Some(Err(err.into()));
-                }
-                why
+            Err(err) if policy == StoreErrorPolicy::Block && !err.is_transient() => {
+                return Some(Err(err.into()));
             }
+            Err(err) => chain(&err),
         };
         let decision = match policy {
             StoreErrorPolicy::Block => {

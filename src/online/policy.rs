@@ -1,0 +1,48 @@
+//! The window store's call as `consume` and `serve` both make it: timed,
+//! its conflicts and failures counted, readiness kept up to date. What
+//! each does with an undecided call (back off, degrade, answer 503) stays
+//! with it.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crate::engine::event::CallEvent;
+use crate::engine::record::Verdict;
+use crate::engine::rules::RuleSet;
+use crate::error::{chain, StoreError};
+use crate::online::metrics::{Health, Metrics};
+use crate::store::WindowStore;
+
+/// Decides `events` through `store` ([`WindowStore::apply_batch_partial`]:
+/// `None` for a call left undecided by contention) and records the call:
+/// store latency, conflicts, `store_errors{kind}` (`contended` when calls
+/// were left undecided), and the store's health and detail on a failure.
+pub async fn apply_observed<S: WindowStore>(
+    store: &mut S,
+    rules: &RuleSet,
+    events: &[CallEvent],
+    metrics: &Metrics,
+    health: &Health,
+) -> Result<Vec<Option<Verdict>>, StoreError> {
+    let start = Instant::now();
+    let conflicts = store.conflicts();
+    let result = store.apply_batch_partial(rules, events).await;
+    metrics.store_latency.observe(start.elapsed().as_secs_f64());
+    metrics.count_conflicts(store, conflicts);
+    match &result {
+        Ok(verdicts) => {
+            health.store_ok.store(true, Ordering::Relaxed);
+            if verdicts.iter().any(Option::is_none) {
+                Metrics::inc(&metrics.store_errors, "contended");
+            }
+        }
+        Err(e) => {
+            Metrics::inc(&metrics.store_errors, e.kind());
+            health.store_ok.store(false, Ordering::Relaxed);
+            if let Ok(mut d) = health.detail.lock() {
+                *d = chain(e);
+            }
+        }
+    }
+    result
+}
