@@ -3,7 +3,7 @@
 -- in process, for several callers, each only if nobody else wrote it since
 -- it was read (optimistic concurrency on a version).
 --
--- Used by the cached Redis store (src/store/cached.rs, `--redis-mode
+-- Used by the cached Redis store (src/store/cached/mod.rs, `--redis-mode
 -- cached`): callguard keeps its callers' window state in memory, decides a
 -- batch there with the reference engine (src/engine/window.rs), and sends
 -- one call per group of callers. A caller whose version changed is not

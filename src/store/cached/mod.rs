@@ -38,8 +38,11 @@ use crate::error::StoreError;
 use crate::store::redis::{classify, Conn, RedisConfig};
 use crate::store::WindowStore;
 
+#[cfg(test)]
+mod protocol_tests;
+
 /// The commit script (see its header for KEYS, ARGV and the reply).
-pub const COMMIT_LUA: &str = include_str!("../../lua/commit.lua");
+pub const COMMIT_LUA: &str = include_str!("../../../lua/commit.lua");
 
 /// This store's name for its way of keeping state (`--redis-mode cached`)
 /// and the version of its key layout, as recorded in `<prefix>mode`.
