@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use redis::Value;
 
+use super::wire::*;
 use super::*;
+use crate::engine::window::PackedLog;
 
 /// A redis-server of this test's own on a free loopback port.
 struct Server {
@@ -326,7 +328,12 @@ async fn every_flag_combination_reads_back_as_written() {
             write_of(first, &callers[0], 0),
             write_of(second, &callers[1], 1),
         ];
-        let cmd = store.invocation(&[&writes[0], &writes[1]], n % 2 == 1);
+        let cmd = invocation(
+            store.config(),
+            &store.sha,
+            &[&writes[0], &writes[1]],
+            n % 2 == 1,
+        );
         let reply: Value = cmd
             .query_async(&mut con_async)
             .await
