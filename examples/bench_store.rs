@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::RuleSet;
+use callguard::store::cached::CacheLimit;
 use callguard::store::redis::{RedisConfig, RedisStore, WINDOW_LUA};
 use callguard::store::{AnyStore, WindowStore};
 
@@ -49,7 +50,7 @@ fn free_port() -> u16 {
 
 /// A Redis store: the window script (`cached = false`) or the cached store.
 async fn connect(config: RedisConfig, cached: bool) -> AnyStore {
-    AnyStore::connect_redis(config, cached.then_some(1_000_000))
+    AnyStore::connect_redis(config, cached.then_some(CacheLimit::callers(1_000_000)))
         .await
         .expect("connect")
 }

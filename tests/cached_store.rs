@@ -440,3 +440,47 @@ async fn a_flooding_callers_records_are_loaded_and_trimmed_in_bounded_steps() {
     let refs: Vec<&[CallEvent]> = batches.iter().map(Vec::as_slice).collect();
     assert_eq!(got, memory_run(&rules, &refs).await);
 }
+
+/// A bound on the cached callers' memory: a flooding caller's records
+/// count, callers are dropped past it and read back from Redis when they
+/// call again, every decision equals memory's, and after each batch the
+/// cache holds at most the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cache_stays_within_its_memory_bound() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:10s:50".into(), "f:fixed:1m:200".into()])
+        .unwrap()
+        .with_dedup(60_000)
+        .unwrap();
+    const BOUND: usize = 64 * 1024;
+    let mut store = CachedStore::connect(config(vec![server.url()], "mem:", true), 1_000_000)
+        .await
+        .unwrap()
+        .with_max_bytes(BOUND);
+    // A flooding caller among quiet ones.
+    let events: Vec<CallEvent> = (0..6_000i64)
+        .map(|i| {
+            let caller = if i % 3 == 0 {
+                "+34911000009".to_string()
+            } else {
+                format!("+3492200{:04}", i % 97)
+            };
+            ev(&caller, &format!("c{i}"), T0 + i * 5)
+        })
+        .collect();
+    let batches: Vec<&[CallEvent]> = events.chunks(128).collect();
+    let mut got = Vec::new();
+    let mut peak = 0;
+    for b in &batches {
+        got.extend(store.apply_batch(&rules, b).await.unwrap());
+        peak = peak.max(store.cached_bytes());
+        assert!(
+            store.cached_bytes() <= BOUND,
+            "{} bytes cached over a bound of {BOUND}",
+            store.cached_bytes()
+        );
+    }
+    assert!(store.misses() > 0, "no caller was dropped and read back");
+    assert!(peak > BOUND / 2, "the bound never mattered: peak {peak}");
+    assert_eq!(got, memory_run(&rules, &batches).await);
+}

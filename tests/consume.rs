@@ -14,6 +14,7 @@ use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
+use callguard::store::cached::CacheLimit;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
@@ -131,9 +132,12 @@ async fn start_in_process_with(
         urls: vec![redis_url.to_string()],
         ..RedisConfig::default()
     };
-    let store = AnyStore::connect_redis(redis_config, cached.then_some(1_000_000))
-        .await
-        .unwrap();
+    let store = AnyStore::connect_redis(
+        redis_config,
+        cached.then_some(CacheLimit::callers(1_000_000)),
+    )
+    .await
+    .unwrap();
     let (stop, mut rx) = watch::channel(false);
     let (_rules_tx, rules_rx) = watch::channel(rules);
     let metrics = Arc::new(Metrics::new());

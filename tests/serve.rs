@@ -14,6 +14,7 @@ use callguard::online::consumer::StoreErrorPolicy;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::produce::event_json;
 use callguard::online::serve::{self, ServeConfig};
+use callguard::store::cached::CacheLimit;
 use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
 use common::scenarios::T0;
@@ -44,9 +45,10 @@ impl Served {
         let metrics = Arc::new(Metrics::new());
         let served_metrics = metrics.clone();
         let port = rt.block_on(async {
-            let store = AnyStore::connect_redis(redis, cached.then_some(1_000))
-                .await
-                .expect("connect to Redis");
+            let store =
+                AnyStore::connect_redis(redis, cached.then_some(CacheLimit::callers(1_000)))
+                    .await
+                    .expect("connect to Redis");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let (_tx, rx) = tokio::sync::watch::channel(rules);

@@ -306,12 +306,20 @@ pub struct StoreArgs {
     #[arg(long, value_enum, env = "CALLGUARD_REDIS_MODE", default_value_t = RedisMode::Cached)]
     pub redis_mode: RedisMode,
     /// Most callers kept in memory with --redis-mode cached; beyond it the
-    /// idle ones are dropped first, and a dropped caller's next call
-    /// re-reads Redis (it never changes a record). A cached caller holds
-    /// its records for the idempotency horizon in memory too: at high call
-    /// rates that is as much as Redis holds for them.
+    /// idle ones are dropped first, then the least recently used, and a
+    /// dropped caller's next call re-reads Redis (it never changes a
+    /// record). A cached caller holds its records for the idempotency
+    /// horizon in memory too: at high call rates that is as much as Redis
+    /// holds for them.
     #[arg(long, env = "CALLGUARD_CACHED_CALLERS", default_value_t = cached::DEFAULT_CACHED_CALLERS)]
     pub cached_callers: usize,
+    /// About how much memory (MiB) the cached callers may take with
+    /// --redis-mode cached, counted from their windows, records and logs
+    /// (allocator slack comes on top); past it callers are dropped as past
+    /// --cached-callers. A flooding caller's hour of records can weigh as
+    /// much as many thousand quiet callers.
+    #[arg(long, env = "CALLGUARD_CACHED_MIB", default_value_t = cached::DEFAULT_CACHED_BYTES >> 20)]
+    pub cached_mib: usize,
     /// Prefix of every Redis key, to separate environments.
     #[arg(long, env = "CALLGUARD_KEY_PREFIX", default_value = redis::DEFAULT_KEY_PREFIX)]
     pub key_prefix: String,
@@ -400,7 +408,10 @@ impl StoreArgs {
                 let context = || format!("connecting to Redis at {}", urls.join(","));
                 let cached = match self.redis_mode {
                     RedisMode::Script => None,
-                    RedisMode::Cached => Some(self.cached_callers),
+                    RedisMode::Cached => Some(cached::CacheLimit {
+                        callers: self.cached_callers,
+                        bytes: self.cached_mib.saturating_mul(1 << 20),
+                    }),
                 };
                 AnyStore::connect_redis(config, cached)
                     .await

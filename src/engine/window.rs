@@ -866,6 +866,39 @@ impl CallerState {
         self.seen.len()
     }
 
+    /// About how many bytes of memory the state holds (its tables' entries
+    /// and the records' text; allocator slack and table capacity not
+    /// counted), for a store that bounds the memory of the callers it
+    /// keeps.
+    pub fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        // A hash table entry costs about its key and value plus a control
+        // byte and the table's spare room; a tree entry about twice its
+        // pair.
+        let record_text: usize = self
+            .seen
+            .values()
+            .map(|v| {
+                v.record.counts.len() * 8 + v.record.reason.len() + v.record.rules_version.len()
+            })
+            .sum();
+        size_of::<Self>()
+            + self.log.len() * size_of::<i64>()
+            + self
+                .fixed
+                .iter()
+                .map(|(id, map)| {
+                    size_of::<(RuleId, BTreeMap<i64, u64>)>() + id.name.len() + map.len() * 32
+                })
+                .sum::<usize>()
+            + self.approx.len() * size_of::<(RuleId, Approx)>()
+            + self.seen.len() * (size_of::<(CompactString, Verdict)>() + 16)
+            + record_text
+            + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
+            + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
+            + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
+    }
+
     /// The call records the state keeps (call id and verdict), in no
     /// particular order.
     pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {

@@ -101,15 +101,19 @@ pub enum AnyStore {
 }
 
 impl AnyStore {
-    /// A Redis store: the window script, or with `cached_callers` the
-    /// cached store keeping up to that many callers in memory.
+    /// A Redis store: the window script, or with `cache` the cached store
+    /// keeping callers in memory within those bounds.
     pub async fn connect_redis(
         config: redis::RedisConfig,
-        cached_callers: Option<usize>,
+        cache: Option<cached::CacheLimit>,
     ) -> Result<Self, StoreError> {
-        Ok(match cached_callers {
+        Ok(match cache {
             None => AnyStore::Redis(Box::new(redis::RedisStore::connect(config).await?)),
-            Some(n) => AnyStore::Cached(Box::new(cached::CachedStore::connect(config, n).await?)),
+            Some(limit) => AnyStore::Cached(Box::new(
+                cached::CachedStore::connect(config, limit.callers)
+                    .await?
+                    .with_max_bytes(limit.bytes),
+            )),
         })
     }
 }

@@ -1,6 +1,8 @@
 //! Cached callers: their state, the version it was read or written at,
 //! where their records and log are kept, and how long their keys live.
 
+use std::mem::size_of;
+
 use compact_str::CompactString;
 
 use crate::engine::rules::RuleSet;
@@ -75,6 +77,141 @@ pub(super) struct Cached {
     /// Records trimmed from the state but still in the records hash, to
     /// delete with the caller's next writes (see [`super::SCAN_COUNT`]).
     pub(super) stale: Vec<CompactString>,
+    /// Its size when it went into the cache ([`Cached::approx_bytes`]).
+    pub(super) bytes: usize,
+}
+
+impl Cached {
+    /// About how many bytes of memory it holds.
+    fn approx_bytes(&self) -> usize {
+        let inline: usize = match &self.records {
+            Records::Inline(list) => list
+                .iter()
+                .map(|(id, text)| size_of::<(CompactString, String)>() + id.len() + text.len())
+                .sum(),
+            Records::Apart => 0,
+        };
+        size_of::<Self>()
+            + self.state.approx_bytes()
+            + inline
+            + self.stale.len() * size_of::<CompactString>()
+    }
+}
+
+/// The cached callers, bounded by count and by memory: past either bound,
+/// callers idle beyond the idempotency horizon go first, then the least
+/// recently used, down to three quarters of both (the next call of an
+/// evicted caller reads it from Redis again; no record changes).
+pub(super) struct Cache {
+    map: foldhash::HashMap<CompactString, Box<Cached>>,
+    max_callers: usize,
+    max_bytes: usize,
+    /// The entries' `bytes`, summed.
+    bytes: usize,
+    /// Batches so far: the clock of least recent use.
+    clock: u64,
+}
+
+impl Cache {
+    pub(super) fn new(max_callers: usize, max_bytes: usize) -> Self {
+        Cache {
+            map: foldhash::HashMap::default(),
+            max_callers: max_callers.max(1),
+            max_bytes: max_bytes.max(1),
+            bytes: 0,
+            clock: 0,
+        }
+    }
+
+    pub(super) fn set_max_bytes(&mut self, n: usize) {
+        self.max_bytes = n.max(1);
+    }
+
+    /// Callers held.
+    pub(super) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// About how many bytes the callers held take.
+    pub(super) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Forgets every caller.
+    pub(super) fn clear(&mut self) {
+        self.map.clear();
+        self.bytes = 0;
+    }
+
+    /// A new batch begins.
+    pub(super) fn tick(&mut self) {
+        self.clock += 1;
+    }
+
+    /// Takes `caller` out (a new, empty entry if it is not held).
+    pub(super) fn take(&mut self, caller: &str) -> Box<Cached> {
+        let c = self.map.remove(caller).unwrap_or_default();
+        self.bytes -= c.bytes;
+        c
+    }
+
+    /// Puts `caller` back, used now.
+    pub(super) fn put(&mut self, caller: &str, mut c: Box<Cached>) {
+        c.used = self.clock;
+        c.bytes = c.approx_bytes();
+        self.bytes += c.bytes;
+        if let Some(old) = self.map.insert(caller.into(), c) {
+            self.bytes -= old.bytes;
+        }
+    }
+
+    /// Keeps the cache within its bounds: callers whose latest call is at
+    /// or before `idle_before` go first, then the least recently used.
+    pub(super) fn evict(&mut self, idle_before: i64) {
+        if !self.over(self.max_callers, self.max_bytes) {
+            return;
+        }
+        self.retain(|c| c.state.latest().is_some_and(|l| l > idle_before));
+        let (callers, bytes) = (self.max_callers / 4 * 3, self.max_bytes / 4 * 3);
+        if !self.over(callers, bytes) {
+            return;
+        }
+        // The least recently used first, until within both bounds.
+        let mut by_use: Vec<(u64, usize, &CompactString)> =
+            self.map.iter().map(|(k, c)| (c.used, c.bytes, k)).collect();
+        by_use.sort_unstable_by_key(|&(used, _, _)| used);
+        let (mut n, mut total) = (self.map.len(), self.bytes);
+        let mut gone = Vec::new();
+        for (_, b, k) in by_use {
+            if n <= callers && total <= bytes {
+                break;
+            }
+            n -= 1;
+            total -= b;
+            gone.push(k.clone());
+        }
+        for k in gone {
+            if let Some(c) = self.map.remove(&k) {
+                self.bytes -= c.bytes;
+            }
+        }
+    }
+
+    fn over(&self, callers: usize, bytes: usize) -> bool {
+        self.map.len() > callers || self.bytes > bytes
+    }
+
+    fn retain(&mut self, keep: impl Fn(&Cached) -> bool) {
+        let mut dropped = 0;
+        self.map.retain(|_, c| {
+            let k = keep(c);
+            if !k {
+                dropped += c.bytes;
+            }
+            k
+        });
+        self.bytes -= dropped;
+    }
 }
 
 /// Where a caller's records are kept in Redis.
@@ -89,5 +226,102 @@ pub(super) enum Records {
 impl Default for Records {
     fn default() -> Self {
         Records::Inline(Vec::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::event::CallEvent;
+
+    /// A caller's entry after `calls` calls ending at `latest`.
+    fn entry(rules: &RuleSet, caller: &str, calls: i64, latest: i64) -> Box<Cached> {
+        let mut c = Box::<Cached>::default();
+        for i in 0..calls {
+            let ev = CallEvent {
+                call_id: format!("{caller}-{i}").into(),
+                caller: caller.into(),
+                ts_ms: latest - calls + 1 + i,
+                callee: None,
+                duration_ms: None,
+                label: None,
+                list_number: None,
+            };
+            c.state.apply(rules, &ev);
+        }
+        c
+    }
+
+    fn rules() -> RuleSet {
+        RuleSet::from_args(None, &["s:sliding:60s:1000".into()]).unwrap()
+    }
+
+    #[test]
+    fn the_least_recently_used_go_first_down_to_three_quarters() {
+        let rules = rules();
+        let mut cache = Cache::new(8, usize::MAX);
+        for i in 0..9 {
+            cache.tick();
+            cache.put(
+                &format!("c{i}"),
+                entry(&rules, &format!("c{i}"), 1, 1_000_000),
+            );
+        }
+        // c0 is used again: c1 is now the least recently used.
+        cache.tick();
+        let c0 = cache.take("c0");
+        cache.put("c0", c0);
+        cache.evict(0);
+        assert_eq!(cache.len(), 6);
+        for gone in ["c1", "c2", "c3"] {
+            assert!(!cache.map.contains_key(gone), "{gone} kept");
+        }
+        assert!(cache.map.contains_key("c0"));
+    }
+
+    #[test]
+    fn idle_callers_go_before_busy_ones() {
+        let rules = rules();
+        let mut cache = Cache::new(4, usize::MAX);
+        for i in 0..5 {
+            cache.tick();
+            // c4 is the most recently used but idle.
+            let latest = if i == 4 { 10 } else { 1_000_000 };
+            cache.put(&format!("c{i}"), entry(&rules, &format!("c{i}"), 1, latest));
+        }
+        cache.evict(100);
+        // The idle one, then the least recently used down to 3.
+        assert_eq!(cache.len(), 3);
+        assert!(!cache.map.contains_key("c4"));
+        assert!(!cache.map.contains_key("c0"));
+    }
+
+    #[test]
+    fn memory_is_bounded_and_accounted() {
+        let rules = rules();
+        let mut cache = Cache::new(1_000, usize::MAX);
+        cache.tick();
+        cache.put("busy", entry(&rules, "busy", 500, 1_000_000));
+        let busy = cache.bytes();
+        cache.tick();
+        cache.put("quiet", entry(&rules, "quiet", 1, 1_000_000));
+        let quiet = cache.bytes() - busy;
+        assert!(
+            busy > 500 * 8 + quiet,
+            "a 500-call log counts: {busy} vs {quiet}"
+        );
+        // Over the bound by a byte: the older caller, the busy one, goes,
+        // though two callers are far below the bound on their number.
+        cache.set_max_bytes(busy + quiet - 1);
+        cache.evict(0);
+        assert!(!cache.map.contains_key("busy"));
+        assert!(cache.map.contains_key("quiet"));
+        assert_eq!(cache.bytes(), quiet);
+        let taken = cache.take("quiet");
+        assert_eq!(cache.bytes(), 0);
+        cache.put("quiet", taken);
+        assert_eq!(cache.bytes(), quiet);
+        cache.clear();
+        assert_eq!((cache.len(), cache.bytes()), (0, 0));
     }
 }

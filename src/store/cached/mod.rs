@@ -33,11 +33,10 @@
 //! `protocol_tests.rs` runs the encoder through the script on a real
 //! server for every flag combination.
 
-use compact_str::CompactString;
 use futures::StreamExt;
 use redis::Value;
 
-use cache::{Cached, TtlPlan};
+use cache::{Cache, TtlPlan};
 use plan::{Pending, Plan};
 use wire::{bulk, distinct_fields, load, refusals, scanned, self_contained, unexpected};
 use wire::{Committed, Found, Refused, Write};
@@ -96,13 +95,36 @@ pub const SCAN_COUNT: usize = 1_000;
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;
 
+/// Default bound of the cached callers' memory (about; see
+/// [`CachedStore::with_max_bytes`]): 2 GiB.
+pub const DEFAULT_CACHED_BYTES: usize = 2 << 30;
+
+/// How many callers, and about how many bytes of them, a cached store
+/// keeps in process.
+#[derive(Debug, Clone, Copy)]
+pub struct CacheLimit {
+    /// Callers.
+    pub callers: usize,
+    /// Bytes (see [`CachedStore::with_max_bytes`]).
+    pub bytes: usize,
+}
+
+impl CacheLimit {
+    /// At most `callers` callers, and the default bound of memory.
+    pub fn callers(callers: usize) -> Self {
+        CacheLimit {
+            callers,
+            bytes: DEFAULT_CACHED_BYTES,
+        }
+    }
+}
+
 /// Window state decided in process and kept in Redis under a version check.
 pub struct CachedStore {
     conn: Conn,
     sha: String,
     config: RedisConfig,
-    cache: foldhash::HashMap<CompactString, Box<Cached>>,
-    max_callers: usize,
+    cache: Cache,
     /// Newest event time seen: callers idle past the idempotency horizon
     /// leave the cache first.
     watermark: i64,
@@ -112,8 +134,6 @@ pub struct CachedStore {
     /// sight after a restart, a rebalance or an eviction): misses, not
     /// conflicts.
     misses: u64,
-    /// Batches so far (the cache's clock for least recent use).
-    batches: u64,
     /// When the prefix's mode was last claimed (see [`crate::store::redis::CLAIM_EVERY`]).
     claimed: std::time::Instant,
     /// See [`DEFAULT_MAX_ROUNDS`].
@@ -150,16 +170,24 @@ impl CachedStore {
             conn,
             sha,
             config,
-            cache: foldhash::HashMap::default(),
-            max_callers: max_callers.max(1),
+            cache: Cache::new(max_callers, DEFAULT_CACHED_BYTES),
             watermark: i64::MIN,
             conflicts: 0,
             misses: 0,
-            batches: 0,
             claimed: std::time::Instant::now(),
             max_rounds: DEFAULT_MAX_ROUNDS,
             plan,
         })
+    }
+
+    /// Bounds the cached callers' memory at about `n` bytes (default
+    /// [`DEFAULT_CACHED_BYTES`]), besides their number: a flooding caller
+    /// holds its records in process too, and one caller can hold more than
+    /// a million quiet ones. Counted from the callers' tables and records'
+    /// text; allocator slack comes on top.
+    pub fn with_max_bytes(mut self, n: usize) -> Self {
+        self.cache.set_max_bytes(n);
+        self
     }
 
     /// Gives up on a caller refused in `n` rounds in a row (default
@@ -206,6 +234,11 @@ impl CachedStore {
     /// Callers held in memory.
     pub fn cached_callers(&self) -> usize {
         self.cache.len()
+    }
+
+    /// About how many bytes the cached callers take.
+    pub fn cached_bytes(&self) -> usize {
+        self.cache.bytes()
     }
 
     /// Forgets every cached caller (the next call of each re-reads Redis).
@@ -431,7 +464,7 @@ impl CachedStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
-        self.batches += 1;
+        self.cache.tick();
         let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
         let mut pending: Vec<Pending<'_>> = Vec::new();
         for (i, ev) in events.iter().enumerate() {
@@ -440,7 +473,7 @@ impl CachedStore {
                 pending.push(Pending {
                     caller: ev.caller.as_str(),
                     events: Vec::new(),
-                    cached: self.cache.remove(ev.caller.as_str()).unwrap_or_default(),
+                    cached: self.cache.take(ev.caller.as_str()),
                 });
                 pending.len() - 1
             });
@@ -494,13 +527,13 @@ impl CachedStore {
             }
         }
         let mut contended = todo.into_iter().peekable();
-        for (at, mut p) in pending.into_iter().enumerate() {
+        for (at, p) in pending.into_iter().enumerate() {
             if contended.next_if_eq(&at).is_none() {
-                p.cached.used = self.batches;
-                self.cache.insert(p.caller.into(), p.cached);
+                self.cache.put(p.caller, p.cached);
             }
         }
-        self.evict(rules);
+        self.cache
+            .evict(self.watermark.saturating_sub(rules.dedup_ms()));
         Ok(verdicts)
     }
 
@@ -544,25 +577,6 @@ impl CachedStore {
             outcomes.push(out?);
         }
         Ok(outcomes)
-    }
-
-    /// Keeps the cache within its size: callers idle past the idempotency
-    /// horizon go first, then the least recently used, down to three
-    /// quarters of the size (the next call of an evicted caller re-reads
-    /// it).
-    fn evict(&mut self, rules: &RuleSet) {
-        if self.cache.len() <= self.max_callers {
-            return;
-        }
-        let cutoff = self.watermark.saturating_sub(rules.dedup_ms());
-        self.cache
-            .retain(|_, c| c.state.latest().is_some_and(|l| l > cutoff));
-        let excess = self.cache.len().saturating_sub(self.max_callers * 3 / 4);
-        if excess > 0 {
-            let mut used: Vec<u64> = self.cache.values().map(|c| c.used).collect();
-            let (_, &mut oldest_kept, _) = used.select_nth_unstable(excess);
-            self.cache.retain(|_, c| c.used >= oldest_kept);
-        }
     }
 }
 

@@ -456,10 +456,8 @@ pub(super) fn load(
     Ok(Cached {
         state,
         version: Some(version),
-        ttl_until: None,
-        used: 0,
-        stale: Vec::new(),
         log: log_form,
         records,
+        ..Cached::default()
     })
 }
