@@ -874,14 +874,9 @@ impl CallerState {
         use std::mem::size_of;
         // A hash table entry costs about its key and value plus a control
         // byte and the table's spare room; a tree entry about twice its
-        // pair.
-        let record_text: usize = self
-            .seen
-            .values()
-            .map(|v| {
-                v.record.counts.len() * 8 + v.record.reason.len() + v.record.rules_version.len()
-            })
-            .sum();
+        // pair. Counted from lengths only (constant time: it runs for
+        // every caller of every batch), so text kept on the heap beyond a
+        // record's inline strings is not counted.
         size_of::<Self>()
             + self.log.len() * size_of::<i64>()
             + self
@@ -893,7 +888,6 @@ impl CallerState {
                 .sum::<usize>()
             + self.approx.len() * size_of::<(RuleId, Approx)>()
             + self.seen.len() * (size_of::<(CompactString, Verdict)>() + 16)
-            + record_text
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
             + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
             + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
