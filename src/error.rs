@@ -240,7 +240,7 @@ pub enum ReplayError {
     Store(#[from] StoreError),
     /// An output column asked for does not exist.
     #[error(transparent)]
-    Column(#[from] crate::engine::record::UnknownColumn),
+    Column(#[from] UnknownColumn),
 }
 
 /// Failures of a sweep over a file.
@@ -336,4 +336,14 @@ mod tests {
         let s = StoreError::fatal("bad script");
         assert_eq!(chain(&s), "fatal store error: bad script");
     }
+}
+
+/// A column asked for by name that the output does not have.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("no column `{name}`; the columns are: {columns}")]
+pub struct UnknownColumn {
+    /// The name asked for.
+    pub name: String,
+    /// The columns there are, comma-separated.
+    pub columns: String,
 }

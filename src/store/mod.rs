@@ -13,6 +13,7 @@
 pub mod cached;
 pub mod memory;
 pub mod redis;
+pub mod reply;
 pub mod sharded;
 
 use std::future::Future;

@@ -64,6 +64,10 @@ use crate::engine::record::{
 };
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleSet, WindowKind};
 
+mod pack;
+
+pub use pack::PackedLog;
+
 /// State of the two-bucket approximate counter of one rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Approx {
@@ -607,255 +611,7 @@ impl CallerState {
     }
 }
 
-/// Where [`CallerState::pack`] put the sliding log.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum PackedLog {
-    /// In the packed bytes.
-    #[default]
-    Inline,
-    /// Apart, as `len` fixed-width times of which the first `dead` are
-    /// no longer in the log (trimmed, not yet rewritten).
-    Outside {
-        /// Times at the front that are trimmed.
-        dead: u64,
-        /// Times kept apart in all.
-        len: u64,
-    },
-}
-
-/// Version byte of [`CallerState::pack`]'s format.
-const PACK_FORMAT: u8 = 1;
-
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
-    }
-    out.push(v as u8);
-}
-
-fn put_signed(out: &mut Vec<u8>, v: i64) {
-    put_varint(out, ((v << 1) ^ (v >> 63)) as u64);
-}
-
-/// A tag byte (0 none, 1 some) and the value.
-fn put_opt(out: &mut Vec<u8>, v: Option<i64>) {
-    match v {
-        Some(v) => {
-            out.push(1);
-            put_signed(out, v);
-        }
-        None => out.push(0),
-    }
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    put_varint(out, s.len() as u64);
-    out.extend_from_slice(s.as_bytes());
-}
-
-/// Reads what [`CallerState::pack`] wrote; every read fails on truncation.
-struct Unpacker<'a>(&'a [u8]);
-
-impl Unpacker<'_> {
-    fn byte(&mut self) -> Option<u8> {
-        let (&b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(b)
-    }
-
-    fn varint(&mut self) -> Option<u64> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let b = self.byte()?;
-            v |= u64::from(b & 0x7f) << shift;
-            if b < 0x80 {
-                return Some(v);
-            }
-        }
-        None
-    }
-
-    fn signed(&mut self) -> Option<i64> {
-        let z = self.varint()?;
-        Some(((z >> 1) as i64) ^ -((z & 1) as i64))
-    }
-
-    /// What [`put_opt`] wrote: `None` when corrupt, `Some(None)` for none.
-    fn opt(&mut self) -> Option<Option<i64>> {
-        match self.byte()? {
-            0 => Some(None),
-            1 => Some(Some(self.signed()?)),
-            _ => None,
-        }
-    }
-
-    fn len(&mut self) -> Option<usize> {
-        let n = usize::try_from(self.varint()?).ok()?;
-        // Every element takes at least one byte: a length beyond what is
-        // left is corrupt, and must not reserve memory.
-        (n <= self.0.len()).then_some(n)
-    }
-
-    fn string(&mut self) -> Option<&str> {
-        let n = self.len()?;
-        let (s, rest) = self.0.split_at(n);
-        self.0 = rest;
-        std::str::from_utf8(s).ok()
-    }
-
-    fn rule_id(&mut self) -> Option<RuleId> {
-        Some(RuleId {
-            name: self.string()?.to_string(),
-            window_ms: self.signed()?,
-        })
-    }
-}
-
 impl CallerState {
-    /// The window state (everything but the idempotency records) in a
-    /// compact binary form, for a store that keeps it as one value:
-    /// times as varint distances from the latest time, callees without
-    /// their stale entries. [`CallerState::unpack`] reads it back to a
-    /// state that decides every later call exactly as this one.
-    ///
-    /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
-    /// store keeps it apart) and only its place there is written.
-    pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        out.push(PACK_FORMAT);
-        let base = self.latest.unwrap_or(0);
-        put_opt(out, self.latest);
-        match log {
-            PackedLog::Inline => {
-                out.push(0);
-                put_varint(out, self.log.len() as u64);
-                let mut prev = base;
-                for (i, &e) in self.log.iter().enumerate() {
-                    let d = if i == 0 {
-                        base.wrapping_sub(e)
-                    } else {
-                        e.wrapping_sub(prev)
-                    };
-                    put_signed(out, d);
-                    prev = e;
-                }
-            }
-            PackedLog::Outside { dead, len } => {
-                out.push(1);
-                put_varint(out, dead);
-                put_varint(out, len);
-            }
-        }
-        put_varint(out, self.fixed.len() as u64);
-        for (id, buckets) in &self.fixed {
-            put_str(out, &id.name);
-            put_signed(out, id.window_ms);
-            put_varint(out, buckets.len() as u64);
-            for (&b, &c) in buckets {
-                put_signed(out, b);
-                put_varint(out, c);
-            }
-        }
-        put_varint(out, self.approx.len() as u64);
-        for (id, a) in &self.approx {
-            put_str(out, &id.name);
-            put_signed(out, id.window_ms);
-            put_opt(out, a.bucket);
-            put_varint(out, a.cur);
-            put_varint(out, a.prev);
-        }
-        put_varint(out, self.callees.len() as u64);
-        for (callee, &ts) in &self.callees {
-            put_signed(out, base.wrapping_sub(ts));
-            put_str(out, callee);
-        }
-    }
-
-    /// Reads a state written by [`CallerState::pack`] (without records),
-    /// and where its log was; `None` if the bytes are not one. A log kept
-    /// outside comes back empty: see [`CallerState::restore_log`].
-    pub fn unpack(bytes: &[u8]) -> Option<(Self, PackedLog)> {
-        let mut r = Unpacker(bytes);
-        if r.byte()? != PACK_FORMAT {
-            return None;
-        }
-        let latest = r.opt()?;
-        let base = latest.unwrap_or(0);
-        let mut state = CallerState {
-            latest,
-            ..CallerState::default()
-        };
-        let log = match r.byte()? {
-            0 => {
-                let n = r.len()?;
-                let mut prev = base;
-                for i in 0..n {
-                    let d = r.signed()?;
-                    let e = if i == 0 {
-                        base.wrapping_sub(d)
-                    } else {
-                        prev.wrapping_add(d)
-                    };
-                    state.log.push_back(e);
-                    prev = e;
-                }
-                PackedLog::Inline
-            }
-            1 => PackedLog::Outside {
-                dead: r.varint()?,
-                len: r.varint()?,
-            },
-            _ => return None,
-        };
-        for _ in 0..r.len()? {
-            let id = r.rule_id()?;
-            let mut buckets = BTreeMap::new();
-            for _ in 0..r.len()? {
-                let b = r.signed()?;
-                buckets.insert(b, r.varint()?);
-            }
-            state.fixed.push((id, buckets));
-        }
-        for _ in 0..r.len()? {
-            let id = r.rule_id()?;
-            let bucket = r.opt()?;
-            let (cur, prev) = (r.varint()?, r.varint()?);
-            state.approx.push((id, Approx { bucket, cur, prev }));
-        }
-        for _ in 0..r.len()? {
-            let ts = base.wrapping_sub(r.signed()?);
-            let callee = CompactString::from(r.string()?);
-            state.callees_by_ts.push_back((ts, callee.clone()));
-            state.callees.insert(callee, ts);
-        }
-        state
-            .callees_by_ts
-            .make_contiguous()
-            .sort_by_key(|(ts, _)| *ts);
-        r.0.is_empty().then_some((state, log))
-    }
-
-    /// Puts back a sliding log kept apart ([`PackedLog::Outside`]); `None`
-    /// (and nothing changed) unless the times are in order.
-    pub fn restore_log(&mut self, times: VecDeque<i64>) -> Option<()> {
-        times
-            .iter()
-            .zip(times.iter().skip(1))
-            .all(|(a, b)| a <= b)
-            .then(|| {
-                self.log = times;
-            })
-    }
-
-    /// Takes back a record kept elsewhere (its call id and verdict), as if
-    /// this state had decided the call.
-    pub fn restore_record(&mut self, call_id: &str, verdict: Verdict) {
-        let t = verdict.record.ts_ms;
-        let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
-        self.seen_by_ts.insert(pos, (t, call_id.into()));
-        self.seen.insert(call_id.into(), verdict);
-    }
-
     /// Whether the state keeps a record of call `call_id`.
     pub fn holds_record(&self, call_id: &str) -> bool {
         self.seen.contains_key(call_id)
@@ -904,9 +660,9 @@ impl CallerState {
 mod tests {
     use super::*;
 
-    const T0: i64 = 1_764_547_200_000; // a multiple of 10 s
+    pub(super) const T0: i64 = 1_764_547_200_000; // a multiple of 10 s
 
-    fn call(id: &str, ts_ms: i64) -> CallEvent {
+    pub(super) fn call(id: &str, ts_ms: i64) -> CallEvent {
         CallEvent {
             call_id: id.into(),
             caller: "+34911000001".into(),
@@ -942,55 +698,6 @@ mod tests {
         // Approx: in the next bucket the estimate floor(3 * (W - r - 1) / W) + 1
         // drops to 2 at r = 3333 ms, i.e. at +13.333 s.
         assert_eq!(third_call_retry("sliding-approx"), Some(11_333));
-    }
-
-    #[test]
-    fn packed_state_reads_back_and_corrupt_bytes_are_refused() {
-        let rules = RuleSet::from_args(
-            None,
-            &[
-                "f:fixed:10s:3".into(),
-                "s:sliding:20s:3".into(),
-                "a:sliding-approx:30s:3".into(),
-            ],
-        )
-        .unwrap()
-        .with_distinct_callees(true);
-        let mut state = CallerState::default();
-        let mut copy_at = Vec::new();
-        for i in 0..40i64 {
-            let mut ev = call(&format!("c{i}"), T0 + i * 700 - (i % 3) * 900);
-            ev.callee = Some(format!("+3491{}", i % 7).into());
-            // Decide the next call on the state and on a copy read back
-            // from its packed form (records are kept apart: unique ids).
-            let mut packed = Vec::new();
-            state.pack(&mut packed, PackedLog::Inline);
-            let (mut copy, log) = CallerState::unpack(&packed).expect("reads back");
-            assert_eq!(log, PackedLog::Inline);
-            // The same with the log kept apart and put back.
-            let mut apart = Vec::new();
-            state.pack(&mut apart, PackedLog::Outside { dead: 3, len: 9 });
-            let (mut other, log) = CallerState::unpack(&apart).expect("reads back");
-            assert_eq!(log, PackedLog::Outside { dead: 3, len: 9 });
-            assert!(other.log.is_empty());
-            other.restore_log(state.log.clone()).expect("in order");
-            let a = state.apply_unique(&rules, &ev, true);
-            let b = copy.apply_unique(&rules, &ev, true);
-            let c = other.apply_unique(&rules, &ev, true);
-            assert_eq!(a, b, "call {i}");
-            assert_eq!(a, c, "call {i}, log apart");
-            copy_at = packed;
-        }
-        for cut in 0..copy_at.len() {
-            assert!(
-                CallerState::unpack(&copy_at[..cut]).is_none(),
-                "prefix {cut}"
-            );
-        }
-        let mut longer = copy_at.clone();
-        longer.push(0);
-        assert!(CallerState::unpack(&longer).is_none());
-        assert!(CallerState::unpack(&[2, 0, 0, 0, 0, 0]).is_none());
     }
 
     #[test]
