@@ -12,7 +12,8 @@
 //! `healthz` sends `GET /healthz` instead: the HTTP floor of the same
 //! server and client, the peer the check latencies are compared with.
 //! Prints one line: rate offered and achieved, p50/p90/p99/p99.9/max in ms,
-//! rejects, errors. Loopback only.
+//! rejects, errors. Loopback only. Call ids are `b<connection>-<n>`; set
+//! `CALL_ID_PREFIX` to tell apart several of these clients at once.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -58,6 +59,7 @@ async fn connection(
     let _ = stream.set_nodelay(true);
     let mut stream = BufReader::new(stream);
     let mut rng = StdRng::seed_from_u64(id);
+    let prefix = std::env::var("CALL_ID_PREFIX").unwrap_or_else(|_| "b".into());
     let interval = Duration::from_secs_f64(1.0 / rate);
     let mut due = start + interval.mul_f64(rng.random::<f64>());
     let mut n = 0u64;
@@ -83,7 +85,7 @@ async fn connection(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as i64);
         let body = format!(
-            r#"{{"call_id":"b{id}-{n}","caller":"+3491{caller:07}","callee":"+346{:08}","ts":{ts}}}"#,
+            r#"{{"call_id":"{prefix}{id}-{n}","caller":"+3491{caller:07}","callee":"+346{:08}","ts":{ts}}}"#,
             rng.random_range(0..1_000_000u64)
         );
         let req = if healthz {

@@ -75,7 +75,7 @@ pub(super) struct Cached {
     /// Where the records are kept.
     pub(super) records: Records,
     /// Records trimmed from the state but still in the records hash, to
-    /// delete with the caller's next writes (see [`super::SCAN_COUNT`]).
+    /// delete with the caller's next writes (see [`super::TRIM_COUNT`]).
     pub(super) stale: Vec<CompactString>,
     /// Its size when it went into the cache ([`Cached::approx_bytes`]).
     pub(super) bytes: usize,

@@ -87,10 +87,14 @@ pub const DEFAULT_LOG_APART_ABOVE: usize = 128;
 pub const DEFAULT_RECORDS_APART_ABOVE: usize = 32;
 
 /// Records read per call when loading a busy caller's records hash
-/// (`HSCAN ... COUNT`), and most records deleted from it per write: a
-/// flooding caller's records are read and trimmed a bounded amount at a
-/// time, never in one call that holds Redis for long.
-pub const SCAN_COUNT: usize = 1_000;
+/// (`HSCAN ... COUNT`): a flooding caller's records are read a bounded
+/// amount at a time (about a millisecond of Redis's time each), while a
+/// busy caller's usually fit in the first read.
+pub const SCAN_COUNT: usize = 5_000;
+
+/// Most records deleted from a caller's records hash per write; the rest
+/// wait for its next writes.
+pub const TRIM_COUNT: usize = 1_000;
 
 /// Default number of callers kept in memory.
 pub const DEFAULT_CACHED_CALLERS: usize = 1_000_000;

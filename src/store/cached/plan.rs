@@ -6,7 +6,7 @@ use compact_str::CompactString;
 
 use super::cache::{Cached, Records, TtlPlan};
 use super::wire::{state_value, time_bytes, LogOp, RecordsOp, Write};
-use super::SCAN_COUNT;
+use super::TRIM_COUNT;
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
@@ -156,12 +156,12 @@ pub(super) fn decide<'a>(
             (RecordsOp::Delete, Vec::new(), Vec::new())
         }
         Records::Apart => {
-            // Trimmed records leave the hash at most SCAN_COUNT a
+            // Trimmed records leave the hash at most TRIM_COUNT a
             // write; the rest wait for the caller's next writes. A
             // record trimmed and then made again in this batch stays.
             let stale = &mut p.cached.stale;
             stale.append(&mut journal.dropped_records);
-            let n = stale.len().min(SCAN_COUNT);
+            let n = stale.len().min(TRIM_COUNT);
             let dels = stale
                 .drain(..n)
                 .filter(|id| !state.holds_record(id))
