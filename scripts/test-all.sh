@@ -28,10 +28,11 @@ if ! command -v tansu >/dev/null; then
   cargo install tansu --locked --features dynostore,libsql
 fi
 
-# The notebook test runs notebooks/threshold_tuning.ipynb with jupyter, from
-# a virtualenv of its own (Debian's system Python takes no pip installs).
+# The notebook test runs notebooks/threshold_tuning.ipynb with jupyter, and
+# the features test reads a Parquet file with pyarrow and polars, from a
+# virtualenv of their own (Debian's system Python takes no pip installs).
 venv="${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}"
-if ! "$venv/bin/python" -c "import polars, matplotlib, nbconvert, nbclient, ipykernel" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import polars, pyarrow, matplotlib, nbconvert, nbclient, ipykernel" 2>/dev/null; then
   echo "== installing the notebook's Python packages into $venv"
   if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
     as_root apt-get update -qq

@@ -226,14 +226,10 @@ async fn assert_features_topic(s: &Sample, brokers: &str, timeout: Duration) {
         let online: Value = serde_json::from_slice(&m.payload).unwrap();
         let id = online["call_id"].as_str().unwrap();
         let offline = &file[id];
-        // The topic and the file carry the same columns (event_time is
-        // compared as ts_ms: it is text in JSON and a timestamp in Parquet).
-        let online_keys: Vec<&String> = online
-            .as_object()
-            .unwrap()
-            .keys()
-            .filter(|k| *k != "event_time")
-            .collect();
+        // The topic and the file carry the same columns, with the same
+        // values (`event_time`: the CSV text equals the topic's, and the
+        // Parquet timestamp is UTC-aware and equals `ts_ms`).
+        let online_keys: Vec<&String> = online.as_object().unwrap().keys().collect();
         let offline_keys: Vec<&String> = offline.as_object().unwrap().keys().collect();
         assert_eq!(online_keys, offline_keys, "call {id}: columns differ");
         for (k, v) in offline.as_object().unwrap() {
@@ -244,24 +240,43 @@ async fn assert_features_topic(s: &Sample, brokers: &str, timeout: Duration) {
     assert!(compared >= calls * 16, "{compared} values compared");
 }
 
-/// Runs `callguard features` on the sample and reads the Parquet file back
-/// as JSON objects by call id (timestamps as epoch milliseconds).
+/// Runs `callguard features` on the sample, to Parquet and to CSV, and
+/// reads the Parquet file back as JSON objects by call id, with
+/// `event_time` as the CSV file's text for the call. Checks on the way that
+/// Parquet's `event_time` is `timestamp[ms, tz=UTC]` and equals `ts_ms`.
 fn features_file(s: &Sample) -> HashMap<String, Value> {
     use polars::prelude::*;
-    let out = s._dir.path().join("features.parquet");
-    let o = std::process::Command::new(common::bin())
-        .args(["features", "-i"])
-        .arg(&s.path)
-        .arg("--rules")
-        .arg(rules_path())
-        .arg("-o")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let df = ParquetReader::new(std::fs::File::open(&out).unwrap())
+    let export = |name: &str| {
+        let out = s._dir.path().join(name);
+        let o = std::process::Command::new(common::bin())
+            .args(["features", "-i"])
+            .arg(&s.path)
+            .arg("--rules")
+            .arg(rules_path())
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        out
+    };
+    let df = ParquetReader::new(std::fs::File::open(export("features.parquet")).unwrap())
         .finish()
         .unwrap();
+    let mut csv = csv::Reader::from_path(export("features.csv")).unwrap();
+    let header = csv.headers().unwrap().clone();
+    let (id_at, time_at) = (
+        header.iter().position(|h| h == "call_id").unwrap(),
+        header.iter().position(|h| h == "event_time").unwrap(),
+    );
+    let csv_times: HashMap<String, String> = csv
+        .records()
+        .map(|r| {
+            let r = r.unwrap();
+            (r[id_at].to_string(), r[time_at].to_string())
+        })
+        .collect();
+    assert_eq!(csv_times.len(), df.height());
     let json = |v: AnyValue| match v {
         AnyValue::Null => Value::Null,
         AnyValue::Boolean(b) => Value::from(b),
@@ -269,20 +284,27 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
         AnyValue::Int64(i) => Value::from(i),
         AnyValue::String(t) => Value::from(t),
         AnyValue::StringOwned(t) => Value::from(t.as_str()),
+        // Checked and replaced below (a zoned time has no text here).
+        AnyValue::Datetime(..) => Value::Null,
         other => Value::from(other.to_string()),
     };
     (0..df.height())
         .map(|i| {
-            let row: serde_json::Map<String, Value> = df
+            let mut row: serde_json::Map<String, Value> = df
                 .columns()
                 .iter()
-                .filter(|c| c.name().as_str() != "event_time")
                 .map(|c| (c.name().to_string(), json(c.get(i).unwrap())))
                 .collect();
-            (
-                row["call_id"].as_str().unwrap().to_string(),
-                Value::Object(row),
-            )
+            let id = row["call_id"].as_str().unwrap().to_string();
+            match df.column("event_time").unwrap().get(i).unwrap() {
+                AnyValue::Datetime(ms, TimeUnit::Milliseconds, Some(tz)) => {
+                    assert_eq!(tz, &TimeZone::UTC, "call {id}");
+                    assert_eq!(Some(ms), row["ts_ms"].as_i64(), "call {id}");
+                }
+                other => panic!("call {id}: event_time is {other:?}, not a UTC timestamp"),
+            }
+            row["event_time"] = Value::from(csv_times[&id].as_str());
+            (id, Value::Object(row))
         })
         .collect()
 }

@@ -64,7 +64,7 @@ async fn features_file_holds_the_replay_counts_with_typed_columns() {
     assert_eq!(f.height(), 20_000);
     assert_eq!(
         f.column("event_time").unwrap().dtype(),
-        &DataType::Datetime(TimeUnit::Milliseconds, None)
+        &DataType::Datetime(TimeUnit::Milliseconds, Some(TimeZone::UTC))
     );
     assert_eq!(f.column("label").unwrap().dtype(), &DataType::Boolean);
     assert_eq!(f.column("count_minute").unwrap().dtype(), &DataType::UInt64);
@@ -92,6 +92,74 @@ async fn features_file_holds_the_replay_counts_with_typed_columns() {
         since.iter().flatten().all(|s| s >= 0),
         "a time-sorted log has no negative gaps"
     );
+}
+
+/// What a data scientist's tools read: pyarrow and (Python) polars see
+/// `event_time` as a UTC-aware millisecond timestamp equal to `ts_ms`, and
+/// the CSV file's `event_time` is the RFC 3339 text the topics carry.
+#[test]
+fn event_time_is_utc_aware_for_pyarrow_and_polars() {
+    let dir = tempfile::tempdir().unwrap();
+    let (parquet, csv) = (dir.path().join("f.parquet"), dir.path().join("f.csv"));
+    for out in [&parquet, &csv] {
+        let o = std::process::Command::new(common::bin())
+            .args([
+                "features",
+                "-i",
+                "data/calls.csv",
+                "--rules",
+                "data/rules.toml",
+            ])
+            .args(["--columns", "call_id,event_time,ts_ms", "-o"])
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let script = r#"
+import sys, datetime
+import pyarrow as pa, pyarrow.parquet as pq, polars as pl
+t = pq.read_table(sys.argv[1])
+assert t.schema.field("event_time").type == pa.timestamp("ms", tz="UTC"), t.schema
+meta = pq.ParquetFile(sys.argv[1]).schema.column(1).logical_type
+assert "isAdjustedToUTC=true" in str(meta), meta
+ms = t.column("ts_ms").to_pylist()
+times = t.column("event_time").to_pylist()
+assert all(x.tzinfo is not None and x.utcoffset() == datetime.timedelta(0) for x in times)
+assert [int(x.timestamp() * 1000 + 0.5) for x in times] == ms
+df = pl.read_parquet(sys.argv[1])
+assert df.schema["event_time"] == pl.Datetime("ms", "UTC"), df.schema
+assert df["event_time"].dt.epoch("ms").to_list() == ms
+c = pl.read_csv(sys.argv[2], try_parse_dates=True)
+assert c.schema["event_time"].time_zone == "UTC", c.schema
+assert c["event_time"].dt.epoch("ms").to_list() == ms
+print(len(ms))
+"#;
+    let o = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&parquet)
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "pyarrow/polars check failed (pip install -r notebooks/requirements.txt; scripts/test-all.sh does):\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "20000");
+    // The CSV text of each call is the topic's: RFC 3339, milliseconds, Z.
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut rows = text.lines().skip(1);
+    let first: Vec<&str> = rows.next().unwrap().split(',').collect();
+    let ms: i64 = first[2].parse().unwrap();
+    let expect = chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    assert_eq!(first[1], expect);
+    assert!(rows.all(|r| r
+        .split(',')
+        .nth(1)
+        .is_some_and(|t| t.ends_with('Z') && t.len() == 24)));
 }
 
 /// `--columns`: only the named columns, in that order, with the full
@@ -221,4 +289,74 @@ fn asterisk_master_csv_preset() {
     let utc = read_call_log(path, &opts(None)).unwrap();
     let utc_first = utc.events.iter().map(|(_, e)| e.ts_ms).min().unwrap();
     assert_eq!(utc_first - first.ts_ms, 3_600_000);
+}
+
+/// A features file is a call log too: replayed with `ts` read from its
+/// UTC-aware `event_time`, it gives the decisions of the log it came from;
+/// two fields may read one column.
+#[test]
+fn a_features_file_replays_to_the_same_decisions() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |name: &str| dir.path().join(name);
+    let run = |args: &[&str]| {
+        let o = std::process::Command::new(common::bin())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    let (features, again, direct, twice) = (
+        s(&p("f.parquet")),
+        s(&p("again.csv")),
+        s(&p("direct.csv")),
+        s(&p("twice.csv")),
+    );
+    let rules = ["--rules", "data/rules.toml"];
+    run(&[
+        &["features", "-i", "data/calls.csv", "-o", &features],
+        &rules[..],
+    ]
+    .concat());
+    run(&[
+        &["replay", "-i", "data/calls.csv", "-o", &direct],
+        &rules[..],
+    ]
+    .concat());
+    run(&[
+        &[
+            "replay",
+            "-i",
+            &features,
+            "--map",
+            "ts=event_time",
+            "-o",
+            &again,
+        ],
+        &rules[..],
+    ]
+    .concat());
+    assert_eq!(
+        std::fs::read_to_string(&again).unwrap(),
+        std::fs::read_to_string(&direct).unwrap()
+    );
+    // `callee` read from `caller` as well: one column for two fields.
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "replay",
+            "-i",
+            &features,
+            "--map",
+            "ts=event_time,callee=caller",
+            "-o",
+            &twice,
+        ])
+        .args(rules)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(&twice).unwrap().lines().count(),
+        20_001
+    );
 }

@@ -232,3 +232,125 @@ fn tune_command_writes_table_and_plot() {
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.contains("<svg") && plot.contains("recommended N"));
 }
+
+/// The false-reject curve as drawn: one point per N with a positive rate,
+/// each at its own height inside the lower panel (a clipped curve runs
+/// flat along an edge), in the order of the rates; the rates of zero are
+/// marks on the bottom edge; the bound and the recommended N are drawn.
+#[test]
+fn tune_plot_shows_the_whole_false_reject_curve() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("sweep.csv");
+    let svg = dir.path().join("sweep.svg");
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "tune",
+            "-i",
+            "data/calls.csv",
+            "--rule",
+            "minute:sliding:60s",
+        ])
+        .args(["--limits", "1..40", "--max-false-reject", "0.002", "-o"])
+        .arg(&csv)
+        .arg("--plot")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = std::fs::read_to_string(&csv).unwrap();
+    let header: Vec<&str> = table.lines().next().unwrap().split(',').collect();
+    let at = header
+        .iter()
+        .position(|h| *h == "false_reject_rate")
+        .unwrap();
+    let rates: Vec<f64> = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(at).unwrap().parse().unwrap())
+        .collect();
+    let positive: Vec<f64> = rates.iter().copied().filter(|r| *r > 0.0).collect();
+    assert!(
+        positive[0] > 0.3,
+        "the sample's curve starts above 30%: {positive:?}"
+    );
+    assert!(positive.len() > 10 && positive.len() < rates.len());
+
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    let lines: Vec<(&str, Vec<(i64, i64)>)> = plot
+        .split("<polyline")
+        .skip(1)
+        .map(|p| {
+            let stroke = p
+                .split("stroke=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            let pts = p
+                .split("points=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap();
+            let pts = pts
+                .split_whitespace()
+                .map(|xy| {
+                    let (x, y) = xy.split_once(',').unwrap();
+                    (x.parse().unwrap(), y.parse().unwrap())
+                })
+                .collect();
+            (stroke, pts)
+        })
+        .collect();
+    let (_, curve) = lines
+        .iter()
+        .filter(|(s, _)| *s == "#FF0000")
+        .max_by_key(|(_, p)| p.len())
+        .unwrap();
+    assert_eq!(curve.len(), positive.len(), "one point per positive rate");
+    // The lower panel is the bottom 45% of the 800-pixel picture.
+    let (top, bottom) = (800 * 55 / 100, 800);
+    assert!(
+        curve.iter().all(|(_, y)| (top..bottom).contains(y)),
+        "{curve:?}"
+    );
+    // Rates fall with N, so heights rise on the page (y grows), each its own.
+    for (w, r) in curve.windows(2).zip(positive.windows(2)) {
+        if r[1] < r[0] * 0.9 {
+            assert!(w[1].1 > w[0].1, "{w:?} for rates {r:?}: clipped or flat");
+        }
+    }
+    // The rates of zero: hollow marks on one line below the curve.
+    let marks: Vec<i64> = plot
+        .split("<circle")
+        .skip(1)
+        .map(|c| {
+            c.split("cy=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    let zeros = rates.len() - positive.len();
+    assert_eq!(
+        marks.len(),
+        zeros + 1,
+        "one mark per zero rate, one in the legend"
+    );
+    let floor = marks.iter().copied().max().unwrap();
+    assert_eq!(marks.iter().filter(|y| **y == floor).count(), zeros);
+    assert!(floor > curve.last().unwrap().1 && floor < bottom);
+    // The --max-false-reject line, between the curve's ends.
+    let bound = lines
+        .iter()
+        .find(|(s, p)| *s == "#E68C00" && p.len() == 2 && p[0].0 < 100)
+        .expect("the --max-false-reject line");
+    assert!(bound.1[0].1 > curve[0].1 && bound.1[0].1 < curve.last().unwrap().1);
+    assert!(plot.contains("--max-false-reject 0.2%") && plot.contains("recommended N = 14"));
+}

@@ -11,8 +11,9 @@
 //! [`Schema::features`].
 //!
 //! The feature topic and the feature file carry the same columns, in the
-//! same order; the only difference is the encoding of `event_time` (an RFC
-//! 3339 string in JSON, a millisecond timestamp in Parquet and CSV).
+//! same order. `event_time` is in UTC everywhere: RFC 3339 text with
+//! milliseconds and `Z` in JSON and CSV (the same text), a UTC-aware
+//! millisecond timestamp (`timestamp[ms, tz=UTC]`) in Parquet.
 
 use chrono::{DateTime, SecondsFormat};
 use compact_str::CompactString;

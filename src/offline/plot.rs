@@ -1,12 +1,18 @@
-//! The tuning plot: rejected share, recall and false-reject rate against N.
+//! The tuning plot: against N, the rejected share and recall (top panel,
+//! 0-100%) and, with labels, the legit false-reject rate on a panel of its
+//! own with a log scale (it spans orders of magnitude, from tens of percent
+//! at small N to hundredths near the recommendation), never clipped. The
+//! recommended N is marked on both panels, the `--max-false-reject` line on
+//! the lower one.
 
+use std::ops::Range;
 use std::path::Path;
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use crate::error::IoError;
-use crate::offline::tune::Sweep;
+use crate::offline::tune::{Sweep, SweepRow, Target};
 
 /// Fonts tried for the plot's text.
 const FONT_PATHS: [&str; 4] = [
@@ -15,6 +21,14 @@ const FONT_PATHS: [&str; 4] = [
     "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
     "/usr/share/fonts/dejavu/DejaVuSans.ttf",
 ];
+
+/// Picture size; the lower panel (when drawn) takes this share of the height.
+const SIZE: (u32, u32) = (1000, 800);
+const LOWER_SHARE: f64 = 0.45;
+
+/// The false-reject rate's colour; the `--max-false-reject` line's.
+const FALSE_REJECT: RGBColor = RED;
+const MAX_LINE: RGBColor = RGBColor(230, 140, 0);
 
 fn plot_err(e: impl std::fmt::Display) -> String {
     e.to_string()
@@ -45,57 +59,105 @@ fn draw_to(sweep: &Sweep, path: &Path) -> Result<(), String> {
         .extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
     {
-        let root = SVGBackend::new(path, (1000, 600)).into_drawing_area();
-        chart(sweep, &root)?;
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        panels(sweep, &root)?;
         root.present().map_err(plot_err)
     } else {
-        let root = BitMapBackend::new(path, (1000, 600)).into_drawing_area();
-        chart(sweep, &root)?;
+        let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+        panels(sweep, &root)?;
         root.present().map_err(plot_err)
     }
 }
 
-fn chart<DB: DrawingBackend>(sweep: &Sweep, root: &DrawingArea<DB, Shift>) -> Result<(), String>
+/// The points of one curve: (N, value in percent), rows without a value left out.
+fn series(sweep: &Sweep, f: impl Fn(&SweepRow) -> Option<f64>) -> Vec<(f64, f64)> {
+    sweep
+        .rows
+        .iter()
+        .filter_map(|r| f(r).map(|v| (r.limit as f64, v * 100.0)))
+        .collect()
+}
+
+/// The N axis: the swept limits (at least one unit wide).
+fn n_range(sweep: &Sweep) -> Range<f64> {
+    let lo = sweep.rows.first().map_or(1, |r| r.limit);
+    let hi = sweep.rows.last().map_or(lo, |r| r.limit).max(lo + 1);
+    lo as f64..hi as f64
+}
+
+/// The `--max-false-reject` bound in percent, when it chose N.
+fn max_false_reject_pct(sweep: &Sweep) -> Option<f64> {
+    match sweep.target {
+        Target::MaxFalseReject(max) if sweep.labelled => Some(max * 100.0),
+        _ => None,
+    }
+}
+
+/// The log-scale extent (percent) of the false-reject panel: every positive
+/// rate and the bound drawn, with half a decade of room each side, so no
+/// point is clipped. `None` when there is nothing positive to draw.
+pub fn false_reject_extent(rates_pct: &[f64], bound_pct: Option<f64>) -> Option<Range<f64>> {
+    let positive = rates_pct
+        .iter()
+        .copied()
+        .chain(bound_pct)
+        .filter(|v| v.is_finite() && *v > 0.0);
+    let (lo, hi) = positive.fold(None, |acc: Option<(f64, f64)>, v| {
+        Some(acc.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
+    })?;
+    let room = 10f64.sqrt();
+    Some(lo / room..hi * room)
+}
+
+fn panels<DB: DrawingBackend>(sweep: &Sweep, root: &DrawingArea<DB, Shift>) -> Result<(), String>
 where
     DB::ErrorType: 'static,
 {
     root.fill(&WHITE).map_err(plot_err)?;
-    let (lo, hi) = (
-        sweep.rows.first().map_or(1, |r| r.limit),
-        sweep
-            .rows
-            .last()
-            .map_or(2, |r| r.limit)
-            .max(sweep.rows.first().map_or(1, |r| r.limit) + 1),
-    );
     let title = format!("callguard tune: limit N of rule `{}`", sweep.rule);
-    let mut c = ChartBuilder::on(root)
-        .caption(title, ("sans-serif", 24))
+    let root = root.titled(&title, ("sans-serif", 24)).map_err(plot_err)?;
+    let rates = series(sweep, |r| r.false_reject_rate);
+    let bound = max_false_reject_pct(sweep);
+    let extent = false_reject_extent(&rates.iter().map(|(_, v)| *v).collect::<Vec<_>>(), bound);
+    match extent {
+        Some(extent) if sweep.labelled => {
+            let upper_px = (f64::from(root.dim_in_pixel().1) * (1.0 - LOWER_SHARE)) as u32;
+            let (upper, lower) = root.split_vertically(upper_px);
+            shares(sweep, &upper)?;
+            false_rejects(sweep, &lower, &rates, bound, extent)
+        }
+        _ => shares(sweep, &root),
+    }
+}
+
+/// The upper panel: calls rejected and recall, in percent (0 to 100).
+fn shares<DB: DrawingBackend>(sweep: &Sweep, area: &DrawingArea<DB, Shift>) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let mut c = ChartBuilder::on(area)
         .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
-        .build_cartesian_2d(lo as f64..hi as f64, 0f64..100f64)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(n_range(sweep), 0f64..100f64)
         .map_err(plot_err)?;
     c.configure_mesh()
         .x_desc("N (calls allowed in the window)")
-        .y_desc("%")
+        .y_desc("% of calls")
+        .x_label_formatter(&|n| format!("{n:.0}"))
+        .y_label_formatter(&|v| format!("{v:.0}%"))
         .draw()
         .map_err(plot_err)?;
-    let series = |f: &dyn Fn(&crate::offline::tune::SweepRow) -> Option<f64>| -> Vec<(f64, f64)> {
-        sweep
-            .rows
-            .iter()
-            .filter_map(|r| f(r).map(|v| (r.limit as f64, v * 100.0)))
-            .collect()
-    };
-    type Line<'a> = (&'a str, RGBColor, Vec<(f64, f64)>);
-    let lines: [Line; 3] = [
-        ("calls rejected", BLUE, series(&|r| Some(r.rejected_share))),
-        ("recall (fraud calls caught)", GREEN, series(&|r| r.recall)),
+    let lines = [
         (
-            "false-reject rate x100 (legit calls)",
-            RED,
-            series(&|r| r.false_reject_rate.map(|f| f * 100.0)),
+            "calls rejected",
+            BLUE,
+            series(sweep, |r| Some(r.rejected_share)),
+        ),
+        (
+            "recall (fraud calls caught)",
+            GREEN,
+            series(sweep, |r| r.recall),
         ),
     ];
     for (name, color, pts) in lines {
@@ -123,6 +185,121 @@ where
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperRight)
         .draw()
+        .map_err(plot_err)
+}
+
+/// The lower panel: the legit false-reject rate on a log scale; rates of
+/// zero (no legit call rejected) as hollow marks on the bottom edge.
+fn false_rejects<DB: DrawingBackend>(
+    sweep: &Sweep,
+    area: &DrawingArea<DB, Shift>,
+    rates: &[(f64, f64)],
+    bound: Option<f64>,
+    extent: Range<f64>,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    let floor = extent.start;
+    let top = extent.end;
+    let mut c = ChartBuilder::on(area)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(n_range(sweep), extent.log_scale())
         .map_err(plot_err)?;
-    Ok(())
+    c.configure_mesh()
+        .x_desc("N (calls allowed in the window)")
+        .y_desc("% of legit calls (log)")
+        .x_label_formatter(&|n| format!("{n:.0}"))
+        .y_label_formatter(&|v| percent(*v))
+        .draw()
+        .map_err(plot_err)?;
+    let positive: Vec<(f64, f64)> = rates.iter().copied().filter(|(_, v)| *v > 0.0).collect();
+    c.draw_series(LineSeries::new(positive, FALSE_REJECT.stroke_width(2)))
+        .map_err(plot_err)?
+        .label("false-reject rate (legit calls rejected)")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], FALSE_REJECT.stroke_width(2)));
+    let zeros: Vec<(f64, f64)> = rates
+        .iter()
+        .filter(|(_, v)| *v <= 0.0)
+        .map(|(n, _)| (*n, floor))
+        .collect();
+    if !zeros.is_empty() {
+        c.draw_series(
+            zeros
+                .into_iter()
+                .map(|p| Circle::new(p, 3, FALSE_REJECT.stroke_width(1))),
+        )
+        .map_err(plot_err)?
+        .label("no legit call rejected (0%)")
+        .legend(|(x, y)| Circle::new((x + 10, y), 3, FALSE_REJECT.stroke_width(1)));
+    }
+    if let Some(max) = bound {
+        let (lo, hi) = (n_range(sweep).start, n_range(sweep).end);
+        c.draw_series(std::iter::once(PathElement::new(
+            vec![(lo, max), (hi, max)],
+            MAX_LINE.stroke_width(2),
+        )))
+        .map_err(plot_err)?
+        .label(format!("--max-false-reject {}", percent(max)))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], MAX_LINE.stroke_width(2)));
+    }
+    if let Some(n) = sweep.recommended {
+        c.draw_series(std::iter::once(PathElement::new(
+            vec![(n as f64, floor), (n as f64, top)],
+            BLACK.stroke_width(1),
+        )))
+        .map_err(plot_err)?;
+    }
+    c.configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()
+        .map_err(plot_err)
+}
+
+/// A percentage with as many decimals as its size needs (`12%`, `0.2%`, `0.006%`).
+fn percent(v: f64) -> String {
+    let decimals = if v >= 10.0 || v <= 0.0 {
+        0
+    } else {
+        // One significant digit past the first non-zero one.
+        (1.0 - v.log10().floor()).clamp(0.0, 8.0) as usize
+    };
+    let text = format!("{v:.decimals$}");
+    let text = if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        text
+    };
+    format!("{text}%")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_extent_holds_every_positive_rate_and_the_bound() {
+        let rates = [47.27, 0.17, 0.006, 0.0, 0.0];
+        let e = false_reject_extent(&rates, Some(0.2)).unwrap();
+        assert!(e.start < 0.006 && e.end > 47.27, "{e:?}");
+        let e = false_reject_extent(&[0.0, 0.0], Some(0.2)).unwrap();
+        assert!(e.contains(&0.2), "{e:?}");
+        let e = false_reject_extent(&[3.0], Some(50.0)).unwrap();
+        assert!(e.end > 50.0 && e.start < 3.0, "{e:?}");
+        assert_eq!(false_reject_extent(&[0.0], None), None);
+    }
+
+    #[test]
+    fn percentages_keep_their_significant_digit() {
+        assert_eq!(percent(47.27), "47%");
+        assert_eq!(percent(0.2), "0.2%");
+        assert_eq!(percent(0.17), "0.17%");
+        assert_eq!(percent(0.006), "0.006%");
+        assert_eq!(percent(1.0), "1%");
+        assert_eq!(percent(0.0), "0%");
+    }
 }

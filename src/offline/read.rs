@@ -293,11 +293,13 @@ pub fn read_frame_columns(
             let mut reader = ParquetReader::new(file);
             if let Some(wanted) = wanted {
                 let schema = reader.schema().map_err(polars_err(ctx.clone()))?;
-                let present: Vec<String> = wanted
-                    .iter()
-                    .filter(|w| schema.contains(w))
-                    .map(|w| w.to_string())
-                    .collect();
+                // Each column once, even when two fields map to it.
+                let mut present: Vec<String> = Vec::with_capacity(wanted.len());
+                for w in wanted.iter().filter(|w| schema.contains(w)) {
+                    if !present.iter().any(|p| p == w) {
+                        present.push(w.to_string());
+                    }
+                }
                 reader = reader.with_columns(Some(present));
             }
             let df = reader.finish().map_err(polars_err(ctx.clone()))?;

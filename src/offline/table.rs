@@ -81,12 +81,19 @@ impl<'a> Builder<'a> {
             Builder::Int(v) => Ok(Column::new(name, v)),
             Builder::UInt(v) => Ok(Column::new(name, v)),
             Builder::Bool(v) => Ok(Column::new(name, v)),
-            Builder::Time(v) => {
-                Column::new(name, v).cast(&DataType::Datetime(TimeUnit::Milliseconds, None))
-            }
+            Builder::Time(v) => Column::new(name, v).cast(&DataType::Datetime(
+                TimeUnit::Milliseconds,
+                Some(TimeZone::UTC),
+            )),
         }
     }
 }
+
+/// How CSV tables write times: RFC 3339 in UTC with milliseconds and the
+/// `Z` suffix (`2025-12-01T00:00:01.185Z`), the text the topics carry.
+/// Every time callguard writes is UTC (see [`Builder::finish`]), so the
+/// suffix is always true.
+const CSV_TIME_FORMAT: &str = "%Y-%m-%dT%H:%M:%S%.3fZ";
 
 /// Output formats of tables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +183,7 @@ pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
     match TableFormat::from_path(path) {
         TableFormat::Csv => CsvWriter::new(file)
             .include_header(true)
+            .with_datetime_format(Some(CSV_TIME_FORMAT.into()))
             .finish(df)
             .map_err(polars_err(ctx))?,
         TableFormat::Parquet => {
@@ -212,6 +220,7 @@ impl TableWriter {
             TableFormat::Csv => TableSink::Csv(
                 CsvWriter::new(file)
                     .include_header(true)
+                    .with_datetime_format(Some(CSV_TIME_FORMAT.into()))
                     .batched(schema)
                     .map_err(polars_err(context.clone()))?,
             ),

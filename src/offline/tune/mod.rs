@@ -74,6 +74,8 @@ pub struct Sweep {
     pub explanation: String,
     /// How many replays the sweep needed.
     pub passes: usize,
+    /// What the recommendation aimed at.
+    pub target: Target,
 }
 
 /// How to recommend N.
@@ -408,6 +410,7 @@ impl Sweeper {
             recommended,
             explanation,
             passes: self.passes(),
+            target: self.target,
         }
     }
 
