@@ -5,7 +5,7 @@
 --
 -- Used by the cached Redis store (src/store/cached/mod.rs, `--redis-mode
 -- cached`): callguard keeps its callers' window state in memory, decides a
--- batch there with the reference engine (src/engine/window.rs), and sends
+-- batch there with the reference engine (src/engine/window/mod.rs), and sends
 -- one call per group of callers. A caller whose version changed is not
 -- written; its current state is returned so callguard re-reads it, decides
 -- that caller's calls again and commits again. Never reads the Redis clock.

@@ -1,7 +1,7 @@
 #!lua
 -- callguard window script: decides a batch of calls atomically, in order.
 --
--- A line-by-line port of CallerState::apply (src/engine/window.rs), which defines
+-- A line-by-line port of CallerState::apply (src/engine/window/mod.rs), which defines
 -- the semantics; the conformance tests demand identical records. Event time
 -- comes from ARGV; the Redis clock is never read. Every key written gets a
 -- TTL in the same call. The events of one call are decided one after the
@@ -357,7 +357,7 @@ local function decide(stem, t, id, listed, callee)
       if b == cb then
         local a = pv * math.max(w - (t - b * w) - 1, 0)
         counts[i] = (a - a % w) / w + cur + 1
-      elseif b == cb - 1 then
+      elseif b == cb - 1 and t > horizon then
         counts[i] = pv + 1
       else
         counts[i] = 1
@@ -396,7 +396,11 @@ local function decide(stem, t, id, listed, callee)
         end
       elseif kind == 2 then
         local a = approx[i]
-        if a[5] == a[2] then a[3] = a[3] + 1 elseif a[5] == a[2] - 1 then a[4] = a[4] + 1 end
+        if a[5] == a[2] then
+          a[3] = a[3] + 1
+        elseif a[5] == a[2] - 1 and t > horizon then
+          a[4] = a[4] + 1
+        end
       end
     end
   end

@@ -465,3 +465,33 @@ fn the_sharded_store_sweeps_idle_callers_without_changing_a_verdict() {
         );
     }
 }
+
+/// Found by `a_redelivered_uncommitted_span_gets_its_first_records`: a call
+/// id decided again so late that its record is dropped at once (`t <= L' -
+/// D`), in the previous bucket of a sliding-approx rule. It raised that
+/// bucket's counter, so its redelivery counted itself a second time; a call
+/// at or below the horizon now counts 1 and is not recorded, as in the
+/// other kinds, and its redelivery gets the same record.
+#[test]
+fn a_call_past_the_horizon_counts_once_however_often_redelivered() {
+    let (rules, events) = random::case(6_872_928_892_618_194_069, 25, 1);
+    assert_eq!(rules.dedup_ms(), rules.retention_ms());
+    let mut store = MemoryStore::new();
+    let first: Vec<Verdict> = events.iter().map(|e| store.apply(&rules, e)).collect();
+    let last = events.last().unwrap();
+    let latest = events.iter().map(|e| e.ts_ms).max().unwrap();
+    assert!(
+        last.ts_ms <= latest - rules.dedup_ms(),
+        "the case is one of a call past the horizon"
+    );
+    assert!(first.last().unwrap().record.late);
+    for _ in 0..3 {
+        let again = store.apply(&rules, last);
+        assert_eq!(&again.record, &first.last().unwrap().record);
+    }
+    // And the brute-force reference agrees with the store on every call.
+    let expected = reference::decide_all(&rules, &events);
+    for (x, v) in expected.iter().zip(&first) {
+        assert_eq!(x.counts, v.record.counts.to_vec(), "{}", v.record.call_id);
+    }
+}

@@ -28,6 +28,9 @@ struct Past {
     callee: Option<String>,
     ts: i64,
     recorded: bool,
+    /// At or below the horizon `L' - R` when decided: past the retention,
+    /// so no sliding-approx counter holds it.
+    beyond: bool,
     expected: Expected,
 }
 
@@ -55,12 +58,20 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
         }
         let recorded = rules.count == CountPolicy::Attempts
             || (expected.decision == Decision::Allow && !expected.shadow);
+        let latest = history
+            .iter()
+            .filter(|p| p.caller == e.caller)
+            .map(|p| p.ts)
+            .max()
+            .map_or(e.ts_ms, |l| l.max(e.ts_ms));
+        let beyond = e.ts_ms <= latest - rules.retention_ms();
         history.push(Past {
             caller: e.caller.to_string(),
             call_id: e.call_id.to_string(),
             callee: e.callee.as_ref().map(|c| c.to_string()),
             ts: e.ts_ms,
             recorded,
+            beyond,
             expected: expected.clone(),
         });
         if retry && expected.decision == Decision::Reject && expected.reason != REASON_DENYLIST {
@@ -166,11 +177,18 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                     .map(|p| p.ts.div_euclid(w))
                     .max()
                     .map_or(b, |m| m.max(b));
+                // The counters hold recorded calls that were above the
+                // horizon when decided; a call at or below it counts 1.
+                let counted = |bucket: i64| {
+                    live.iter()
+                        .filter(|p| p.recorded && !p.beyond && p.ts.div_euclid(w) == bucket)
+                        .count() as u64
+                };
                 if b == bmax {
                     let r = t - b * w;
-                    rec_in(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + rec_in(b) + 1
-                } else if b == bmax - 1 {
-                    rec_in(b) + 1
+                    counted(b - 1) * ((w - r - 1).max(0) as u64) / (w as u64) + counted(b) + 1
+                } else if b == bmax - 1 && t > h {
+                    counted(b) + 1
                 } else {
                     1
                 }

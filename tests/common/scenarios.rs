@@ -205,6 +205,26 @@ pub fn all() -> Vec<Scenario> {
             ],
         },
         Scenario {
+            name: "sliding-approx: a late call at or below the horizon counts 1, however often redelivered",
+            rules: set(&["a:sliding-approx:10s:3"], Attempts, 1_000, &[], &[], false)
+                .with_dedup(11_000)
+                .unwrap(),
+            events: vec![
+                (A, "1", 0, "allow ok 1"),
+                (A, "2", 100, "allow ok 2"),
+                (A, "3", 9_000, "allow ok 3"),
+                // Bucket 1: floor(3 * 7499 / 10000) + 0 + 1. L' - R = 1500 from here.
+                (A, "4", 12_500, "allow ok 3"),
+                // In bucket 0 but past the horizon: its record is dropped at once
+                // (L' - D = 1500), so it must not raise the counter.
+                (A, "5", 1_000, "allow ok 1 late"),
+                (A, "5", 1_000, "allow ok 1 late"),
+                // In bucket 0 above the horizon: prev + 1, and recorded.
+                (A, "6", 2_000, "reject a 4 late"),
+                (A, "7", 12_600, "reject a 4"),
+            ],
+        },
+        Scenario {
             name: "state idle longer than window + grace counts as none",
             rules: set(
                 &["s:sliding:1m:5", "a:sliding-approx:1m:5", "f:fixed:1m:5"],

@@ -18,8 +18,9 @@
 //! * sliding-approx: counters for the current bucket `B` and the one before;
 //!   the estimate is `floor(prev * (W - r - 1) / W) + cur + 1` with
 //!   `r = t - b * W` (the previous bucket weighted by its overlap with
-//!   `(t - W, t]`, in whole milliseconds). An event in bucket `B - 1` counts
-//!   `prev + 1`; older buckets count 1 and are not recorded.
+//!   `(t - W, t]`, in whole milliseconds). An event in bucket `B - 1` above
+//!   the horizon (`t > H`) counts `prev + 1`; older events count 1 and are
+//!   not recorded.
 //! * `late = L exists and t < L - grace`.
 //! * Decision: denylist, then allowlist, then the first rule whose count
 //!   exceeds its limit; shadow mode emits `allow` instead of `reject`.
@@ -78,7 +79,8 @@ struct Approx {
 
 impl Approx {
     /// Moves the counters to `t`'s bucket if it is newer, then estimates.
-    fn advance_and_count(&mut self, t: i64, w: i64) -> u64 {
+    /// A call at or below the horizon counts 1 (see [`Approx::counts_in_prev`]).
+    fn advance_and_count(&mut self, t: i64, w: i64, horizon: i64) -> u64 {
         let b = bucket_of(t, w);
         match self.bucket {
             None => {
@@ -101,11 +103,23 @@ impl Approx {
         let cb = self.bucket.unwrap_or(b);
         if b == cb {
             approx_estimate(self.prev, self.cur, w, t.rem_euclid(w))
-        } else if b == cb - 1 {
+        } else if Approx::counts_in_prev(b, cb, t, horizon) {
             self.prev + 1
         } else {
             1
         }
+    }
+
+    /// Whether a call at `t` (bucket `b`, the counters' bucket `cb`) is
+    /// counted in, and recorded into, the previous bucket's counter: when
+    /// it lies in that bucket and above the horizon `L' - R`. A call at or
+    /// below the horizon is past the retention, as in every other rule
+    /// (sliding logs drop it, its fixed bucket is dead): counted 1 and
+    /// never recorded. Otherwise a call so late that its idempotency record
+    /// is dropped at once (`t <= L' - D`, `D >= R`) would still raise the
+    /// counter, and a redelivery of it would count itself a second time.
+    fn counts_in_prev(b: i64, cb: i64, t: i64, horizon: i64) -> bool {
+        b == cb - 1 && t > horizon
     }
 }
 
@@ -512,7 +526,8 @@ impl CallerState {
                 }
             }
             WindowKind::SlidingApprox => {
-                slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w)
+                let horizon = l_new.saturating_sub(rules.retention_ms());
+                slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, horizon)
             }
         }
     }
@@ -533,9 +548,10 @@ impl CallerState {
                 }
                 WindowKind::SlidingApprox => {
                     let a = slot(&mut self.approx, rule);
+                    let horizon = l_new.saturating_sub(rules.retention_ms());
                     match a.bucket {
                         Some(cb) if cb == b => a.cur += 1,
-                        Some(cb) if cb == b + 1 => a.prev += 1,
+                        Some(cb) if Approx::counts_in_prev(b, cb, t, horizon) => a.prev += 1,
                         _ => {}
                     }
                 }

@@ -13,7 +13,10 @@
 //! itself, are among its partition's uncommitted events. So the caller has
 //! moved on from `e`'s time by at most the span (latest minus earliest
 //! event time) of those uncommitted events, or not at all since `e`'s first
-//! decision. So no partition's uncommitted events may span `D` or more
+//! decision. (A call already more than `D` behind its caller when first
+//! decided keeps no record, but it is then past the retention too, so it
+//! changed nothing and is decided the same again.) So no partition's
+//! uncommitted events may span `D` or more
 //! ([`span_limit`]: `D - 1` ms): before a batch would pass that, the
 //! consumer waits until what it decided is committed. Exactness does not
 //! depend on how fast it runs. `tests/semantics.rs` checks the bound on
