@@ -29,7 +29,7 @@
 //!   (a batch the decider holds at that moment is finished and produced, so
 //!   its calls may get a second, identical record from the new owner);
 //! * no partition's uncommitted events span the idempotency horizon in
-//!   event time or more ([`checkpoint`]);
+//!   event time or more (`checkpoint`);
 //! * on shutdown the batch being decided is finished and the rest drains
 //!   within a deadline.
 //!

@@ -3,7 +3,7 @@
 //!
 //! The window script ([`super::redis::RedisStore`]) runs the algorithm in
 //! Redis: every event costs Redis several commands plus the script's own
-//! work. Here callguard keeps each caller's [`CallerState`] in memory (a
+//! work. Here callguard keeps each caller's [`CallerState`](crate::engine::window::CallerState) in memory (a
 //! consumer owns its partitions' callers, so after the first call the cache
 //! is nearly always current), decides a batch with the reference engine,
 //! and writes each touched caller back in one atomic `EVALSHA` of

@@ -1,0 +1,146 @@
+//! How to reach Redis and name its keys: [`RedisConfig`], its defaults and
+//! the key naming every Redis store shares.
+//!
+//! Every key of a caller carries the caller in a hash tag
+//! (`<prefix>{+34911234567}:m`), so all of a caller's state lives in one
+//! Redis Cluster slot and one script call can touch all of it.
+
+use std::time::Duration;
+
+/// Default Redis URL.
+pub const DEFAULT_URL: &str = "redis://127.0.0.1:6379";
+/// Default prefix of every key.
+pub const DEFAULT_KEY_PREFIX: &str = "cg:";
+/// Default timeout of connecting and of every call, milliseconds.
+pub const DEFAULT_TIMEOUT_MS: u64 = 2_000;
+/// Default slack added to every TTL, seconds.
+pub const DEFAULT_TTL_SLACK_S: u64 = 60;
+
+/// How to reach Redis and how to use it.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// One `redis://` or `rediss://` URL (user and password in the URL for
+    /// ACL), or several seed URLs of a Cluster.
+    pub urls: Vec<String>,
+    /// Use the Cluster client (implied by more than one URL).
+    pub cluster: bool,
+    /// Prefix of every key, to separate environments (`cg:`).
+    pub key_prefix: String,
+    /// Keep each call's record so a redelivered call id counts once and gets
+    /// the same record back. Off: redeliveries count again.
+    pub idempotency: bool,
+    /// Timeout of connecting and of every call.
+    pub timeout: Duration,
+    /// Added to every key's TTL. The contract runs on event time and the
+    /// script trims by event time, so TTLs only collect garbage; the slack
+    /// keeps state alive through processing pauses (Redis restarts,
+    /// rebalances, consumer lag) that would otherwise expire it early.
+    pub ttl_slack: Duration,
+    /// PEM file of the CA that signed the server certificate (`rediss://`
+    /// with a private CA); the system trust store otherwise.
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// On a reject by a rule, set the caller's block key
+    /// (`<prefix>block:{<caller>}`, see [`RedisConfig::block_key`]) to the
+    /// reason with a TTL of the retry-after, in the same script call, so a
+    /// switch can refuse the caller's next calls with one `EXISTS`.
+    pub block_keys: bool,
+}
+
+/// A URL with its password replaced by `***`, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let creds = &url[scheme + 3..at];
+            let user = creds.split(':').next().unwrap_or_default();
+            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+impl std::fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConfig")
+            .field(
+                "urls",
+                &self.urls.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
+            .field("cluster", &self.cluster)
+            .field("key_prefix", &self.key_prefix)
+            .field("idempotency", &self.idempotency)
+            .field("timeout", &self.timeout)
+            .field("ttl_slack", &self.ttl_slack)
+            .field("tls_ca", &self.tls_ca)
+            .field("block_keys", &self.block_keys)
+            .finish()
+    }
+}
+
+impl RedisConfig {
+    /// A key of a caller, `<prefix>{<caller>}<tail>`: hash-tagged by the
+    /// caller, so all of its keys share a Cluster slot. Built without
+    /// `format!`: a few per caller and batch.
+    pub fn caller_key(&self, caller: &str, tail: &str) -> String {
+        self.tagged("", caller, tail)
+    }
+
+    /// The block key of a caller, `<prefix>block:{<caller>}`. Set (with
+    /// [`RedisConfig::block_keys`]) to the reason of a reject, expiring when
+    /// the caller's retry-after ends; both stores write it.
+    pub fn block_key(&self, caller: &str) -> String {
+        self.tagged("block:", caller, "")
+    }
+
+    /// `<prefix><head>{<caller>}<tail>`.
+    fn tagged(&self, head: &str, caller: &str, tail: &str) -> String {
+        let mut key = String::new();
+        self.write_tagged(&mut key, head, caller, tail);
+        key
+    }
+
+    /// Writes `<prefix><head>{<caller>}<tail>` into `key`, replacing what
+    /// it held (a buffer reused for many keys).
+    pub(crate) fn write_tagged(&self, key: &mut String, head: &str, caller: &str, tail: &str) {
+        let prefix = &self.key_prefix;
+        key.clear();
+        key.reserve(prefix.len() + head.len() + caller.len() + tail.len() + 2);
+        key.push_str(prefix);
+        key.push_str(head);
+        key.push('{');
+        key.push_str(caller);
+        key.push('}');
+        key.push_str(tail);
+    }
+}
+
+impl Default for RedisConfig {
+    fn default() -> Self {
+        RedisConfig {
+            urls: vec![DEFAULT_URL.into()],
+            cluster: false,
+            key_prefix: DEFAULT_KEY_PREFIX.into(),
+            idempotency: true,
+            timeout: Duration::from_millis(DEFAULT_TIMEOUT_MS),
+            ttl_slack: Duration::from_secs(DEFAULT_TTL_SLACK_S),
+            tls_ca: None,
+            block_keys: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            super::redact("redis://cg:s3cret@host:6379/0"),
+            "redis://cg:***@host:6379/0"
+        );
+        assert_eq!(super::redact("redis://host:6379"), "redis://host:6379");
+        let cfg = super::RedisConfig {
+            urls: vec!["rediss://u:p@h:1".into()],
+            ..Default::default()
+        };
+        assert!(!format!("{cfg:?}").contains(":p@"));
+    }
+}

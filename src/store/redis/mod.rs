@@ -1,0 +1,20 @@
+//! The Redis stores' common ground and the script store.
+//!
+//! - [`config`]: [`RedisConfig`], defaults, key naming (hash-tagged per caller).
+//! - [`conn`]: the connection (standalone or Cluster), the mode claim of a
+//!   key prefix, error classification.
+//! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
+//!   atomic Lua calls (`lua/window.lua`).
+//!
+//! The cached store (`store::cached`) uses the same connection and config.
+
+pub mod config;
+pub mod conn;
+pub mod script;
+
+pub use config::{
+    redact, RedisConfig, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT_MS, DEFAULT_TTL_SLACK_S, DEFAULT_URL,
+};
+pub(crate) use conn::Conn;
+pub use conn::{classify, CLAIM_EVERY};
+pub use script::{RedisStore, EVENTS_PER_CALL, MODE, WINDOW_LUA};

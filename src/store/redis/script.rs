@@ -1,0 +1,266 @@
+//! The Redis store: the window algorithm as atomic Lua calls of up to
+//! [`EVENTS_PER_CALL`] events each.
+//!
+//! Every key of a caller carries the caller in a hash tag
+//! (`<prefix>{+34911234567}:m`), so all of a caller's state lives in one
+//! Redis Cluster slot and one script call can touch all of it. Event time is
+//! passed in; the script never reads the Redis clock. Batches go through one
+//! pipelined round trip of `EVALSHA` calls, each deciding its events in
+//! order with the rule set sent once; a `NOSCRIPT` reply (a restarted or
+//! flushed server) loads the script and retries the batch, which per-call
+//! idempotency makes safe.
+
+use redis::{RedisError, Value};
+
+use crate::engine::event::CallEvent;
+use crate::engine::record::Verdict;
+use crate::engine::rules::{CountPolicy, Listed, RuleSet};
+use crate::error::StoreError;
+use crate::store::redis::conn::{classify, is_noscript, Conn};
+use crate::store::redis::RedisConfig;
+use crate::store::WindowStore;
+
+/// The window script (see its header for KEYS, ARGV and the reply).
+pub const WINDOW_LUA: &str = include_str!("../../../lua/window.lua");
+
+/// This store's name for its way of keeping state (see `Conn::claim_mode`).
+pub const MODE: &str = "script";
+
+/// Most events decided by one script call. A call runs atomically, so it
+/// holds Redis for its whole batch (about 1-2 ms at this size); larger
+/// batches are split into pipelined calls.
+pub const EVENTS_PER_CALL: usize = 32;
+
+/// Window state in Redis (standalone or Cluster).
+pub struct RedisStore {
+    conn: Conn,
+    sha: String,
+    config: RedisConfig,
+    /// When the prefix's mode was last claimed (see [`crate::store::redis::CLAIM_EVERY`]).
+    claimed: std::time::Instant,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.config)
+            .field("sha", &self.sha)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// Connects and loads the script.
+    pub async fn connect(config: RedisConfig) -> Result<Self, StoreError> {
+        let mut conn = Conn::open(&config).await?;
+        conn.claim_mode(&config.key_prefix, MODE).await?;
+        let sha = conn.load_script(WINDOW_LUA).await?;
+        Ok(RedisStore {
+            conn,
+            sha,
+            config,
+            claimed: std::time::Instant::now(),
+        })
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
+    /// Runs the groups (indices into `events`) as pipelines, concurrently,
+    /// and returns each group's outcome.
+    async fn run_groups(
+        &self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        groups: &[Vec<usize>],
+    ) -> Vec<Result<Vec<Value>, RedisError>> {
+        let timeout = self.config.timeout * 2;
+        let calls = groups.iter().map(|g| {
+            let mut pipe = redis::pipe();
+            for chunk in g.chunks(EVENTS_PER_CALL) {
+                let evs: Vec<&CallEvent> = chunk.iter().map(|&i| &events[i]).collect();
+                pipe.add_command(self.invocation(rules, &evs));
+            }
+            let mut conn = self.conn.clone();
+            async move {
+                let replies = conn.query(&pipe, timeout).await?;
+                Ok(per_event(replies))
+            }
+        });
+        futures::future::join_all(calls).await
+    }
+
+    async fn load_script(&mut self) -> Result<(), StoreError> {
+        self.sha = self.conn.load_script(WINDOW_LUA).await?;
+        Ok(())
+    }
+
+    /// The stem of a caller's keys, `<prefix>{<caller>}`: the script names
+    /// each of the caller's keys by a suffix to it.
+    pub fn stem(&self, caller: &str) -> String {
+        self.config.caller_key(caller, "")
+    }
+
+    /// The block key of a caller (see [`RedisConfig::block_key`]).
+    pub fn block_key(&self, caller: &str) -> String {
+        self.config.block_key(caller)
+    }
+
+    /// The `EVALSHA` of the window script for `events`, decided in order in
+    /// one atomic call (keys and arguments as documented in
+    /// `lua/window.lua`); benchmarks replay it elsewhere. On a Cluster all
+    /// events must be in one hash slot.
+    pub fn invocation(&self, rules: &RuleSet, events: &[&CallEvent]) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.sha).arg(events.len());
+        for ev in events {
+            cmd.arg(self.stem(&ev.caller));
+        }
+        cmd.arg(u8::from(rules.count == CountPolicy::Admitted))
+            .arg(rules.grace_ms)
+            .arg(rules.retention_ms())
+            .arg(u8::from(rules.shadow))
+            .arg(u8::from(self.config.idempotency))
+            .arg(rules.version())
+            .arg(u8::from(rules.has_sliding()))
+            .arg(rules.dedup_ms())
+            .arg(self.config.ttl_slack.as_millis() as u64)
+            .arg(u8::from(rules.tracks_callees()))
+            .arg(rules.max_window_ms())
+            .arg(rules.max_distinct_callees())
+            .arg(u8::from(self.config.block_keys))
+            .arg(&self.config.key_prefix)
+            .arg(rules.rules.len());
+        for rule in &rules.rules {
+            cmd.arg(rule.kind.code())
+                .arg(rule.window_ms)
+                .arg(rule.limit)
+                .arg(&rule.name);
+        }
+        for ev in events {
+            let listed = match rules.listed(ev.number_for_lists()) {
+                Listed::No => 0,
+                Listed::Allow => 1,
+                Listed::Deny => 2,
+            };
+            cmd.arg(ev.ts_ms)
+                .arg(ev.call_id.as_str())
+                .arg(listed)
+                .arg(ev.callee.as_deref().unwrap_or(""));
+        }
+        cmd
+    }
+
+    /// Applies events through pipelined round trips: one pipeline for a
+    /// standalone server; one per hash slot, sent concurrently, for a Cluster
+    /// (a caller's events share a slot, so their order is kept).
+    pub async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let prefix = &self.config.key_prefix;
+        self.conn
+            .keep_mode_every(prefix, MODE, &mut self.claimed)
+            .await?;
+        let groups = self
+            .conn
+            .groups(events.len(), |i| self.stem(&events[i].caller));
+        let mut replies: Vec<Option<Value>> = vec![None; events.len()];
+        let mut pending = groups;
+        for attempt in 0..2 {
+            let outcomes = self.run_groups(rules, events, &pending).await;
+            let mut retry = Vec::new();
+            let mut noscript = false;
+            for (group, outcome) in pending.into_iter().zip(outcomes) {
+                match outcome {
+                    Ok(values) if values.len() == group.len() => {
+                        for (i, v) in group.into_iter().zip(values) {
+                            replies[i] = Some(v);
+                        }
+                    }
+                    Ok(values) => {
+                        return Err(StoreError::fatal(format!(
+                            "{} replies for {} calls",
+                            values.len(),
+                            group.len()
+                        )))
+                    }
+                    // Only groups that failed as a whole with NOSCRIPT ran nothing: retry just those.
+                    Err(e) if is_noscript(&e) && attempt == 0 => {
+                        noscript = true;
+                        retry.push(group);
+                    }
+                    Err(e) => return Err(classify(e)),
+                }
+            }
+            if !noscript {
+                break;
+            }
+            self.load_script().await?;
+            pending = retry;
+        }
+        replies
+            .into_iter()
+            .zip(events)
+            .map(|(v, ev)| match v {
+                Some(v) => parse_reply(v, ev),
+                None => Err(StoreError::transient(format!(
+                    "no reply for call {}",
+                    ev.call_id
+                ))),
+            })
+            .collect()
+    }
+}
+
+impl WindowStore for RedisStore {
+    async fn apply_batch(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Verdict>, StoreError> {
+        RedisStore::apply_batch(self, rules, events).await
+    }
+}
+
+/// Splits the replies of script calls (each a flat array of duplicate flag
+/// and record per event) into one `[duplicate, record]` array per event. A
+/// reply of another shape is passed on as it is, for `parse_reply` to refuse.
+fn per_event(replies: Vec<Value>) -> Vec<Value> {
+    let mut out = Vec::with_capacity(replies.len() * 2);
+    for reply in replies {
+        match reply {
+            Value::Array(items) if items.len() % 2 == 0 => {
+                let mut it = items.into_iter();
+                while let (Some(dup), Some(rec)) = (it.next(), it.next()) {
+                    out.push(Value::Array(vec![dup, rec]));
+                }
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
+    let bad = |what: &str| {
+        StoreError::fatal(format!(
+            "unexpected script reply for call {}: {what}",
+            ev.call_id
+        ))
+    };
+    let Value::Array(items) = v else {
+        return Err(bad(&format!("{v:?}")));
+    };
+    let (dup, encoded) = match items.as_slice() {
+        [Value::Int(d), Value::BulkString(s)] => (*d == 1, String::from_utf8_lossy(s).into_owned()),
+        other => return Err(bad(&format!("{other:?}"))),
+    };
+    Verdict::from_reply(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
+}
