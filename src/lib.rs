@@ -19,6 +19,7 @@
 //!   `tune`, `features`, plots and the generator.
 //! * [`demo`]: the online pipeline checked against the offline replay.
 //! * [`progress`]: progress bars for long work.
+//! * [`process`]: process-wide settings the binary applies at start.
 //!
 //! The command line (`src/cmd/`, in the binary) maps its arguments onto the
 //! configurations these modules take.
@@ -28,5 +29,6 @@ pub mod engine;
 pub mod error;
 pub mod offline;
 pub mod online;
+pub mod process;
 pub mod progress;
 pub mod store;

@@ -13,6 +13,7 @@ use cmd::LogFormat;
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
+    callguard::process::prefer_small_pages();
     let cli = cmd::parse();
     init_logging(cli.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
