@@ -563,3 +563,61 @@ fn two_cached_instances_share_their_callers() {
     let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
     assert!(conflicts >= 6, "{conflicts} conflicts counted");
 }
+
+/// Finding 4 of the serve issue: one check with a time ahead of the clock
+/// (within `--max-future-skew-s`) became its caller's latest, and every
+/// later call was then late, counted 1 and allowed. Such a time is now
+/// decided at the server clock, so the caller's later calls count.
+#[test]
+fn a_time_ahead_of_the_clock_cannot_switch_a_callers_limit_off() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:3".into()]).unwrap();
+    assert!(rules.grace_ms < 290_000);
+    let served = Served::start(ServeConfig::default(), redis_config(&redis), rules);
+    let mut conn = served.conn();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
+    let before = now();
+    let ahead = before + 290_000;
+    let r = conn.get(&format!(
+        "/v1/check?call_id=f1&caller=%2B34911000009&ts={ahead}"
+    ));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ts = r.json()["ts_ms"].as_i64().unwrap();
+    assert!(
+        (before..=now()).contains(&ts),
+        "decided at {ts}, not at the clock"
+    );
+    let decisions: Vec<(String, i64)> = (2..=6)
+        .map(|i| {
+            let r = conn.get(&format!("/v1/check?call_id=f{i}&caller=%2B34911000009"));
+            assert_eq!(r.status, 200, "{}", r.body);
+            let b = r.json();
+            (
+                b["decision"].as_str().unwrap().to_string(),
+                b["count_minute"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        decisions,
+        [
+            ("allow".to_string(), 2),
+            ("allow".to_string(), 3),
+            ("reject".to_string(), 4),
+            ("reject".to_string(), 5),
+            ("reject".to_string(), 6)
+        ]
+    );
+    assert_eq!(served.metrics.clamped.get(), 1);
+    // A time ahead by no more than the grace is kept as sent.
+    let near = now() + 1_000;
+    let r = conn.get(&format!(
+        "/v1/check?call_id=n1&caller=%2B34911000010&ts={near}"
+    ));
+    assert_eq!(r.json()["ts_ms"].as_i64(), Some(near));
+}

@@ -65,7 +65,10 @@ pub struct ServeArgs {
     #[arg(long, env = "CALLGUARD_BATCH_LINGER_US", default_value_t = serve::DEFAULT_LINGER_US)]
     pub batch_linger_us: u64,
     /// Event times more than this many seconds ahead of the wall clock are
-    /// refused (400, `ts_out_of_range`); 0 turns the check off.
+    /// refused (400, `ts_out_of_range`: a clock that wrong is worth
+    /// seeing); 0 turns the check off. Times ahead by more than the rule
+    /// set's grace but within this are decided at this server's clock, so
+    /// no check can make its caller's later calls late.
     #[arg(long, env = "CALLGUARD_MAX_FUTURE_SKEW_S", default_value_t = consumer::DEFAULT_MAX_FUTURE_SKEW_S)]
     pub max_future_skew_s: u64,
     /// Also produce every decided call to Kafka (events, decisions and

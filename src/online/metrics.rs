@@ -83,6 +83,13 @@ pub struct Metrics {
     /// `serve`: records of decided calls that could not be produced to
     /// Kafka (dropped and logged; the answer was given).
     pub publish_failures: Counter,
+    /// `serve`: checks whose time was ahead of the server clock by more
+    /// than the grace, decided at the server clock instead.
+    pub clamped: Counter,
+    /// `serve`: connections shed or closed by the server, by reason
+    /// (`cap`: over `--max-connections`, closed at once; `timeout`: a
+    /// request's header or body not sent in time, or idle too long).
+    pub connections_shed: Family<KindLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -100,6 +107,8 @@ impl Metrics {
         let duplicates = Counter::default();
         let dlq_failures = Counter::default();
         let late = Counter::default();
+        let clamped = Counter::default();
+        let connections_shed = Family::<KindLabel, Counter>::default();
         let degraded = Counter::default();
         let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
         let store_errors = Family::<KindLabel, Counter>::default();
@@ -123,6 +132,16 @@ impl Metrics {
             duplicates.clone(),
         );
         registry.register("late", "Events later than the grace period", late.clone());
+        registry.register(
+            "clamped",
+            "serve: check times ahead of the clock by more than the grace, decided at the clock",
+            clamped.clone(),
+        );
+        registry.register(
+            "connections_shed",
+            "serve: connections shed (over the cap) or closed (too slow or idle)",
+            connections_shed.clone(),
+        );
         registry.register(
             "degraded",
             "Events decided by the fallback policy while the store failed",
@@ -164,6 +183,8 @@ impl Metrics {
             dlq_failures,
             duplicates,
             late,
+            clamped,
+            connections_shed,
             degraded,
             store_latency,
             store_errors,

@@ -6,7 +6,8 @@
 //! and window store as `consume` and `replay`:
 //!
 //! * `POST /v1/check` with the Kafka payload's JSON (`ts` optional: the
-//!   server's clock in ms);
+//!   server's clock in ms; a `ts` ahead of the server's clock by more than
+//!   the rule set's grace is replaced by the clock, see `clamp_to_clock`);
 //! * `GET /v1/check?call_id=...&caller=...[&callee=...][&ts=...]` for
 //!   dialplans that can only GET.
 //!
@@ -319,8 +320,9 @@ async fn batcher<S: WindowStore>(
             schema = Arc::new(Schema::decisions(&current));
             features = Schema::features(&current);
         }
-        let (events, replies): (Vec<CallEvent>, Vec<_>) =
+        let (mut events, replies): (Vec<CallEvent>, Vec<_>) =
             jobs.drain(..).map(|j| (j.event, j.reply)).unzip();
+        clamp_to_clock(&mut events, current.grace_ms, now_ms(), &metrics);
         metrics.batch_size.observe(events.len() as f64);
         let (verdicts, why) =
             match apply_observed(&mut store, &current, &events, &metrics, &health).await {
@@ -381,6 +383,21 @@ async fn batcher<S: WindowStore>(
     }
 }
 
+/// A check's time may lead the server clock by at most the grace: one
+/// further ahead is decided at the server clock. A time far ahead would
+/// otherwise become its caller's latest, and every later call of the
+/// caller, older by more than the grace, would be late: counted 1 and
+/// allowed (one check with a bad clock, or a forged one, would switch the
+/// caller's limits off). The record, and what is produced to Kafka, carry
+/// the time used.
+fn clamp_to_clock(events: &mut [CallEvent], grace_ms: i64, now: i64, metrics: &Metrics) {
+    let latest = now.saturating_add(grace_ms);
+    for e in events.iter_mut().filter(|e| e.ts_ms > latest) {
+        e.ts_ms = now;
+        metrics.clamped.inc();
+    }
+}
+
 /// Produces the decided calls of a batch (not duplicates) to the events,
 /// decisions and features topics, keyed by caller; delivery failures are
 /// logged and counted (`publish_failures`), never block an answer.
@@ -435,4 +452,34 @@ fn publish(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_times_ahead_by_more_than_the_grace_are_clamped() {
+        let metrics = Metrics::new();
+        let now = 1_764_547_200_000;
+        let at = |ts| CallEvent {
+            call_id: "c".into(),
+            caller: "+34911000001".into(),
+            ts_ms: ts,
+            callee: None,
+            duration_ms: None,
+            label: None,
+            list_number: None,
+        };
+        let mut events = vec![
+            at(now - 60_000),
+            at(now + 5_000),
+            at(now + 5_001),
+            at(now + 290_000),
+        ];
+        clamp_to_clock(&mut events, 5_000, now, &metrics);
+        let times: Vec<i64> = events.iter().map(|e| e.ts_ms).collect();
+        assert_eq!(times, [now - 60_000, now + 5_000, now, now]);
+        assert_eq!(metrics.clamped.get(), 2);
+    }
 }
