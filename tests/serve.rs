@@ -23,6 +23,8 @@ use common::{query_escape, random, HttpConn, RedisServer};
 /// A check API running in process on a free port, stopped on drop.
 struct Served {
     port: u16,
+    /// The admin listener (`/metrics`, `/healthz`, `/readyz` only).
+    admin_port: u16,
     metrics: Arc<Metrics>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     rt: tokio::runtime::Runtime,
@@ -44,18 +46,23 @@ impl Served {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = Arc::new(Metrics::new());
         let served_metrics = metrics.clone();
-        let port = rt.block_on(async {
+        let (port, admin_port) = rt.block_on(async {
             let store =
                 AnyStore::connect_redis(redis, cached.then_some(CacheLimit::callers(1_000)))
                     .await
                     .expect("connect to Redis");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
+            let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let admin_port = admin.local_addr().unwrap().port();
             let (_tx, rx) = tokio::sync::watch::channel(rules);
             tokio::spawn(async move {
                 let _keep = _tx;
                 serve::run(
-                    listener,
+                    serve::Listeners {
+                        api: listener,
+                        admin: Some(admin),
+                    },
                     config,
                     store,
                     rx,
@@ -68,10 +75,11 @@ impl Served {
                 .await
                 .unwrap();
             });
-            port
+            (port, admin_port)
         });
         Served {
             port,
+            admin_port,
             metrics,
             stop: Some(stop),
             rt,
@@ -620,4 +628,134 @@ fn a_time_ahead_of_the_clock_cannot_switch_a_callers_limit_off() {
         "/v1/check?call_id=n1&caller=%2B34911000010&ts={near}"
     ));
     assert_eq!(r.json()["ts_ms"].as_i64(), Some(near));
+}
+
+/// Whether the server closed `s` within `within` (a read returns end of
+/// file, or the connection is reset), reading and dropping what it sends.
+fn closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::Read;
+    let until = std::time::Instant::now() + within;
+    let mut buf = [0u8; 4096];
+    while std::time::Instant::now() < until {
+        s.set_read_timeout(Some(Duration::from_millis(100)))
+            .unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return true,
+            Err(_) => {}
+        }
+    }
+    false
+}
+
+fn shed(served: &Served, kind: &str) -> u64 {
+    served
+        .metrics
+        .connections_shed
+        .get_or_create(&callguard::online::metrics::KindLabel { kind: kind.into() })
+        .get()
+}
+
+/// Finding 1 of the serve issue (and part of 8): connections are capped,
+/// slow and idle ones closed, the admin listener answers under any load,
+/// `HEAD` runs no check, HTTP/2 is not spoken, a 413 is JSON. Bounded: at
+/// most 45 connections, every wait a few seconds.
+#[test]
+fn hostile_connections_are_capped_and_timed_out() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let served = Served::start(
+        ServeConfig {
+            limits: serve::Limits {
+                max_connections: 20,
+                header_timeout: Duration::from_millis(500),
+            },
+            body_timeout: Duration::from_millis(500),
+            max_body_bytes: 1024,
+            ..config()
+        },
+        redis_config(&redis),
+        rules,
+    );
+    let connect = || TcpStream::connect(("127.0.0.1", served.port)).unwrap();
+    // Twenty silent connections take the cap.
+    let mut silent: Vec<TcpStream> = (0..20).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // Beyond it, new connections are closed at once.
+    for _ in 0..10 {
+        let mut extra = connect();
+        assert!(closed_within(&mut extra, Duration::from_millis(400)));
+    }
+    assert!(shed(&served, "cap") >= 10, "{}", shed(&served, "cap"));
+    // The admin listener answers meanwhile.
+    let health = common::http_get(served.admin_port, "/healthz").expect("healthz");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    // The silent ones are closed after the header deadline.
+    for s in &mut silent {
+        assert!(
+            closed_within(s, Duration::from_secs(3)),
+            "a silent connection stayed open"
+        );
+    }
+    assert!(
+        shed(&served, "timeout") >= 20,
+        "{}",
+        shed(&served, "timeout")
+    );
+    // Then checks get through again.
+    let mut conn = served.conn();
+    let r = conn.get("/v1/check?call_id=ok1&caller=%2B34911000011&ts=1764547200000");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // A header sent too slowly, and a keep-alive connection left idle.
+    let mut slow = connect();
+    slow.write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    assert!(closed_within(&mut slow, Duration::from_secs(3)));
+    let mut idle = served.conn();
+    let r = idle.get("/v1/check?call_id=ok2&caller=%2B34911000011&ts=1764547200001");
+    assert_eq!(r.status, 200);
+    let mut idle = idle.into_stream();
+    assert!(closed_within(&mut idle, Duration::from_secs(3)));
+    // A body sent too slowly: 408, and the connection closed.
+    let mut drip = connect();
+    drip.write_all(b"POST /v1/check HTTP/1.1\r\nHost: x\r\nContent-Length: 60\r\n\r\n{")
+        .unwrap();
+    let mut answer = String::new();
+    {
+        use std::io::Read;
+        drip.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let _ = drip.read_to_string(&mut answer);
+    }
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("body_timeout"), "{answer}");
+    // HEAD runs no check (a new connection: the one above has idled out).
+    let mut conn = served.conn();
+    let r = conn.request("HEAD", "/v1/check?call_id=h1&caller=%2B34911000012", b"");
+    assert_eq!(r.status, 405);
+    let r = conn.get("/v1/check?call_id=h1&caller=%2B34911000012&ts=1764547200000");
+    assert_eq!(r.json()["duplicate"], false, "HEAD decided the call");
+    // Over the body limit: 413 with a JSON body.
+    let r = conn.post(
+        "/v1/check",
+        &format!(r#"{{"call_id":"{}"}}"#, "x".repeat(2048)),
+    );
+    assert_eq!(r.status, 413);
+    assert_eq!(r.json()["kind"], "body_too_large");
+    // HTTP/2 with prior knowledge is not spoken.
+    let mut h2 = connect();
+    h2.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    let mut reply = Vec::new();
+    {
+        use std::io::Read;
+        h2.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = h2.read_to_end(&mut reply);
+    }
+    assert!(
+        reply.is_empty() || reply.starts_with(b"HTTP/1.1"),
+        "answered {:?}",
+        &reply[..reply.len().min(16)]
+    );
 }

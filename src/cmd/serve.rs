@@ -26,7 +26,8 @@ use crate::cmd::shutdown_signal;
 /// `GET /v1/check?call_id=..&caller=..[&callee=..][&ts=..]`, answers the
 /// decision record as JSON (plus `duplicate`). A SIP retransmission with
 /// the same call id gets the same record back. Also `/metrics`, `/healthz`
-/// and `/readyz` on the same address.
+/// and `/readyz` on the same address (and on `--admin-listen`). HTTP/1.1
+/// only; connections are capped and slow or idle ones closed.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Address to listen on.
@@ -56,6 +57,26 @@ pub struct ServeArgs {
     /// Largest request body, bytes (larger: 413).
     #[arg(long, env = "CALLGUARD_MAX_BODY_BYTES", default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    /// Most connections open at once; a new one beyond is closed at once
+    /// (logged, `callguard_connections_shed_total{kind="cap"}`). Lowered to
+    /// fit the open-file limit if that is smaller.
+    #[arg(long, env = "CALLGUARD_MAX_CONNECTIONS", default_value_t = serve::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// A request's header must arrive within this many milliseconds of the
+    /// server being ready for it; a connection idle this long between
+    /// requests is closed too (`kind="timeout"`). A switch's keep-alive
+    /// connection reconnects in a fraction of a millisecond.
+    #[arg(long, env = "CALLGUARD_HEADER_TIMEOUT_MS", default_value_t = serve::DEFAULT_HEADER_TIMEOUT_MS)]
+    pub header_timeout_ms: u64,
+    /// A request's body must arrive within this many milliseconds (else
+    /// 408, and the connection is closed).
+    #[arg(long, env = "CALLGUARD_BODY_TIMEOUT_MS", default_value_t = serve::DEFAULT_BODY_TIMEOUT_MS)]
+    pub body_timeout_ms: u64,
+    /// Also serve `/metrics`, `/healthz` and `/readyz` on this address,
+    /// with a cap of its own, so a load balancer's probes are answered
+    /// however many connections the check API holds.
+    #[arg(long, env = "CALLGUARD_ADMIN_LISTEN")]
+    pub admin_listen: Option<std::net::SocketAddr>,
     /// Largest batch of checks per store round trip. Checks that arrive
     /// while a batch is at the store form the next one.
     #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = serve::DEFAULT_BATCH_SIZE)]
@@ -127,6 +148,11 @@ impl ServeArgs {
                 RejectStatus::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             }),
             max_body_bytes: self.max_body_bytes,
+            limits: serve::Limits {
+                max_connections: self.max_connections.max(1),
+                header_timeout: Duration::from_millis(self.header_timeout_ms.max(1)),
+            },
+            body_timeout: Duration::from_millis(self.body_timeout_ms.max(1)),
             batch_size: self.batch_size.max(1),
             linger: Duration::from_micros(self.batch_linger_us),
             max_future_skew: (self.max_future_skew_s > 0)
@@ -151,11 +177,19 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         metrics.clone(),
     )?;
     let store = args.store.open(StoreKind::Redis, true).await?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    let api = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
+    let admin = match args.admin_listen {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listening on {addr}"))?,
+        ),
+        None => None,
+    };
     serve::run(
-        listener,
+        serve::Listeners { api, admin },
         config,
         store,
         rules_rx,

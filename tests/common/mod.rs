@@ -456,6 +456,11 @@ pub struct HttpConn {
 }
 
 impl HttpConn {
+    /// The connection itself (what it had buffered is dropped).
+    pub fn into_stream(self) -> TcpStream {
+        self.stream.into_inner()
+    }
+
     /// Connects to `127.0.0.1:port`.
     pub fn connect(port: u16) -> Self {
         let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to the HTTP server");

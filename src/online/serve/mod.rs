@@ -36,11 +36,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Query, State};
+use axum::extract::{Query, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use axum::serve::ListenerExt;
 use axum::Router;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use serde_json::json;
@@ -61,6 +60,10 @@ use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
+mod listener;
+
+pub use listener::{Limits, Listener};
+
 /// Default listening address.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:8080";
 /// Default largest request body, bytes.
@@ -69,6 +72,14 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 * 1024;
 pub const DEFAULT_BATCH_SIZE: usize = 256;
 /// Default extra wait for more requests after the first of a batch.
 pub const DEFAULT_LINGER_US: u64 = 0;
+/// Default most connections open at once on the check API.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
+/// Default deadline for a request's header (and idle time between requests).
+pub const DEFAULT_HEADER_TIMEOUT_MS: u64 = 5_000;
+/// Default deadline for a request's body.
+pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 5_000;
+/// Most connections open at once on the admin listener.
+const ADMIN_MAX_CONNECTIONS: usize = 64;
 /// Requests queued for the batcher at most; beyond, answers 503.
 const QUEUE: usize = 16_384;
 /// Retry-After (seconds) of a 503 when the store fails under `block`.
@@ -101,6 +112,10 @@ pub struct ServeConfig {
     pub reject_status: Option<StatusCode>,
     /// Largest request body; larger ones are refused (413).
     pub max_body_bytes: usize,
+    /// Connections: the cap, and the deadline for each request's header.
+    pub limits: Limits,
+    /// Deadline for a request's body (then 408 and the connection closed).
+    pub body_timeout: Duration,
     /// Largest batch per store round trip.
     pub batch_size: usize,
     /// Extra wait for more requests after the first of a batch.
@@ -118,6 +133,11 @@ impl Default for ServeConfig {
             on_store_error: StoreErrorPolicy::Block,
             reject_status: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            limits: Limits {
+                max_connections: DEFAULT_MAX_CONNECTIONS,
+                header_timeout: Duration::from_millis(DEFAULT_HEADER_TIMEOUT_MS),
+            },
+            body_timeout: Duration::from_millis(DEFAULT_BODY_TIMEOUT_MS),
             batch_size: DEFAULT_BATCH_SIZE,
             linger: Duration::from_micros(DEFAULT_LINGER_US),
             max_future_skew: Some(Duration::from_secs(300)),
@@ -147,10 +167,27 @@ struct AppState {
     metrics: Arc<Metrics>,
 }
 
-/// Serves the check API on `listener` until `shutdown` resolves, then
+/// Where `serve` listens: the check API (with `/metrics`, `/healthz` and
+/// `/readyz` too) and, if given, an admin listener with only those three,
+/// whose own small cap keeps them answering however many connections the
+/// check API holds.
+pub struct Listeners {
+    /// The check API.
+    pub api: TcpListener,
+    /// The admin listener.
+    pub admin: Option<TcpListener>,
+}
+
+impl From<TcpListener> for Listeners {
+    fn from(api: TcpListener) -> Self {
+        Listeners { api, admin: None }
+    }
+}
+
+/// Serves the check API on `listeners` until `shutdown` resolves, then
 /// answers the requests already queued and returns.
 pub async fn run<S: WindowStore + 'static>(
-    listener: TcpListener,
+    listeners: impl Into<Listeners>,
     config: ServeConfig,
     store: S,
     rules: watch::Receiver<RuleSet>,
@@ -180,30 +217,52 @@ pub async fn run<S: WindowStore + 'static>(
         config: config.clone(),
         metrics: metrics.clone(),
     };
+    let admin_routes = metrics::routes(metrics.clone(), health);
     let app = Router::new()
-        .route("/v1/check", post(check_post).get(check_get))
-        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        // HEAD would run a check (axum answers HEAD with the GET route).
+        .route(
+            "/v1/check",
+            post(check_post).get(check_get).head(method_not_allowed),
+        )
         .with_state(state)
-        .merge(metrics::routes(metrics, health));
-    if let Ok(addr) = listener.local_addr() {
-        info!(%addr, "check API on /v1/check; metrics on /metrics, health on /healthz and /readyz");
-    }
-    // No Nagle delay on answers: a switch waits on each one.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            warn!(error = %e, "could not set TCP_NODELAY");
-        }
+        .merge(admin_routes.clone());
+    let Listeners { api, admin } = listeners.into();
+    let (stop_tx, stop) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
     });
-    if let Err(e) = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-    {
-        warn!(error = %e, "check API server failed");
+    let admin = admin.map(|tcp| {
+        if let Ok(addr) = tcp.local_addr() {
+            info!(%addr, "admin listener: /metrics, /healthz, /readyz");
+        }
+        let limits = Limits {
+            max_connections: ADMIN_MAX_CONNECTIONS,
+            ..config.limits
+        };
+        let listener = Listener::new(tcp, limits, metrics.clone(), "admin");
+        tokio::spawn(listener.run(admin_routes, stop.clone()))
+    });
+    let listener = Listener::new(api, config.limits, metrics, "check API");
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, cap = listener.cap(), "check API on /v1/check; metrics on /metrics, health on /healthz and /readyz");
+    }
+    listener.run(app, stop).await;
+    if let Some(a) = admin {
+        let _ = a.await;
     }
     // The router (and its job sender) is gone: the batcher ends once the
     // queued requests are answered.
     let _ = batcher.await;
     Ok(())
+}
+
+/// `HEAD /v1/check`: 405 (a check has effects; only POST and GET run one).
+async fn method_not_allowed() -> Response {
+    let mut r = StatusCode::METHOD_NOT_ALLOWED.into_response();
+    r.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET, POST"));
+    r
 }
 
 fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
@@ -212,9 +271,45 @@ fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
         .map_err(client_err("creating the producer"))
 }
 
-async fn check_post(State(s): State<AppState>, body: Bytes) -> Response {
+async fn check_post(State(s): State<AppState>, request: Request) -> Response {
+    let body = match read_body(&s, request).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let decoded = s.config.decoder.decode_json_at(&body, Some(now_ms()));
     decide(&s, decoded).await
+}
+
+/// The request's body, within `--max-body-bytes` (else 413) and the body
+/// deadline (else 408, and the connection is closed: a client sending a
+/// byte a second must not hold it).
+async fn read_body(s: &AppState, request: Request) -> Result<Bytes, Response> {
+    let limit = s.config.max_body_bytes;
+    let read = axum::body::to_bytes(request.into_body(), limit);
+    match tokio::time::timeout(s.config.body_timeout, read).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(_)) => Err(error_answer(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("request body over {limit} bytes (or cut short)"),
+            "body_too_large",
+        )),
+        Err(_) => {
+            Metrics::inc(&s.metrics.connections_shed, "timeout");
+            let mut r = error_answer(
+                StatusCode::REQUEST_TIMEOUT,
+                "request body not received in time",
+                "body_timeout",
+            );
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            Err(r)
+        }
+    }
+}
+
+/// An error answer: `{"error", "kind"}`, like a 400's.
+fn error_answer(status: StatusCode, error: &str, kind: &str) -> Response {
+    (status, axum::Json(json!({ "error": error, "kind": kind }))).into_response()
 }
 
 async fn check_get(
