@@ -15,7 +15,8 @@ cd "$(dirname "$0")/.."
 secs="${1:-15}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release --quiet --bin callguard --example bench_serve
-bin="$CARGO_TARGET_DIR/release/callguard"
+# CALLGUARD_BIN: another build to measure (an A/B against this one).
+bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 load="$CARGO_TARGET_DIR/release/examples/bench_serve"
 
 source scripts/loopback.sh

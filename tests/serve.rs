@@ -345,6 +345,17 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
     let r = conn.get("/v1/check?call_id=y");
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["kind"], "missing_field");
+    // Counted as invalid checks (serve has no dead-letter topic).
+    let label = |kind: &str| callguard::online::metrics::KindLabel { kind: kind.into() };
+    let m = &served.metrics;
+    assert_eq!(
+        m.invalid_checks
+            .get_or_create(&label("missing_field"))
+            .get(),
+        2
+    );
+    assert_eq!(m.invalid_checks.get_or_create(&label("bad_json")).get(), 1);
+    assert_eq!(m.dlq.get_or_create(&label("missing_field")).get(), 0);
     // Oversized bodies are refused before decoding.
     let mut big = HttpConn::connect(served.port);
     let r = big.post(

@@ -137,6 +137,20 @@ pub enum RawValue<'a> {
     Bool(bool),
 }
 
+/// As a person reads it in an error: JSON's spelling (`null`, `-5`,
+/// `1.5`, `true`, and text in quotes, made printable).
+impl std::fmt::Display for RawValue<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RawValue::Null => f.write_str("null"),
+            RawValue::Str(s) => write!(f, "\"{}\"", printable(s)),
+            RawValue::Int(i) => write!(f, "{i}"),
+            RawValue::Float(x) => write!(f, "{x}"),
+            RawValue::Bool(b) => write!(f, "{b}"),
+        }
+    }
+}
+
 impl<'a> RawValue<'a> {
     /// Borrows a JSON value as a raw value; arrays and objects become `None`.
     pub fn from_json(v: &'a serde_json::Value) -> Option<Self> {
@@ -306,7 +320,7 @@ impl Decoder {
             v => {
                 return Err(EventError::BadNumber {
                     field: "duration_ms",
-                    value: format!("{v:?}"),
+                    value: v.to_string(),
                 })
             }
         };
@@ -494,7 +508,7 @@ pub fn parse_ts(v: RawValue<'_>) -> Result<i64, EventError> {
                 .map_err(|_| EventError::BadTimestamp(printable(s)))
         }
         RawValue::Null => Err(EventError::Missing("ts")),
-        other => Err(EventError::BadTimestamp(format!("{other:?}"))),
+        other => Err(EventError::BadTimestamp(other.to_string())),
     }
 }
 
@@ -571,7 +585,7 @@ pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
                 Err(EventError::BadLabel(printable(s)))
             }
         }
-        other => Err(EventError::BadLabel(format!("{other:?}"))),
+        other => Err(EventError::BadLabel(other.to_string())),
     }
 }
 
@@ -765,6 +779,28 @@ mod tests {
                 Some(label),
                 "{text}"
             );
+        }
+    }
+
+    #[test]
+    fn errors_show_values_as_json_spells_them() {
+        let d = Decoder::default();
+        let err = |json: &str| d.decode_json(json.as_bytes()).unwrap_err().to_string();
+        let base = r#""call_id":"x","caller":"+34911000003""#;
+        let cases = [
+            (format!(r#"{{{base},"ts":true}}"#), "true"),
+            (
+                format!(r#"{{{base},"ts":1764547200000,"duration_ms":-5.5}}"#),
+                "-5.5",
+            ),
+            (format!(r#"{{{base},"ts":1764547200000,"label":7}}"#), "7"),
+        ];
+        for (json, shown) in cases {
+            let e = err(&json);
+            assert!(e.contains(shown), "{json}: {e}");
+            for debug in ["Bool(", "Float(", "Int(", "Str("] {
+                assert!(!e.contains(debug), "{json}: {e}");
+            }
         }
     }
 }

@@ -86,6 +86,9 @@ pub struct Metrics {
     /// `serve`: checks whose time was ahead of the server clock by more
     /// than the grace, decided at the server clock instead.
     pub clamped: Counter,
+    /// `serve`: checks refused as invalid (400), by dead-letter kind
+    /// (`serve` has no dead-letter topic; `dlq` counts `consume`'s).
+    pub invalid_checks: Family<KindLabel, Counter>,
     /// `serve`: connections shed or closed by the server, by reason
     /// (`cap`: over `--max-connections`, closed at once; `timeout`: a
     /// request's header or body not sent in time, or idle too long).
@@ -108,6 +111,7 @@ impl Metrics {
         let dlq_failures = Counter::default();
         let late = Counter::default();
         let clamped = Counter::default();
+        let invalid_checks = Family::<KindLabel, Counter>::default();
         let connections_shed = Family::<KindLabel, Counter>::default();
         let degraded = Counter::default();
         let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
@@ -136,6 +140,11 @@ impl Metrics {
             "clamped",
             "serve: check times ahead of the clock by more than the grace, decided at the clock",
             clamped.clone(),
+        );
+        registry.register(
+            "invalid_checks",
+            "serve: checks refused as invalid (400), by kind",
+            invalid_checks.clone(),
         );
         registry.register(
             "connections_shed",
@@ -184,6 +193,7 @@ impl Metrics {
             duplicates,
             late,
             clamped,
+            invalid_checks,
             connections_shed,
             degraded,
             store_latency,

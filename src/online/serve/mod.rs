@@ -326,7 +326,7 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
     let event = match decoded {
         Ok(e) => e,
         Err(e) => {
-            Metrics::inc(&s.metrics.dlq, e.kind());
+            Metrics::inc(&s.metrics.invalid_checks, e.kind());
             let body = json!({ "error": e.to_string(), "kind": e.kind() });
             return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
         }

@@ -48,11 +48,14 @@ pub struct RedisConfig {
 
 /// A URL with its password replaced by `***`, for logs.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let creds = &url[scheme + 3..at];
+    // Credentials start after the scheme, or at the start when a URL
+    // lacks one (`user:pass@host`, a typo worth an error, not a leak).
+    let start = url.find("://").map_or(0, |s| s + 3);
+    match url.rfind('@') {
+        Some(at) if at >= start => {
+            let creds = &url[start..at];
             let user = creds.split(':').next().unwrap_or_default();
-            format!("{}{user}:***{}", &url[..scheme + 3], &url[at..])
+            format!("{}{user}:***{}", &url[..start], &url[at..])
         }
         _ => url.to_string(),
     }
@@ -137,6 +140,9 @@ mod tests {
             "redis://cg:***@host:6379/0"
         );
         assert_eq!(super::redact("redis://host:6379"), "redis://host:6379");
+        // Without a scheme (a typo) the password is hidden all the same.
+        assert_eq!(super::redact("cg:s3cret@host:6379"), "cg:***@host:6379");
+        assert_eq!(super::redact("host:6379"), "host:6379");
         let cfg = super::RedisConfig {
             urls: vec!["rediss://u:p@h:1".into()],
             ..Default::default()
