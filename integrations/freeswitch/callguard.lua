@@ -19,7 +19,8 @@ local caller = session:getVariable("caller_id_number")
 local callee = session:getVariable("destination_number")
 local query = url .. "?call_id=" .. esc(call_id) .. "&caller=" .. esc(caller) .. "&callee=" .. esc(callee)
 -- mod_curl: "curl <url> [json] [get]"; a short timeout so a slow check never
--- holds the call (fail open when there is no answer).
+-- holds the call (fail open when there is no answer); callguard answers
+-- within its --answer-deadline-ms (default 800 ms), below this 1 s.
 local record = api:execute("curl", query .. " connect-timeout 1 timeout 1") or ""
 
 if string.find(record, '"decision":"reject"', 1, true) then

@@ -72,6 +72,14 @@ pub struct ServeArgs {
     /// 408, and the connection is closed).
     #[arg(long, env = "CALLGUARD_BODY_TIMEOUT_MS", default_value_t = serve::DEFAULT_BODY_TIMEOUT_MS)]
     pub body_timeout_ms: u64,
+    /// Longest a check waits for its answer, milliseconds: past it, 503
+    /// with `Retry-After: 1`. A call still queued (behind a slow batch) is
+    /// then never applied (`"applied": "no"`); one already at the store may
+    /// be (`"applied": "unknown"`; with `--brokers` its record is published
+    /// once decided). Keep it below the switch's own timeout (the shipped
+    /// snippets wait 1 s). 0: no deadline.
+    #[arg(long, env = "CALLGUARD_ANSWER_DEADLINE_MS", default_value_t = serve::DEFAULT_ANSWER_DEADLINE_MS)]
+    pub answer_deadline_ms: u64,
     /// Also serve `/metrics`, `/healthz` and `/readyz` on this address,
     /// with a cap of its own, so a load balancer's probes are answered
     /// however many connections the check API holds.
@@ -157,6 +165,8 @@ impl ServeArgs {
             linger: Duration::from_micros(self.batch_linger_us),
             max_future_skew: (self.max_future_skew_s > 0)
                 .then(|| Duration::from_secs(self.max_future_skew_s)),
+            answer_deadline: (self.answer_deadline_ms > 0)
+                .then(|| Duration::from_millis(self.answer_deadline_ms)),
             topics,
         })
     }

@@ -76,6 +76,10 @@ pub const DEFAULT_LINGER_US: u64 = 0;
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
 /// Default deadline for a request's header (and idle time between requests).
 pub const DEFAULT_HEADER_TIMEOUT_MS: u64 = 5_000;
+/// Default longest wait for a check's answer: below the 1 s timeout of the
+/// shipped Kamailio, Asterisk and FreeSWITCH snippets, so a switch sees the
+/// 503 rather than its own timeout.
+pub const DEFAULT_ANSWER_DEADLINE_MS: u64 = 800;
 /// Default deadline for a request's body.
 pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 5_000;
 /// Most connections open at once on the admin listener.
@@ -122,6 +126,10 @@ pub struct ServeConfig {
     pub linger: Duration,
     /// Event times further ahead of the wall clock are refused (400).
     pub max_future_skew: Option<Duration>,
+    /// Longest a check waits for its answer: past it, 503 (a call still
+    /// queued is then never applied; one already at the store is answered
+    /// `"applied": "unknown"`). `None`: no deadline.
+    pub answer_deadline: Option<Duration>,
     /// Produce decided calls to these topics.
     pub topics: Option<ServeTopics>,
 }
@@ -141,6 +149,7 @@ impl Default for ServeConfig {
             batch_size: DEFAULT_BATCH_SIZE,
             linger: Duration::from_micros(DEFAULT_LINGER_US),
             max_future_skew: Some(Duration::from_secs(300)),
+            answer_deadline: Some(Duration::from_millis(DEFAULT_ANSWER_DEADLINE_MS)),
             topics: None,
         }
     }
@@ -158,6 +167,36 @@ enum Outcome {
 struct Job {
     event: CallEvent,
     reply: oneshot::Sender<Outcome>,
+    /// Who has the call: see [`Claim`].
+    claim: Arc<Claim>,
+}
+
+/// Who has a queued call: the batcher, once it sends the call to the
+/// store, or the handler, once the answer deadline passed first. Exactly
+/// one of them wins, so a call answered "not decided" is never applied.
+#[derive(Default)]
+struct Claim(std::sync::atomic::AtomicU8);
+
+impl Claim {
+    const QUEUED: u8 = 0;
+    const SENT: u8 = 1;
+    const ABANDONED: u8 = 2;
+
+    /// The batcher takes the call for the store; false if it was abandoned.
+    fn send(&self) -> bool {
+        self.swap_from_queued(Claim::SENT)
+    }
+
+    /// The handler gives the call up; false if it is already at the store.
+    fn abandon(&self) -> bool {
+        self.swap_from_queued(Claim::ABANDONED)
+    }
+
+    fn swap_from_queued(&self, to: u8) -> bool {
+        self.0
+            .compare_exchange(Claim::QUEUED, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
 }
 
 #[derive(Clone)]
@@ -332,14 +371,48 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
         }
     };
     let (reply, answer) = oneshot::channel();
-    if s.jobs.try_send(Job { event, reply }).is_err() {
+    let claim = Arc::new(Claim::default());
+    let job = Job {
+        event,
+        reply,
+        claim: claim.clone(),
+    };
+    if s.jobs.try_send(job).is_err() {
         return unavailable("too many requests queued");
     }
-    match answer.await {
+    let answer = match s.config.answer_deadline {
+        None => answer.await,
+        Some(d) => match tokio::time::timeout(d, answer).await {
+            Ok(a) => a,
+            Err(_) => return past_deadline(&s.metrics, &claim),
+        },
+    };
+    match answer {
         Ok(Outcome::Decided(v, schema)) => decided(&v, &schema, s.config.reject_status),
         Ok(Outcome::Unavailable(why)) => unavailable(&why),
         Err(_) => unavailable("shutting down"),
     }
+}
+
+/// The 503 of a check whose answer deadline passed: the call is given up
+/// (never applied) if still queued; if it is already at the store, it may
+/// yet be applied (and, with `--brokers`, published once decided), and the
+/// answer says `"applied": "unknown"`.
+fn past_deadline(metrics: &Metrics, claim: &Claim) -> Response {
+    let (why, applied) = if claim.abandon() {
+        ("answer deadline passed; the call was not decided", "no")
+    } else {
+        (
+            "answer deadline passed while the store decided the call",
+            "unknown",
+        )
+    };
+    Metrics::inc(&metrics.store_errors, "deadline");
+    let body = json!({ "error": why, "kind": "unavailable", "applied": applied });
+    let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    r.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(STORE_RETRY_AFTER_S));
+    r
 }
 
 /// 503 with a Retry-After: the call was not decided.
@@ -415,8 +488,15 @@ async fn batcher<S: WindowStore>(
             schema = Arc::new(Schema::decisions(&current));
             features = Schema::features(&current);
         }
-        let (mut events, replies): (Vec<CallEvent>, Vec<_>) =
-            jobs.drain(..).map(|j| (j.event, j.reply)).unzip();
+        // Calls whose handler gave up at its deadline are dropped unapplied.
+        let (mut events, replies): (Vec<CallEvent>, Vec<_>) = jobs
+            .drain(..)
+            .filter(|j| j.claim.send())
+            .map(|j| (j.event, j.reply))
+            .unzip();
+        if events.is_empty() {
+            continue;
+        }
         clamp_to_clock(&mut events, current.grace_ms, now_ms(), &metrics);
         metrics.batch_size.observe(events.len() as f64);
         let (verdicts, why) =
