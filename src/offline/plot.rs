@@ -8,7 +8,7 @@
 use std::ops::Range;
 use std::path::Path;
 
-use plotters::coord::Shift;
+use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
 
 use crate::error::IoError;
@@ -180,12 +180,7 @@ where
         .label(format!("recommended N = {n}"))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
     }
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(plot_err)
+    legend(&mut c)
 }
 
 /// The lower panel: the legit false-reject rate on a log scale; rates of
@@ -252,6 +247,16 @@ where
         )))
         .map_err(plot_err)?;
     }
+    legend(&mut c)
+}
+
+/// The legend box of a panel, upper right.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    c: &mut ChartContext<'a, DB, CT>,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
     c.configure_series_labels()
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
