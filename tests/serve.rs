@@ -842,3 +842,49 @@ fn a_stalled_store_is_answered_within_the_deadline() {
         assert_eq!(r.json()["count_m"], 1);
     }
 }
+
+/// Finding 3 of the serve issue: `/readyz` follows the store while no
+/// check comes (a probe a second), both ways, and the first check after
+/// Redis is back succeeds (the probe reconnected the idle connection).
+#[test]
+fn readiness_follows_the_store_while_idle() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let served = Served::start(
+        config(),
+        RedisConfig {
+            timeout: Duration::from_millis(500),
+            ..redis_config(&redis)
+        },
+        rules,
+    );
+    let admin = served.admin_port;
+    let ready =
+        move || common::http_get(admin, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"));
+    // Within `within`, readiness becomes `want` (polled every 100 ms).
+    let becomes = |want: bool, within: Duration| {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until {
+            if ready() == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    };
+    assert!(becomes(true, Duration::from_secs(3)));
+    let (port, dir) = redis.stop();
+    assert!(
+        becomes(false, Duration::from_secs(5)),
+        "still ready with Redis gone"
+    );
+    let redis = RedisServer::start_in(port, dir, &[]);
+    assert!(
+        becomes(true, Duration::from_secs(8)),
+        "not ready with Redis back"
+    );
+    let mut conn = served.conn();
+    let r = conn.get("/v1/check?call_id=r1&caller=%2B34911000021&ts=1764547200000");
+    assert_eq!(r.status, 200, "{}", r.body);
+    drop(redis);
+}

@@ -80,6 +80,14 @@ pub trait WindowStore: Send {
         0
     }
 
+    /// Checks that the store answers, as an idle server's readiness probe
+    /// does (a Redis store claims its key prefix's mode again, which also
+    /// reconnects a connection broken while idle, before a call needs it).
+    /// In-process stores always answer.
+    fn probe(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async { Ok(()) }
+    }
+
     /// This store as a [`sharded::ShardedStore`], if it is one: an offline
     /// replay then keeps the shards deciding the next chunk while the last
     /// one is merged and written (see [`crate::offline::replay`]).
@@ -173,6 +181,14 @@ impl WindowStore for AnyStore {
         match self {
             AnyStore::Cached(s) => s.conflicts(),
             _ => 0,
+        }
+    }
+
+    async fn probe(&mut self) -> Result<(), StoreError> {
+        match self {
+            AnyStore::Cached(s) => s.probe().await,
+            AnyStore::Redis(s) => s.probe().await,
+            AnyStore::Memory(_) | AnyStore::Sharded(_) => Ok(()),
         }
     }
 

@@ -84,6 +84,8 @@ pub const DEFAULT_ANSWER_DEADLINE_MS: u64 = 800;
 pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 5_000;
 /// Most connections open at once on the admin listener.
 const ADMIN_MAX_CONNECTIONS: usize = 64;
+/// How often an idle server probes the store for `/readyz`.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Requests queued for the batcher at most; beyond, answers 503.
 const QUEUE: usize = 16_384;
 /// Retry-After (seconds) of a 503 when the store fails under `block`.
@@ -470,7 +472,24 @@ async fn batcher<S: WindowStore>(
     let mut schema = Arc::new(Schema::decisions(&current));
     let mut features = Schema::features(&current);
     let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
-    while let Some(first) = rx.recv().await {
+    let mut probe = tokio::time::interval(PROBE_EVERY);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_call = Instant::now();
+    loop {
+        let first = tokio::select! {
+            j = rx.recv() => match j {
+                Some(j) => j,
+                None => break,
+            },
+            _ = probe.tick() => {
+                // Idle: readiness from a probe, not from the last check.
+                if last_call.elapsed() >= PROBE_EVERY {
+                    probe_store(&mut store, &health).await;
+                }
+                continue;
+            }
+        };
+        last_call = Instant::now();
         jobs.push(first);
         let deadline = Instant::now() + config.linger;
         while jobs.len() < config.batch_size {
@@ -554,6 +573,23 @@ async fn batcher<S: WindowStore>(
                 )),
             };
             let _ = reply.send(outcome);
+        }
+    }
+}
+
+/// Whether the store answers, for `/readyz` while no check comes: a
+/// probe failing turns readiness off with its reason, one succeeding
+/// turns it back on (checks do the same through `apply_observed`).
+async fn probe_store<S: WindowStore>(store: &mut S, health: &Health) {
+    match store.probe().await {
+        Ok(()) => health.store_ok.store(true, Ordering::Relaxed),
+        Err(e) => {
+            if health.store_ok.swap(false, Ordering::Relaxed) {
+                warn!(error = %chain(&e), "the window store does not answer; not ready");
+            }
+            if let Ok(mut d) = health.detail.lock() {
+                *d = chain(&e);
+            }
         }
     }
 }

@@ -589,6 +589,13 @@ impl WindowStore for CachedStore {
         self.conflicts
     }
 
+    async fn probe(&mut self) -> Result<(), StoreError> {
+        let prefix = &self.config.key_prefix;
+        self.conn
+            .reclaim_mode(prefix, MODE, &mut self.claimed)
+            .await
+    }
+
     async fn apply_batch(
         &mut self,
         rules: &RuleSet,

@@ -180,6 +180,17 @@ impl Conn {
         if claimed.elapsed() < CLAIM_EVERY {
             return Ok(());
         }
+        self.reclaim_mode(prefix, mode, claimed).await
+    }
+
+    /// [`Conn::keep_mode`] now, logging a claim found gone; notes the time
+    /// in `*claimed`.
+    pub(crate) async fn reclaim_mode(
+        &mut self,
+        prefix: &str,
+        mode: &str,
+        claimed: &mut std::time::Instant,
+    ) -> Result<(), StoreError> {
         if self.keep_mode(prefix, mode).await? {
             tracing::warn!(
                 prefix,

@@ -227,6 +227,13 @@ impl WindowStore for RedisStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         RedisStore::apply_batch(self, rules, events).await
     }
+
+    async fn probe(&mut self) -> Result<(), StoreError> {
+        let prefix = &self.config.key_prefix;
+        self.conn
+            .reclaim_mode(prefix, MODE, &mut self.claimed)
+            .await
+    }
 }
 
 /// Splits the replies of script calls (each a flat array of duplicate flag
