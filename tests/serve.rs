@@ -886,5 +886,10 @@ fn readiness_follows_the_store_while_idle() {
     let mut conn = served.conn();
     let r = conn.get("/v1/check?call_id=r1&caller=%2B34911000021&ts=1764547200000");
     assert_eq!(r.status, 200, "{}", r.body);
+    // Finding 7: Redis came back empty (no persistence): the loss of every
+    // window and record is counted and said in the readiness detail.
+    assert_eq!(served.metrics.store_data_lost.get(), 1);
+    let detail = common::http_get(admin, "/readyz").unwrap_or_default();
+    assert!(detail.contains("lost every key"), "{detail}");
     drop(redis);
 }

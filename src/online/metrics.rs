@@ -86,6 +86,10 @@ pub struct Metrics {
     /// `serve`: checks whose time was ahead of the server clock by more
     /// than the grace, decided at the server clock instead.
     pub clamped: Counter,
+    /// Times the store found Redis had lost every key of the prefix (a
+    /// restart without persistence, a flush, a failover to a replica that
+    /// had not received them): every window and record was gone.
+    pub store_data_lost: Counter,
     /// `serve`: checks refused as invalid (400), by dead-letter kind
     /// (`serve` has no dead-letter topic; `dlq` counts `consume`'s).
     pub invalid_checks: Family<KindLabel, Counter>,
@@ -111,6 +115,7 @@ impl Metrics {
         let dlq_failures = Counter::default();
         let late = Counter::default();
         let clamped = Counter::default();
+        let store_data_lost = Counter::default();
         let invalid_checks = Family::<KindLabel, Counter>::default();
         let connections_shed = Family::<KindLabel, Counter>::default();
         let degraded = Counter::default();
@@ -140,6 +145,11 @@ impl Metrics {
             "clamped",
             "serve: check times ahead of the clock by more than the grace, decided at the clock",
             clamped.clone(),
+        );
+        registry.register(
+            "store_data_lost",
+            "Times Redis was found to have lost every key of the prefix",
+            store_data_lost.clone(),
         );
         registry.register(
             "invalid_checks",
@@ -193,6 +203,7 @@ impl Metrics {
             duplicates,
             late,
             clamped,
+            store_data_lost,
             invalid_checks,
             connections_shed,
             degraded,
@@ -205,6 +216,23 @@ impl Metrics {
             rebalances,
             rule_reloads,
             publish_failures,
+        }
+    }
+
+    /// Counts the data losses `store` found since it had found `before`,
+    /// and says so in the readiness detail (readiness itself stays: the
+    /// store answers, with every window started afresh).
+    pub fn count_data_losses<S: WindowStore>(&self, store: &S, before: u64, health: &Health) {
+        let n = store.data_losses().saturating_sub(before);
+        if n > 0 {
+            self.store_data_lost.inc_by(n);
+            if let Ok(mut d) = health.note.lock() {
+                *d = format!(
+                    "Redis lost every key of the prefix (restart without persistence, flush or \
+                     failover), {n} time(s) more: every window and record started afresh \
+                     (callguard_store_data_lost_total)"
+                );
+            }
         }
     }
 
@@ -264,6 +292,9 @@ pub struct Health {
     pub store_ok: AtomicBool,
     /// Why not ready, if known.
     pub detail: Mutex<String>,
+    /// Something an operator should know while ready (shown after
+    /// `ready` by `/readyz`): the last data loss found in the store.
+    pub note: Mutex<String>,
 }
 
 impl Health {
@@ -291,7 +322,12 @@ async fn metrics_handler(State(s): State<AppState>) -> impl IntoResponse {
 
 async fn ready_handler(State(s): State<AppState>) -> impl IntoResponse {
     if s.health.ready() {
-        (StatusCode::OK, "ready\n".to_string())
+        let note = s.health.note.lock().map(|n| n.clone()).unwrap_or_default();
+        if note.is_empty() {
+            (StatusCode::OK, "ready\n".to_string())
+        } else {
+            (StatusCode::OK, format!("ready\nnote: {note}\n"))
+        }
     } else {
         let detail = s
             .health

@@ -25,10 +25,11 @@ pub async fn apply_observed<S: WindowStore>(
     health: &Health,
 ) -> Result<Vec<Option<Verdict>>, StoreError> {
     let start = Instant::now();
-    let conflicts = store.conflicts();
+    let (conflicts, losses) = (store.conflicts(), store.data_losses());
     let result = store.apply_batch_partial(rules, events).await;
     metrics.store_latency.observe(start.elapsed().as_secs_f64());
     metrics.count_conflicts(store, conflicts);
+    metrics.count_data_losses(store, losses, health);
     match &result {
         Ok(verdicts) => {
             health.store_ok.store(true, Ordering::Relaxed);

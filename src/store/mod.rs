@@ -80,6 +80,14 @@ pub trait WindowStore: Send {
         0
     }
 
+    /// Times the store found that Redis had lost every key of its prefix
+    /// (its mode claim gone: a restart without persistence, a flush, a
+    /// failover to a replica that had not received them), since it
+    /// connected. 0 for in-process stores.
+    fn data_losses(&self) -> u64 {
+        0
+    }
+
     /// Checks that the store answers, as an idle server's readiness probe
     /// does (a Redis store claims its key prefix's mode again, which also
     /// reconnects a connection broken while idle, before a call needs it).
@@ -181,6 +189,14 @@ impl WindowStore for AnyStore {
         match self {
             AnyStore::Cached(s) => s.conflicts(),
             _ => 0,
+        }
+    }
+
+    fn data_losses(&self) -> u64 {
+        match self {
+            AnyStore::Cached(s) => s.data_losses(),
+            AnyStore::Redis(s) => s.data_losses(),
+            AnyStore::Memory(_) | AnyStore::Sharded(_) => 0,
         }
     }
 

@@ -484,7 +484,7 @@ async fn batcher<S: WindowStore>(
             _ = probe.tick() => {
                 // Idle: readiness from a probe, not from the last check.
                 if last_call.elapsed() >= PROBE_EVERY {
-                    probe_store(&mut store, &health).await;
+                    probe_store(&mut store, &metrics, &health).await;
                 }
                 continue;
             }
@@ -580,8 +580,11 @@ async fn batcher<S: WindowStore>(
 /// Whether the store answers, for `/readyz` while no check comes: a
 /// probe failing turns readiness off with its reason, one succeeding
 /// turns it back on (checks do the same through `apply_observed`).
-async fn probe_store<S: WindowStore>(store: &mut S, health: &Health) {
-    match store.probe().await {
+async fn probe_store<S: WindowStore>(store: &mut S, metrics: &Metrics, health: &Health) {
+    let losses = store.data_losses();
+    let probed = store.probe().await;
+    metrics.count_data_losses(store, losses, health);
+    match probed {
         Ok(()) => health.store_ok.store(true, Ordering::Relaxed),
         Err(e) => {
             if health.store_ok.swap(false, Ordering::Relaxed) {

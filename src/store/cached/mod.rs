@@ -45,6 +45,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
+use crate::store::redis::conn::ModeClaim;
 use crate::store::redis::{classify, Conn, RedisConfig};
 use crate::store::WindowStore;
 
@@ -138,8 +139,8 @@ pub struct CachedStore {
     /// sight after a restart, a rebalance or an eviction): misses, not
     /// conflicts.
     misses: u64,
-    /// When the prefix's mode was last claimed (see [`crate::store::redis::CLAIM_EVERY`]).
-    claimed: std::time::Instant,
+    /// The prefix's mode claim (see [`crate::store::redis::CLAIM_EVERY`]).
+    claim: ModeClaim,
     /// See [`DEFAULT_MAX_ROUNDS`].
     max_rounds: usize,
     /// How commits are planned (record keeping, block keys, where
@@ -178,7 +179,7 @@ impl CachedStore {
             watermark: i64::MIN,
             conflicts: 0,
             misses: 0,
-            claimed: std::time::Instant::now(),
+            claim: ModeClaim::now(),
             max_rounds: DEFAULT_MAX_ROUNDS,
             plan,
         })
@@ -589,11 +590,13 @@ impl WindowStore for CachedStore {
         self.conflicts
     }
 
+    fn data_losses(&self) -> u64 {
+        self.claim.lost
+    }
+
     async fn probe(&mut self) -> Result<(), StoreError> {
         let prefix = &self.config.key_prefix;
-        self.conn
-            .reclaim_mode(prefix, MODE, &mut self.claimed)
-            .await
+        self.conn.reclaim_mode(prefix, MODE, &mut self.claim).await
     }
 
     async fn apply_batch(
@@ -618,7 +621,7 @@ impl WindowStore for CachedStore {
         }
         let prefix = &self.config.key_prefix;
         self.conn
-            .keep_mode_every(prefix, MODE, &mut self.claimed)
+            .keep_mode_every(prefix, MODE, &mut self.claim)
             .await?;
         self.try_batch(rules, events).await
     }

@@ -20,6 +20,26 @@ use crate::store::redis::RedisConfig;
 /// could take the prefix over.
 pub const CLAIM_EVERY: Duration = Duration::from_secs(1);
 
+/// A store's claim of its key prefix's mode: when it was last made, and
+/// how often it was found gone (Redis had lost every key of the prefix).
+#[derive(Debug, Clone, Copy)]
+pub struct ModeClaim {
+    /// When the claim was last made.
+    pub at: std::time::Instant,
+    /// Claims found gone since the store connected.
+    pub lost: u64,
+}
+
+impl ModeClaim {
+    /// A claim made now.
+    pub fn now() -> Self {
+        ModeClaim {
+            at: std::time::Instant::now(),
+            lost: 0,
+        }
+    }
+}
+
 /// A connection to a standalone server or a Cluster (cheap to clone:
 /// clones share the connection).
 #[derive(Clone)]
@@ -168,30 +188,31 @@ impl Conn {
         self.keep_mode(prefix, mode).await.map(|_| ())
     }
 
-    /// [`Conn::keep_mode`] once [`CLAIM_EVERY`] has passed since `*claimed`; a
+    /// [`Conn::keep_mode`] once [`CLAIM_EVERY`] has passed since the last claim; a
     /// claim found gone is logged, since every window and record of the
     /// prefix went with it.
     pub(crate) async fn keep_mode_every(
         &mut self,
         prefix: &str,
         mode: &str,
-        claimed: &mut std::time::Instant,
+        claim: &mut ModeClaim,
     ) -> Result<(), StoreError> {
-        if claimed.elapsed() < CLAIM_EVERY {
+        if claim.at.elapsed() < CLAIM_EVERY {
             return Ok(());
         }
-        self.reclaim_mode(prefix, mode, claimed).await
+        self.reclaim_mode(prefix, mode, claim).await
     }
 
     /// [`Conn::keep_mode`] now, logging a claim found gone; notes the time
-    /// in `*claimed`.
+    /// in `claim` (and a claim found gone in its count of losses).
     pub(crate) async fn reclaim_mode(
         &mut self,
         prefix: &str,
         mode: &str,
-        claimed: &mut std::time::Instant,
+        claim: &mut ModeClaim,
     ) -> Result<(), StoreError> {
         if self.keep_mode(prefix, mode).await? {
+            claim.lost += 1;
             tracing::warn!(
                 prefix,
                 "the key prefix's mode key was gone: Redis lost its keys (a restart without \
@@ -199,7 +220,7 @@ impl Conn {
                  every window and record of the prefix went with it"
             );
         }
-        *claimed = std::time::Instant::now();
+        claim.at = std::time::Instant::now();
         Ok(())
     }
 

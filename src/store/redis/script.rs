@@ -16,7 +16,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::{CountPolicy, Listed, RuleSet};
 use crate::error::StoreError;
-use crate::store::redis::conn::{classify, is_noscript, Conn};
+use crate::store::redis::conn::{classify, is_noscript, Conn, ModeClaim};
 use crate::store::redis::RedisConfig;
 use crate::store::WindowStore;
 
@@ -36,8 +36,8 @@ pub struct RedisStore {
     conn: Conn,
     sha: String,
     config: RedisConfig,
-    /// When the prefix's mode was last claimed (see [`crate::store::redis::CLAIM_EVERY`]).
-    claimed: std::time::Instant,
+    /// The prefix's mode claim (see [`crate::store::redis::CLAIM_EVERY`]).
+    claim: ModeClaim,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -59,7 +59,7 @@ impl RedisStore {
             conn,
             sha,
             config,
-            claimed: std::time::Instant::now(),
+            claim: ModeClaim::now(),
         })
     }
 
@@ -166,7 +166,7 @@ impl RedisStore {
         }
         let prefix = &self.config.key_prefix;
         self.conn
-            .keep_mode_every(prefix, MODE, &mut self.claimed)
+            .keep_mode_every(prefix, MODE, &mut self.claim)
             .await?;
         let groups = self
             .conn
@@ -228,11 +228,13 @@ impl WindowStore for RedisStore {
         RedisStore::apply_batch(self, rules, events).await
     }
 
+    fn data_losses(&self) -> u64 {
+        self.claim.lost
+    }
+
     async fn probe(&mut self) -> Result<(), StoreError> {
         let prefix = &self.config.key_prefix;
-        self.conn
-            .reclaim_mode(prefix, MODE, &mut self.claimed)
-            .await
+        self.conn.reclaim_mode(prefix, MODE, &mut self.claim).await
     }
 }
 
