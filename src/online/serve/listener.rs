@@ -42,7 +42,7 @@ pub struct Limits {
     pub header_timeout: Duration,
 }
 
-/// Accepts connections and serves each with its own task ([`Handler`]).
+/// Accepts connections and serves each with its own task (a `Handler`).
 pub struct Listener {
     tcp: TcpListener,
     permits: Arc<Semaphore>,
@@ -124,7 +124,7 @@ impl Listener {
     }
 
     /// Serves `app` until `stop` turns true; then lets open connections
-    /// finish their requests (for up to [`DRAIN`]).
+    /// finish their requests (for up to 5 s).
     pub async fn run(self, app: Router, mut stop: watch::Receiver<bool>) {
         let mut shed_log = Every { last: None };
         let mut error_log = Every { last: None };
