@@ -893,3 +893,61 @@ fn readiness_follows_the_store_while_idle() {
     assert!(detail.contains("lost every key"), "{detail}");
     drop(redis);
 }
+
+/// Part of finding 3: `serve` started while Redis is down keeps running,
+/// answers not-ready (and 503 to checks), and becomes ready, deciding
+/// checks, once Redis is up; it does not exit.
+#[test]
+fn serve_started_without_redis_waits_for_it() {
+    let (port, rport) = (common::free_port(), common::free_port());
+    let mut child = std::process::Command::new(common::bin())
+        .args([
+            "serve",
+            "--rule",
+            "m:sliding:60s:5",
+            "--redis-timeout-ms",
+            "300",
+        ])
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--redis-url")
+        .arg(format!("redis://127.0.0.1:{rport}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let status = |path: &str| {
+        common::http_get(port, path)
+            .and_then(|r| r.split_whitespace().nth(1).map(str::to_string))
+            .unwrap_or_default()
+    };
+    let wait_for = |path: &str, want: &str, within: Duration| {
+        let until = std::time::Instant::now() + within;
+        while std::time::Instant::now() < until {
+            if status(path) == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    };
+    assert!(
+        wait_for("/readyz", "503", Duration::from_secs(10)),
+        "no not-ready answer"
+    );
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "serve exited without Redis"
+    );
+    let check = "/v1/check?call_id=w1&caller=%2B34911000031";
+    assert_eq!(status(check), "503");
+    let redis = RedisServer::start_in(rport, tempfile::tempdir().unwrap(), &[]);
+    assert!(
+        wait_for("/readyz", "200", Duration::from_secs(10)),
+        "not ready with Redis up"
+    );
+    assert_eq!(status("/v1/check?call_id=w2&caller=%2B34911000031"), "200");
+    let _ = child.kill();
+    let _ = child.wait();
+    drop(redis);
+}

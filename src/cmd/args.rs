@@ -391,6 +391,18 @@ impl StoreArgs {
     /// in memory (a stream's partitions may run far apart in event time),
     /// otherwise memory is the time-sorted replay's store, split by caller
     /// over the cores.
+    /// The cached store's bounds (`--redis-mode cached`), or `None` for
+    /// the script store.
+    pub fn cache_limit(&self) -> Option<cached::CacheLimit> {
+        match self.redis_mode {
+            RedisMode::Script => None,
+            RedisMode::Cached => Some(cached::CacheLimit {
+                callers: self.cached_callers,
+                bytes: self.cached_mib.saturating_mul(1 << 20),
+            }),
+        }
+    }
+
     pub async fn open(&self, default: StoreKind, streaming: bool) -> Result<AnyStore> {
         Ok(match self.kind(default)? {
             StoreKind::Memory if streaming => {
@@ -406,14 +418,7 @@ impl StoreArgs {
                 let config = self.redis_config();
                 let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();
                 let context = || format!("connecting to Redis at {}", urls.join(","));
-                let cached = match self.redis_mode {
-                    RedisMode::Script => None,
-                    RedisMode::Cached => Some(cached::CacheLimit {
-                        callers: self.cached_callers,
-                        bytes: self.cached_mib.saturating_mul(1 << 20),
-                    }),
-                };
-                AnyStore::connect_redis(config, cached)
+                AnyStore::connect_redis(config, self.cache_limit())
                     .await
                     .with_context(context)?
             }

@@ -7,10 +7,12 @@ use anyhow::{Context, Result};
 use axum::http::StatusCode;
 use clap::{Args, ValueEnum};
 
+use callguard::error::StoreError;
 use callguard::online::consumer;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::reload;
 use callguard::online::serve::{self, ServeConfig, ServeTopics};
+use callguard::store::connecting::Connecting;
 
 use crate::cmd::args::{
     DecoderArgs, KafkaSettingsArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind,
@@ -186,7 +188,21 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         rules_tx,
         metrics.clone(),
     )?;
-    let store = args.store.open(StoreKind::Redis, true).await?;
+    let store = match args.store.open(StoreKind::Redis, true).await {
+        Ok(store) => Connecting::now(store),
+        // Redis down at start: serve anyway, not ready, until it is up.
+        Err(e)
+            if e.downcast_ref::<StoreError>()
+                .is_some_and(|s| s.kind() == "transient") =>
+        {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "Redis is not reachable; serving, not ready, until it is"
+            );
+            Connecting::later(args.store.redis_config(), args.store.cache_limit())
+        }
+        Err(e) => return Err(e),
+    };
     let api = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -11,6 +11,7 @@
 //! scenarios against every store and demands identical records.
 
 pub mod cached;
+pub mod connecting;
 pub mod memory;
 pub mod redis;
 pub mod reply;

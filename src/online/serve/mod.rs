@@ -241,7 +241,6 @@ pub async fn run<S: WindowStore + 'static>(
         None => None,
     };
     health.assigned.store(true, Ordering::Relaxed);
-    health.store_ok.store(true, Ordering::Relaxed);
     let config = Arc::new(config);
     let (tx, rx) = mpsc::channel(QUEUE);
     let batcher = tokio::spawn(batcher(
@@ -472,6 +471,8 @@ async fn batcher<S: WindowStore>(
     let mut schema = Arc::new(Schema::decisions(&current));
     let mut features = Schema::features(&current);
     let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
+    // Ready once the store answers (at once, unless Redis is down at start).
+    probe_store(&mut store, &metrics, &health).await;
     let mut probe = tokio::time::interval(PROBE_EVERY);
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_call = Instant::now();
