@@ -359,4 +359,17 @@ fn a_features_file_replays_to_the_same_decisions() {
         std::fs::read_to_string(&twice).unwrap().lines().count(),
         20_001
     );
+    // Without the mapping, the missing column is named against all of the
+    // file's columns, so the fix can be read off the message.
+    let o = std::process::Command::new(common::bin())
+        .args(["replay", "-i", &features, "-o", &twice])
+        .args(rules)
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("`ts`") && err.contains("event_time") && err.contains("ts_ms"),
+        "{err}"
+    );
 }

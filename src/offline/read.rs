@@ -270,6 +270,17 @@ fn check_required(decoder: &Decoder, names: &[String]) -> Result<(), IoError> {
     Ok(())
 }
 
+/// The column names of a Parquet file, from its metadata.
+fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
+    let ctx = format!("reading {}", path.display());
+    let file = File::open(path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    let schema = ParquetReader::new(file).schema().map_err(polars_err(ctx))?;
+    Ok(schema.iter_names().map(|n| n.to_string()).collect())
+}
+
 /// Reads a file into a data frame of text columns; with `wanted`, only those
 /// of its columns that exist (the others are never materialised). Asterisk
 /// files are read whole: their columns are known by position.
@@ -436,6 +447,9 @@ pub fn read_events(
     decoder.map = effective_map(opts.format, &opts.decoder.map);
     match resolve_format(path, opts.format) {
         InputFormat::Parquet => {
+            // A missing column is named against all of the file's columns,
+            // not only those the projection would read.
+            check_required(&decoder, &parquet_columns(path)?)?;
             let wanted = wanted_columns(&decoder.map, opts);
             let df = read_frame_columns(path, InputFormat::Parquet, b',', Some(&wanted))?;
             let mut events = EventColumns::with_capacity(df.height());
