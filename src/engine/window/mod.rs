@@ -384,14 +384,14 @@ impl CallerState {
             .then(|| self.distinct_callees(rules, ev));
         let late = prev.is_some_and(|l| t < l.saturating_sub(rules.grace_ms));
         let counts: Counts = (0..rules.rules.len())
-            .map(|i| self.count(rules, i, t, h.latest))
+            .map(|i| self.count(rules, i, t, &h))
             .collect();
         let (would, reason) = outcome(rules, rules.judge(ev.number_for_lists(), &counts, None));
         if rules.count == CountPolicy::Attempts || would == Decision::Allow {
             if let Some(j) = journal {
                 j.log_inserted_inside |= self.log.back().is_some_and(|&b| b > t);
             }
-            self.record(rules, t, h.latest);
+            self.record(rules, t, &h);
         }
         self.latest = Some(h.latest);
 
@@ -501,7 +501,8 @@ impl CallerState {
     }
 
     /// Rule `i`'s count for a call at `t`, this call included.
-    fn count(&mut self, rules: &RuleSet, i: usize, t: i64, l_new: i64) -> u64 {
+    fn count(&mut self, rules: &RuleSet, i: usize, t: i64, h: &Horizons) -> u64 {
+        let l_new = h.latest;
         let w = rules.rules[i].window_ms;
         match rules.rules[i].kind {
             WindowKind::Sliding => {
@@ -526,13 +527,13 @@ impl CallerState {
                 }
             }
             WindowKind::SlidingApprox => {
-                let horizon = l_new.saturating_sub(rules.retention_ms());
-                slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, horizon)
+                slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, h.retention)
             }
         }
     }
 
-    fn record(&mut self, rules: &RuleSet, t: i64, l_new: i64) {
+    fn record(&mut self, rules: &RuleSet, t: i64, h: &Horizons) {
+        let l_new = h.latest;
         if rules.has_sliding() {
             insert_sorted(&mut self.log, t, |&x| x <= t);
         }
@@ -548,10 +549,9 @@ impl CallerState {
                 }
                 WindowKind::SlidingApprox => {
                     let a = slot(&mut self.approx, rule);
-                    let horizon = l_new.saturating_sub(rules.retention_ms());
                     match a.bucket {
                         Some(cb) if cb == b => a.cur += 1,
-                        Some(cb) if Approx::counts_in_prev(b, cb, t, horizon) => a.prev += 1,
+                        Some(cb) if Approx::counts_in_prev(b, cb, t, h.retention) => a.prev += 1,
                         _ => {}
                     }
                 }
