@@ -29,6 +29,7 @@ fn config(urls: Vec<String>, prefix: &str, idempotency: bool) -> RedisConfig {
         ttl_slack: Duration::ZERO,
         tls_ca: None,
         block_keys: true,
+        ..RedisConfig::default()
     }
 }
 

@@ -27,6 +27,7 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
         ttl_slack: Duration::ZERO,
         tls_ca: None,
         block_keys: true,
+        ..RedisConfig::default()
     }
 }
 

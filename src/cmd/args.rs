@@ -291,6 +291,35 @@ pub struct StoreArgs {
     /// Use the Redis Cluster client (implied by several URLs).
     #[arg(long, env = "CALLGUARD_REDIS_CLUSTER")]
     pub redis_cluster: bool,
+    /// Redis Sentinel addresses (`host:port`, or `redis://[:pass@]host:port`
+    /// for a sentinel with a password), comma-separated: the primary is the
+    /// one they name for --redis-master, and callguard moves to the new one
+    /// after a failover (a failed call asks them again). --redis-url, if
+    /// given, then only lends the primary its user, password, database and
+    /// TLS. Add --redis-wait-replicas so a failover loses no decision.
+    #[arg(
+        long,
+        env = "CALLGUARD_REDIS_SENTINEL",
+        value_delimiter = ',',
+        requires = "redis_master",
+        conflicts_with = "redis_cluster"
+    )]
+    pub redis_sentinel: Vec<String>,
+    /// The name the sentinels monitor the primary under (their
+    /// `sentinel monitor <name> ...`); with --redis-sentinel.
+    #[arg(long, env = "CALLGUARD_REDIS_MASTER", requires = "redis_sentinel")]
+    pub redis_master: Option<String>,
+    /// Replicas that must acknowledge each batch's writes (Redis `WAIT`, at
+    /// most half of --redis-timeout-ms) before its calls are answered,
+    /// produced or their offsets stored. Redis replicates asynchronously: a
+    /// primary that fails takes the writes its replicas had not received,
+    /// and the calls they decided are decided again after the failover,
+    /// maybe differently. With 1, an acknowledged decision survives the
+    /// loss of the primary; fewer acknowledgements fail the batch like a
+    /// Redis error (consume retries it, serve answers 503). Costs a
+    /// replication round trip per batch. 0: do not wait.
+    #[arg(long, env = "CALLGUARD_REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
     /// Where the window algorithm runs with Redis. `cached` (the default):
     /// in callguard, on each caller's state cached in memory and written
     /// back to Redis under a version check, so Redis does a write or two per
@@ -350,7 +379,7 @@ pub struct StoreArgs {
 impl StoreArgs {
     /// The Redis configuration.
     pub fn redis_config(&self) -> RedisConfig {
-        let urls = if self.redis_url.is_empty() {
+        let urls = if self.redis_url.is_empty() && self.redis_sentinel.is_empty() {
             vec![redis::DEFAULT_URL.to_string()]
         } else {
             self.redis_url.clone()
@@ -364,6 +393,14 @@ impl StoreArgs {
             ttl_slack: Duration::from_secs(self.ttl_slack_s),
             tls_ca: self.redis_ca.clone(),
             block_keys: self.block_keys,
+            sentinel: self
+                .redis_master
+                .as_ref()
+                .map(|master| redis::SentinelConfig {
+                    sentinels: self.redis_sentinel.clone(),
+                    master: master.clone(),
+                }),
+            wait_replicas: self.redis_wait_replicas,
         }
     }
 
@@ -376,9 +413,10 @@ impl StoreArgs {
                 "--block-keys sets keys in Redis, but --store memory keeps the windows in this process: drop one of them"
             );
         }
-        match (self.store, self.redis_url.is_empty()) {
+        let no_redis = self.redis_url.is_empty() && self.redis_sentinel.is_empty();
+        match (self.store, no_redis) {
             (Some(StoreKind::Memory), false) => anyhow::bail!(
-                "--redis-url (or CALLGUARD_REDIS_URL) is set, but --store memory keeps the windows in this process: drop one of them"
+                "--redis-url or --redis-sentinel is set, but --store memory keeps the windows in this process: drop one of them"
             ),
             (Some(kind), _) => Ok(kind),
             (None, false) => Ok(StoreKind::Redis),
@@ -387,10 +425,6 @@ impl StoreArgs {
         }
     }
 
-    /// Opens the store ([`StoreArgs::kind`]); `streaming` keeps every caller
-    /// in memory (a stream's partitions may run far apart in event time),
-    /// otherwise memory is the time-sorted replay's store, split by caller
-    /// over the cores.
     /// The cached store's bounds (`--redis-mode cached`), or `None` for
     /// the script store.
     pub fn cache_limit(&self) -> Option<cached::CacheLimit> {
@@ -403,6 +437,10 @@ impl StoreArgs {
         }
     }
 
+    /// Opens the store ([`StoreArgs::kind`]); `streaming` keeps every caller
+    /// in memory (a stream's partitions may run far apart in event time),
+    /// otherwise memory is the time-sorted replay's store, split by caller
+    /// over the cores.
     pub async fn open(&self, default: StoreKind, streaming: bool) -> Result<AnyStore> {
         Ok(match self.kind(default)? {
             StoreKind::Memory if streaming => {
@@ -416,9 +454,27 @@ impl StoreArgs {
             StoreKind::Memory => AnyStore::Sharded(ShardedStore::per_core()),
             StoreKind::Redis => {
                 let config = self.redis_config();
-                let urls: Vec<String> = config.urls.iter().map(|u| redis::redact(u)).collect();
-                let context = || format!("connecting to Redis at {}", urls.join(","));
-                AnyStore::connect_redis(config, self.cache_limit())
+                let context = || match &config.sentinel {
+                    Some(s) => format!(
+                        "connecting to Redis primary {:?} through the sentinels at {}",
+                        s.master,
+                        s.sentinels
+                            .iter()
+                            .map(|u| redis::redact(u))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                    None => format!(
+                        "connecting to Redis at {}",
+                        config
+                            .urls
+                            .iter()
+                            .map(|u| redis::redact(u))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    ),
+                };
+                AnyStore::connect_redis(config.clone(), self.cache_limit())
                     .await
                     .with_context(context)?
             }

@@ -31,11 +31,16 @@ pub async fn read_topic(
     timeout: Duration,
     mut done: impl FnMut(&Read) -> bool,
 ) -> Vec<Read> {
+    // A group of its own per read: a second read in the same group would
+    // wait for the first reader's session to expire before it got the
+    // partitions.
+    static READS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let c: StreamConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set(
             "group.id",
-            format!("reader-{}-{}", topic, std::process::id()),
+            format!("reader-{}-{}-{n}", topic, std::process::id()),
         )
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")

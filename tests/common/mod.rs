@@ -12,6 +12,7 @@ pub mod kafka;
 pub mod random;
 pub mod reference;
 pub mod scenarios;
+pub mod sentinel;
 
 use callguard::engine::event::CallEvent;
 
@@ -38,7 +39,7 @@ pub fn free_port() -> u16 {
     panic!("no free loopback port pair found");
 }
 
-fn require(binary: &str) {
+pub fn require(binary: &str) {
     let found = Command::new(binary)
         .arg("--version")
         .stdout(Stdio::null())
@@ -138,6 +139,11 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("redis-server on port {port} did not answer within 10 s");
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// `redis://127.0.0.1:<port>`.

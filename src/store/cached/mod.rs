@@ -623,6 +623,9 @@ impl WindowStore for CachedStore {
         self.conn
             .keep_mode_every(prefix, MODE, &mut self.claim)
             .await?;
-        self.try_batch(rules, events).await
+        let verdicts = self.try_batch(rules, events).await?;
+        let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
+        self.conn.wait_replicas(n, timeout).await?;
+        Ok(verdicts)
     }
 }

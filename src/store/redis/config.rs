@@ -44,6 +44,15 @@ pub struct RedisConfig {
     /// reason with a TTL of the retry-after, in the same script call, so a
     /// switch can refuse the caller's next calls with one `EXISTS`.
     pub block_keys: bool,
+    /// Find the primary through Redis Sentinel and follow it across
+    /// failovers; `urls` then only lend the primary their user, password,
+    /// database and TLS (their host is not used).
+    pub sentinel: Option<crate::store::redis::SentinelConfig>,
+    /// Replicas that must acknowledge a batch's writes (`WAIT`) before its
+    /// verdicts are returned, so a failover to one of them loses no decision
+    /// that was answered or produced. 0: Redis's asynchronous replication,
+    /// whose last writes a failed primary may take with it.
+    pub wait_replicas: u32,
 }
 
 /// A URL with its password replaced by `***`, for logs.
@@ -75,6 +84,8 @@ impl std::fmt::Debug for RedisConfig {
             .field("ttl_slack", &self.ttl_slack)
             .field("tls_ca", &self.tls_ca)
             .field("block_keys", &self.block_keys)
+            .field("sentinel", &self.sentinel)
+            .field("wait_replicas", &self.wait_replicas)
             .finish()
     }
 }
@@ -127,6 +138,8 @@ impl Default for RedisConfig {
             ttl_slack: Duration::from_secs(DEFAULT_TTL_SLACK_S),
             tls_ca: None,
             block_keys: false,
+            sentinel: None,
+            wait_replicas: 0,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! are classified (transient, out of memory, fatal).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -12,6 +13,7 @@ use redis::cluster_routing::Slot;
 use redis::{RedisError, Value};
 
 use crate::error::StoreError;
+use crate::store::redis::sentinel::Primary;
 use crate::store::redis::RedisConfig;
 
 /// How often a store claims its key prefix's mode again while it runs
@@ -46,12 +48,15 @@ impl ModeClaim {
 pub(crate) enum Conn {
     Single(ConnectionManager),
     Cluster(ClusterConnection),
+    /// A standalone primary found through Sentinel, followed across
+    /// failovers.
+    Sentinel(Arc<Primary>),
 }
 
 impl Conn {
     /// Connects to the server or Cluster `config` names.
     pub(crate) async fn open(config: &RedisConfig) -> Result<Self, StoreError> {
-        if config.urls.is_empty() {
+        if config.urls.is_empty() && config.sentinel.is_none() {
             return Err(StoreError::fatal("no Redis URL given"));
         }
         let certs = match &config.tls_ca {
@@ -66,7 +71,20 @@ impl Conn {
             }),
             None => None,
         };
-        let conn = if config.cluster || config.urls.len() > 1 {
+        let mgr_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.timeout))
+            .set_response_timeout(Some(config.timeout))
+            .set_number_of_retries(2);
+        let conn = if let Some(sentinel) = &config.sentinel {
+            if config.cluster || config.urls.len() > 1 || certs.is_some() {
+                return Err(StoreError::fatal(
+                    "--redis-sentinel takes one --redis-url at most (for the primary's user, \
+                     password and database), no --redis-cluster and no CA file",
+                ));
+            }
+            let node = config.urls.first().map(String::as_str);
+            Conn::Sentinel(Primary::connect(sentinel, node, mgr_config, config.timeout).await?)
+        } else if config.cluster || config.urls.len() > 1 {
             if certs.is_some() {
                 return Err(StoreError::fatal(
                     "a CA file is not supported with Redis Cluster: add the CA to the system trust store",
@@ -100,10 +118,6 @@ impl Conn {
                 context: "bad Redis URL".into(),
                 source: Some(e),
             })?;
-            let mgr_config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(config.timeout))
-                .set_response_timeout(Some(config.timeout))
-                .set_number_of_retries(2);
             let conn = tokio::time::timeout(
                 config.timeout * 2,
                 ConnectionManager::new_with_config(client, mgr_config),
@@ -126,7 +140,7 @@ impl Conn {
         key: impl Fn(usize) -> K,
     ) -> Vec<Vec<usize>> {
         match self {
-            Conn::Single(_) => vec![(0..n).collect()],
+            Conn::Single(_) | Conn::Sentinel(_) => vec![(0..n).collect()],
             Conn::Cluster(_) => {
                 let mut by_slot: HashMap<Slot, Vec<usize>> = HashMap::new();
                 for (i, key) in (0..n).map(|i| (i, key(i))) {
@@ -150,15 +164,76 @@ impl Conn {
             match self {
                 Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
                 Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
+                Conn::Sentinel(p) => pipe.query_async::<Vec<Value>>(&mut p.conn()).await,
             }
         };
-        match tokio::time::timeout(timeout, fut).await {
+        let result = match tokio::time::timeout(timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(RedisError::from(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 "Redis call timed out",
             ))),
+        };
+        self.follow(result).await
+    }
+
+    /// With Sentinel, asks the sentinels again after an error a failover
+    /// explains (see [`Primary::follow`]); the result is passed on as it is.
+    async fn follow<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
+        if let (Conn::Sentinel(p), Err(e)) = (self, &result) {
+            p.follow(e).await;
         }
+        result
+    }
+
+    /// Makes `n` replicas acknowledge every write made so far on this
+    /// connection (`WAIT`, on every primary of a Cluster), waiting at most
+    /// half the call timeout for them. Fewer acknowledgements are a
+    /// transient error: the writes stand on the primary, but a failover
+    /// now could lose them, so the batch is not answered as decided.
+    pub(crate) async fn wait_replicas(
+        &mut self,
+        n: u32,
+        timeout: Duration,
+    ) -> Result<(), StoreError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let wait_ms = (timeout.as_millis() / 2).max(1) as u64;
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(n).arg(wait_ms);
+        let acked: i64 = match self {
+            Conn::Cluster(c) => {
+                use redis::cluster_routing::{
+                    MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo,
+                };
+                let route = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::Aggregate(
+                        redis::cluster_routing::AggregateOp::Min,
+                    )),
+                ));
+                let v = tokio::time::timeout(timeout, c.route_command(cmd, route))
+                    .await
+                    .map_err(|_| StoreError::transient("WAIT for replicas timed out"))?
+                    .map_err(classify)?;
+                redis::from_redis_value(v).map_err(|e| classify(e.into()))?
+            }
+            _ => {
+                let v = tokio::time::timeout(timeout, self.run::<i64>(&cmd))
+                    .await
+                    .map_err(|_| StoreError::transient("WAIT for replicas timed out"))?;
+                v?
+            }
+        };
+        if acked < i64::from(n) {
+            return Err(StoreError::transient(format!(
+                "only {acked} of {n} Redis replicas acknowledged the batch's writes within \
+                 {wait_ms} ms (--redis-wait-replicas): not answered as decided, since a \
+                 failover now could lose them"
+            )));
+        }
+        Ok(())
     }
 
     /// Claims the key prefix for a way of keeping window state (`mode`)
@@ -272,18 +347,16 @@ impl Conn {
             .collect();
         let found = |keys: Vec<String>| keys.into_iter().find(|k| k != except);
         match self {
-            Conn::Single(c) => {
+            Conn::Single(_) | Conn::Sentinel(_) => {
                 let mut cursor = 0u64;
                 for _ in 0..8 {
-                    let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-                        .arg(cursor)
+                    let mut scan = redis::cmd("SCAN");
+                    scan.arg(cursor)
                         .arg("MATCH")
                         .arg(&pattern)
                         .arg("COUNT")
-                        .arg(1_000)
-                        .query_async(c)
-                        .await
-                        .map_err(classify)?;
+                        .arg(1_000);
+                    let (next, keys): (u64, Vec<String>) = self.run(&scan).await?;
                     if let Some(k) = found(keys) {
                         return Ok(Some(k));
                     }
@@ -323,11 +396,12 @@ impl Conn {
 
     /// Runs one command.
     async fn run<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Result<T, StoreError> {
-        match self {
+        let result = match self {
             Conn::Single(c) => cmd.query_async(c).await,
             Conn::Cluster(c) => cmd.query_async(c).await,
-        }
-        .map_err(classify)
+            Conn::Sentinel(p) => cmd.query_async(&mut p.conn()).await,
+        };
+        self.follow(result).await.map_err(classify)
     }
 
     /// Loads a script (on every primary of a Cluster) and returns its SHA.
@@ -335,7 +409,7 @@ impl Conn {
         let mut cmd = redis::cmd("SCRIPT");
         cmd.arg("LOAD").arg(lua);
         let sha: String = match self {
-            Conn::Single(c) => cmd.query_async(c).await.map_err(classify)?,
+            Conn::Single(_) | Conn::Sentinel(_) => self.run(&cmd).await?,
             Conn::Cluster(c) => {
                 // Load on every primary, so EVALSHA works whatever slot a caller is in.
                 use redis::cluster_routing::{

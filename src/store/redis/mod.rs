@@ -3,6 +3,8 @@
 //! - [`config`]: [`RedisConfig`], defaults, key naming (hash-tagged per caller).
 //! - [`conn`]: the connection (standalone or Cluster), the mode claim of a
 //!   key prefix, error classification.
+//! - [`sentinel`]: a standalone primary found through Redis Sentinel and
+//!   followed across failovers.
 //! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
 //!   atomic Lua calls (`lua/window.lua`).
 //!
@@ -11,6 +13,7 @@
 pub mod config;
 pub mod conn;
 pub mod script;
+pub mod sentinel;
 
 pub use config::{
     redact, RedisConfig, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT_MS, DEFAULT_TTL_SLACK_S, DEFAULT_URL,
@@ -18,3 +21,4 @@ pub use config::{
 pub(crate) use conn::Conn;
 pub use conn::{classify, CLAIM_EVERY};
 pub use script::{RedisStore, EVENTS_PER_CALL, MODE, WINDOW_LUA};
+pub use sentinel::SentinelConfig;

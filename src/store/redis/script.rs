@@ -205,7 +205,7 @@ impl RedisStore {
             self.load_script().await?;
             pending = retry;
         }
-        replies
+        let verdicts = replies
             .into_iter()
             .zip(events)
             .map(|(v, ev)| match v {
@@ -215,7 +215,10 @@ impl RedisStore {
                     ev.call_id
                 ))),
             })
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
+        self.conn.wait_replicas(n, timeout).await?;
+        Ok(verdicts)
     }
 }
 
