@@ -15,7 +15,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::sentinel::{wait_until, SentinelGroup, MASTER};
+use common::sentinel::{wait_until, Ha};
 use common::HttpConn;
 use serde_json::Value;
 
@@ -30,8 +30,8 @@ impl Drop for Killed {
     }
 }
 
-/// A `serve` on the group's sentinels, ready.
-fn start_serve(group: &SentinelGroup, wait: u32, mode: &str) -> (Killed, u16) {
+/// A `serve` on the highly available Redis, ready.
+fn start_serve(ha: &Ha, wait: u32, mode: &str) -> (Killed, u16) {
     let port = common::free_port();
     let child = Command::new(common::bin())
         .args([
@@ -43,7 +43,7 @@ fn start_serve(group: &SentinelGroup, wait: u32, mode: &str) -> (Killed, u16) {
         ])
         .arg("--listen")
         .arg(format!("127.0.0.1:{port}"))
-        .args(["--redis-sentinel", &group.addrs(), "--redis-master", MASTER])
+        .args(ha.args())
         .args(["--redis-wait-replicas", &wait.to_string()])
         .args(["--redis-timeout-ms", "600"])
         .stdout(Stdio::null())
@@ -75,11 +75,13 @@ struct ServeOutcome {
     /// Decided calls that came back as new calls after the failover: their
     /// decision was lost with the primary.
     lost: Vec<String>,
+    /// The calls decided while cut off whose caller lives on the primary
+    /// that was killed (all of them with Sentinel).
+    on_victim: Vec<String>,
 }
 
-fn serve_through_failover(wait: u32, mode: &str) -> ServeOutcome {
-    let mut group = SentinelGroup::start(2);
-    let (serve, port) = start_serve(&group, wait, mode);
+fn serve_through_failover(mut ha: Ha, wait: u32, mode: &str) -> ServeOutcome {
+    let (serve, port) = start_serve(&ha, wait, mode);
     let caller = |i: usize| format!("+3491100{:04}", i % 5);
     let mut answered: Vec<(String, Value)> = Vec::new();
     for i in 0..20 {
@@ -88,7 +90,7 @@ fn serve_through_failover(wait: u32, mode: &str) -> ServeOutcome {
         assert_eq!(status, 200, "{body}");
         answered.push((id, body));
     }
-    group.cut_replication();
+    ha.cut_replication();
     let mut refused_in_pause = 0;
     for i in 0..10 {
         let id = format!("paused-{i}");
@@ -99,9 +101,11 @@ fn serve_through_failover(wait: u32, mode: &str) -> ServeOutcome {
             other => panic!("check answered {other}: {body}"),
         }
     }
-    let old = group.kill_primary();
-    let new = group.wait_for_failover(old);
-    assert_ne!(new, old);
+    let on_victim = (0..10)
+        .filter(|&i| ha.on_victim(&caller(i)))
+        .map(|i| format!("paused-{i}"))
+        .collect();
+    ha.fail_over();
     // Every call answered before the failover, sent again: a retransmission.
     let mut lost = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -132,6 +136,7 @@ fn serve_through_failover(wait: u32, mode: &str) -> ServeOutcome {
         decided: answered.len(),
         refused_in_pause,
         lost,
+        on_victim,
     }
 }
 
@@ -139,44 +144,59 @@ fn serve_through_failover(wait: u32, mode: &str) -> ServeOutcome {
 /// acknowledged is answered 503, never as decided; so a failover loses
 /// no answered decision, in both modes.
 #[test]
-fn serve_with_wait_replicas_loses_no_answered_decision() {
+fn serve_with_wait_replicas_loses_no_answered_decision_sentinel() {
     for mode in ["cached", "script"] {
-        let out = serve_through_failover(1, mode);
-        assert_eq!(
-            out.refused_in_pause, 10,
-            "{mode}: every check while no replica acknowledges is 503"
-        );
-        assert_eq!(out.decided, 20, "{mode}");
-        assert!(out.lost.is_empty(), "{mode}: lost {:?}", out.lost);
+        assert_no_answered_decision_lost(serve_through_failover(Ha::sentinel(), 1, mode), mode);
     }
+}
+
+/// The same on a Cluster whose primaries have a replica each: `WAIT` goes
+/// to every primary, the killed primary's replica is promoted.
+#[test]
+fn serve_with_wait_replicas_loses_no_answered_decision_cluster() {
+    let out = serve_through_failover(Ha::cluster(), 1, "cached");
+    assert_no_answered_decision_lost(out, "cached");
+}
+
+fn assert_no_answered_decision_lost(out: ServeOutcome, mode: &str) {
+    assert_eq!(
+        out.refused_in_pause, 10,
+        "{mode}: every check while no replica acknowledges is 503"
+    );
+    assert_eq!(out.decided, 20, "{mode}");
+    assert!(out.lost.is_empty(), "{mode}: lost {:?}", out.lost);
 }
 
 /// Without it, Redis replicates asynchronously: the calls decided while
 /// the replicas lagged are lost with the primary and decided again as new
-/// calls after the failover (the loss `--redis-wait-replicas` prevents).
+/// calls after the failover (the loss `--redis-wait-replicas` prevents):
+/// all of them with Sentinel, those whose caller lived on the killed
+/// primary on a Cluster.
 #[test]
 fn serve_without_wait_replicas_loses_the_unreplicated_decisions() {
-    let out = serve_through_failover(0, "cached");
-    assert_eq!(out.refused_in_pause, 0, "no check waits for replicas");
-    assert_eq!(out.decided, 30);
-    let lost_paused = out
-        .lost
-        .iter()
-        .filter(|id| id.starts_with("paused-"))
-        .count();
-    assert_eq!(
-        (lost_paused, out.lost.len()),
-        (10, 10),
-        "exactly the calls decided while the replicas were paused are lost: {:?}",
-        out.lost
-    );
+    for ha in [Ha::sentinel(), Ha::cluster()] {
+        let cluster = matches!(ha, Ha::Cluster { .. });
+        let out = serve_through_failover(ha, 0, "cached");
+        assert_eq!(out.refused_in_pause, 0, "no check waits for replicas");
+        assert_eq!(out.decided, 30);
+        assert!(!out.on_victim.is_empty(), "a caller on the killed primary");
+        assert_eq!(
+            out.lost, out.on_victim,
+            "cluster {cluster}: exactly the calls decided while cut off on the killed primary are lost"
+        );
+    }
 }
 
 const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
 
 /// What one failover under `consume` did: the decisions it produced, and
 /// how many of them differ from `replay` of the same calls.
-async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usize, usize) {
+async fn consume_through_failover(
+    mut ha: Ha,
+    wait: u32,
+    mode: &str,
+    group_id: &str,
+) -> (usize, usize) {
     use callguard::engine::rules::RuleSet;
     use callguard::offline::read::{read_call_log, ReadOptions};
     use common::kafka::{by_call_id, read_decisions};
@@ -192,7 +212,6 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
     let rules = RuleSet::from_file(rules_path).unwrap();
     let expected = common::replay_records(&events, &rules);
 
-    let mut group = SentinelGroup::start(2);
     let kafka = callguard::online::kafka::EmbeddedKafka::start().unwrap();
     for t in TOPICS {
         kafka.create_topic(t, 2).unwrap();
@@ -204,7 +223,7 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
             .args(["--store", "redis", "--redis-mode", mode])
             .arg("--rules")
             .arg(rules_path)
-            .args(["--redis-sentinel", &group.addrs(), "--redis-master", MASTER])
+            .args(ha.args())
             .args(["--redis-wait-replicas", &wait.to_string()])
             .args(["--redis-timeout-ms", "600", "--metrics-addr", "127.0.0.1:0"])
             .stdout(Stdio::null())
@@ -232,7 +251,7 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
     };
     produce(&events[..third]).await;
     assert_eq!(decided(third).await, third, "the first third decided");
-    group.cut_replication();
+    ha.cut_replication();
     let cut = Instant::now();
     produce(&events[third..2 * third]).await;
     if wait == 0 {
@@ -243,9 +262,7 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
     eprintln!("primary killed {:?} after the cut", cut.elapsed());
-    let old = group.kill_primary();
-    let new = tokio::task::block_in_place(|| group.wait_for_failover(old));
-    assert_ne!(new, old);
+    tokio::task::block_in_place(|| ha.fail_over());
     produce(&events[2 * third..]).await;
     let records = read_decisions(
         &brokers,
@@ -256,6 +273,11 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
     .await;
     drop(consume);
     let got = by_call_id(&records);
+    if got.len() != expected.len() {
+        let log = std::fs::read_to_string(dir.path().join("consume.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(15).collect();
+        eprintln!("consume's log, last lines first:\n{}", tail.join("\n"));
+    }
     assert_eq!(got.len(), expected.len(), "every call decided");
     let differ = expected
         .iter()
@@ -266,15 +288,22 @@ async fn consume_through_failover(wait: u32, mode: &str, group_id: &str) -> (usi
 
 /// `consume` with `--redis-wait-replicas 1` through a failover: it holds
 /// the batches no replica acknowledged (storing no offset), moves to the
-/// promoted replica, and every call gets one record equal to `replay`'s.
+/// promoted replica, and every call gets one record equal to `replay`'s:
+/// Sentinel in both modes, and a Cluster.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consume_with_wait_replicas_through_failover_equals_replay() {
-    for mode in ["cached", "script"] {
-        let (decided, differ) =
-            consume_through_failover(1, mode, &format!("failover-wait-{mode}")).await;
+    for (ha, mode) in [
+        (Ha::sentinel as fn() -> Ha, "cached"),
+        (Ha::sentinel, "script"),
+        (Ha::cluster as fn() -> Ha, "cached"),
+    ] {
+        let ha = tokio::task::block_in_place(ha);
+        let cluster = matches!(ha, Ha::Cluster { .. });
+        let group = format!("failover-wait-{mode}-{cluster}");
+        let (decided, differ) = consume_through_failover(ha, 1, mode, &group).await;
         assert_eq!(
             differ, 0,
-            "{mode}: {differ} of {decided} records differ from replay"
+            "{mode}, cluster {cluster}: {differ} of {decided} records differ from replay"
         );
     }
 }
@@ -284,7 +313,8 @@ async fn consume_with_wait_replicas_through_failover_equals_replay() {
 /// from `replay`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consume_without_wait_replicas_diverges_after_failover() {
-    let (decided, differ) = consume_through_failover(0, "cached", "failover-nowait").await;
+    let ha = tokio::task::block_in_place(Ha::sentinel);
+    let (decided, differ) = consume_through_failover(ha, 0, "cached", "failover-nowait").await;
     eprintln!("without --redis-wait-replicas: {differ} of {decided} records differ from replay");
     assert!(differ > 0, "the lost writes change later decisions");
 }

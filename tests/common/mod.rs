@@ -203,22 +203,36 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// Starts three cluster-enabled servers and joins them.
     pub fn start() -> Self {
+        Self::start_with_replicas(0)
+    }
+
+    /// The arguments of a cluster node with its config file in its directory.
+    pub fn node_args(port: u16) -> Vec<String> {
+        [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            &format!("nodes-{port}.conf"),
+            "--cluster-node-timeout",
+            "2000",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+
+    /// Starts three primaries with `replicas` replicas each and joins them.
+    pub fn start_with_replicas(replicas: usize) -> Self {
         require("redis-cli");
         let mut nodes = Vec::new();
-        for _ in 0..3 {
+        for _ in 0..3 * (1 + replicas) {
             let port = free_port();
-            let conf = format!("nodes-{port}.conf");
+            let args = Self::node_args(port);
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
             nodes.push(RedisServer::start_in(
                 port,
                 tempfile::tempdir().expect("temp dir"),
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &conf,
-                    "--cluster-node-timeout",
-                    "2000",
-                ],
+                &args,
             ));
         }
         let addrs: Vec<String> = nodes
@@ -229,7 +243,7 @@ impl RedisCluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("run redis-cli --cluster create");
         assert!(
@@ -237,17 +251,21 @@ impl RedisCluster {
             "cluster create failed: {}",
             String::from_utf8_lossy(&out.stdout)
         );
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             let ok = nodes.iter().all(|n| {
                 raw_command(n.port, "CLUSTER INFO").is_some_and(|r| r.contains("cluster_state:ok"))
+            }) && nodes.iter().all(|n| {
+                raw_command(n.port, "INFO replication").is_some_and(|r| {
+                    r.contains("role:master") || r.contains("master_link_status:up")
+                })
             });
             if ok {
                 return RedisCluster { nodes };
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("the Redis Cluster did not reach cluster_state:ok within 20 s");
+        panic!("the Redis Cluster did not reach cluster_state:ok within 30 s");
     }
 
     /// Seed URLs of all nodes.

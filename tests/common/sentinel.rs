@@ -108,26 +108,19 @@ impl SentinelGroup {
             .ok()
     }
 
-    /// Cuts the replicas off the primary while leaving them promotable:
-    /// the primary starts requiring a password (connections already open,
-    /// such as callguard's and the sentinels', stay authenticated) and drops
-    /// its replicas, which then cannot sync again. Writes from now on
-    /// reach the primary only, as when replication lags.
+    /// Cuts the replicas off the primary (see [`cut_off`]): writes from
+    /// now on reach the primary only, as when replication lags.
     pub fn cut_replication(&self) {
-        let port = self.primary.as_ref().expect("the primary runs").port;
-        // One connection for both: it stays authenticated after the first.
-        let ok = raw_command(
-            port,
-            "CONFIG SET requirepass cut-off\r\nCLIENT KILL TYPE replica",
-        )
-        .expect("CONFIG SET");
-        assert!(ok.starts_with("+OK"), "{ok}");
-        wait_until(Duration::from_secs(10), "replicas cut off", || {
-            self.replicas.iter().all(|r| {
-                raw_command(r.port, "INFO replication")
-                    .is_some_and(|i| i.contains("master_link_status:down"))
-            })
-        });
+        for r in &self.replicas {
+            cut_off(r.port);
+        }
+    }
+
+    /// Lets the replicas sync again (with whichever primary is named).
+    pub fn heal_replication(&self) {
+        for r in &self.replicas {
+            heal(r.port);
+        }
     }
 
     /// Kills the primary (SIGKILL) and returns its port.
@@ -171,6 +164,28 @@ impl Drop for SentinelGroup {
     }
 }
 
+/// Cuts a replica off its primary while leaving it promotable: it is given
+/// a password for a primary that has none, and its link is dropped, so it
+/// cannot sync again (the primary and its clients are untouched).
+pub fn cut_off(replica: u16) {
+    let ok = raw_command(
+        replica,
+        "CONFIG SET masterauth cut-off\r\nCLIENT KILL TYPE master",
+    )
+    .expect("CONFIG SET masterauth");
+    assert!(ok.starts_with("+OK"), "{ok}");
+    wait_until(Duration::from_secs(10), "a replica cut off", || {
+        raw_command(replica, "INFO replication")
+            .is_some_and(|i| i.contains("master_link_status:down"))
+    });
+}
+
+/// Undoes [`cut_off`].
+pub fn heal(replica: u16) {
+    let ok = raw_command(replica, "CONFIG SET masterauth \"\"").expect("CONFIG SET masterauth");
+    assert!(ok.starts_with("+OK"), "{ok}");
+}
+
 /// Polls `ok` every 50 ms until it holds, or panics naming `what`.
 pub fn wait_until(within: Duration, what: &str, mut ok: impl FnMut() -> bool) {
     let deadline = Instant::now() + within;
@@ -180,5 +195,151 @@ pub fn wait_until(within: Duration, what: &str, mut ok: impl FnMut() -> bool) {
             "timed out after {within:?} waiting for {what}"
         );
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A highly available Redis for failover tests: a Sentinel group, or a
+/// Cluster of three primaries with a replica each.
+pub enum Ha {
+    Sentinel(SentinelGroup),
+    Cluster {
+        cluster: super::RedisCluster,
+        /// The primary to be killed (node 0) and its replica.
+        victim: usize,
+        replica: usize,
+    },
+}
+
+impl Ha {
+    /// A Sentinel group with two replicas.
+    pub fn sentinel() -> Self {
+        Ha::Sentinel(SentinelGroup::start(2))
+    }
+
+    /// A Cluster of three primaries with one replica each.
+    pub fn cluster() -> Self {
+        let cluster = super::RedisCluster::start_with_replicas(1);
+        let victim = 0;
+        let port = cluster.nodes[victim].port;
+        let replica = cluster
+            .nodes
+            .iter()
+            .position(|n| {
+                raw_command(n.port, "INFO replication")
+                    .is_some_and(|i| i.contains(&format!("master_port:{port}\r")))
+            })
+            .expect("node 0's replica");
+        Ha::Cluster {
+            cluster,
+            victim,
+            replica,
+        }
+    }
+
+    /// callguard's arguments to reach it.
+    pub fn args(&self) -> Vec<String> {
+        match self {
+            Ha::Sentinel(g) => vec![
+                "--redis-sentinel".into(),
+                g.addrs(),
+                "--redis-master".into(),
+                MASTER.into(),
+            ],
+            Ha::Cluster { cluster, .. } => vec!["--redis-url".into(), cluster.urls().join(",")],
+        }
+    }
+
+    /// Whether a caller's keys live on the primary that will be killed.
+    pub fn on_victim(&self, caller: &str) -> bool {
+        match self {
+            Ha::Sentinel(_) => true,
+            Ha::Cluster {
+                cluster, victim, ..
+            } => {
+                let port = cluster.nodes[*victim].port;
+                let mut conn = cluster.nodes[*victim].connection();
+                let slot: u16 = redis::cmd("CLUSTER")
+                    .arg("KEYSLOT")
+                    .arg(format!("{{{caller}}}"))
+                    .query(&mut conn)
+                    .expect("CLUSTER KEYSLOT");
+                let mine: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query(&mut conn)
+                    .expect("CLUSTER SLOTS");
+                mine.iter().any(|range| {
+                    let int = |v: &redis::Value| match v {
+                        redis::Value::Int(i) => *i,
+                        _ => -1,
+                    };
+                    let owner = match &range[2] {
+                        redis::Value::Array(node) => int(&node[1]),
+                        _ => -1,
+                    };
+                    owner == i64::from(port)
+                        && int(&range[0]) <= i64::from(slot)
+                        && i64::from(slot) <= int(&range[1])
+                })
+            }
+        }
+    }
+
+    /// Cuts every replica off its primary (see [`cut_off`]).
+    pub fn cut_replication(&self) {
+        match self {
+            Ha::Sentinel(g) => g.cut_replication(),
+            Ha::Cluster { cluster, .. } => {
+                for n in &cluster.nodes {
+                    if raw_command(n.port, "ROLE").is_some_and(|r| r.contains("slave")) {
+                        cut_off(n.port);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Kills the primary, lets the replicas sync again and waits until one
+    /// is promoted. On a Cluster the killed node is then started again
+    /// (empty) and waits to be in sync as the promoted node's replica, so
+    /// `WAIT 1` can be met again.
+    pub fn fail_over(&mut self) {
+        match self {
+            Ha::Sentinel(g) => {
+                let old = g.kill_primary();
+                g.heal_replication();
+                let new = g.wait_for_failover(old);
+                assert_ne!(new, old);
+            }
+            Ha::Cluster {
+                cluster,
+                victim,
+                replica,
+            } => {
+                let promoted = cluster.nodes[*replica].port;
+                let (port, dir) = cluster.nodes.remove(*victim).stop();
+                for n in &cluster.nodes {
+                    if raw_command(n.port, "ROLE").is_some_and(|r| r.contains("slave")) {
+                        heal(n.port);
+                    }
+                }
+                wait_until(Duration::from_secs(40), "the replica's promotion", || {
+                    raw_command(promoted, "ROLE").is_some_and(|r| r.contains("master"))
+                        && raw_command(promoted, "CLUSTER INFO")
+                            .is_some_and(|r| r.contains("cluster_state:ok"))
+                });
+                let args = super::RedisCluster::node_args(port);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let back = RedisServer::start_in(port, dir, &args);
+                wait_until(
+                    Duration::from_secs(40),
+                    "the old primary back as a replica",
+                    || {
+                        raw_command(port, "INFO replication")
+                            .is_some_and(|i| i.contains("master_link_status:up"))
+                    },
+                );
+                cluster.nodes.insert(*victim, back);
+            }
+        }
     }
 }

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
 use redis::{RedisError, Value};
 
 use crate::error::StoreError;
+use crate::store::redis::cluster::Nodes;
 use crate::store::redis::sentinel::Primary;
 use crate::store::redis::RedisConfig;
 
@@ -47,7 +47,7 @@ impl ModeClaim {
 #[derive(Clone)]
 pub(crate) enum Conn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(Arc<Nodes>),
     /// A standalone primary found through Sentinel, followed across
     /// failovers.
     Sentinel(Arc<Primary>),
@@ -107,7 +107,7 @@ impl Conn {
                 .await
                 .map_err(|_| StoreError::transient("timed out connecting to Redis Cluster"))?
                 .map_err(classify)?;
-            Conn::Cluster(conn)
+            Conn::Cluster(Arc::new(Nodes::new(client, conn, config.timeout)))
         } else {
             let info = without_nagle(&config.urls[0])?;
             let client = match certs {
@@ -163,7 +163,7 @@ impl Conn {
         let fut = async {
             match self {
                 Conn::Single(c) => pipe.query_async::<Vec<Value>>(c).await,
-                Conn::Cluster(c) => pipe.query_async::<Vec<Value>>(c).await,
+                Conn::Cluster(n) => pipe.query_async::<Vec<Value>>(&mut n.conn()).await,
                 Conn::Sentinel(p) => pipe.query_async::<Vec<Value>>(&mut p.conn()).await,
             }
         };
@@ -180,8 +180,10 @@ impl Conn {
     /// With Sentinel, asks the sentinels again after an error a failover
     /// explains (see [`Primary::follow`]); the result is passed on as it is.
     async fn follow<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
-        if let (Conn::Sentinel(p), Err(e)) = (self, &result) {
-            p.follow(e).await;
+        match (self, &result) {
+            (Conn::Sentinel(p), Err(e)) => p.follow(e).await,
+            (Conn::Cluster(n), Err(e)) => n.follow(e).await,
+            _ => {}
         }
         result
     }
@@ -213,10 +215,13 @@ impl Conn {
                         redis::cluster_routing::AggregateOp::Min,
                     )),
                 ));
-                let v = tokio::time::timeout(timeout, c.route_command(cmd, route))
+                let v = tokio::time::timeout(timeout, c.conn().route_command(cmd, route))
                     .await
                     .map_err(|_| StoreError::transient("WAIT for replicas timed out"))?
-                    .map_err(classify)?;
+                    .map_err(|e| StoreError::Transient {
+                        context: "WAIT on the Cluster's primaries failed".into(),
+                        source: Some(e),
+                    })?;
                 redis::from_redis_value(v).map_err(|e| classify(e.into()))?
             }
             _ => {
@@ -376,7 +381,7 @@ impl Conn {
                     .arg("COUNT")
                     .arg(10_000);
                 let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                let v = c.route_command(cmd, route).await.map_err(classify)?;
+                let v = c.conn().route_command(cmd, route).await.map_err(classify)?;
                 let replies: Vec<Value> = match v {
                     Value::Map(pairs) => pairs.into_iter().map(|(_, v)| v).collect(),
                     Value::Array(items) => items,
@@ -398,7 +403,7 @@ impl Conn {
     async fn run<T: redis::FromRedisValue>(&mut self, cmd: &redis::Cmd) -> Result<T, StoreError> {
         let result = match self {
             Conn::Single(c) => cmd.query_async(c).await,
-            Conn::Cluster(c) => cmd.query_async(c).await,
+            Conn::Cluster(n) => cmd.query_async(&mut n.conn()).await,
             Conn::Sentinel(p) => cmd.query_async(&mut p.conn()).await,
         };
         self.follow(result).await.map_err(classify)
@@ -419,7 +424,7 @@ impl Conn {
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(ResponsePolicy::AllSucceeded),
                 ));
-                let v = c.route_command(cmd, route).await.map_err(classify)?;
+                let v = c.conn().route_command(cmd, route).await.map_err(classify)?;
                 match v {
                     Value::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
                     Value::SimpleString(s) => s,

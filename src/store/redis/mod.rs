@@ -3,6 +3,7 @@
 //! - [`config`]: [`RedisConfig`], defaults, key naming (hash-tagged per caller).
 //! - [`conn`]: the connection (standalone or Cluster), the mode claim of a
 //!   key prefix, error classification.
+//! - [`cluster`]: a Cluster connection rebuilt when it stops answering.
 //! - [`sentinel`]: a standalone primary found through Redis Sentinel and
 //!   followed across failovers.
 //! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
@@ -10,6 +11,7 @@
 //!
 //! The cached store (`store::cached`) uses the same connection and config.
 
+pub mod cluster;
 pub mod config;
 pub mod conn;
 pub mod script;
