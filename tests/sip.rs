@@ -451,3 +451,101 @@ fn blocked_until_the_key_expires(mode: &[&str]) {
     let calls = run_sipp(dir.path(), "expired", sip, &[(a, "+34600000001")], 10);
     assert_eq!(calls[0].status, 200, "{:?}", calls[0]);
 }
+
+/// Two `serve` instances (cached mode) behind Kamailio's dispatcher hashing
+/// the From user (`integrations/kamailio/callguard-dispatcher.cfg`): each
+/// caller is checked on one instance only, so no write of one instance is
+/// ever refused because the other changed the caller; the SIP answers match
+/// callguard's records; and with one instance killed, every call is checked
+/// on the other (none goes through unchecked).
+#[test]
+fn kamailio_dispatcher_checks_each_caller_on_one_instance() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(&[]);
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
+    )
+    .unwrap();
+    let extra = ["--reject-status", "429"];
+    let (serve_a, http_a) = start_serve(&redis, &rules, &extra);
+    let (_serve_b, http_b) = start_serve(&redis, &rules, &extra);
+    let list = dir.path().join("callguard.list");
+    std::fs::write(
+        &list,
+        format!("1 sip:127.0.0.1:{http_a}\n1 sip:127.0.0.1:{http_b}\n"),
+    )
+    .unwrap();
+    let define = format!("CALLGUARD_LIST=\"{}\"", list.display());
+    let (kam, sip) = start_kamailio(
+        dir.path(),
+        "integrations/kamailio/callguard-dispatcher.cfg",
+        &[define],
+    );
+
+    // Eight callers, 6 calls each, interleaved: each goes over the limit.
+    let callers: Vec<String> = (0..8).map(|i| format!("+3491100020{i}")).collect();
+    let plan: Vec<(&str, &str)> = (0..6)
+        .flat_map(|_| callers.iter().map(|c| (c.as_str(), "+34600000009")))
+        .collect();
+    let calls = run_sipp(dir.path(), "dispatched", sip, &plan, 50);
+
+    // Which instance checked each call, from Kamailio's log.
+    let checked = |log: &str| -> HashMap<String, (String, String)> {
+        log.lines()
+            .filter_map(|l| l.split("callguard: checked ").nth(1))
+            .filter_map(|rest| {
+                let (call, rest) = rest.split_once(" from ")?;
+                let (caller, rest) = rest.split_once(" on ")?;
+                let (instance, status) = rest.split_once(": ")?;
+                Some((
+                    call.to_string(),
+                    (caller.to_string(), format!("{instance} {}", status.trim())),
+                ))
+            })
+            .collect()
+    };
+    let log = std::fs::read_to_string(dir.path().join("kamailio.log")).unwrap();
+    let seen = checked(&log);
+    let mut instances_of: HashMap<&str, std::collections::BTreeSet<&str>> = HashMap::new();
+    for call in &calls {
+        let (caller, outcome) = seen
+            .get(&call.call_id)
+            .unwrap_or_else(|| panic!("{} not checked: {log}", call.call_id));
+        assert_eq!(caller, &call.caller);
+        let instance = outcome.split(' ').next().unwrap();
+        instances_of.entry(&call.caller).or_default().insert(instance);
+        let status = if call.status == 603 { "429" } else { "200" };
+        assert!(outcome.ends_with(status), "{call:?}: {outcome}");
+    }
+    for (caller, instances) in &instances_of {
+        assert_eq!(instances.len(), 1, "{caller} checked on {instances:?}");
+    }
+    let used: std::collections::BTreeSet<&str> =
+        instances_of.values().flatten().copied().collect();
+    assert_eq!(used.len(), 2, "both instances get callers: {used:?}");
+    // Each caller: 3 allowed, then 3 declined.
+    assert_eq!(calls.iter().filter(|c| c.status == 603).count(), 8 * 3);
+    for port in [http_a, http_b] {
+        let metrics = common::http_get(port, "/metrics").unwrap();
+        assert!(
+            metrics.contains("callguard_store_conflicts_total 0"),
+            "instance {port} had writes refused: {metrics}"
+        );
+    }
+
+    // One instance gone: its callers are checked on the other.
+    drop(serve_a);
+    let later: Vec<(&str, &str)> = callers.iter().map(|c| (c.as_str(), "+34600000009")).collect();
+    let again = run_sipp(dir.path(), "failed-over", sip, &later, 20);
+    let log = std::fs::read_to_string(dir.path().join("kamailio.log")).unwrap();
+    let seen = checked(&log);
+    let b = format!("127.0.0.1:{http_b}");
+    for call in &again {
+        assert_eq!(call.status, 603, "still over the limit: {call:?}; {log}");
+        let (_, outcome) = &seen[&call.call_id];
+        assert_eq!(outcome, &format!("{b} 429"), "{call:?}");
+    }
+    drop(kam);
+}
