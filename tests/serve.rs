@@ -492,6 +492,88 @@ fn decided_calls_are_produced_like_consumed_ones() {
     assert_eq!(common::replay_records(&replayed, &rules), answered);
 }
 
+/// Finding 6 of the serve issue: a check whose store call timed out after
+/// it was sent is answered 503 `"applied": "unknown"` (Redis may yet apply
+/// it), and with `--brokers` its record still reaches Kafka exactly once:
+/// published when its retry comes back `duplicate`, never again after.
+#[test]
+fn a_call_applied_after_its_503_is_published_once_on_retry() {
+    use callguard::online::serve::ServeTopics;
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) =
+        common::kafka::mock_cluster(&[("calls", 2), ("call-decisions", 2), ("call-features", 2)]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let served = Served::start_with(
+        ServeConfig {
+            topics: Some(ServeTopics {
+                brokers: brokers.clone(),
+                settings: vec![],
+                events: "calls".into(),
+                decisions: "call-decisions".into(),
+                features: "call-features".into(),
+            }),
+            ..config()
+        },
+        RedisConfig {
+            timeout: Duration::from_millis(300),
+            ..redis_config(&redis)
+        },
+        rules,
+        true,
+    );
+    let check = |id: &str| {
+        served.conn().get(&format!(
+            "/v1/check?call_id={id}&caller=%2B34911000301&ts={}",
+            T0
+        ))
+    };
+    assert_eq!(check("warm-up").status, 200);
+    // Writes wait 1.5 s in Redis: the call's store call times out at 300
+    // ms, and Redis applies it afterwards.
+    common::raw_command(redis.port, "CLIENT PAUSE 1500 WRITE").unwrap();
+    let first = check("late");
+    assert_eq!(first.status, 503, "{}", first.body);
+    assert_eq!(first.json()["applied"], "unknown", "{}", first.body);
+    std::thread::sleep(Duration::from_millis(2_000));
+    let retried = check("late");
+    assert_eq!(retried.status, 200, "{}", retried.body);
+    assert_eq!(
+        retried.json()["duplicate"],
+        true,
+        "Redis applied it: {}",
+        retried.body
+    );
+    assert_eq!(retried.json()["count_m"], 2);
+    assert_eq!(check("late").json()["duplicate"], true);
+    assert_eq!(check("after").json()["count_m"], 3);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Everything the topic holds after a while (a wrongly repeated record
+    // would be there too).
+    let more = rt.block_on(common::kafka::read_topic(
+        &brokers,
+        "call-decisions",
+        Duration::from_secs(8),
+        |_| false,
+    ));
+    let ids: Vec<String> = more
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap())
+        .map(|v| v["call_id"].as_str().unwrap().to_string())
+        .collect();
+    let count = |id: &str| ids.iter().filter(|i| *i == id).count();
+    assert_eq!(
+        (count("warm-up"), count("late"), count("after")),
+        (1, 1, 1),
+        "each decided call once: {ids:?}"
+    );
+    let published = more
+        .iter()
+        .map(|m| serde_json::from_slice::<serde_json::Value>(&m.payload).unwrap())
+        .find(|v| v["call_id"] == "late")
+        .unwrap();
+    assert_eq!(published, record(retried.json()));
+}
+
 #[test]
 fn the_binary_takes_its_settings_from_the_environment_and_reloads_rules() {
     let redis = RedisServer::start(&[]);

@@ -515,15 +515,17 @@ fn kamailio_dispatcher_checks_each_caller_on_one_instance() {
             .unwrap_or_else(|| panic!("{} not checked: {log}", call.call_id));
         assert_eq!(caller, &call.caller);
         let instance = outcome.split(' ').next().unwrap();
-        instances_of.entry(&call.caller).or_default().insert(instance);
+        instances_of
+            .entry(&call.caller)
+            .or_default()
+            .insert(instance);
         let status = if call.status == 603 { "429" } else { "200" };
         assert!(outcome.ends_with(status), "{call:?}: {outcome}");
     }
     for (caller, instances) in &instances_of {
         assert_eq!(instances.len(), 1, "{caller} checked on {instances:?}");
     }
-    let used: std::collections::BTreeSet<&str> =
-        instances_of.values().flatten().copied().collect();
+    let used: std::collections::BTreeSet<&str> = instances_of.values().flatten().copied().collect();
     assert_eq!(used.len(), 2, "both instances get callers: {used:?}");
     // Each caller: 3 allowed, then 3 declined.
     assert_eq!(calls.iter().filter(|c| c.status == 603).count(), 8 * 3);
@@ -537,7 +539,10 @@ fn kamailio_dispatcher_checks_each_caller_on_one_instance() {
 
     // One instance gone: its callers are checked on the other.
     drop(serve_a);
-    let later: Vec<(&str, &str)> = callers.iter().map(|c| (c.as_str(), "+34600000009")).collect();
+    let later: Vec<(&str, &str)> = callers
+        .iter()
+        .map(|c| (c.as_str(), "+34600000009"))
+        .collect();
     let again = run_sipp(dir.path(), "failed-over", sip, &later, 20);
     let log = std::fs::read_to_string(dir.path().join("kamailio.log")).unwrap();
     let seen = checked(&log);

@@ -61,6 +61,7 @@ use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
 mod listener;
+mod uncertain;
 
 pub use listener::{Limits, Listener};
 
@@ -161,8 +162,11 @@ impl Default for ServeConfig {
 enum Outcome {
     /// Decided, with the columns of the rules that decided.
     Decided(Verdict, Arc<Schema>),
-    /// The store failed under `block`: not decided.
-    Unavailable(String),
+    /// The store failed under `block`: no verdict. `applied` says whether
+    /// the call may still have been applied (`"unknown"`: the store call
+    /// failed after it was sent) or surely was not (`"no"`: a caller
+    /// contended by another writer, nothing of it written).
+    Unavailable { why: String, applied: &'static str },
 }
 
 /// One request waiting for its decision.
@@ -390,7 +394,7 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
     };
     match answer {
         Ok(Outcome::Decided(v, schema)) => decided(&v, &schema, s.config.reject_status),
-        Ok(Outcome::Unavailable(why)) => unavailable(&why),
+        Ok(Outcome::Unavailable { why, applied }) => unavailable_applied(&why, applied),
         Err(_) => unavailable("shutting down"),
     }
 }
@@ -419,6 +423,17 @@ fn past_deadline(metrics: &Metrics, claim: &Claim) -> Response {
 /// 503 with a Retry-After: the call was not decided.
 fn unavailable(why: &str) -> Response {
     let body = json!({ "error": why, "kind": "unavailable" });
+    service_unavailable(body)
+}
+
+/// 503 for a call the store gave no verdict for, saying whether it may
+/// still have been applied (`"applied"`, as past the answer deadline).
+fn unavailable_applied(why: &str, applied: &str) -> Response {
+    let body = json!({ "error": why, "kind": "unavailable", "applied": applied });
+    service_unavailable(body)
+}
+
+fn service_unavailable(body: serde_json::Value) -> Response {
     let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
     r.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(STORE_RETRY_AFTER_S));
@@ -468,6 +483,7 @@ async fn batcher<S: WindowStore>(
     producer: Option<(FutureProducer, ServeTopics)>,
 ) {
     let mut current = rules.borrow_and_update().clone();
+    let mut uncertain = uncertain::Uncertain::default();
     let mut schema = Arc::new(Schema::decisions(&current));
     let mut features = Schema::features(&current);
     let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
@@ -552,13 +568,36 @@ async fn batcher<S: WindowStore>(
                     .collect()
             }
         };
+        // A store error may come after the call was applied; a contended
+        // caller's calls were not written.
+        let applied = if why.as_deref() == Some(CONTENDED) {
+            "no"
+        } else {
+            "unknown"
+        };
         if let Some((p, topics)) = &producer {
+            // First decisions, and duplicates of calls whose first answer
+            // had no verdict (their record was never published).
+            let publishable: Vec<bool> = events
+                .iter()
+                .zip(&verdicts)
+                .map(|(e, v)| match v {
+                    Some(v) => !v.duplicate || uncertain.settle(&e.call_id),
+                    None => {
+                        if applied == "unknown" {
+                            uncertain.insert(&e.call_id);
+                        }
+                        false
+                    }
+                })
+                .collect();
             publish(
                 p,
                 topics,
                 (&schema, &features),
                 &events,
                 &verdicts,
+                &publishable,
                 &metrics,
             );
         }
@@ -568,10 +607,13 @@ async fn batcher<S: WindowStore>(
                     metrics.count_decided(&v);
                     Outcome::Decided(v, schema.clone())
                 }
-                None => Outcome::Unavailable(format!(
-                    "window store failed: {}",
-                    why.as_deref().unwrap_or_default()
-                )),
+                None => Outcome::Unavailable {
+                    why: format!(
+                        "window store failed: {}",
+                        why.as_deref().unwrap_or_default()
+                    ),
+                    applied,
+                },
             };
             let _ = reply.send(outcome);
         }
@@ -613,7 +655,8 @@ fn clamp_to_clock(events: &mut [CallEvent], grace_ms: i64, now: i64, metrics: &M
     }
 }
 
-/// Produces the decided calls of a batch (not duplicates) to the events,
+/// Produces the decided calls of a batch marked `publishable` (first
+/// decisions, not duplicates, save those never published) to the events,
 /// decisions and features topics, keyed by caller; delivery failures are
 /// logged and counted (`publish_failures`), never block an answer.
 fn publish(
@@ -622,14 +665,17 @@ fn publish(
     (decisions, features): (&Schema, &Schema),
     events: &[CallEvent],
     verdicts: &[Option<Verdict>],
+    publishable: &[bool],
     metrics: &Arc<Metrics>,
 ) {
     let mut pending = Vec::new();
     let decided = events
         .iter()
         .zip(verdicts)
-        .filter_map(|(e, v)| Some((e, v.as_ref()?)));
-    for (e, v) in decided.filter(|(_, v)| !v.duplicate) {
+        .zip(publishable)
+        .filter(|(_, publish)| **publish)
+        .filter_map(|((e, v), _)| Some((e, v.as_ref()?)));
+    for (e, v) in decided {
         let row = Row {
             event: e,
             verdict: v,
