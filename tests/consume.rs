@@ -940,3 +940,57 @@ async fn produce_command_loads_a_log_in_processing_order() {
         assert_eq!(ids, &want[caller.as_str()], "order of {caller}");
     }
 }
+
+/// An idle `consume`'s `/readyz` follows the store, as `serve`'s does: off
+/// within seconds of Redis going while no event comes, back on after its
+/// restart, and the first event after it is decided.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_consumer_readiness_follows_the_store() {
+    let redis = RedisServer::start(&[]);
+    let kafka = EmbeddedKafka::start().unwrap();
+    for t in TOPICS {
+        kafka.create_topic(t, 2).unwrap();
+    }
+    let brokers = kafka.bootstrap();
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let _child = common::Killed(spawn_consumer(
+        &brokers,
+        &redis.url(),
+        "g-idle",
+        &rules_path(),
+        &["--metrics-addr", &addr, "--redis-timeout-ms", "300"],
+    ));
+    let status = || {
+        common::http_get(port, "/readyz")
+            .and_then(|r| r.split_whitespace().nth(1).map(str::to_string))
+            .unwrap_or_default()
+    };
+    let wait_for = |want: &str, within: Duration| {
+        let until = Instant::now() + within;
+        while Instant::now() < until {
+            if status() == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        false
+    };
+    assert!(wait_for("200", Duration::from_secs(30)), "never ready");
+    let (rport, dir) = redis.stop();
+    assert!(
+        wait_for("503", Duration::from_secs(5)),
+        "still ready with Redis gone and no event"
+    );
+    let redis = RedisServer::start_in(rport, dir, &[]);
+    assert!(
+        wait_for("200", Duration::from_secs(5)),
+        "not ready again after Redis came back"
+    );
+    let m = r#"{"call_id":"idle-1","caller":"+34911000001","ts":1764547200000}"#;
+    produce_raw(&brokers, "calls", &[(Some(b"+34911000001"), m.as_bytes())]).await;
+    let got = read_decisions(&brokers, "call-decisions", 1, Duration::from_secs(60)).await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0]["call_id"], "idle-1");
+    drop(redis);
+}

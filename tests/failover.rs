@@ -12,23 +12,12 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::sentinel::{wait_until, Ha};
-use common::HttpConn;
+use common::{HttpConn, Killed};
 use serde_json::Value;
-
-/// A child process killed on drop (a failed assertion must not leave it
-/// running).
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// A `serve` on the highly available Redis, ready.
 fn start_serve(ha: &Ha, wait: u32, mode: &str) -> (Killed, u16) {

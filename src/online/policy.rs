@@ -4,7 +4,9 @@
 //! with it.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use tracing::warn;
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
@@ -12,6 +14,9 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, StoreError};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
+
+/// How often an idle `serve` or `consume` probes the store for `/readyz`.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 
 /// Decides `events` through `store` ([`WindowStore::apply_batch_partial`]:
 /// `None` for a call left undecided by contention) and records the call:
@@ -46,4 +51,24 @@ pub async fn apply_observed<S: WindowStore>(
         }
     }
     result
+}
+
+/// Whether the store answers, for `/readyz` while no call comes: a
+/// probe failing turns readiness off with its reason, one succeeding
+/// turns it back on (checks do the same through `apply_observed`).
+pub async fn probe_store<S: WindowStore>(store: &mut S, metrics: &Metrics, health: &Health) {
+    let losses = store.data_losses();
+    let probed = store.probe().await;
+    metrics.count_data_losses(store, losses, health);
+    match probed {
+        Ok(()) => health.store_ok.store(true, Ordering::Relaxed),
+        Err(e) => {
+            if health.store_ok.swap(false, Ordering::Relaxed) {
+                warn!(error = %chain(&e), "the window store does not answer; not ready");
+            }
+            if let Ok(mut d) = health.detail.lock() {
+                *d = chain(&e);
+            }
+        }
+    }
 }

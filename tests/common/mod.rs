@@ -74,6 +74,17 @@ pub fn raw_command(port: u16, cmd: &str) -> Option<String> {
     Some(String::from_utf8_lossy(&buf[..n]).into_owned())
 }
 
+/// A child process killed on drop (a failed assertion must not leave it
+/// running).
+pub struct Killed(pub Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A redis-server child process, killed on drop.
 pub struct RedisServer {
     child: Child,

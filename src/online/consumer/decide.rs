@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::Shared;
 use tokio::sync::{mpsc, oneshot};
@@ -17,7 +17,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::apply_observed;
+use crate::online::policy::{apply_observed, probe_store, PROBE_EVERY};
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
@@ -66,7 +66,26 @@ impl Decider {
         // One batch queued behind the one being decided.
         let (jobs, mut rx) = mpsc::channel::<Job>(1);
         tokio::spawn(async move {
-            while let Some(job) = rx.recv().await {
+            // Readiness from a probe while no batch comes (a quiet topic,
+            // or Redis gone while idle), as `serve` keeps it.
+            probe_store(&mut store, &metrics, &health).await;
+            let mut probe = tokio::time::interval(PROBE_EVERY);
+            probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_batch = Instant::now();
+            loop {
+                let job = tokio::select! {
+                    job = rx.recv() => match job {
+                        Some(job) => job,
+                        None => break,
+                    },
+                    _ = probe.tick() => {
+                        if last_batch.elapsed() >= PROBE_EVERY {
+                            probe_store(&mut store, &metrics, &health).await;
+                        }
+                        continue;
+                    }
+                };
+                last_batch = Instant::now();
                 let verdicts = decide(
                     &mut store,
                     &job.rules,

@@ -43,7 +43,6 @@ mod delivery;
 pub mod encode;
 
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -278,7 +277,6 @@ pub async fn run<S: WindowStore + 'static>(
     config.check()?;
     let clients = connect(&config, &metrics, &health)?;
     warm_producer(&clients, &config).await;
-    health.store_ok.store(true, Ordering::Relaxed);
     info!(topic = %config.input_topic, group = %config.group, "consuming");
 
     let mut shutdown = shutdown.boxed().shared();

@@ -55,7 +55,7 @@ use crate::online::consumer::encode::{check_future_skew, now_ms};
 use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
-use crate::online::policy::apply_observed;
+use crate::online::policy::{apply_observed, probe_store, PROBE_EVERY};
 use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
@@ -85,8 +85,6 @@ pub const DEFAULT_ANSWER_DEADLINE_MS: u64 = 800;
 pub const DEFAULT_BODY_TIMEOUT_MS: u64 = 5_000;
 /// Most connections open at once on the admin listener.
 const ADMIN_MAX_CONNECTIONS: usize = 64;
-/// How often an idle server probes the store for `/readyz`.
-const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Requests queued for the batcher at most; beyond, answers 503.
 const QUEUE: usize = 16_384;
 /// Retry-After (seconds) of a 503 when the store fails under `block`.
@@ -616,26 +614,6 @@ async fn batcher<S: WindowStore>(
                 },
             };
             let _ = reply.send(outcome);
-        }
-    }
-}
-
-/// Whether the store answers, for `/readyz` while no check comes: a
-/// probe failing turns readiness off with its reason, one succeeding
-/// turns it back on (checks do the same through `apply_observed`).
-async fn probe_store<S: WindowStore>(store: &mut S, metrics: &Metrics, health: &Health) {
-    let losses = store.data_losses();
-    let probed = store.probe().await;
-    metrics.count_data_losses(store, losses, health);
-    match probed {
-        Ok(()) => health.store_ok.store(true, Ordering::Relaxed),
-        Err(e) => {
-            if health.store_ok.swap(false, Ordering::Relaxed) {
-                warn!(error = %chain(&e), "the window store does not answer; not ready");
-            }
-            if let Ok(mut d) = health.detail.lock() {
-                *d = chain(&e);
-            }
         }
     }
 }
