@@ -177,8 +177,10 @@ impl Conn {
         self.follow(result).await
     }
 
-    /// With Sentinel, asks the sentinels again after an error a failover
-    /// explains (see [`Primary::follow`]); the result is passed on as it is.
+    /// After an error a failover explains: with Sentinel, asks the
+    /// sentinels again ([`Primary::follow`]); on a Cluster, rebuilds a
+    /// connection that may be stuck ([`Nodes::follow`]). The result is
+    /// passed on as it is.
     async fn follow<T>(&self, result: Result<T, RedisError>) -> Result<T, RedisError> {
         match (self, &result) {
             (Conn::Sentinel(p), Err(e)) => p.follow(e).await,
