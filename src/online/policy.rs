@@ -72,3 +72,49 @@ pub async fn probe_store<S: WindowStore>(store: &mut S, metrics: &Metrics, healt
         }
     }
 }
+
+/// Readiness while no work comes: [`IdleProbe::recv`] waits for the next
+/// job and, while none comes, probes the store once a second
+/// ([`probe_store`]), so `/readyz` follows the store, not the last batch.
+pub struct IdleProbe {
+    tick: tokio::time::Interval,
+    last_job: Instant,
+}
+
+impl IdleProbe {
+    /// Probes the store once now, so readiness starts from an answer
+    /// rather than an assumption.
+    pub async fn start<S: WindowStore>(store: &mut S, metrics: &Metrics, health: &Health) -> Self {
+        probe_store(store, metrics, health).await;
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        IdleProbe {
+            tick,
+            last_job: Instant::now(),
+        }
+    }
+
+    /// The next job from `rx` (`None` once it is closed), probing the store
+    /// while none comes.
+    pub async fn recv<T, S: WindowStore>(
+        &mut self,
+        rx: &mut tokio::sync::mpsc::Receiver<T>,
+        store: &mut S,
+        metrics: &Metrics,
+        health: &Health,
+    ) -> Option<T> {
+        loop {
+            tokio::select! {
+                job = rx.recv() => {
+                    self.last_job = Instant::now();
+                    return job;
+                }
+                _ = self.tick.tick() => {
+                    if self.last_job.elapsed() >= PROBE_EVERY {
+                        probe_store(store, metrics, health).await;
+                    }
+                }
+            }
+        }
+    }
+}

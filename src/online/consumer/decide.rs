@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::future::Shared;
 use tokio::sync::{mpsc, oneshot};
@@ -17,7 +17,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::{apply_observed, probe_store, PROBE_EVERY};
+use crate::online::policy::{apply_observed, IdleProbe};
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
@@ -68,24 +68,8 @@ impl Decider {
         tokio::spawn(async move {
             // Readiness from a probe while no batch comes (a quiet topic,
             // or Redis gone while idle), as `serve` keeps it.
-            probe_store(&mut store, &metrics, &health).await;
-            let mut probe = tokio::time::interval(PROBE_EVERY);
-            probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            let mut last_batch = Instant::now();
-            loop {
-                let job = tokio::select! {
-                    job = rx.recv() => match job {
-                        Some(job) => job,
-                        None => break,
-                    },
-                    _ = probe.tick() => {
-                        if last_batch.elapsed() >= PROBE_EVERY {
-                            probe_store(&mut store, &metrics, &health).await;
-                        }
-                        continue;
-                    }
-                };
-                last_batch = Instant::now();
+            let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
+            while let Some(job) = idle.recv(&mut rx, &mut store, &metrics, &health).await {
                 let verdicts = decide(
                     &mut store,
                     &job.rules,

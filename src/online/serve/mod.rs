@@ -55,7 +55,7 @@ use crate::online::consumer::encode::{check_future_skew, now_ms};
 use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
-use crate::online::policy::{apply_observed, probe_store, PROBE_EVERY};
+use crate::online::policy::{apply_observed, IdleProbe};
 use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
@@ -485,26 +485,13 @@ async fn batcher<S: WindowStore>(
     let mut schema = Arc::new(Schema::decisions(&current));
     let mut features = Schema::features(&current);
     let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
-    // Ready once the store answers (at once, unless Redis is down at start).
-    probe_store(&mut store, &metrics, &health).await;
-    let mut probe = tokio::time::interval(PROBE_EVERY);
-    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut last_call = Instant::now();
+    // Ready once the store answers (at once, unless Redis is down at start);
+    // while idle, readiness from a probe, not from the last check.
+    let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
     loop {
-        let first = tokio::select! {
-            j = rx.recv() => match j {
-                Some(j) => j,
-                None => break,
-            },
-            _ = probe.tick() => {
-                // Idle: readiness from a probe, not from the last check.
-                if last_call.elapsed() >= PROBE_EVERY {
-                    probe_store(&mut store, &metrics, &health).await;
-                }
-                continue;
-            }
+        let Some(first) = idle.recv(&mut rx, &mut store, &metrics, &health).await else {
+            break;
         };
-        last_call = Instant::now();
         jobs.push(first);
         let deadline = Instant::now() + config.linger;
         while jobs.len() < config.batch_size {
