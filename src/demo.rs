@@ -60,8 +60,13 @@ pub struct DemoReport {
     pub dead_letters: u64,
     /// Records that differ from the replay (0: parity holds).
     pub mismatches: u64,
-    /// Events per second through the consumer.
+    /// Events per second through the consumer, from the first decision
+    /// read back to the last (the wait for the consumer group's partitions
+    /// before it is not the consumer's speed).
     pub events_per_sec: f64,
+    /// Seconds from the consumer's start to its first decision read back:
+    /// joining the group and getting partitions.
+    pub first_decision_s: f64,
     /// The most rejected callers.
     pub top_rejected: Vec<(String, u64)>,
 }
@@ -120,12 +125,12 @@ pub async fn run(config: DemoConfig) -> Result<DemoReport, DemoError> {
             let _ = stop_rx.wait_for(|s| *s).await;
         },
     ));
-    let followed = follow_decisions(&brokers, produced, started, config.timeout).await?;
-    let elapsed = started.elapsed().as_secs_f64();
+    let followed = follow_decisions(&brokers, produced, config.timeout).await?;
     let _ = stop_tx.send(true);
     let stats = worker.await.map_err(|e| DemoError::Task(e.to_string()))??;
     let mismatches = mismatches(&log, &config.rules, &followed.seen).await?;
 
+    let events_per_sec = followed.rate();
     let mut top: Vec<(String, u64)> = followed.rejected_by.into_iter().collect();
     top.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
     top.truncate(5);
@@ -136,7 +141,10 @@ pub async fn run(config: DemoConfig) -> Result<DemoReport, DemoError> {
         rejected: seen.values().filter(|v| v["decision"] == "reject").count() as u64,
         dead_letters: stats.dead_letters,
         mismatches,
-        events_per_sec: seen.len() as f64 / elapsed,
+        events_per_sec,
+        first_decision_s: followed
+            .first
+            .map_or(0.0, |t| t.duration_since(started).as_secs_f64()),
         top_rejected: top,
     })
 }
@@ -167,6 +175,22 @@ struct Followed {
     seen: HashMap<String, Value>,
     /// Rejected calls per caller.
     rejected_by: HashMap<String, u64>,
+    /// When the first and the latest new call id were read.
+    first: Option<Instant>,
+    last: Option<Instant>,
+}
+
+impl Followed {
+    /// Decisions per second from the first read to the latest (all of
+    /// them, over the time after the first).
+    fn rate(&self) -> f64 {
+        match (self.first, self.last) {
+            (Some(first), Some(last)) if last > first => {
+                self.seen.len() as f64 / (last - first).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
 }
 
 /// Reads the decisions topic until every produced call is decided or the
@@ -174,7 +198,6 @@ struct Followed {
 async fn follow_decisions(
     brokers: &str,
     produced: u64,
-    started: Instant,
     timeout: Duration,
 ) -> Result<Followed, KafkaError> {
     let reader: StreamConsumer = client_config(brokers, &[])
@@ -188,6 +211,8 @@ async fn follow_decisions(
     let mut f = Followed {
         seen: HashMap::new(),
         rejected_by: HashMap::new(),
+        first: None,
+        last: None,
     };
     let mut last_print = Instant::now();
     let deadline = Instant::now() + timeout;
@@ -208,17 +233,22 @@ async fn follow_decisions(
                 .entry(v["caller"].as_str().unwrap_or_default().to_string())
                 .or_default() += 1;
         }
-        f.seen.entry(id).or_insert(v);
+        if let std::collections::hash_map::Entry::Vacant(slot) = f.seen.entry(id) {
+            slot.insert(v);
+            let now = Instant::now();
+            f.first.get_or_insert(now);
+            f.last = Some(now);
+        }
         if last_print.elapsed() >= Duration::from_secs(1) {
             last_print = Instant::now();
-            print_progress(&f, produced, started);
+            print_progress(&f, produced);
         }
     }
     Ok(f)
 }
 
-fn print_progress(f: &Followed, produced: u64, started: Instant) {
-    let rate = f.seen.len() as f64 / started.elapsed().as_secs_f64();
+fn print_progress(f: &Followed, produced: u64) {
+    let rate = f.rate();
     let mut top: Vec<(&String, &u64)> = f.rejected_by.iter().collect();
     top.sort_by(|a, b| b.1.cmp(a.1));
     println!(
@@ -251,4 +281,29 @@ async fn mismatches(
             seen.get(verdict.record.call_id.as_str()) != Some(&offline)
         })
         .count() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn the_rate_counts_from_the_first_decision() {
+        let t0 = Instant::now();
+        let mut f = super::Followed {
+            seen: (0..1_000)
+                .map(|i| (i.to_string(), serde_json::Value::Null))
+                .collect(),
+            rejected_by: Default::default(),
+            first: Some(t0 + Duration::from_secs(3)),
+            last: Some(t0 + Duration::from_millis(3_500)),
+        };
+        assert_eq!(
+            f.rate(),
+            2_000.0,
+            "1,000 decisions in the half second after the first"
+        );
+        f.last = f.first;
+        assert_eq!(f.rate(), 0.0, "no span yet");
+    }
 }
