@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test of callguard on a Debian machine, installing what the tests
-# need first: redis-server and redis-sentinel, Kamailio (with its http_client and ndb_redis
+# need first: redis-server and redis-sentinel, promtool (prometheus), Kamailio (with its http_client and ndb_redis
 # modules) and SIPp (Debian packages), tansu (a Kafka-protocol broker, from
 # crates.io) and the notebook's Python packages (in a virtualenv). Safe to
 # run again: installed tools are skipped and the build directory is reused.
@@ -21,6 +21,14 @@ if [ "${#missing[@]}" -gt 0 ]; then
   echo "== installing ${missing[*]}"
   as_root apt-get update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+# promtool, for the shipped alert rules (tests/deploy.rs); without the
+# server's recommended extras.
+if ! command -v promtool >/dev/null; then
+  echo "== installing prometheus (promtool)"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
 fi
 
 if ! command -v tansu >/dev/null; then
