@@ -28,6 +28,8 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
             "--to",
             "notebook",
             "--execute",
+            // From a clean state: the committed outputs are dropped first.
+            "--ClearOutputPreprocessor.enabled=True",
             "--ExecutePreprocessor.timeout=300",
             "threshold_tuning.ipynb",
             "--output",
@@ -53,5 +55,34 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
     for plot in ["sweep.png", "tradeoff.png"] {
         let len = std::fs::metadata(dir.path().join(plot)).map_or(0, |m| m.len());
         assert!(len > 10_000, "{plot}: {len} bytes");
+    }
+}
+
+/// The committed notebook carries its outputs, so its tables and plots show
+/// when the repository is browsed; and they hold no path of the machine
+/// that ran it (`CALLGUARD_NOTEBOOK_OUT` and the binary stay out of them).
+#[test]
+fn the_committed_notebook_shows_its_outputs() {
+    let text = std::fs::read_to_string("notebooks/threshold_tuning.ipynb").unwrap();
+    let nb: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let outputs: Vec<&serde_json::Value> = nb["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["cell_type"] == "code")
+        .flat_map(|c| c["outputs"].as_array().into_iter().flatten())
+        .collect();
+    let plots = outputs
+        .iter()
+        .filter(|o| o["data"]["image/png"].is_string())
+        .count();
+    assert!(
+        plots >= 2,
+        "{plots} plots in the committed notebook: run it with outputs (see notebooks/)"
+    );
+    assert!(text.contains("chosen N = "), "the chosen N is not in the outputs");
+    for path in ["/root/", "/home/", "/tmp/", "/work/"] {
+        let leaked = outputs.iter().any(|o| o.to_string().contains(path));
+        assert!(!leaked, "an output names a machine path ({path})");
     }
 }
