@@ -37,6 +37,59 @@ fn alert_rules_are_valid_and_fire_on_their_test_series() {
     assert!(config.contains("SUCCESS: 8 rules found"), "{config}");
 }
 
+/// What callguard's `/metrics` shows once every labelled family has a
+/// series (an untouched family lists nothing).
+fn exported() -> String {
+    use callguard::online::metrics::{DecisionLabels, Metrics, PartitionLabels};
+    let metrics = Metrics::new();
+    let families = [
+        &metrics.store_errors,
+        &metrics.dlq,
+        &metrics.rule_reloads,
+        &metrics.invalid_checks,
+        &metrics.connections_shed,
+    ];
+    for family in families {
+        Metrics::inc(family, "x");
+    }
+    metrics
+        .lag
+        .get_or_create(&PartitionLabels {
+            topic: "t".into(),
+            partition: "0".into(),
+        })
+        .set(1);
+    metrics
+        .events
+        .get_or_create(&DecisionLabels {
+            decision: "allow".into(),
+            reason: "ok".into(),
+        })
+        .inc();
+    metrics.encode()
+}
+
+/// The `callguard_*` names in a text, once each.
+fn names(text: &str) -> Vec<&str> {
+    let mut named: Vec<&str> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("callguard_"))
+        .collect();
+    named.sort();
+    named.dedup();
+    named
+}
+
+fn assert_exported(what: &str, named: &[&str]) {
+    let exported = exported();
+    for name in named {
+        assert!(
+            exported.lines().any(|l| l.starts_with(name)),
+            "{what} uses {name}, which callguard does not export:\n{exported}"
+        );
+    }
+}
+
 /// Every `callguard_*` metric an alert names is one callguard exports: a
 /// renamed metric would leave its alert silent for ever.
 #[test]
@@ -46,37 +99,46 @@ fn alert_rules_name_only_exported_metrics() {
         "/deploy/prometheus/callguard-alerts.yml"
     ))
     .unwrap();
-    let metrics = callguard::online::metrics::Metrics::new();
-    // Touch every family the alerts use, so the encoding lists them.
-    for family in [&metrics.store_errors, &metrics.dlq, &metrics.rule_reloads] {
-        callguard::online::metrics::Metrics::inc(family, "x");
-    }
-    metrics
-        .lag
-        .get_or_create(&callguard::online::metrics::PartitionLabels {
-            topic: "t".into(),
-            partition: "0".into(),
-        })
-        .set(1);
-    metrics
-        .events
-        .get_or_create(&callguard::online::metrics::DecisionLabels {
-            decision: "allow".into(),
-            reason: "ok".into(),
-        })
-        .inc();
-    let exported = metrics.encode();
-    let mut named: Vec<&str> = rules
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
-        .filter(|w| w.starts_with("callguard_"))
-        .collect();
-    named.sort();
-    named.dedup();
+    let named = names(&rules);
     assert!(named.len() >= 8, "{named:?}");
-    for name in named {
-        assert!(
-            exported.lines().any(|l| l.starts_with(name)),
-            "the alerts use {name}, which callguard does not export:\n{exported}"
-        );
+    assert_exported("the alerts", &named);
+}
+
+/// The Grafana dashboard: every panel's queries are valid PromQL (checked
+/// by `promtool` as recording rules, the `$instance` variable set to all)
+/// on metrics callguard exports, and every panel uses the provisioned data
+/// source.
+#[test]
+fn grafana_dashboard_queries_are_valid_on_exported_metrics() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let text = std::fs::read_to_string(format!("{root}/deploy/grafana/dashboards/callguard.json"))
+        .unwrap();
+    let dash: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let panels = dash["panels"].as_array().unwrap();
+    assert!(panels.len() >= 8);
+    let mut exprs = Vec::new();
+    for p in panels {
+        assert_eq!(p["datasource"]["uid"], "prometheus", "{}", p["title"]);
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push(t["expr"].as_str().unwrap().replace("$instance", ".*"));
+        }
     }
+    let all = exprs.join("\n");
+    assert_exported("the dashboard", &names(&all));
+    // Each query as a recording rule, for promtool to parse.
+    let dir = tempfile::tempdir().unwrap();
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, e) in exprs.iter().enumerate() {
+        rules.push_str(&format!(
+            "      - record: dashboard:query{i}\n        expr: {}\n",
+            serde_json::to_string(e).unwrap()
+        ));
+    }
+    let file = dir.path().join("dashboard-queries.yml");
+    std::fs::write(&file, rules).unwrap();
+    let checked = promtool(&["check", "rules", file.to_str().unwrap()]);
+    assert!(
+        checked.contains(&format!("SUCCESS: {} rules found", exprs.len())),
+        "{checked}"
+    );
 }

@@ -80,7 +80,10 @@ fn the_committed_notebook_shows_its_outputs() {
         plots >= 2,
         "{plots} plots in the committed notebook: run it with outputs (see notebooks/)"
     );
-    assert!(text.contains("chosen N = "), "the chosen N is not in the outputs");
+    assert!(
+        text.contains("chosen N = "),
+        "the chosen N is not in the outputs"
+    );
     for path in ["/root/", "/home/", "/tmp/", "/work/"] {
         let leaked = outputs.iter().any(|o| o.to_string().contains(path));
         assert!(!leaked, "an output names a machine path ({path})");
