@@ -415,9 +415,19 @@ fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
     }
 }
 
+/// The topics `serve --brokers` publishes to, on `brokers`.
+fn topics(brokers: &str) -> callguard::online::serve::ServeTopics {
+    callguard::online::serve::ServeTopics {
+        brokers: brokers.to_string(),
+        settings: vec![],
+        events: "calls".into(),
+        decisions: "call-decisions".into(),
+        features: "call-features".into(),
+    }
+}
+
 #[test]
 fn decided_calls_are_produced_like_consumed_ones() {
-    use callguard::online::serve::ServeTopics;
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) =
         common::kafka::mock_cluster(&[("calls", 4), ("call-decisions", 4), ("call-features", 4)]);
@@ -428,13 +438,7 @@ fn decided_calls_are_produced_like_consumed_ones() {
     .unwrap();
     let served = Served::start(
         ServeConfig {
-            topics: Some(ServeTopics {
-                brokers: brokers.clone(),
-                settings: vec![],
-                events: "calls".into(),
-                decisions: "call-decisions".into(),
-                features: "call-features".into(),
-            }),
+            topics: Some(topics(&brokers)),
             ..config()
         },
         redis_config(&redis),
@@ -498,20 +502,13 @@ fn decided_calls_are_produced_like_consumed_ones() {
 /// published when its retry comes back `duplicate`, never again after.
 #[test]
 fn a_call_applied_after_its_503_is_published_once_on_retry() {
-    use callguard::online::serve::ServeTopics;
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) =
         common::kafka::mock_cluster(&[("calls", 2), ("call-decisions", 2), ("call-features", 2)]);
     let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
     let served = Served::start_with(
         ServeConfig {
-            topics: Some(ServeTopics {
-                brokers: brokers.clone(),
-                settings: vec![],
-                events: "calls".into(),
-                decisions: "call-decisions".into(),
-                features: "call-features".into(),
-            }),
+            topics: Some(topics(&brokers)),
             ..config()
         },
         RedisConfig {
