@@ -70,6 +70,17 @@ pub enum EventError {
     /// The default country code is not 1 to 3 digits.
     #[error("bad default country code {0:?}: expected 1 to 3 digits")]
     BadCountryCode(String),
+    /// A switch's record of something other than a call attempt (a
+    /// Kamailio `acc` row of a BYE or CANCEL transaction).
+    #[error("not a call attempt: {column} is {value:?}, calls are {wanted} rows")]
+    NotACallAttempt {
+        /// The column telling.
+        column: &'static str,
+        /// What it holds (truncated).
+        value: String,
+        /// What a call attempt's holds.
+        wanted: &'static str,
+    },
 }
 
 impl EventError {
@@ -88,6 +99,7 @@ impl EventError {
             EventError::BadMapping(_) => "bad_mapping",
             EventError::BadCountryCode(_) => "bad_country_code",
             EventError::BadHashKey(_) => "bad_hash_key",
+            EventError::NotACallAttempt { .. } => "not_a_call_attempt",
         }
     }
 }

@@ -240,6 +240,15 @@ fn streamed_csv_reader_agrees_with_polars() {
         delimiter: b';',
         ..ReadOptions::default()
     };
+    let freeswitch = ReadOptions {
+        format: InputFormat::FreeSwitch,
+        timezone: Some(chrono_tz::Europe::Madrid),
+        ..ReadOptions::default()
+    };
+    let kamailio = ReadOptions {
+        format: InputFormat::KamailioAcc,
+        ..freeswitch.clone()
+    };
     let cases = [
         (odd.as_path(), ReadOptions::default()),
         (semi.as_path(), semicolons),
@@ -247,6 +256,8 @@ fn streamed_csv_reader_agrees_with_polars() {
         (generated.as_path(), ReadOptions::default()),
         (Path::new("data/calls.csv"), ReadOptions::default()),
         (Path::new("tests/golden/Master.csv"), asterisk),
+        (Path::new("tests/golden/freeswitch.csv"), freeswitch),
+        (Path::new("tests/golden/kamailio-acc.csv"), kamailio),
     ];
     for (file, opts) in cases {
         let mut decoder = opts.decoder.clone();
@@ -254,10 +265,17 @@ fn streamed_csv_reader_agrees_with_polars() {
         let wanted = wanted_columns(&decoder.map, &opts);
         let frame = read_frame_columns(file, opts.format, opts.delimiter, Some(&wanted)).unwrap();
         let mut theirs = CallLog::default();
-        decode_frame(&frame, &decoder, opts.timezone, false, |row, e| match e {
-            Ok(e) => theirs.events.push((row, e)),
-            Err(error) => theirs.invalid.push(InvalidRow { row, error }),
-        })
+        decode_frame(
+            &frame,
+            &decoder,
+            opts.format,
+            opts.timezone,
+            false,
+            |row, e| match e {
+                Ok(e) => theirs.events.push((row, e)),
+                Err(error) => theirs.invalid.push(InvalidRow { row, error }),
+            },
+        )
         .unwrap();
         let (events, invalid) = read_events(file, &opts).unwrap();
         let ours: Vec<_> = (0..events.len())

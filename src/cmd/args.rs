@@ -55,15 +55,23 @@ impl KafkaSettingsArgs {
 /// Input layouts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum FormatArg {
-    /// By file extension: `.parquet` is Parquet, anything else CSV.
+    /// `.parquet` is Parquet; a CSV is told by its first line: a header
+    /// with the mapped columns is plain CSV, else a switch's CDR file
+    /// (header or row) is its preset.
     Auto,
     /// CSV with a header row.
     Csv,
     /// Parquet.
     Parquet,
-    /// Asterisk `Master.csv`: no header; `src` is the caller, `uniqueid` the
-    /// call id, `start` the time (local time, see `--timezone`).
+    /// Asterisk `Master.csv`: `uniqueid` is the call id, `src` the caller,
+    /// `dst` the callee, `start` the time, `billsec` the duration.
     Asterisk,
+    /// FreeSWITCH `mod_cdr_csv` (default template): `uuid`,
+    /// `caller_id_number`, `destination_number`, `start_stamp`, `billsec`.
+    Freeswitch,
+    /// Kamailio `acc` (with the `src_user`, `dst_user`, `src_ip` extras):
+    /// `callid`, `src_user`, `dst_user`, `time`; only INVITE rows are calls.
+    KamailioAcc,
 }
 
 /// How fields are named in the input and how numbers are normalised.
@@ -141,7 +149,8 @@ impl PrivacyArgs {
 /// Where call events come from on disk and how to read them.
 #[derive(Debug, Clone, Args)]
 pub struct InputArgs {
-    /// Call log: CSV (header row), Parquet, or an Asterisk Master.csv.
+    /// Call log: CSV (header row), Parquet, or a switch's CDR file
+    /// (Asterisk Master.csv, FreeSWITCH mod_cdr_csv, Kamailio acc).
     #[arg(long, short)]
     pub input: PathBuf,
     /// Input layout; `auto` picks Parquet for `.parquet`, else CSV.
@@ -150,7 +159,9 @@ pub struct InputArgs {
     /// Field names and number normalisation.
     #[command(flatten)]
     pub decoder: DecoderArgs,
-    /// Time zone of naive local times (Asterisk `start`), e.g. Europe/Madrid; default UTC.
+    /// Time zone of the switch's local times (`YYYY-MM-DD HH:MM:SS` in CDR
+    /// files), e.g. Europe/Madrid; DST switches included (a time in the
+    /// repeated hour is read as its first occurrence). Default UTC.
     #[arg(long)]
     pub timezone: Option<chrono_tz::Tz>,
     /// Field delimiter of CSV input, one character: `,` (default), `;`
@@ -180,6 +191,8 @@ impl InputArgs {
                 FormatArg::Csv => InputFormat::Csv,
                 FormatArg::Parquet => InputFormat::Parquet,
                 FormatArg::Asterisk => InputFormat::Asterisk,
+                FormatArg::Freeswitch => InputFormat::FreeSwitch,
+                FormatArg::KamailioAcc => InputFormat::KamailioAcc,
             },
             decoder: self.decoder.decoder()?,
             timezone: self.timezone,

@@ -55,7 +55,7 @@ pub async fn run(args: FeaturesArgs) -> Result<()> {
         args.output.display()
     );
     if let Some(path) = &report.invalid_file {
-        report_invalid(path, report.streamed.invalid.len());
+        report_invalid(path, &report.streamed.invalid);
     }
     Ok(())
 }

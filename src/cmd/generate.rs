@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
+use callguard::offline::cdr::InputFormat;
 use callguard::offline::generate;
 
 /// Write a synthetic, labelled call log (subscribers, PBX trunks, call
@@ -17,15 +18,46 @@ pub struct GenerateArgs {
     /// Random seed (the same seed gives the same log).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Output CSV.
+    /// Output file.
     #[arg(long, short)]
     pub output: PathBuf,
+    /// Write it as callguard's CSV (`csv`, with labels and populations) or
+    /// as a switch's call records: `asterisk` (Master.csv), `freeswitch`
+    /// (mod_cdr_csv) or `kamailio-acc` (with a BYE row per answered call),
+    /// to try the readers' presets.
+    #[arg(long, value_enum, default_value_t = CdrFormat::Csv)]
+    pub format: CdrFormat,
+    /// The switch's time zone for CDR output, e.g. Europe/Madrid.
+    #[arg(long, default_value = "UTC")]
+    pub timezone: chrono_tz::Tz,
+}
+
+/// What `generate` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CdrFormat {
+    /// callguard's CSV.
+    Csv,
+    /// Asterisk Master.csv.
+    Asterisk,
+    /// FreeSWITCH mod_cdr_csv, default template.
+    Freeswitch,
+    /// Kamailio acc with src_user, dst_user, src_ip.
+    KamailioAcc,
 }
 
 /// Runs `callguard generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
     let calls = generate::generate(args.rows, args.seed);
-    generate::write_csv(&args.output, &calls)?;
+    let cdr = match args.format {
+        CdrFormat::Csv => None,
+        CdrFormat::Asterisk => Some(InputFormat::Asterisk),
+        CdrFormat::Freeswitch => Some(InputFormat::FreeSwitch),
+        CdrFormat::KamailioAcc => Some(InputFormat::KamailioAcc),
+    };
+    match cdr {
+        Some(format) => generate::write_cdr(&args.output, &calls, format, args.timezone)?,
+        None => generate::write_csv(&args.output, &calls)?,
+    }
     let fraud = calls.iter().filter(|c| c.fraud).count();
     println!(
         "wrote {} calls ({} labelled fraud) to {}",

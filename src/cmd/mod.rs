@@ -19,6 +19,8 @@ use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use callguard::engine::rules::RuleSet;
+use callguard::error::EventError;
+use callguard::offline::read::InvalidRow;
 
 /// callguard: per-number call-rate windows that reject fraud bursts
 /// (robocalls, wangiri, SIP floods), online from Kafka with Redis and offline
@@ -128,9 +130,24 @@ pub fn describe_rules(rules: &RuleSet) -> String {
     format!("{} (version {})", list.join(", "), rules.version())
 }
 
-/// Says where the invalid rows went.
-pub fn report_invalid(path: &Path, count: usize) {
-    println!("invalid rows at  {} ({count})", path.display());
+/// Says where the invalid rows went, logs the first few that are really
+/// bad, and counts apart the rows a switch logs for other than call
+/// attempts (Kamailio's BYE transactions), which are expected.
+pub fn report_invalid(path: &Path, invalid: &[InvalidRow]) {
+    let other = |r: &&InvalidRow| matches!(r.error, EventError::NotACallAttempt { .. });
+    for bad in invalid.iter().filter(|r| !other(r)).take(5) {
+        tracing::warn!(row = bad.row, error = %bad.error, "invalid row");
+    }
+    let not_calls = invalid.iter().filter(other).count();
+    let count = invalid.len();
+    if not_calls > 0 {
+        println!(
+            "invalid rows at  {} ({count}, of which {not_calls} not call attempts)",
+            path.display()
+        );
+    } else {
+        println!("invalid rows at  {} ({count})", path.display());
+    }
 }
 
 /// Resolves when SIGINT or SIGTERM arrives.

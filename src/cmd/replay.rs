@@ -53,10 +53,7 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
     println!("{}", report.streamed.summary);
     println!("decisions        {}", args.output.display());
     if let Some(path) = &report.invalid_file {
-        for bad in report.streamed.invalid.iter().take(5) {
-            tracing::warn!(row = bad.row, error = %bad.error, "invalid row");
-        }
-        report_invalid(path, report.streamed.invalid.len());
+        report_invalid(path, &report.streamed.invalid);
     }
     Ok(())
 }

@@ -18,10 +18,12 @@ use std::io::Write;
 use std::path::Path;
 
 use chrono::{DateTime, SecondsFormat};
+use chrono_tz::Tz;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::error::IoError;
+use crate::offline::cdr::InputFormat;
 
 /// Start of the generated day (2025-12-01T00:00:00Z), epoch ms.
 pub const DAY_START_MS: i64 = 1_764_547_200_000;
@@ -276,6 +278,162 @@ pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
         .map_err(io)?;
     }
     w.flush().map_err(io)
+}
+
+/// Writes `calls` as a switch's call records (`format` one of the
+/// presets), times in the switch's local time `tz`: what that switch would
+/// have logged for them. Every call rings 3 s (unanswered: 20 s); talk
+/// time is the call's duration in whole seconds. Asterisk and FreeSWITCH
+/// write a row at hangup, so rows are in order of end; Kamailio `acc`
+/// logs the INVITE transaction when it ends and, for an answered call,
+/// the BYE at hangup.
+pub fn write_cdr(
+    path: &Path,
+    calls: &[GenCall],
+    format: InputFormat,
+    tz: Tz,
+) -> Result<(), IoError> {
+    let ctx = || format!("writing {}", path.display());
+    let quote = match format {
+        // Asterisk also leaves `duration` and `billsec` unquoted; readers
+        // take either.
+        InputFormat::FreeSwitch | InputFormat::Asterisk => csv::QuoteStyle::Always,
+        _ => csv::QuoteStyle::Necessary,
+    };
+    let mut w = csv::WriterBuilder::new()
+        .quote_style(quote)
+        .flexible(true)
+        .from_path(path)
+        .map_err(|e| IoError::Io {
+            context: ctx(),
+            source: e.into(),
+        })?;
+    let mut rows: Vec<(i64, Vec<String>)> = Vec::with_capacity(calls.len() * 2);
+    for (i, c) in calls.iter().enumerate() {
+        rows.extend(cdr_rows(i, c, format, tz));
+    }
+    rows.sort_by_key(|(written, _)| *written);
+    for (_, row) in rows {
+        w.write_record(&row).map_err(|e| IoError::Io {
+            context: ctx(),
+            source: e.into(),
+        })?;
+    }
+    w.flush().map_err(|source| IoError::Io {
+        context: ctx(),
+        source,
+    })
+}
+
+/// The rows a switch logs for call `i`, each with the time it is written.
+fn cdr_rows(i: usize, c: &GenCall, format: InputFormat, tz: Tz) -> Vec<(i64, Vec<String>)> {
+    let local = |ms: i64| {
+        DateTime::from_timestamp_millis(ms)
+            .map(|d| d.with_timezone(&tz).format("%Y-%m-%d %H:%M:%S").to_string())
+            .unwrap_or_default()
+    };
+    let answered = c.duration_ms > 0;
+    let billsec = c.duration_ms / 1000;
+    let ring_ms = if answered { 3_000 } else { 20_000 };
+    let answer_ms = c.ts_ms + ring_ms;
+    let end_ms = answer_ms + if answered { billsec * 1000 } else { 0 };
+    let total = (end_ms - c.ts_ms) / 1000;
+    let start = local(c.ts_ms);
+    let answer = if answered {
+        local(answer_ms)
+    } else {
+        String::new()
+    };
+    let end = local(end_ms);
+    let n = |v: i64| v.to_string();
+    match format {
+        InputFormat::Asterisk => vec![(
+            end_ms,
+            vec![
+                String::new(),
+                c.caller.clone(),
+                c.callee.clone(),
+                "from-trunk".into(),
+                format!("\"\" <{}>", c.caller),
+                format!("SIP/trunk-{i:08x}"),
+                if answered {
+                    format!("SIP/out-{i:08x}")
+                } else {
+                    String::new()
+                },
+                "Dial".into(),
+                format!("SIP/out/{}", c.callee),
+                start,
+                answer,
+                end,
+                n(total),
+                n(billsec),
+                if answered { "ANSWERED" } else { "NO ANSWER" }.into(),
+                "DOCUMENTATION".into(),
+                format!("{}.{i}", c.ts_ms / 1000),
+                String::new(),
+            ],
+        )],
+        InputFormat::FreeSwitch => vec![(
+            end_ms,
+            vec![
+                String::new(),
+                c.caller.clone(),
+                c.callee.clone(),
+                "default".into(),
+                start,
+                answer,
+                end,
+                n(total),
+                n(billsec),
+                if answered {
+                    "NORMAL_CLEARING"
+                } else {
+                    "NO_ANSWER"
+                }
+                .into(),
+                format!(
+                    "{:08x}-{:04x}-4000-8000-{:012x}",
+                    c.ts_ms / 1000,
+                    i >> 48,
+                    i
+                ),
+                String::new(),
+                String::new(),
+                "PCMA".into(),
+                "PCMA".into(),
+            ],
+        )],
+        _ => {
+            let call_id = format!("{i:x}-gen@pbx.example");
+            let row = |method: &str, code: &str, reason: &str, time: String| {
+                vec![
+                    method.to_string(),
+                    format!("f{i:x}"),
+                    format!("t{i:x}"),
+                    call_id.clone(),
+                    code.to_string(),
+                    reason.to_string(),
+                    time,
+                    c.caller.clone(),
+                    c.callee.clone(),
+                    "127.0.0.1".to_string(),
+                ]
+            };
+            let mut rows = vec![(
+                answer_ms,
+                if answered {
+                    row("INVITE", "200", "OK", start)
+                } else {
+                    row("INVITE", "487", "Request Terminated", start)
+                },
+            )];
+            if answered {
+                rows.push((end_ms, row("BYE", "200", "OK", end)));
+            }
+            rows
+        }
+    }
 }
 
 #[cfg(test)]

@@ -11,7 +11,9 @@
 //! * [`tune`]: `callguard tune`, the limit sweep and its recommendation.
 //! * [`plot`]: the sweep's plot.
 //! * [`generate`]: a synthetic, labelled call log.
+//! * [`cdr`]: switches' call records (Asterisk, FreeSWITCH, Kamailio).
 
+pub mod cdr;
 pub mod columns;
 pub mod features;
 pub mod generate;

@@ -1,5 +1,5 @@
-//! Reading call logs: CSV, Parquet and Asterisk CDR files into
-//! [`CallEvent`]s.
+//! Reading call logs: CSV, Parquet and switches' CDR files (the presets
+//! of [`crate::offline::cdr`]) into [`CallEvent`]s.
 //!
 //! Every row becomes either an event or an [`InvalidRow`]: nothing is
 //! dropped silently. CSV cells are read as text (no type inference, so a
@@ -15,44 +15,11 @@ use polars::prelude::*;
 
 use crate::engine::event::{CallEvent, Decoder, FieldMap, RawValue, FIELDS, TS};
 use crate::error::{EventError, IoError};
+use crate::offline::cdr::{self, detect, Layout, Preset};
 use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
 
-/// Column names of an Asterisk `Master.csv` (cdr_csv), in file order.
-pub const ASTERISK_COLUMNS: [&str; 18] = [
-    "accountcode",
-    "src",
-    "dst",
-    "dcontext",
-    "clid",
-    "channel",
-    "dstchannel",
-    "lastapp",
-    "lastdata",
-    "start",
-    "answer",
-    "end",
-    "duration",
-    "billsec",
-    "disposition",
-    "amaflags",
-    "uniqueid",
-    "userfield",
-];
-
-/// The layout of an input file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InputFormat {
-    /// By file extension: `.parquet` is Parquet, anything else CSV.
-    Auto,
-    /// CSV with a header row.
-    Csv,
-    /// Parquet.
-    Parquet,
-    /// Asterisk `Master.csv`: no header; `src` is the caller, `uniqueid` the
-    /// call id, `start` the time (local time, see `--timezone`).
-    Asterisk,
-}
+pub use crate::offline::cdr::InputFormat;
 
 /// How to read a call log.
 #[derive(Debug, Clone)]
@@ -61,7 +28,7 @@ pub struct ReadOptions {
     pub format: InputFormat,
     /// Field mapping and number normalisation.
     pub decoder: Decoder,
-    /// Time zone of naive `YYYY-MM-DD HH:MM:SS` times (Asterisk); UTC if unset.
+    /// Time zone of naive `YYYY-MM-DD HH:MM:SS` times (switches' CDRs); UTC if unset.
     pub timezone: Option<Tz>,
     /// Field delimiter of CSV input (`,`; European exports often use `;`).
     pub delimiter: u8,
@@ -233,27 +200,6 @@ fn check_delimiter(path: &Path, names: &[String], delimiter: u8) -> Result<(), I
     Ok(())
 }
 
-/// The column names of an Asterisk `Master.csv` of `width` columns (the
-/// known ones, then `extra_<i>`); an error for fewer than it has.
-fn asterisk_names(path: &Path, width: usize) -> Result<Vec<String>, IoError> {
-    if width < ASTERISK_COLUMNS.len() {
-        return Err(IoError::BadShape {
-            path: path.to_path_buf(),
-            problem: format!(
-                "{width} columns, an Asterisk Master.csv has {}",
-                ASTERISK_COLUMNS.len()
-            ),
-        });
-    }
-    Ok((0..width)
-        .map(|i| {
-            ASTERISK_COLUMNS
-                .get(i)
-                .map_or_else(|| format!("extra_{i}"), |n| (*n).to_string())
-        })
-        .collect())
-}
-
 /// An error naming the first required field (call id, caller, time) whose
 /// column is not among `names`.
 fn check_required(decoder: &Decoder, names: &[String]) -> Result<(), IoError> {
@@ -282,8 +228,9 @@ fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
 }
 
 /// Reads a file into a data frame of text columns; with `wanted`, only those
-/// of its columns that exist (the others are never materialised). Asterisk
-/// files are read whole: their columns are known by position.
+/// of its columns that exist (the others are never materialised). A
+/// switch's CDR file (an explicit preset; `Auto` is plain CSV here) is read
+/// whole, its columns named by its header or by position.
 pub fn read_frame_columns(
     path: &Path,
     format: InputFormat,
@@ -316,14 +263,11 @@ pub fn read_frame_columns(
             let df = reader.finish().map_err(polars_err(ctx.clone()))?;
             to_text_columns(df).map_err(polars_err(ctx))?
         }
-        InputFormat::Asterisk => {
-            let mut df = read_csv(path, csv_options(false, b','))?;
-            let names: Vec<PlSmallStr> = asterisk_names(path, df.width())?
-                .into_iter()
-                .map(PlSmallStr::from)
-                .collect();
-            df.set_column_names(&names).map_err(polars_err(ctx))?;
-            df
+        InputFormat::Asterisk | InputFormat::FreeSwitch | InputFormat::KamailioAcc => {
+            let preset = format
+                .preset()
+                .ok_or_else(|| bad_shape(path, "no preset"))?;
+            read_preset_frame(path, preset, delimiter)?
         }
         _ => {
             // The header alone tells the delimiter is right and which
@@ -359,6 +303,8 @@ pub fn read_frame_columns(
     Ok(df)
 }
 
+/// `Auto` on a `.parquet` file is Parquet; anything else as given (an
+/// `Auto` CSV is told by its first line, [`detect`]).
 fn resolve_format(path: &Path, format: InputFormat) -> InputFormat {
     match format {
         InputFormat::Auto
@@ -368,7 +314,6 @@ fn resolve_format(path: &Path, format: InputFormat) -> InputFormat {
         {
             InputFormat::Parquet
         }
-        InputFormat::Auto => InputFormat::Csv,
         f => f,
     }
 }
@@ -391,12 +336,13 @@ fn to_text_columns(df: DataFrame) -> PolarsResult<DataFrame> {
     DataFrame::new(df.height(), cols)
 }
 
-/// The field mapping implied by a format (Asterisk's fixed columns), merged with the user's.
+/// The field mapping implied by a format (a preset's columns), merged with
+/// the user's `--map` entries, which win.
 pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
-    if format != InputFormat::Asterisk {
+    let Some(preset) = format.preset() else {
         return user.clone();
-    }
-    let mut entries = vec!["call_id=uniqueid,caller=src,ts=start,callee=dst".to_string()];
+    };
+    let mut entries = vec![preset.map_entries()];
     for f in FIELDS {
         let s = user.source(f);
         if s != f {
@@ -404,6 +350,65 @@ pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
         }
     }
     FieldMap::parse(&entries).unwrap_or_else(|_| user.clone())
+}
+
+fn bad_shape(path: &Path, problem: impl Into<String>) -> IoError {
+    IoError::BadShape {
+        path: path.to_path_buf(),
+        problem: problem.into(),
+    }
+}
+
+/// The column names of a preset's file whose first record is `first`:
+/// its header (lower-cased), or the preset's columns by position.
+fn preset_names(
+    path: &Path,
+    preset: &Preset,
+    layout: Layout,
+    first: &[String],
+) -> Result<Vec<String>, IoError> {
+    if layout.header {
+        return Ok(first
+            .iter()
+            .map(|c| c.trim().to_ascii_lowercase())
+            .collect());
+    }
+    preset.names(first.len()).ok_or_else(|| {
+        bad_shape(
+            path,
+            format!(
+                "{} columns, {} has at least {}",
+                first.len(),
+                preset.label,
+                preset.min_width
+            ),
+        )
+    })
+}
+
+/// A preset's file as a frame of text columns (the polars reader).
+fn read_preset_frame(path: &Path, preset: &Preset, delimiter: u8) -> Result<DataFrame, IoError> {
+    let ctx = format!("reading {}", path.display());
+    let mut df = read_csv(path, csv_options(false, delimiter))?;
+    let first: Vec<String> = match df.get_row(0) {
+        Ok(row) => row
+            .0
+            .iter()
+            .map(|v| v.get_str().unwrap_or_default().to_string())
+            .collect(),
+        Err(_) => return Err(bad_shape(path, "no data: empty CSV")),
+    };
+    let cells: Vec<&str> = first.iter().map(String::as_str).collect();
+    let layout = detect(preset.format, &cells, &[]);
+    let names: Vec<PlSmallStr> = preset_names(path, preset, layout, &first)?
+        .into_iter()
+        .map(PlSmallStr::from)
+        .collect();
+    df.set_column_names(&names).map_err(polars_err(ctx))?;
+    if layout.header {
+        df = df.slice(1, df.height().saturating_sub(1));
+    }
+    Ok(df)
 }
 
 /// The input's column names to read for `opts`: every mapped field, but the
@@ -443,10 +448,10 @@ pub fn read_events(
     if !path.exists() {
         return Err(IoError::NoSuchFile(path.to_path_buf()));
     }
-    let mut decoder = opts.decoder.clone();
-    decoder.map = effective_map(opts.format, &opts.decoder.map);
     match resolve_format(path, opts.format) {
         InputFormat::Parquet => {
+            let mut decoder = opts.decoder.clone();
+            decoder.map = effective_map(InputFormat::Parquet, &opts.decoder.map);
             // A missing column is named against all of the file's columns,
             // not only those the projection would read.
             check_required(&decoder, &parquet_columns(path)?)?;
@@ -457,6 +462,7 @@ pub fn read_events(
             decode_frame(
                 &df,
                 &decoder,
+                InputFormat::Parquet,
                 opts.timezone,
                 opts.progress,
                 |row, event| match event {
@@ -466,19 +472,79 @@ pub fn read_events(
             )?;
             Ok((events, invalid))
         }
-        format => read_csv_events(path, opts, &decoder, format == InputFormat::Asterisk),
+        format => read_csv_events(path, opts, format),
     }
 }
 
 /// Records handed from the parsing thread to a decoding one at a time.
 const CSV_BATCH: usize = 4_096;
 
-/// [`read_events`] for CSV and Asterisk files.
+/// What a CSV-like file's first record tells: how to decode its rows.
+struct Header {
+    /// The decoder with the format's field mapping.
+    decoder: Decoder,
+    /// The switch's preset, if the file is a CDR file.
+    preset: Option<&'static Preset>,
+    /// `fields[i]` is the column of field `FIELDS[i]`, if read.
+    fields: [Option<usize>; FIELDS.len()],
+    /// The column telling call attempts from other rows (Kamailio's method).
+    attempt: Option<usize>,
+    /// The first record is a data row, not a header.
+    first_is_data: bool,
+}
+
+/// Tells a CSV-like file's layout from its first record `first` (as text)
+/// and checks that the required columns are there.
+fn resolve_header(
+    path: &Path,
+    opts: &ReadOptions,
+    format: InputFormat,
+    first: &[String],
+) -> Result<Header, IoError> {
+    let cells: Vec<&str> = first.iter().map(String::as_str).collect();
+    let user = &opts.decoder.map;
+    let mapped = [
+        user.source("call_id"),
+        user.source("caller"),
+        user.source("ts"),
+    ];
+    let layout = detect(format, &cells, &mapped);
+    let mut decoder = opts.decoder.clone();
+    decoder.map = effective_map(layout.format, user);
+    let preset = layout.format.preset();
+    let names = match preset {
+        Some(p) => preset_names(path, p, layout, first)?,
+        None => {
+            check_delimiter(path, first, opts.delimiter)?;
+            first.to_vec()
+        }
+    };
+    check_required(&decoder, &names)?;
+    let wanted = wanted_columns(&decoder.map, opts);
+    let mut fields = [None; FIELDS.len()];
+    for (slot, f) in fields.iter_mut().zip(FIELDS) {
+        let src = decoder.map.source(f);
+        if wanted.contains(&src) {
+            *slot = names.iter().position(|n| n == src);
+        }
+    }
+    let attempt = preset
+        .and_then(|p| p.attempt)
+        .and_then(|(col, _)| names.iter().position(|n| n == col));
+    Ok(Header {
+        decoder,
+        preset,
+        fields,
+        attempt,
+        first_is_data: !layout.header,
+    })
+}
+
+/// [`read_events`] for CSV files and switches' CDR files.
 fn read_csv_events(
     path: &Path,
     opts: &ReadOptions,
-    decoder: &Decoder,
-    asterisk: bool,
+    format: InputFormat,
 ) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
     let ctx = || format!("reading {}", path.display());
     let io = |source| IoError::Io {
@@ -493,36 +559,17 @@ fn read_csv_events(
         .flexible(true)
         .buffer_capacity(1 << 20)
         .from_reader(file);
-    let csv_err = |e: csv::Error| IoError::BadShape {
-        path: path.to_path_buf(),
-        problem: e.to_string(),
-    };
+    let csv_err = |e: csv::Error| bad_shape(path, e.to_string());
     let mut first = csv::ByteRecord::new();
     if !reader.read_byte_record(&mut first).map_err(csv_err)? {
-        return Err(IoError::BadShape {
-            path: path.to_path_buf(),
-            problem: "no data: empty CSV".into(),
-        });
+        return Err(bad_shape(path, "no data: empty CSV"));
     }
-    let names: Vec<String> = if asterisk {
-        asterisk_names(path, first.len())?
-    } else {
-        let names: Vec<String> = first
-            .iter()
-            .map(|n| String::from_utf8_lossy(n).into_owned())
-            .collect();
-        check_delimiter(path, &names, opts.delimiter)?;
-        names
-    };
-    check_required(decoder, &names)?;
-    let wanted = wanted_columns(&decoder.map, opts);
-    let mut fields = [None; FIELDS.len()];
-    for (slot, f) in fields.iter_mut().zip(FIELDS) {
-        let src = decoder.map.source(f);
-        if wanted.contains(&src) {
-            *slot = names.iter().position(|n| n == src);
-        }
-    }
+    let first_text: Vec<String> = first
+        .iter()
+        .map(|n| String::from_utf8_lossy(n).into_owned())
+        .collect();
+    let header = resolve_header(path, opts, format, &first_text)?;
+    let (decoder, fields) = (&header.decoder, header.fields);
     let bar = progress_bar(size, opts.progress, "reading");
     let mut events = EventColumns::with_capacity((size / 64) as usize);
     let mut invalid = Vec::new();
@@ -538,7 +585,7 @@ fn read_csv_events(
     let parsed = std::thread::scope(|s| {
         let parser = s.spawn(move || -> Result<(), csv::Error> {
             // Batches come back to be refilled: records are allocated once.
-            let (mut batch, mut filled) = if asterisk {
+            let (mut batch, mut filled) = if header.first_is_data {
                 (vec![first], 1)
             } else {
                 (Vec::new(), 0)
@@ -567,7 +614,8 @@ fn read_csv_events(
             let (full_rx, done_tx) = (&full_rx, done_tx.clone());
             let fields = &fields;
             s.spawn(move || {
-                let mut row = RowDecoder::new(decoder, opts.timezone);
+                let mut row = RowDecoder::new(decoder, header.preset, opts.timezone);
+                row.attempt_column = header.attempt;
                 loop {
                     let next = match full_rx.lock() {
                         Ok(rx) => rx.recv(),
@@ -633,16 +681,24 @@ struct DecodedBatch {
 /// Decodes rows given as their text per field of [`FIELDS`].
 struct RowDecoder<'d> {
     decoder: &'d Decoder,
+    /// The switch's preset: units of times and durations, call attempts.
+    preset: Option<&'static Preset>,
     tz: Option<Tz>,
+    /// The record's column telling call attempts (see [`Preset::attempt`]).
+    attempt_column: Option<usize>,
     ts_buf: String,
+    duration_buf: String,
 }
 
 impl<'d> RowDecoder<'d> {
-    fn new(decoder: &'d Decoder, tz: Option<Tz>) -> Self {
+    fn new(decoder: &'d Decoder, preset: Option<&'static Preset>, tz: Option<Tz>) -> Self {
         RowDecoder {
             decoder,
+            preset,
             tz,
+            attempt_column: None,
             ts_buf: String::new(),
+            duration_buf: String::new(),
         }
     }
 
@@ -689,7 +745,11 @@ impl<'d> RowDecoder<'d> {
             for (f, l) in lossy.iter().enumerate().filter(|(f, _)| bad[*f]) {
                 values[f] = Some(l.as_str());
             }
-            match self.decode(&values) {
+            let attempt = self
+                .attempt_column
+                .and_then(|c| record.get(c))
+                .map(|m| std::str::from_utf8(m).unwrap_or("?"));
+            match self.decode(&values, attempt) {
                 Ok(e) => events.push(n, &e),
                 Err(error) => invalid.push(InvalidRow { row: n, error }),
             }
@@ -702,12 +762,33 @@ impl<'d> RowDecoder<'d> {
         }
     }
 
-    /// One row: `values[i]` is field `FIELDS[i]`'s text, if present.
-    fn decode(&mut self, values: &[Option<&str>]) -> Result<CallEvent, EventError> {
+    /// One row: `values[i]` is field `FIELDS[i]`'s text, if present;
+    /// `attempt` the preset's attempt column's text, if it has one.
+    fn decode(
+        &mut self,
+        values: &[Option<&str>],
+        attempt: Option<&str>,
+    ) -> Result<CallEvent, EventError> {
         use std::fmt::Write;
-        // Naive local times (Asterisk's `YYYY-MM-DD HH:MM:SS`) become epoch milliseconds first.
+        if let (Some((column, wanted)), Some(found)) =
+            (self.preset.and_then(|p| p.attempt), attempt)
+        {
+            if !found.trim().eq_ignore_ascii_case(wanted) {
+                return Err(EventError::NotACallAttempt {
+                    column,
+                    value: found.trim().chars().take(32).collect(),
+                    wanted,
+                });
+            }
+        }
+        // Naive local times (`YYYY-MM-DD HH:MM:SS`) and a switch's epoch
+        // seconds become epoch milliseconds first.
         self.ts_buf.clear();
-        if let Some(ms) = values[TS].and_then(|raw| naive_to_ms(raw, self.tz)) {
+        let ts_seconds = self.preset.is_some_and(|p| p.ts_seconds);
+        if let Some(ms) = values[TS].and_then(|raw| {
+            naive_to_ms(raw, self.tz)
+                .or_else(|| ts_seconds.then(|| cdr::seconds_to_ms(raw)).flatten())
+        }) {
             let _ = write!(self.ts_buf, "{ms}");
         }
         let ts_value = if self.ts_buf.is_empty() {
@@ -715,22 +796,39 @@ impl<'d> RowDecoder<'d> {
         } else {
             Some(self.ts_buf.as_str())
         };
+        // A switch's whole seconds become milliseconds (anything else is
+        // left for the decoder to report).
+        self.duration_buf.clear();
+        if self.preset.is_some_and(|p| p.duration_seconds) {
+            if let Some(ms) = values[DURATION].and_then(cdr::seconds_to_ms) {
+                let _ = write!(self.duration_buf, "{ms}");
+            }
+        }
+        let duration_value = if self.duration_buf.is_empty() {
+            values[DURATION]
+        } else {
+            Some(self.duration_buf.as_str())
+        };
         self.decoder.decode_indexed(|i| {
-            let value = if i == TS {
-                ts_value
-            } else {
-                values.get(i).copied().flatten()
+            let value = match i {
+                TS => ts_value,
+                DURATION => duration_value,
+                _ => values.get(i).copied().flatten(),
             };
             value.map_or(RawValue::Null, RawValue::Str)
         })
     }
 }
 
+/// The place of `duration_ms` in [`FIELDS`].
+const DURATION: usize = 4;
+
 /// Decodes a frame of text columns, handing each row's number (from 1)
 /// and event or error to `sink`, in order.
 pub fn decode_frame(
     df: &DataFrame,
     decoder: &Decoder,
+    format: InputFormat,
     tz: Option<Tz>,
     progress: bool,
     mut sink: impl FnMut(u64, Result<CallEvent, EventError>),
@@ -741,35 +839,43 @@ pub fn decode_frame(
         .map(|s| s.to_string())
         .collect();
     check_required(decoder, &names)?;
-    let mut columns: Vec<Option<StringChunked>> = Vec::new();
-    for f in FIELDS {
-        let src = decoder.map.source(f);
-        let col = match df.column(src) {
-            Ok(c) => Some(
+    let text_column = |src: &str| -> Result<Option<StringChunked>, IoError> {
+        match df.column(src) {
+            Ok(c) => Ok(Some(
                 c.cast(&DataType::String)
                     .and_then(|c| Ok(c.str()?.clone()))
                     .map_err(polars_err(format!("reading column `{src}`")))?,
-            ),
-            Err(_) => None,
-        };
-        columns.push(col);
+            )),
+            Err(_) => Ok(None),
+        }
+    };
+    let mut columns: Vec<Option<StringChunked>> = Vec::new();
+    for f in FIELDS {
+        columns.push(text_column(decoder.map.source(f))?);
     }
+    let preset = format.preset();
+    let attempt = match preset.and_then(|p| p.attempt) {
+        Some((col, _)) => text_column(col)?,
+        None => None,
+    };
     let n = df.height();
     let bar = progress_bar(n as u64, progress, "decoding");
     let mut iters: Vec<Option<Box<dyn Iterator<Item = Option<&str>> + '_>>> = columns
         .iter()
+        .chain(std::iter::once(&attempt))
         .map(|c| {
             c.as_ref()
                 .map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>)
         })
         .collect();
-    let mut decode = RowDecoder::new(decoder, tz);
-    let mut values: Vec<Option<&str>> = vec![None; FIELDS.len()];
+    let mut decode = RowDecoder::new(decoder, preset, tz);
+    let mut values: Vec<Option<&str>> = vec![None; FIELDS.len() + 1];
     for row in 1..=n as u64 {
         for (slot, it) in values.iter_mut().zip(iters.iter_mut()) {
             *slot = it.as_mut().and_then(|i| i.next()).flatten();
         }
-        sink(row, decode.decode(&values));
+        let attempt = values[FIELDS.len()];
+        sink(row, decode.decode(&values[..FIELDS.len()], attempt));
         if row.is_multiple_of(65_536) {
             bar.set_position(row);
         }
