@@ -1,0 +1,243 @@
+//! Decoding one row's text into a call event: a switch's local times and
+//! units, call attempts, and frames of text columns.
+
+use chrono::{NaiveDateTime, TimeZone};
+use chrono_tz::Tz;
+use polars::prelude::*;
+
+use crate::engine::event::{CallEvent, Decoder, RawValue, FIELDS, TS};
+use crate::error::{EventError, IoError};
+use crate::offline::cdr::{self, InputFormat, Preset};
+use crate::offline::columns::EventColumns;
+use crate::progress::progress_bar;
+
+use super::stream::{DecodedBatch, CSV_BATCH};
+use super::{check_required, polars_err, InvalidRow};
+
+/// Decodes rows given as their text per field of [`FIELDS`].
+pub(super) struct RowDecoder<'d> {
+    decoder: &'d Decoder,
+    /// The switch's preset: units of times and durations, call attempts.
+    preset: Option<&'static Preset>,
+    tz: Option<Tz>,
+    /// The record's column telling call attempts (see [`Preset::attempt`]).
+    pub(super) attempt_column: Option<usize>,
+    ts_buf: String,
+    duration_buf: String,
+}
+
+impl<'d> RowDecoder<'d> {
+    pub(super) fn new(
+        decoder: &'d Decoder,
+        preset: Option<&'static Preset>,
+        tz: Option<Tz>,
+    ) -> Self {
+        RowDecoder {
+            decoder,
+            preset,
+            tz,
+            attempt_column: None,
+            ts_buf: String::new(),
+            duration_buf: String::new(),
+        }
+    }
+
+    /// Decodes batch `seq` of CSV records (every batch but the last holds
+    /// [`CSV_BATCH`]); `fields[i]` is the column of field `FIELDS[i]`, if
+    /// read. A row's number is its record's place among the data records
+    /// (the header and blank lines are not counted).
+    pub(super) fn decode_records(
+        &mut self,
+        seq: usize,
+        records: Vec<csv::ByteRecord>,
+        fields: &[Option<usize>; FIELDS.len()],
+    ) -> DecodedBatch {
+        let mut events = EventColumns::with_capacity(records.len());
+        let mut invalid = Vec::new();
+        let mut lossy: [String; FIELDS.len()] = Default::default();
+        let first_row = (seq * CSV_BATCH) as u64 + 1;
+        for (record, n) in records.iter().zip(first_row..) {
+            // The record's text is checked once, whole (a few fields of a
+            // few bytes each cost more checked one by one); a field is its
+            // slice of it unless a multi-byte character straddles its edge.
+            let whole = std::str::from_utf8(record.as_slice()).ok();
+            // Invalid UTF-8 is replaced (the row then fails decoding and
+            // is listed, not the file).
+            let mut values: [Option<&str>; FIELDS.len()] = [None; FIELDS.len()];
+            let mut bad = [false; FIELDS.len()];
+            for (f, col) in fields.iter().enumerate() {
+                let Some(range) = col.and_then(|c| record.range(c)).filter(|r| !r.is_empty())
+                else {
+                    continue;
+                };
+                let text = whole.and_then(|w| w.get(range.clone())).map_or_else(
+                    || std::str::from_utf8(&record.as_slice()[range.clone()]),
+                    Ok,
+                );
+                match text {
+                    Ok(s) => values[f] = Some(s),
+                    Err(_) => {
+                        lossy[f] = String::from_utf8_lossy(&record.as_slice()[range]).into_owned();
+                        bad[f] = true;
+                    }
+                }
+            }
+            for (f, l) in lossy.iter().enumerate().filter(|(f, _)| bad[*f]) {
+                values[f] = Some(l.as_str());
+            }
+            let attempt = self
+                .attempt_column
+                .and_then(|c| record.get(c))
+                .map(|m| std::str::from_utf8(m).unwrap_or("?"));
+            match self.decode(&values, attempt) {
+                Ok(e) => events.push(n, &e),
+                Err(error) => invalid.push(InvalidRow { row: n, error }),
+            }
+        }
+        DecodedBatch {
+            seq,
+            events,
+            invalid,
+            records,
+        }
+    }
+
+    /// One row: `values[i]` is field `FIELDS[i]`'s text, if present;
+    /// `attempt` the preset's attempt column's text, if it has one.
+    fn decode(
+        &mut self,
+        values: &[Option<&str>],
+        attempt: Option<&str>,
+    ) -> Result<CallEvent, EventError> {
+        use std::fmt::Write;
+        if let (Some((column, wanted)), Some(found)) =
+            (self.preset.and_then(|p| p.attempt), attempt)
+        {
+            if !found.trim().eq_ignore_ascii_case(wanted) {
+                return Err(EventError::NotACallAttempt {
+                    column,
+                    value: found.trim().chars().take(32).collect(),
+                    wanted,
+                });
+            }
+        }
+        // Naive local times (`YYYY-MM-DD HH:MM:SS`) and a switch's epoch
+        // seconds become epoch milliseconds first.
+        self.ts_buf.clear();
+        let ts_seconds = self.preset.is_some_and(|p| p.ts_seconds);
+        if let Some(ms) = values[TS].and_then(|raw| {
+            naive_to_ms(raw, self.tz)
+                .or_else(|| ts_seconds.then(|| cdr::seconds_to_ms(raw)).flatten())
+        }) {
+            let _ = write!(self.ts_buf, "{ms}");
+        }
+        let ts_value = if self.ts_buf.is_empty() {
+            values[TS]
+        } else {
+            Some(self.ts_buf.as_str())
+        };
+        // A switch's whole seconds become milliseconds (anything else is
+        // left for the decoder to report).
+        self.duration_buf.clear();
+        if self.preset.is_some_and(|p| p.duration_seconds) {
+            if let Some(ms) = values[DURATION].and_then(cdr::seconds_to_ms) {
+                let _ = write!(self.duration_buf, "{ms}");
+            }
+        }
+        let duration_value = if self.duration_buf.is_empty() {
+            values[DURATION]
+        } else {
+            Some(self.duration_buf.as_str())
+        };
+        self.decoder.decode_indexed(|i| {
+            let value = match i {
+                TS => ts_value,
+                DURATION => duration_value,
+                _ => values.get(i).copied().flatten(),
+            };
+            value.map_or(RawValue::Null, RawValue::Str)
+        })
+    }
+}
+
+/// The place of `duration_ms` in [`FIELDS`].
+const DURATION: usize = 4;
+
+/// Decodes a frame of text columns, handing each row's number (from 1)
+/// and event or error to `sink`, in order.
+pub fn decode_frame(
+    df: &DataFrame,
+    decoder: &Decoder,
+    format: InputFormat,
+    tz: Option<Tz>,
+    progress: bool,
+    mut sink: impl FnMut(u64, Result<CallEvent, EventError>),
+) -> Result<(), IoError> {
+    let names: Vec<String> = df
+        .get_column_names()
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    check_required(decoder, &names)?;
+    let text_column = |src: &str| -> Result<Option<StringChunked>, IoError> {
+        match df.column(src) {
+            Ok(c) => Ok(Some(
+                c.cast(&DataType::String)
+                    .and_then(|c| Ok(c.str()?.clone()))
+                    .map_err(polars_err(format!("reading column `{src}`")))?,
+            )),
+            Err(_) => Ok(None),
+        }
+    };
+    let mut columns: Vec<Option<StringChunked>> = Vec::new();
+    for f in FIELDS {
+        columns.push(text_column(decoder.map.source(f))?);
+    }
+    let preset = format.preset();
+    let attempt = match preset.and_then(|p| p.attempt) {
+        Some((col, _)) => text_column(col)?,
+        None => None,
+    };
+    let n = df.height();
+    let bar = progress_bar(n as u64, progress, "decoding");
+    let mut iters: Vec<Option<Box<dyn Iterator<Item = Option<&str>> + '_>>> = columns
+        .iter()
+        .chain(std::iter::once(&attempt))
+        .map(|c| {
+            c.as_ref()
+                .map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>)
+        })
+        .collect();
+    let mut decode = RowDecoder::new(decoder, preset, tz);
+    let mut values: Vec<Option<&str>> = vec![None; FIELDS.len() + 1];
+    for row in 1..=n as u64 {
+        for (slot, it) in values.iter_mut().zip(iters.iter_mut()) {
+            *slot = it.as_mut().and_then(|i| i.next()).flatten();
+        }
+        let attempt = values[FIELDS.len()];
+        sink(row, decode.decode(&values[..FIELDS.len()], attempt));
+        if row.is_multiple_of(65_536) {
+            bar.set_position(row);
+        }
+    }
+    bar.finish_and_clear();
+    Ok(())
+}
+
+/// Parses `YYYY-MM-DD HH:MM:SS[.fff]` in a time zone (UTC if none).
+fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
+    let raw = raw.trim();
+    if raw.len() < 19 || raw.as_bytes().get(10) != Some(&b' ') {
+        return None;
+    }
+    let naive = NaiveDateTime::parse_from_str(raw, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+    let tz = tz.unwrap_or(chrono_tz::UTC);
+    // In a DST fold take the earlier instant; in a gap, fall back to UTC offset of the zone's standard time.
+    tz.from_local_datetime(&naive)
+        .earliest()
+        .or_else(|| {
+            tz.from_local_datetime(&(naive + chrono::Duration::hours(1)))
+                .earliest()
+        })
+        .map(|d| d.timestamp_millis())
+}

@@ -1,0 +1,220 @@
+//! The streamed CSV reader: one thread parses records with the `csv`
+//! crate, others decode batches of them, and the batches are put back in
+//! file order.
+
+use std::fs::File;
+use std::path::Path;
+
+use crate::engine::event::{Decoder, FIELDS};
+use crate::error::IoError;
+use crate::offline::cdr::{detect, InputFormat, Preset};
+use crate::offline::columns::EventColumns;
+use crate::progress::progress_bar;
+
+use super::row::RowDecoder;
+use super::{
+    bad_shape, check_delimiter, check_required, effective_map, preset_names, unclosed_quote_line,
+    wanted_columns, InvalidRow, ReadOptions,
+};
+
+/// Records handed from the parsing thread to a decoding one at a time.
+pub(super) const CSV_BATCH: usize = 4_096;
+
+/// What a CSV-like file's first record tells: how to decode its rows.
+struct Header {
+    /// The decoder with the format's field mapping.
+    decoder: Decoder,
+    /// The switch's preset, if the file is a CDR file.
+    preset: Option<&'static Preset>,
+    /// `fields[i]` is the column of field `FIELDS[i]`, if read.
+    fields: [Option<usize>; FIELDS.len()],
+    /// The column telling call attempts from other rows (Kamailio's method).
+    attempt: Option<usize>,
+    /// The first record is a data row, not a header.
+    first_is_data: bool,
+}
+
+/// Tells a CSV-like file's layout from its first record `first` (as text)
+/// and checks that the required columns are there.
+fn resolve_header(
+    path: &Path,
+    opts: &ReadOptions,
+    format: InputFormat,
+    first: &[String],
+) -> Result<Header, IoError> {
+    let cells: Vec<&str> = first.iter().map(String::as_str).collect();
+    let user = &opts.decoder.map;
+    let mapped = [
+        user.source("call_id"),
+        user.source("caller"),
+        user.source("ts"),
+    ];
+    let layout = detect(format, &cells, &mapped);
+    let mut decoder = opts.decoder.clone();
+    decoder.map = effective_map(layout.format, user);
+    let preset = layout.format.preset();
+    let names = match preset {
+        Some(p) => preset_names(path, p, layout, first)?,
+        None => {
+            check_delimiter(path, first, opts.delimiter)?;
+            first.to_vec()
+        }
+    };
+    check_required(&decoder, &names)?;
+    let wanted = wanted_columns(&decoder.map, opts);
+    let mut fields = [None; FIELDS.len()];
+    for (slot, f) in fields.iter_mut().zip(FIELDS) {
+        let src = decoder.map.source(f);
+        if wanted.contains(&src) {
+            *slot = names.iter().position(|n| n == src);
+        }
+    }
+    let attempt = preset
+        .and_then(|p| p.attempt)
+        .and_then(|(col, _)| names.iter().position(|n| n == col));
+    Ok(Header {
+        decoder,
+        preset,
+        fields,
+        attempt,
+        first_is_data: !layout.header,
+    })
+}
+
+/// [`read_events`] for CSV files and switches' CDR files.
+pub(super) fn read_csv_events(
+    path: &Path,
+    opts: &ReadOptions,
+    format: InputFormat,
+) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
+    let ctx = || format!("reading {}", path.display());
+    let io = |source| IoError::Io {
+        context: ctx(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    let mut reader = csv::ReaderBuilder::new()
+        .delimiter(opts.delimiter)
+        .has_headers(false)
+        .flexible(true)
+        .buffer_capacity(1 << 20)
+        .from_reader(file);
+    let csv_err = |e: csv::Error| bad_shape(path, e.to_string());
+    let mut first = csv::ByteRecord::new();
+    if !reader.read_byte_record(&mut first).map_err(csv_err)? {
+        return Err(bad_shape(path, "no data: empty CSV"));
+    }
+    let first_text: Vec<String> = first
+        .iter()
+        .map(|n| String::from_utf8_lossy(n).into_owned())
+        .collect();
+    let header = resolve_header(path, opts, format, &first_text)?;
+    let (decoder, fields) = (&header.decoder, header.fields);
+    let bar = progress_bar(size, opts.progress, "reading");
+    let mut events = EventColumns::with_capacity((size / 64) as usize);
+    let mut invalid = Vec::new();
+    let mut last_multiline = false;
+    // One thread parses records, the others decode batches of them; the
+    // batches are put back in file order here.
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+    let (full_tx, full_rx) =
+        std::sync::mpsc::sync_channel::<(usize, Vec<csv::ByteRecord>)>(2 * workers);
+    let full_rx = std::sync::Mutex::new(full_rx);
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<DecodedBatch>();
+    let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<csv::ByteRecord>>();
+    let parsed = std::thread::scope(|s| {
+        let parser = s.spawn(move || -> Result<(), csv::Error> {
+            // Batches come back to be refilled: records are allocated once.
+            let (mut batch, mut filled) = if header.first_is_data {
+                (vec![first], 1)
+            } else {
+                (Vec::new(), 0)
+            };
+            for seq in 0.. {
+                if batch.len() < CSV_BATCH {
+                    batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
+                }
+                while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
+                    filled += 1;
+                }
+                let done = filled < CSV_BATCH;
+                batch.truncate(filled);
+                if filled > 0 && full_tx.send((seq, batch)).is_err() {
+                    break;
+                }
+                if done {
+                    break;
+                }
+                batch = empty_rx.try_recv().unwrap_or_default();
+                filled = 0;
+            }
+            Ok(())
+        });
+        for _ in 0..workers {
+            let (full_rx, done_tx) = (&full_rx, done_tx.clone());
+            let fields = &fields;
+            s.spawn(move || {
+                let mut row = RowDecoder::new(decoder, header.preset, opts.timezone);
+                row.attempt_column = header.attempt;
+                loop {
+                    let next = match full_rx.lock() {
+                        Ok(rx) => rx.recv(),
+                        Err(_) => return,
+                    };
+                    let Ok((seq, batch)) = next else { return };
+                    let decoded = row.decode_records(seq, batch, fields);
+                    if done_tx.send(decoded).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(done_tx);
+        let mut waiting = std::collections::BTreeMap::new();
+        let mut next = 0;
+        for decoded in done_rx {
+            waiting.insert(decoded.seq, decoded);
+            while let Some(d) = waiting.remove(&next) {
+                events.append(d.events);
+                invalid.extend(d.invalid);
+                if let Some(last) = d.records.last() {
+                    last_multiline = last.iter().any(|f| f.contains(&b'\n'));
+                    bar.set_position(last.position().map_or(0, |p| p.byte()));
+                }
+                // The parser may have finished (or failed) already.
+                let _ = empty_tx.send(d.records);
+                next += 1;
+            }
+        }
+        parser
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    });
+    bar.finish_and_clear();
+    parsed.map_err(csv_err)?;
+    // A quote that is never closed runs to the end of the file: the last
+    // record then spans lines. Say where it opened rather than read the
+    // rest of the file as one cell.
+    if last_multiline {
+        if let Some(line) = unclosed_quote_line(path) {
+            return Err(IoError::BadShape {
+                path: path.to_path_buf(),
+                problem: format!(
+                    "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
+                ),
+            });
+        }
+    }
+    Ok((events, invalid))
+}
+
+/// A batch of CSV records, decoded.
+pub(super) struct DecodedBatch {
+    /// The batch's place in the file.
+    pub(super) seq: usize,
+    pub(super) events: EventColumns,
+    pub(super) invalid: Vec<InvalidRow>,
+    /// The records, to be refilled.
+    pub(super) records: Vec<csv::ByteRecord>,
+}
