@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of callguard on a Debian machine, installing what the tests
-# need first: redis-server and redis-sentinel, promtool (prometheus), Kamailio (with its http_client and ndb_redis
+# need first: redis-server and redis-sentinel, promtool (prometheus), Chromium
+# (the status page's browser test), Kamailio (with its http_client and ndb_redis
 # modules) and SIPp (Debian packages), tansu (a Kafka-protocol broker, from
 # crates.io) and the notebook's Python packages (in a virtualenv). Safe to
 # run again: installed tools are skipped and the build directory is reused.
@@ -12,7 +13,7 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-packages=(redis-server redis-sentinel fonts-dejavu-core kamailio kamailio-utils-modules kamailio-redis-modules sip-tester)
+packages=(redis-server redis-sentinel fonts-dejavu-core kamailio kamailio-utils-modules kamailio-redis-modules sip-tester chromium)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")

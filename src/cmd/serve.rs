@@ -179,6 +179,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
     let config = args.config()?;
     let metrics = Arc::new(Metrics::new());
+    metrics.status.set_role("serve");
     let health = Arc::new(Health::default());
     let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
     let rule_args = args.rules.clone();

@@ -1,14 +1,16 @@
-//! Prometheus metrics, `/healthz` and `/readyz` of the stream processor.
+//! Prometheus metrics, `/healthz` and `/readyz` of the stream processor,
+//! and the status page (`/`, `/v1/stats`, see [`crate::online::status`]).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::record::Verdict;
+use crate::online::status::{Counters, HealthView, Status, PAGE};
 use crate::store::WindowStore;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
-use axum::response::IntoResponse;
+use axum::response::{Html, IntoResponse, Json};
 use axum::routing::get;
 use axum::Router;
 use prometheus_client::encoding::text::encode;
@@ -97,6 +99,8 @@ pub struct Metrics {
     /// (`cap`: over `--max-connections`, closed at once; `timeout`: a
     /// request's header or body not sent in time, or idle too long).
     pub connections_shed: Family<KindLabel, Counter>,
+    /// The live status behind `/v1/stats` and the page.
+    pub status: Status,
 }
 
 impl Default for Metrics {
@@ -216,7 +220,46 @@ impl Metrics {
             rebalances,
             rule_reloads,
             publish_failures,
+            status: Status::default(),
         }
+    }
+
+    /// What `/v1/stats` answers.
+    pub fn snapshot(&self, health: &Health) -> Option<crate::online::status::Snapshot> {
+        let counters = Counters {
+            duplicates: self.duplicates.get(),
+            late: self.late.get(),
+            fallbacks: self.degraded.get(),
+            conflicts: self.store_conflicts.get(),
+            data_lost: self.store_data_lost.get(),
+            publish_failures: self.publish_failures.get(),
+            in_flight: self.in_flight.get(),
+        };
+        let text = |m: &Mutex<String>| m.lock().map(|d| d.clone()).unwrap_or_default();
+        let health = HealthView {
+            ready: health.ready(),
+            detail: text(&health.detail),
+            note: text(&health.note),
+        };
+        self.status.snapshot(counters, health)
+    }
+
+    /// Counts a store call that failed, by kind.
+    pub fn store_error(&self, kind: &str) {
+        Self::inc(&self.store_errors, kind);
+        self.status.store_error();
+    }
+
+    /// Counts an event sent to the dead-letter topic, by kind.
+    pub fn dead_letter(&self, kind: &str) {
+        Self::inc(&self.dlq, kind);
+        self.status.dead_letter();
+    }
+
+    /// Counts a check refused as invalid, by kind.
+    pub fn invalid_check(&self, kind: &str) {
+        Self::inc(&self.invalid_checks, kind);
+        self.status.invalid_check();
     }
 
     /// Counts the data losses `store` found since it had found `before`,
@@ -263,6 +306,7 @@ impl Metrics {
         if r.degraded {
             self.degraded.inc();
         }
+        self.status.decided(v);
     }
 
     /// The text exposition format.
@@ -342,9 +386,19 @@ async fn ready_handler(State(s): State<AppState>) -> impl IntoResponse {
     }
 }
 
-/// The `/metrics`, `/healthz` and `/readyz` routes.
+async fn stats_handler(State(s): State<AppState>) -> impl IntoResponse {
+    match s.metrics.snapshot(&s.health) {
+        Some(snapshot) => Json(snapshot).into_response(),
+        None => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// The `/metrics`, `/healthz`, `/readyz`, `/v1/stats` and `/` (status
+/// page) routes.
 pub fn routes(metrics: Arc<Metrics>, health: Arc<Health>) -> Router {
     Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/v1/stats", get(stats_handler))
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))

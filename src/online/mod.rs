@@ -6,6 +6,7 @@
 //! * [`produce`]: loading call events into a topic, keyed by caller.
 //! * [`kafka`]: client settings and the embedded mock cluster.
 //! * [`metrics`]: Prometheus metrics, `/healthz` and `/readyz`.
+//! * [`status`]: the live status page (`/`) and its JSON (`/v1/stats`).
 //! * [`policy`]: the store call both paths make, timed and counted.
 //! * [`reload`]: rule reloads on SIGHUP and file changes.
 //! * [`serve`]: `callguard serve`, the check API a switch calls per INVITE.
@@ -17,3 +18,4 @@ pub mod policy;
 pub mod produce;
 pub mod reload;
 pub mod serve;
+pub mod status;

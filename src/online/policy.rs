@@ -32,18 +32,20 @@ pub async fn apply_observed<S: WindowStore>(
     let start = Instant::now();
     let (conflicts, losses) = (store.conflicts(), store.data_losses());
     let result = store.apply_batch_partial(rules, events).await;
-    metrics.store_latency.observe(start.elapsed().as_secs_f64());
+    let took = start.elapsed().as_secs_f64();
+    metrics.store_latency.observe(took);
+    metrics.status.store_latency(took);
     metrics.count_conflicts(store, conflicts);
     metrics.count_data_losses(store, losses, health);
     match &result {
         Ok(verdicts) => {
             health.store_ok.store(true, Ordering::Relaxed);
             if verdicts.iter().any(Option::is_none) {
-                Metrics::inc(&metrics.store_errors, "contended");
+                metrics.store_error("contended");
             }
         }
         Err(e) => {
-            Metrics::inc(&metrics.store_errors, e.kind());
+            metrics.store_error(e.kind());
             health.store_ok.store(false, Ordering::Relaxed);
             if let Ok(mut d) = health.detail.lock() {
                 *d = chain(e);

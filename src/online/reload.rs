@@ -21,6 +21,12 @@ fn mtime(path: Option<&PathBuf>) -> Option<SystemTime> {
         .and_then(|m| m.modified().ok())
 }
 
+/// Shows `rules` on the status page as the set in force.
+pub fn note_in_force(rules: &RuleSet, metrics: &Metrics) {
+    let list = rules.rules.iter().map(ToString::to_string).collect();
+    metrics.status.rules_in_force(rules.version(), list);
+}
+
 /// Reloads once: sends the new rules if they load and differ.
 pub fn reload_now(
     load: &impl Fn() -> Result<RuleSet, RulesError>,
@@ -33,12 +39,14 @@ pub fn reload_now(
             let old = tx.borrow().version().to_string();
             if new.version() != old {
                 info!(why, old = %old, new = %new.version(), "rules reloaded");
+                note_in_force(&new, metrics);
                 tx.send_replace(new);
             }
             Metrics::inc(&metrics.rule_reloads, "ok");
         }
         Err(e) => {
             warn!(why, error = %e, "rules not reloaded; keeping the current rules");
+            metrics.status.reload_failed(e.to_string());
             Metrics::inc(&metrics.rule_reloads, "error");
         }
     }
@@ -54,6 +62,7 @@ pub fn spawn(
     metrics: Arc<Metrics>,
 ) -> std::io::Result<()> {
     let mut hup = signal(SignalKind::hangup())?;
+    note_in_force(&tx.borrow(), &metrics);
     tokio::spawn(async move {
         let mut seen = mtime(watched.as_ref());
         let mut tick = tokio::time::interval(POLL);

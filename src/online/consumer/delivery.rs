@@ -228,6 +228,10 @@ impl ClientContext for ConsumerCtx {
                             partition: partition.to_string(),
                         })
                         .set(p.consumer_lag);
+                    self.shared
+                        .metrics
+                        .status
+                        .lag(topic, *partition, p.consumer_lag);
                 }
             }
         }

@@ -729,7 +729,7 @@ fn sort_read(
                 events.push(e);
             }
             Err((kind, letter)) => {
-                Metrics::inc(&metrics.dlq, kind);
+                metrics.dead_letter(kind);
                 stats.dead_letters += 1;
                 out.push(*letter);
             }

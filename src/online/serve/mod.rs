@@ -368,7 +368,7 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
     let event = match decoded {
         Ok(e) => e,
         Err(e) => {
-            Metrics::inc(&s.metrics.invalid_checks, e.kind());
+            s.metrics.invalid_check(e.kind());
             let body = json!({ "error": e.to_string(), "kind": e.kind() });
             return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
         }
@@ -410,7 +410,7 @@ fn past_deadline(metrics: &Metrics, claim: &Claim) -> Response {
             "unknown",
         )
     };
-    Metrics::inc(&metrics.store_errors, "deadline");
+    metrics.store_error("deadline");
     let body = json!({ "error": why, "kind": "unavailable", "applied": applied });
     let mut r = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
     r.headers_mut()
