@@ -47,8 +47,8 @@ pub fn require(binary: &str) {
         .status();
     if found.is_err() {
         panic!(
-            "`{binary}` is not installed: these tests need a real Redis (Debian: apt-get install redis-server). \
-             The README's test command installs it."
+            "`{binary}` is not installed: these tests run it for real (Redis, Kamailio, SIPp, Chromium, \
+             promtool are Debian packages). The README's test command, scripts/test-all.sh, installs it."
         );
     }
 }
