@@ -199,6 +199,16 @@ pub struct Snapshot {
     pub counters: Counters,
 }
 
+/// Adds one to `key`'s count (allocating only for a new key).
+fn bump(counts: &mut BTreeMap<String, u64>, key: &str) {
+    match counts.get_mut(key) {
+        Some(n) => *n += 1,
+        None => {
+            counts.insert(key.to_string(), 1);
+        }
+    }
+}
+
 /// The live status; cheap to update from the deciding path (one
 /// uncontended lock per call).
 #[derive(Debug)]
@@ -260,14 +270,14 @@ impl Status {
             if r.decision == Decision::Reject {
                 slot.rejected += 1;
                 i.rejected += 1;
-                *i.rejects_per_rule.entry(r.reason.to_string()).or_default() += 1;
+                bump(&mut i.rejects_per_rule, &r.reason);
                 if !v.duplicate {
                     i.top.add(now_s, &r.caller);
                 }
             } else if r.shadow {
                 slot.shadow += 1;
                 i.shadow += 1;
-                *i.shadow_per_rule.entry(r.reason.to_string()).or_default() += 1;
+                bump(&mut i.shadow_per_rule, &r.reason);
             }
         });
     }
