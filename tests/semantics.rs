@@ -381,7 +381,7 @@ fn the_sharded_store_equals_the_sequential_store() {
 async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
     use callguard::offline::order::OrderedLog;
     use callguard::offline::read::ReadOptions;
-    use callguard::offline::replay::run_ordered;
+    use callguard::offline::replay::{run_ordered, ReplayStore};
     use callguard::store::sharded::ShardedStore;
     use rand::SeedableRng;
     use std::fmt::Write as _;
@@ -403,22 +403,34 @@ async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
         std::fs::write(&path, csv).unwrap();
         let log = Arc::new(OrderedLog::open(&path, &ReadOptions::default()).unwrap());
         let mut want = Vec::new();
-        let sequential = run_ordered(log.clone(), &rules, &mut MemoryStore::new(), false, |c| {
-            want.push(c.into_parts());
-            Ok(())
-        })
+        let sequential = run_ordered(
+            log.clone(),
+            &rules,
+            &mut ReplayStore::Batched(MemoryStore::new()),
+            false,
+            |c| {
+                want.push(c.into_parts());
+                Ok(())
+            },
+        )
         .await
         .unwrap();
         let shards = 1 + seed as usize % 3;
         let mut got = Vec::new();
-        let sharded = run_ordered(log, &rules, &mut ShardedStore::new(shards), false, |c| {
-            // The writer reads the shares in order by reference.
-            let in_order: Vec<_> = c.verdicts().into_iter().cloned().collect();
-            let (events, verdicts) = c.into_parts();
-            assert_eq!(in_order, verdicts);
-            got.push((events, verdicts));
-            Ok(())
-        })
+        let sharded = run_ordered(
+            log,
+            &rules,
+            &mut ReplayStore::<MemoryStore>::Sharded(ShardedStore::new(shards)),
+            false,
+            |c| {
+                // The writer reads the shares in order by reference.
+                let in_order: Vec<_> = c.verdicts().into_iter().cloned().collect();
+                let (events, verdicts) = c.into_parts();
+                assert_eq!(in_order, verdicts);
+                got.push((events, verdicts));
+                Ok(())
+            },
+        )
         .await
         .unwrap();
         assert!(want.len() > 2, "seed {seed}: {} chunks", want.len());

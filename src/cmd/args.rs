@@ -11,6 +11,7 @@ use callguard::engine::event::{Decoder, FieldMap, NumberHasher};
 use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
+use callguard::offline::replay::ReplayStore;
 use callguard::store::cached;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{self, RedisConfig};
@@ -450,13 +451,12 @@ impl StoreArgs {
         }
     }
 
-    /// Opens the store ([`StoreArgs::kind`]); `streaming` keeps every caller
-    /// in memory (a stream's partitions may run far apart in event time),
-    /// otherwise memory is the time-sorted replay's store, split by caller
-    /// over the cores.
-    pub async fn open(&self, default: StoreKind, streaming: bool) -> Result<AnyStore> {
+    /// Opens the store of an online command ([`StoreArgs::kind`]): the
+    /// in-memory one keeps every caller (a stream's partitions may run far
+    /// apart in event time).
+    pub async fn open(&self, default: StoreKind) -> Result<AnyStore> {
         Ok(match self.kind(default)? {
-            StoreKind::Memory if streaming => {
+            StoreKind::Memory => {
                 tracing::warn!(
                     "in-memory window store: windows live in this process only, are not shared \
                      with other instances and are lost on restart or rebalance (for tests and demos; \
@@ -464,7 +464,6 @@ impl StoreArgs {
                 );
                 AnyStore::Memory(MemoryStore::keeping_all())
             }
-            StoreKind::Memory => AnyStore::Sharded(ShardedStore::per_core()),
             StoreKind::Redis => {
                 let config = self.redis_config();
                 let context = || match &config.sentinel {
@@ -491,6 +490,16 @@ impl StoreArgs {
                     .await
                     .with_context(context)?
             }
+        })
+    }
+
+    /// Opens the store of an offline command, and so how its replay is
+    /// driven: in memory, split by caller over the cores (the input is
+    /// time-sorted); Redis in batches.
+    pub async fn open_replay(&self) -> Result<ReplayStore<AnyStore>> {
+        Ok(match self.kind(StoreKind::Memory)? {
+            StoreKind::Memory => ReplayStore::Sharded(ShardedStore::per_core()),
+            StoreKind::Redis => ReplayStore::Batched(self.open(StoreKind::Redis).await?),
         })
     }
 }

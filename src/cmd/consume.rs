@@ -183,7 +183,7 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
         rules_tx,
         metrics.clone(),
     )?;
-    let store = args.store.open(StoreKind::Redis, true).await?;
+    let store = args.store.open(StoreKind::Redis).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;

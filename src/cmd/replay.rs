@@ -8,7 +8,7 @@ use clap::Args;
 use callguard::engine::record::Schema;
 use callguard::offline::replay::to_table;
 
-use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs, StoreArgs};
 use crate::cmd::{describe_rules, progress_wanted, report_invalid};
 
 /// Decide every call of a historical call log, offline, with the same
@@ -38,7 +38,7 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
     let rules = args.rules.rule_set()?;
     let mut read = args.input.read_options(progress_wanted())?;
     args.privacy.apply(&mut read.decoder)?;
-    let mut store = args.store.open(StoreKind::Memory, false).await?;
+    let mut store = args.store.open_replay().await?;
     let schema = Schema::decisions(&rules);
     let report = to_table(
         &args.input.input,

@@ -189,7 +189,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         rules_tx,
         metrics.clone(),
     )?;
-    let store = match args.store.open(StoreKind::Redis, true).await {
+    let store = match args.store.open(StoreKind::Redis).await {
         Ok(store) => Connecting::now(store),
         // Redis down at start: serve anyway, not ready, until it is up.
         Err(e)

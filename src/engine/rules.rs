@@ -66,6 +66,49 @@ pub struct RuleSet {
     version: String,
 }
 
+/// Everything a rule set is made of, before validation: build one with
+/// [`RuleSet::build`], or take an existing set's with [`RuleSet::spec`],
+/// change a field and build again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleSpec {
+    /// The rules, in evaluation order.
+    pub rules: Vec<Rule>,
+    /// Which calls are recorded.
+    pub count: CountPolicy,
+    /// Allowed lateness in milliseconds.
+    pub grace_ms: i64,
+    /// Numbers or prefixes always allowed.
+    pub allow: Vec<String>,
+    /// Numbers or prefixes always rejected.
+    pub deny: Vec<String>,
+    /// Decide and report, but always emit `allow`.
+    pub shadow: bool,
+    /// The idempotency horizon (`dedup`), if set.
+    pub dedup_ms: Option<i64>,
+    /// Keep the distinct-callees feature.
+    pub distinct_callees: bool,
+    /// Most distinct callees kept per caller.
+    pub max_distinct_callees: u64,
+}
+
+impl RuleSpec {
+    /// The defaults around `rules`: count attempts, 5 s grace, no lists,
+    /// enforcing, the default horizon, distinct callees kept up to 1,000.
+    pub fn new(rules: Vec<Rule>) -> Self {
+        RuleSpec {
+            rules,
+            count: CountPolicy::Attempts,
+            grace_ms: DEFAULT_GRACE_MS,
+            allow: Vec::new(),
+            deny: Vec::new(),
+            shadow: false,
+            dedup_ms: None,
+            distinct_callees: true,
+            max_distinct_callees: DEFAULT_MAX_DISTINCT_CALLEES,
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RuleFile {
@@ -120,7 +163,8 @@ pub enum Judgement {
 }
 
 impl RuleSet {
-    /// Builds and validates a rule set, computing its version.
+    /// Builds and validates a rule set of `rules` with these set-wide
+    /// options and the defaults of [`RuleSpec::new`] for the others.
     pub fn new(
         rules: Vec<Rule>,
         count: CountPolicy,
@@ -129,6 +173,44 @@ impl RuleSet {
         deny: Vec<String>,
         shadow: bool,
     ) -> Result<Self, RulesError> {
+        RuleSet::build(RuleSpec {
+            count,
+            grace_ms,
+            allow,
+            deny,
+            shadow,
+            ..RuleSpec::new(rules)
+        })
+    }
+
+    /// What this set is made of (to build a changed copy).
+    pub fn spec(&self) -> RuleSpec {
+        RuleSpec {
+            rules: self.rules.clone(),
+            count: self.count,
+            grace_ms: self.grace_ms,
+            allow: self.allow.clone(),
+            deny: self.deny.clone(),
+            shadow: self.shadow,
+            dedup_ms: self.dedup,
+            distinct_callees: self.callees,
+            max_distinct_callees: self.max_callees,
+        }
+    }
+
+    /// Validates `spec` and computes the set's version.
+    pub fn build(spec: RuleSpec) -> Result<Self, RulesError> {
+        let RuleSpec {
+            rules,
+            count,
+            grace_ms,
+            allow,
+            deny,
+            shadow,
+            dedup_ms,
+            distinct_callees,
+            max_distinct_callees,
+        } = spec;
         if rules.is_empty() {
             return Err(RulesError::Invalid(
                 "a rule set needs at least one rule".into(),
@@ -174,6 +256,14 @@ impl RuleSet {
         if !(0..=3_600_000).contains(&grace_ms) {
             return Err(RulesError::Invalid("grace must be 0 to 1h".into()));
         }
+        if !(1..=100_000).contains(&max_distinct_callees) {
+            return Err(RulesError::Invalid(
+                "max_distinct_callees must be 1 to 100000".into(),
+            ));
+        }
+        if dedup_ms.is_some_and(|d| !(1..=31 * 86_400_000).contains(&d)) {
+            return Err(RulesError::Invalid("dedup must be 1ms to 31d".into()));
+        }
         let allow = normalize_prefixes(allow, "allow")?;
         let deny = normalize_prefixes(deny, "deny")?;
         let mut set = RuleSet {
@@ -183,9 +273,9 @@ impl RuleSet {
             allow,
             deny,
             shadow,
-            dedup: None,
-            callees: true,
-            max_callees: DEFAULT_MAX_DISTINCT_CALLEES,
+            dedup: dedup_ms,
+            callees: distinct_callees,
+            max_callees: max_distinct_callees,
             version: String::new(),
         };
         set.version = set.compute_version();
@@ -211,22 +301,19 @@ impl RuleSet {
             Some(g) => parse_duration_ms(&g)?,
             None => DEFAULT_GRACE_MS,
         };
-        let set = RuleSet::new(
+        RuleSet::build(RuleSpec {
             rules,
-            file.count,
+            count: file.count,
             grace_ms,
-            file.allow,
-            file.deny,
-            file.shadow,
-        )?;
-        let mut set = set.with_distinct_callees(file.distinct_callees.unwrap_or(true));
-        if let Some(cap) = file.max_distinct_callees {
-            set = set.with_max_distinct_callees(cap)?;
-        }
-        match file.dedup {
-            Some(d) => set.with_dedup(parse_duration_ms(&d)?),
-            None => Ok(set),
-        }
+            allow: file.allow,
+            deny: file.deny,
+            shadow: file.shadow,
+            dedup_ms: file.dedup.as_deref().map(parse_duration_ms).transpose()?,
+            distinct_callees: file.distinct_callees.unwrap_or(true),
+            max_distinct_callees: file
+                .max_distinct_callees
+                .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
+        })
     }
 
     /// A copy that keeps (or skips) the distinct-callees feature.
@@ -239,15 +326,10 @@ impl RuleSet {
 
     /// A copy that keeps at most `cap` distinct callees per caller.
     pub fn with_max_distinct_callees(&self, cap: u64) -> Result<Self, RulesError> {
-        if !(1..=100_000).contains(&cap) {
-            return Err(RulesError::Invalid(
-                "max_distinct_callees must be 1 to 100000".into(),
-            ));
-        }
-        let mut set = self.clone();
-        set.max_callees = cap;
-        set.version = set.compute_version();
-        Ok(set)
+        RuleSet::build(RuleSpec {
+            max_distinct_callees: cap,
+            ..self.spec()
+        })
     }
 
     /// Most distinct callees kept per caller: a new callee beyond it is not
@@ -264,13 +346,10 @@ impl RuleSet {
 
     /// A copy with another idempotency horizon.
     pub fn with_dedup(&self, dedup_ms: i64) -> Result<Self, RulesError> {
-        if !(1..=31 * 86_400_000).contains(&dedup_ms) {
-            return Err(RulesError::Invalid("dedup must be 1ms to 31d".into()));
-        }
-        let mut set = self.clone();
-        set.dedup = Some(dedup_ms);
-        set.version = set.compute_version();
-        Ok(set)
+        RuleSet::build(RuleSpec {
+            dedup_ms: Some(dedup_ms),
+            ..self.spec()
+        })
     }
 
     /// How far (event time) behind a caller's latest call a decided call id is
@@ -280,17 +359,6 @@ impl RuleSet {
         self.dedup
             .unwrap_or(DEFAULT_DEDUP_MS)
             .max(self.retention_ms())
-    }
-
-    /// Carries the set-wide options that `new` does not take over from `from`.
-    fn keep_extras(self, from: &RuleSet) -> Result<Self, RulesError> {
-        let set = self
-            .with_distinct_callees(from.callees)
-            .with_max_distinct_callees(from.max_callees)?;
-        match from.dedup {
-            Some(d) => set.with_dedup(d),
-            None => Ok(set),
-        }
     }
 
     /// Reads a TOML rule set from a file.
@@ -319,29 +387,14 @@ impl RuleSet {
                 if extra.is_empty() {
                     return Ok(base);
                 }
-                let mut rules = base.rules.clone();
-                rules.extend(extra);
-                RuleSet::new(
-                    rules,
-                    base.count,
-                    base.grace_ms,
-                    base.allow.clone(),
-                    base.deny.clone(),
-                    base.shadow,
-                )?
-                .keep_extras(&base)
+                let mut spec = base.spec();
+                spec.rules.extend(extra);
+                RuleSet::build(spec)
             }
             None if extra.is_empty() => Err(RulesError::Invalid(
                 "no rules: pass --rules FILE or --rule NAME:KIND:WINDOW:LIMIT".into(),
             )),
-            None => RuleSet::new(
-                extra,
-                CountPolicy::Attempts,
-                DEFAULT_GRACE_MS,
-                vec![],
-                vec![],
-                false,
-            ),
+            None => RuleSet::build(RuleSpec::new(extra)),
         }
     }
 
@@ -352,30 +405,23 @@ impl RuleSet {
         grace_ms: i64,
         shadow: bool,
     ) -> Result<Self, RulesError> {
-        RuleSet::new(
-            self.rules.clone(),
+        RuleSet::build(RuleSpec {
             count,
             grace_ms,
-            self.allow.clone(),
-            self.deny.clone(),
             shadow,
-        )?
-        .keep_extras(self)
+            ..self.spec()
+        })
     }
 
     /// A copy where rule `index` has another limit (used by `tune`).
     pub fn with_limit(&self, index: usize, limit: u64) -> Result<Self, RulesError> {
-        let mut rules = self.rules.clone();
-        rules[index].limit = limit;
-        RuleSet::new(
-            rules,
-            self.count,
-            self.grace_ms,
-            self.allow.clone(),
-            self.deny.clone(),
-            self.shadow,
-        )?
-        .keep_extras(self)
+        let mut spec = self.spec();
+        let rule = spec
+            .rules
+            .get_mut(index)
+            .ok_or_else(|| RulesError::Invalid(format!("no rule number {index}")))?;
+        rule.limit = limit;
+        RuleSet::build(spec)
     }
 
     /// The version: the first 12 hex digits of the SHA-256 of the canonical form.

@@ -11,7 +11,9 @@ use crate::engine::record::{Field, Schema};
 use crate::engine::rules::RuleSet;
 use crate::error::ReplayError;
 use crate::offline::read::ReadOptions;
+use crate::offline::replay::ReplayStore;
 use crate::offline::replay::{to_table, TableReport};
+use crate::store::memory::MemoryStore;
 use crate::store::sharded::ShardedStore;
 
 /// Writes the feature table of the call log at `input` to `output`
@@ -48,7 +50,7 @@ pub async fn export(
         input,
         &read,
         rules,
-        &mut ShardedStore::per_core(),
+        &mut ReplayStore::<MemoryStore>::Sharded(ShardedStore::per_core()),
         schema,
         output,
     )

@@ -1,8 +1,9 @@
 //! `callguard replay`: historical call logs through the same window algorithm.
 //!
 //! Events are sorted stably by event time (ties keep file order) and applied
-//! in batches through a [`WindowStore`]: the in-memory store by default, or
-//! Redis, which must produce the same records.
+//! through a [`ReplayStore`]: the in-memory store split by caller over the
+//! cores by default (pipelined chunk by chunk), or any [`WindowStore`]
+//! (Redis), in batches, which must produce the same records.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -186,19 +187,35 @@ impl DecidedChunk {
     }
 }
 
+/// The store a replay decides through, and so how it is driven: chosen
+/// where the store is opened.
+pub enum ReplayStore<S> {
+    /// The in-memory store split by caller over the cores: each shard
+    /// decides on a thread of its own while the chunk before is merged and
+    /// written.
+    Sharded(ShardedStore),
+    /// Any store, in batches of [`REPLAY_BATCH`] (Redis: one round trip
+    /// each).
+    Batched(S),
+}
+
+/// Events per store call of a batched replay.
+pub const REPLAY_BATCH: usize = 512;
+
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
 /// each chunk decided, in order (its invalid rows are gathered apart).
 /// Memory holds the log's columns, the store's state and a few chunks.
 pub async fn run_ordered<S: WindowStore>(
     log: Arc<OrderedLog>,
     rules: &RuleSet,
-    store: &mut S,
+    store: &mut ReplayStore<S>,
     progress: bool,
     mut sink: impl FnMut(DecidedChunk) -> Result<(), IoError>,
 ) -> Result<Streamed, ReplayError> {
-    if let Some(sharded) = store.as_sharded() {
-        return run_sharded(log, rules, sharded, progress, sink);
-    }
+    let store = match store {
+        ReplayStore::Sharded(sharded) => return run_sharded(log, rules, sharded, progress, sink),
+        ReplayStore::Batched(store) => store,
+    };
     let mut replaying = Replaying::new(&log, progress);
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
     log.events_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
@@ -419,8 +436,7 @@ pub async fn run<S: WindowStore>(
     apply_events(&events, &log.unique, rules, store).await
 }
 
-/// Applies events through a store in batches of its
-/// [`WindowStore::replay_batch`], passing
+/// Applies events through a store in batches of [`REPLAY_BATCH`], passing
 /// [`CallLog::unique`] when there is one flag per event.
 async fn apply_events<S: WindowStore>(
     events: &[CallEvent],
@@ -429,7 +445,7 @@ async fn apply_events<S: WindowStore>(
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
     let known = unique.len() == events.len();
-    let size = store.replay_batch().max(1);
+    let size = REPLAY_BATCH;
     let mut verdicts = Vec::new();
     for (i, batch) in events.chunks(size).enumerate() {
         let got = if known {
@@ -471,7 +487,7 @@ pub async fn to_table<S: WindowStore>(
     input: &Path,
     read: &ReadOptions,
     rules: &RuleSet,
-    store: &mut S,
+    store: &mut ReplayStore<S>,
     schema: Schema,
     output: &Path,
 ) -> Result<TableReport, ReplayError> {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
-use crate::store::WindowStore;
+use crate::store::StoreStats;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Json};
@@ -262,11 +262,16 @@ impl Metrics {
         self.status.invalid_check();
     }
 
-    /// Counts the data losses `store` found since it had found `before`,
-    /// and says so in the readiness detail (readiness itself stays: the
-    /// store answers, with every window started afresh).
-    pub fn count_data_losses<S: WindowStore>(&self, store: &S, before: u64, health: &Health) {
-        let n = store.data_losses().saturating_sub(before);
+    /// Counts what a store met since its statistics were `before`: the
+    /// writes refused by another writer, and the data losses it found,
+    /// which it also says in the readiness detail (readiness itself stays:
+    /// the store answers, with every window started afresh).
+    pub fn count_store_stats(&self, now: StoreStats, before: StoreStats, health: &Health) {
+        let conflicts = now.conflicts.saturating_sub(before.conflicts);
+        if conflicts > 0 {
+            self.store_conflicts.inc_by(conflicts);
+        }
+        let n = now.data_losses.saturating_sub(before.data_losses);
         if n > 0 {
             self.store_data_lost.inc_by(n);
             if let Ok(mut d) = health.note.lock() {
@@ -276,15 +281,6 @@ impl Metrics {
                      (callguard_store_data_lost_total)"
                 );
             }
-        }
-    }
-
-    /// Adds the conflicts a store met since `before` (its
-    /// [`WindowStore::conflicts`] count then).
-    pub fn count_conflicts<S: WindowStore>(&self, store: &S, before: u64) {
-        let n = store.conflicts().saturating_sub(before);
-        if n > 0 {
-            self.store_conflicts.inc_by(n);
         }
     }
 

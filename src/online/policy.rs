@@ -30,13 +30,12 @@ pub async fn apply_observed<S: WindowStore>(
     health: &Health,
 ) -> Result<Vec<Option<Verdict>>, StoreError> {
     let start = Instant::now();
-    let (conflicts, losses) = (store.conflicts(), store.data_losses());
+    let before = store.stats();
     let result = store.apply_batch_partial(rules, events).await;
     let took = start.elapsed().as_secs_f64();
     metrics.store_latency.observe(took);
     metrics.status.store_latency(took);
-    metrics.count_conflicts(store, conflicts);
-    metrics.count_data_losses(store, losses, health);
+    metrics.count_store_stats(store.stats(), before, health);
     match &result {
         Ok(verdicts) => {
             health.store_ok.store(true, Ordering::Relaxed);
@@ -59,9 +58,9 @@ pub async fn apply_observed<S: WindowStore>(
 /// probe failing turns readiness off with its reason, one succeeding
 /// turns it back on (checks do the same through `apply_observed`).
 pub async fn probe_store<S: WindowStore>(store: &mut S, metrics: &Metrics, health: &Health) {
-    let losses = store.data_losses();
+    let before = store.stats();
     let probed = store.probe().await;
-    metrics.count_data_losses(store, losses, health);
+    metrics.count_store_stats(store.stats(), before, health);
     match probed {
         Ok(()) => health.store_ok.store(true, Ordering::Relaxed),
         Err(e) => {

@@ -6,7 +6,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
-use crate::store::{cached, redis, AnyStore, WindowStore};
+use crate::store::{cached, redis, AnyStore, StoreStats, WindowStore};
 
 /// A Redis store, connected on the first call or probe that reaches Redis.
 pub struct Connecting {
@@ -64,12 +64,11 @@ impl WindowStore for Connecting {
         self.store().await?.apply_batch_partial(rules, events).await
     }
 
-    fn conflicts(&self) -> u64 {
-        self.store.as_ref().map_or(0, WindowStore::conflicts)
-    }
-
-    fn data_losses(&self) -> u64 {
-        self.store.as_ref().map_or(0, WindowStore::data_losses)
+    fn stats(&self) -> StoreStats {
+        self.store
+            .as_ref()
+            .map(WindowStore::stats)
+            .unwrap_or_default()
     }
 
     async fn probe(&mut self) -> Result<(), StoreError> {

@@ -24,6 +24,18 @@ use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
 
+/// What a store counts of its own work, since it connected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Writes refused because another writer had changed a caller (the
+    /// cached store), each decided again.
+    pub conflicts: u64,
+    /// Times Redis was found to have lost every key of the prefix (its
+    /// mode claim gone: a restart without persistence, a flush, a failover
+    /// to a replica that had not received them).
+    pub data_losses: u64,
+}
+
 /// A place that keeps window state and decides calls atomically.
 pub trait WindowStore: Send {
     /// Applies `events` in order (per caller, the order given) and returns one
@@ -69,24 +81,10 @@ pub trait WindowStore: Send {
         self.apply_batch(rules, events)
     }
 
-    /// Events per [`WindowStore::apply_batch`] call that suit this store in
-    /// a replay.
-    fn replay_batch(&self) -> usize {
-        512
-    }
-
-    /// Writes refused so far because another writer had changed a caller
-    /// (the cached store; 0 for the others).
-    fn conflicts(&self) -> u64 {
-        0
-    }
-
-    /// Times the store found that Redis had lost every key of its prefix
-    /// (its mode claim gone: a restart without persistence, a flush, a
-    /// failover to a replica that had not received them), since it
-    /// connected. 0 for in-process stores.
-    fn data_losses(&self) -> u64 {
-        0
+    /// What the store has counted of its own work since it connected
+    /// (zeros for in-process stores).
+    fn stats(&self) -> StoreStats {
+        StoreStats::default()
     }
 
     /// Checks that the store answers, as an idle server's readiness probe
@@ -96,21 +94,12 @@ pub trait WindowStore: Send {
     fn probe(&mut self) -> impl Future<Output = Result<(), StoreError>> + Send {
         async { Ok(()) }
     }
-
-    /// This store as a [`sharded::ShardedStore`], if it is one: an offline
-    /// replay then keeps the shards deciding the next chunk while the last
-    /// one is merged and written (see [`crate::offline::replay`]).
-    fn as_sharded(&mut self) -> Option<&mut sharded::ShardedStore> {
-        None
-    }
 }
 
 /// The store chosen at run time.
 pub enum AnyStore {
     /// In process.
     Memory(memory::MemoryStore),
-    /// In process, callers split over the cores (time-sorted input only).
-    Sharded(sharded::ShardedStore),
     /// Redis (standalone or Cluster), the algorithm in the window script.
     Redis(Box<redis::RedisStore>),
     /// Redis (standalone or Cluster), the algorithm in process on cached
@@ -144,7 +133,6 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
-            AnyStore::Sharded(s) => s.apply_batch(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
             AnyStore::Cached(s) => s.apply_batch(rules, events).await,
         }
@@ -158,7 +146,6 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch_unique(rules, events, unique).await,
-            AnyStore::Sharded(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
             AnyStore::Cached(s) => s.apply_batch(rules, events).await,
         }
@@ -172,32 +159,15 @@ impl WindowStore for AnyStore {
         match self {
             AnyStore::Cached(s) => s.apply_batch_partial(rules, events).await,
             AnyStore::Memory(s) => s.apply_batch_partial(rules, events).await,
-            AnyStore::Sharded(s) => s.apply_batch_partial(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch_partial(rules, events).await,
         }
     }
 
-    fn replay_batch(&self) -> usize {
+    fn stats(&self) -> StoreStats {
         match self {
-            AnyStore::Memory(s) => s.replay_batch(),
-            AnyStore::Sharded(s) => s.replay_batch(),
-            AnyStore::Redis(s) => s.replay_batch(),
-            AnyStore::Cached(s) => s.replay_batch(),
-        }
-    }
-
-    fn conflicts(&self) -> u64 {
-        match self {
-            AnyStore::Cached(s) => s.conflicts(),
-            _ => 0,
-        }
-    }
-
-    fn data_losses(&self) -> u64 {
-        match self {
-            AnyStore::Cached(s) => s.data_losses(),
-            AnyStore::Redis(s) => s.data_losses(),
-            AnyStore::Memory(_) | AnyStore::Sharded(_) => 0,
+            AnyStore::Cached(s) => s.stats(),
+            AnyStore::Redis(s) => s.stats(),
+            AnyStore::Memory(_) => StoreStats::default(),
         }
     }
 
@@ -205,14 +175,7 @@ impl WindowStore for AnyStore {
         match self {
             AnyStore::Cached(s) => s.probe().await,
             AnyStore::Redis(s) => s.probe().await,
-            AnyStore::Memory(_) | AnyStore::Sharded(_) => Ok(()),
-        }
-    }
-
-    fn as_sharded(&mut self) -> Option<&mut sharded::ShardedStore> {
-        match self {
-            AnyStore::Sharded(s) => Some(s),
-            _ => None,
+            AnyStore::Memory(_) => Ok(()),
         }
     }
 }

@@ -16,10 +16,6 @@ use crate::error::StoreError;
 use crate::store::memory::MemoryStore;
 use crate::store::WindowStore;
 
-/// Events handed to a [`ShardedStore`] at once in a replay: enough that
-/// starting the shards' threads is a small part of the work.
-pub const SHARDED_BATCH: usize = 65_536;
-
 /// The shard of a caller among `shards`: a fixed hash of the number, so a
 /// caller stays in its shard for the whole run.
 pub fn shard_of(caller: &str, shards: usize) -> usize {
@@ -180,14 +176,6 @@ impl WindowStore for ShardedStore {
         unique: &[bool],
     ) -> Result<Vec<Verdict>, StoreError> {
         Ok(self.apply_unique(rules, events, unique))
-    }
-
-    fn replay_batch(&self) -> usize {
-        SHARDED_BATCH
-    }
-
-    fn as_sharded(&mut self) -> Option<&mut ShardedStore> {
-        Some(self)
     }
 }
 

@@ -38,8 +38,8 @@ use rdkafka::types::RDKafkaErrorCode;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
+use crate::online::consumer::batch::Item;
 use crate::online::consumer::delivery::{ByPartition, ConsumerCtx, Shared};
-use crate::online::consumer::Item;
 
 /// How much event time a partition's uncommitted events may span, for an
 /// idempotency horizon of `dedup_ms`: less than the horizon.

@@ -13,6 +13,7 @@ use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, T
 use rdkafka::statistics::Statistics;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::ClientContext;
+use tokio::sync::Notify;
 use tracing::{debug, error, info, warn};
 
 use crate::error::KafkaError;
@@ -114,15 +115,17 @@ impl Pending {
         })
     }
 
-    fn done(&self) {
-        self.remaining.fetch_sub(1, Ordering::AcqRel);
+    /// One record acknowledged; whether it was the batch's last.
+    fn done(&self) -> bool {
+        self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
     }
 
-    fn fail(&self, why: String) {
+    /// One record failed for good; whether it was the batch's last.
+    fn fail(&self, why: String) -> bool {
         let mut f = self.failure.lock().unwrap_or_else(|p| p.into_inner());
         f.get_or_insert(why);
         drop(f);
-        self.remaining.fetch_sub(1, Ordering::AcqRel);
+        self.remaining.fetch_sub(1, Ordering::AcqRel) == 1
     }
 }
 
@@ -136,6 +139,10 @@ pub(super) struct Shared {
     revoked: Mutex<Vec<(String, i32)>>,
     /// The last batch whose offsets are stored.
     stored_through: AtomicU64,
+    /// Signalled by the delivery callback when a batch's last record is
+    /// acknowledged (or failed): the loop waits on it for room, a
+    /// checkpoint or the drain, instead of polling.
+    pub acked: Arc<Notify>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     drain_timeout: Duration,
@@ -147,6 +154,7 @@ impl Shared {
             in_flight: Mutex::new(VecDeque::new()),
             revoked: Mutex::new(Vec::new()),
             stored_through: AtomicU64::new(0),
+            acked: Arc::new(Notify::new()),
             metrics,
             health,
             drain_timeout,
@@ -297,18 +305,21 @@ pub(super) struct ProducerCtx {
     pub metrics: Arc<Metrics>,
     /// The dead-letter topic.
     pub dlq_topic: String,
+    /// [`Shared::acked`].
+    pub acked: Arc<Notify>,
 }
 
 impl ProducerCtx {
     /// A record failed for good: a dead letter is logged and counted (the
-    /// batch goes on), any other record fails its batch.
-    fn failed(&self, pending: &Pending, topic: &str, why: String) {
+    /// batch goes on), any other record fails its batch. Whether it was
+    /// the batch's last.
+    fn failed(&self, pending: &Pending, topic: &str, why: String) -> bool {
         if topic == self.dlq_topic {
             self.metrics.dlq_failures.inc();
             error!(topic, error = %why, "a dead letter could not be produced; it is dropped, the batch goes on");
-            pending.done();
+            pending.done()
         } else {
-            pending.fail(format!("cannot produce to {topic}: {why}"));
+            pending.fail(format!("cannot produce to {topic}: {why}"))
         }
     }
 }
@@ -319,12 +330,16 @@ impl ProducerContext for ProducerCtx {
     type DeliveryOpaque = Arc<Pending>;
 
     fn delivery(&self, result: &DeliveryResult<'_>, pending: Arc<Pending>) {
-        match result {
+        let last = match result {
             Err((e, m)) => {
                 use rdkafka::message::Message;
-                self.failed(&pending, m.topic(), e.to_string());
+                self.failed(&pending, m.topic(), e.to_string())
             }
             Ok(_) => pending.done(),
+        };
+        if last {
+            // A permit is kept if the loop is not waiting yet.
+            self.acked.notify_one();
         }
     }
 }
@@ -381,6 +396,7 @@ mod tests {
         let ctx = ProducerCtx {
             metrics: metrics.clone(),
             dlq_topic: "calls-dlq".into(),
+            acked: Arc::new(Notify::new()),
         };
         let batch = Pending::new(1, vec![("calls".into(), 0, 9)], 2);
         ctx.failed(&batch, "calls-dlq", "too large".into());

@@ -47,7 +47,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
 use crate::store::redis::conn::ModeClaim;
 use crate::store::redis::{classify, Conn, RedisConfig};
-use crate::store::WindowStore;
+use crate::store::{StoreStats, WindowStore};
 
 mod cache;
 mod plan;
@@ -586,12 +586,11 @@ impl CachedStore {
 }
 
 impl WindowStore for CachedStore {
-    fn conflicts(&self) -> u64 {
-        self.conflicts
-    }
-
-    fn data_losses(&self) -> u64 {
-        self.claim.lost
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            conflicts: self.conflicts,
+            data_losses: self.claim.lost,
+        }
     }
 
     async fn probe(&mut self) -> Result<(), StoreError> {

@@ -18,7 +18,7 @@ use crate::engine::rules::{CountPolicy, Listed, RuleSet};
 use crate::error::StoreError;
 use crate::store::redis::conn::{classify, is_noscript, Conn, ModeClaim};
 use crate::store::redis::RedisConfig;
-use crate::store::WindowStore;
+use crate::store::{StoreStats, WindowStore};
 
 /// The window script (see its header for KEYS, ARGV and the reply).
 pub const WINDOW_LUA: &str = include_str!("../../../lua/window.lua");
@@ -231,8 +231,11 @@ impl WindowStore for RedisStore {
         RedisStore::apply_batch(self, rules, events).await
     }
 
-    fn data_losses(&self) -> u64 {
-        self.claim.lost
+    fn stats(&self) -> StoreStats {
+        StoreStats {
+            conflicts: 0,
+            data_losses: self.claim.lost,
+        }
     }
 
     async fn probe(&mut self) -> Result<(), StoreError> {

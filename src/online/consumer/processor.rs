@@ -1,0 +1,301 @@
+//! The stream processor's loop as an object: one [`Processor`] per run,
+//! whose [`Processor::step`] reads a batch, admits what fits in the
+//! checkpoint allowance, hands it to the decider and finishes the batch
+//! before it (encode, produce, background commit).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::future::Shared as SharedFuture;
+use futures::FutureExt;
+use tokio::sync::{oneshot, watch};
+use tracing::info;
+
+use crate::engine::rules::RuleSet;
+use crate::error::ConsumeError;
+use crate::online::metrics::{Health, Metrics};
+use crate::store::WindowStore;
+
+use super::batch::{next_batch, sort_read, Read, Sorted};
+use super::checkpoint::{self, Early, Uncommitted};
+use super::clients::{
+    commit_now, connect, drain, produce_batch, wait_for_room, warm_producer, Clients,
+};
+use super::decide::{self, Decided, Decider};
+use super::delivery::{ConsumerCtx, Offsets, OutRecord};
+use super::encode::Encoder;
+use super::{ConsumeConfig, ConsumeStats, CHECKPOINT_RETRY};
+
+/// The shutdown signal, shared by the loop and the decider.
+type Shutdown = SharedFuture<Pin<Box<dyn Future<Output = ()> + Send>>>;
+
+/// A batch handed to the [`Decider`], with what the loop keeps of it
+/// meanwhile.
+pub(super) struct Deciding {
+    /// Sequence number (from 1).
+    seq: u64,
+    /// The last offset per partition of the messages it came from (stored
+    /// once its records are produced).
+    offsets: Offsets,
+    /// Its dead letters, to which the records are added.
+    out: Vec<OutRecord>,
+    /// The verdicts, on their way.
+    pub(super) reply: oneshot::Receiver<Decided>,
+    /// The verdicts, when they arrived while the next batch was collected
+    /// (an error: the decider stopped).
+    pub(super) ready: Option<Result<Decided, oneshot::error::RecvError>>,
+}
+
+/// What became of a batch offered for deciding.
+enum Admission {
+    /// Decide these (the rest, past the checkpoint allowance, is held).
+    Decide(Read, RuleSet),
+    /// Nothing fits until a checkpoint commits; the batch is held.
+    Wait,
+    /// Shutdown came while the store was failing.
+    Stop,
+}
+
+/// One run of the stream processor.
+pub(super) struct Processor {
+    clients: Clients,
+    config: ConsumeConfig,
+    metrics: Arc<Metrics>,
+    rules: watch::Receiver<RuleSet>,
+    decider: Decider,
+    shutdown: Shutdown,
+    /// Encodes the records of decided batches.
+    encoder: Encoder,
+    stats: ConsumeStats,
+    uncommitted: Uncommitted,
+    early: Early,
+    /// Batches submitted so far.
+    seq: u64,
+    /// The checkpoint allowance of the current rules (see [`checkpoint`]).
+    span_limit: i64,
+    /// A checkpoint is due but not committed yet.
+    checkpoint_due: bool,
+    /// Messages read but not admitted yet.
+    held: Read,
+    /// The batch being decided while the next one is collected.
+    deciding: Option<Deciding>,
+}
+
+impl Processor {
+    /// Connects, subscribes and starts the decider on `store`.
+    pub async fn start<S: WindowStore + 'static>(
+        config: ConsumeConfig,
+        store: S,
+        rules: watch::Receiver<RuleSet>,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<Self, ConsumeError> {
+        config.check()?;
+        let clients = connect(&config, &metrics, &health)?;
+        warm_producer(&clients, &config).await;
+        info!(topic = %config.input_topic, group = %config.group, "consuming");
+        let shutdown: Shutdown =
+            (Box::pin(shutdown) as Pin<Box<dyn Future<Output = ()> + Send>>).shared();
+        let decider = Decider::spawn(
+            store,
+            config.clone(),
+            metrics.clone(),
+            health,
+            shutdown.clone(),
+        );
+        let (encoder, span_limit) = {
+            let current = rules.borrow();
+            (
+                Encoder::new(&current, &config),
+                checkpoint::span_limit(current.dedup_ms()),
+            )
+        };
+        Ok(Processor {
+            clients,
+            config,
+            metrics,
+            rules,
+            decider,
+            shutdown,
+            encoder,
+            stats: ConsumeStats::default(),
+            uncommitted: Uncommitted::default(),
+            early: Early::default(),
+            seq: 0,
+            span_limit,
+            checkpoint_due: false,
+            held: Read::default(),
+            deciding: None,
+        })
+    }
+
+    /// One turn: read a batch, admit it, hand it to the decider, and finish
+    /// the batch before it. `false` when the run is over.
+    pub async fn step(&mut self) -> Result<bool, ConsumeError> {
+        let held = std::mem::take(&mut self.held);
+        let next = next_batch(
+            &self.clients,
+            &self.config,
+            &mut self.shutdown,
+            held,
+            self.deciding.as_mut(),
+        )
+        .await?;
+        // Store what was acknowledged meanwhile; a wanted background commit
+        // may start.
+        self.settle()?;
+        let batch = match next {
+            Some(b) if !b.is_empty() => b,
+            // Nothing new (the batch being decided is back, or all of it
+            // came from partitions revoked meanwhile): finish that one.
+            Some(_) => return self.finish(false).await,
+            None => {
+                self.finish(false).await?;
+                return Ok(false);
+            }
+        };
+        match self.admit(batch).await? {
+            Admission::Decide(batch, rules) => self.submit(batch, rules).await,
+            Admission::Wait => {
+                tokio::time::sleep(CHECKPOINT_RETRY).await;
+                Ok(true)
+            }
+            Admission::Stop => Ok(false),
+        }
+    }
+
+    /// Ends the run: the background commit, the last acknowledgements and
+    /// a synchronous commit.
+    pub async fn drain(mut self) -> Result<ConsumeStats, ConsumeError> {
+        self.early.finish(&mut self.uncommitted).await;
+        drain(&self.clients, self.config.drain_timeout).await?;
+        Ok(self.stats)
+    }
+
+    /// Stores the offsets of acknowledged batches and moves a wanted
+    /// background commit on.
+    fn settle(&mut self) -> Result<(), ConsumeError> {
+        self.clients
+            .shared
+            .settle::<ConsumerCtx, _>(&*self.clients.consumer)?;
+        self.early.step(
+            &self.clients.consumer,
+            &self.clients.shared,
+            &mut self.uncommitted,
+        );
+        Ok(())
+    }
+
+    /// Admits only what fits in the checkpoint allowance; when nothing
+    /// does, finishes the batch being decided and commits (now, or after
+    /// the commit under way).
+    async fn admit(&mut self, mut batch: Read) -> Result<Admission, ConsumeError> {
+        let rules = self.rules.borrow().clone();
+        self.span_limit = checkpoint::span_limit(rules.dedup_ms());
+        let mut cut = self.uncommitted.cut(&batch.items, self.span_limit);
+        if cut == 0 || self.checkpoint_due {
+            // Everything decided is produced first, so a commit covers it.
+            if !self.finish(false).await? {
+                return Ok(Admission::Stop);
+            }
+            self.early.finish(&mut self.uncommitted).await;
+            cut = self.uncommitted.cut(&batch.items, self.span_limit);
+            if cut == 0 || self.checkpoint_due {
+                if !commit_now(&self.clients, self.config.drain_timeout).await? {
+                    // Decide nothing more until it is committed (a
+                    // rebalance usually; reading on serves it). What was
+                    // read meanwhile waits, undecided; what a revoke takes
+                    // is dropped from it and re-read by the new owner.
+                    self.checkpoint_due = true;
+                    self.held = batch;
+                    return Ok(Admission::Wait);
+                }
+                self.checkpoint_due = false;
+                self.uncommitted = Uncommitted::default();
+                cut = self.uncommitted.cut(&batch.items, self.span_limit);
+            }
+        }
+        if cut < batch.len() {
+            self.held = batch.split_off(cut);
+        }
+        Ok(Admission::Decide(batch, rules))
+    }
+
+    /// Hands `batch` to the decider, then finishes the one before (it is
+    /// produced while this one is decided).
+    async fn submit(&mut self, batch: Read, rules: RuleSet) -> Result<bool, ConsumeError> {
+        let mut out: Vec<OutRecord> = Vec::with_capacity(batch.len() * 2);
+        let Sorted {
+            events,
+            spans,
+            offsets,
+        } = sort_read(batch.items, &self.metrics, &mut self.stats, &mut out);
+        self.seq += 1;
+        self.uncommitted.push(self.seq, spans);
+        let reply = self.decider.submit(rules, events).await?;
+        let previous = self.deciding.replace(Deciding {
+            seq: self.seq,
+            offsets,
+            out,
+            reply,
+            ready: None,
+        });
+        let cut = !self.held.is_empty();
+        self.finish_one(previous, cut).await
+    }
+
+    /// Finishes the batch being decided, if any (see [`Self::finish_one`]).
+    async fn finish(&mut self, cut: bool) -> Result<bool, ConsumeError> {
+        let deciding = self.deciding.take();
+        self.finish_one(deciding, cut).await
+    }
+
+    /// Waits for a batch's verdicts and records, then produces them and
+    /// starts a background commit once a quarter of the checkpoint
+    /// allowance is used (or `cut`: the next batch did not fit). `false`:
+    /// shutdown came while the store was failing, and nothing of the batch
+    /// is produced or committed.
+    async fn finish_one(
+        &mut self,
+        deciding: Option<Deciding>,
+        cut: bool,
+    ) -> Result<bool, ConsumeError> {
+        let Some(mut d) = deciding else {
+            return Ok(true);
+        };
+        let decided = match d.ready.take() {
+            Some(r) => r,
+            None => (&mut d.reply).await,
+        }
+        .map_err(|_| ConsumeError::DeciderStopped)?;
+        let Some(verdicts) = decided.verdicts else {
+            return Ok(false);
+        };
+        let verdicts = verdicts?;
+        self.metrics.batch_size.observe(verdicts.len() as f64);
+        for v in &verdicts {
+            decide::count(&self.metrics, &mut self.stats, v);
+        }
+        // Encoded here, not by the decider: the store is the pipeline's
+        // slowest step, so it does nothing else.
+        self.encoder.follow(&decided.rules);
+        d.out.reserve(2 * verdicts.len());
+        self.encoder.encode(&decided.events, &verdicts, &mut d.out);
+        self.stats.batches += 1;
+        produce_batch(&self.clients, d.seq, d.offsets, &d.out).await;
+        wait_for_room(&self.clients, self.config.max_in_flight).await?;
+        if cut || self.uncommitted.due(self.span_limit / 4) {
+            // A quarter of the allowance used, or the next batch cut:
+            // commit in the background while deciding goes on.
+            self.early.want(d.seq);
+        }
+        self.early.step(
+            &self.clients.consumer,
+            &self.clients.shared,
+            &mut self.uncommitted,
+        );
+        Ok(true)
+    }
+}
