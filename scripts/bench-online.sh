@@ -39,7 +39,8 @@ modes="${MODES:-default script}"
 mode_flag() { if [ "$1" != default ]; then echo "--redis-mode $1"; fi; }
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release -q --bin callguard --example bench_store --example loadgen --example decision_latency
-bin="$CARGO_TARGET_DIR/release/callguard"
+# CALLGUARD_BIN: another build of callguard to measure (an A/B against this one).
+bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 ex="$CARGO_TARGET_DIR/release/examples"
 
 echo "# 1. Store against the simple-script ceiling"

@@ -154,6 +154,29 @@ pub struct Row<'a> {
     pub verdict: &'a Verdict,
 }
 
+/// The event of a row known by its verdict alone.
+static NO_EVENT: CallEvent = CallEvent {
+    call_id: CompactString::const_new(""),
+    caller: CompactString::const_new(""),
+    ts_ms: 0,
+    callee: None,
+    duration_ms: None,
+    label: None,
+    list_number: None,
+};
+
+impl<'a> Row<'a> {
+    /// A row rendered from its verdict alone (a check's answer): every
+    /// column of the record is there; the columns only the event has
+    /// (callee, duration, label) are empty.
+    pub fn of_verdict(verdict: &'a Verdict) -> Self {
+        Row {
+            event: &NO_EVENT,
+            verdict,
+        }
+    }
+}
+
 /// A field of the output records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {

@@ -7,10 +7,13 @@
 //! * [`kafka`]: client settings and the embedded mock cluster.
 //! * [`metrics`]: Prometheus metrics, `/healthz` and `/readyz`.
 //! * [`status`]: the live status page (`/`) and its JSON (`/v1/stats`).
-//! * [`policy`]: the store call both paths make, timed and counted.
+//! * [`policy`]: what both paths share around the store: the failure
+//!   policy, the future-time check, the store call timed and counted.
+//! * [`clock`]: the wall clock.
 //! * [`reload`]: rule reloads on SIGHUP and file changes.
 //! * [`serve`]: `callguard serve`, the check API a switch calls per INVITE.
 
+pub mod clock;
 pub mod consumer;
 pub mod kafka;
 pub mod metrics;

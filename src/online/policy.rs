@@ -1,7 +1,8 @@
-//! The window store's call as `consume` and `serve` both make it: timed,
-//! its conflicts and failures counted, readiness kept up to date. What
-//! each does with an undecided call (back off, degrade, answer 503) stays
-//! with it.
+//! What `consume` and `serve` share around the window store: the
+//! failure policy, the wall clock and the check of times ahead of it, and
+//! the store's call itself (timed, its conflicts and failures counted,
+//! readiness kept up to date). What each does with an undecided call (back
+//! off, degrade, answer 503) stays with it.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -11,12 +12,48 @@ use tracing::warn;
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
-use crate::error::{chain, StoreError};
+use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 
 /// How often an idle `serve` or `consume` probes the store for `/readyz`.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// What to do when the window store fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StoreErrorPolicy {
+    /// Stop consuming and retry with backoff; commit nothing meanwhile, so nothing is lost.
+    #[default]
+    Block,
+    /// Allow the calls, flagged `degraded = true`, and keep going.
+    Allow,
+    /// Reject the calls, flagged `degraded = true`, and keep going.
+    Reject,
+}
+
+pub use crate::online::clock::now_ms;
+
+/// Refuses an event whose time is more than `skew` ahead of the wall clock
+/// (`ts_out_of_range`); `None` checks nothing.
+pub fn check_future_skew(
+    event: CallEvent,
+    skew: Option<std::time::Duration>,
+) -> Result<CallEvent, EventError> {
+    let Some(skew) = skew else {
+        return Ok(event);
+    };
+    let now = now_ms();
+    if event.ts_ms > now.saturating_add(skew.as_millis() as i64) {
+        return Err(EventError::TsOutOfRange {
+            ts: event.ts_ms,
+            why: format!(
+                "more than {} s ahead of the wall clock ({now} ms)",
+                skew.as_secs()
+            ),
+        });
+    }
+    Ok(event)
+}
 
 /// Decides `events` through `store` ([`WindowStore::apply_batch_partial`]:
 /// `None` for a call left undecided by contention) and records the call:

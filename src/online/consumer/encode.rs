@@ -11,6 +11,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::EventError;
 use crate::online::consumer::delivery::{OutKey, OutRecord};
 use crate::online::consumer::ConsumeConfig;
+use crate::online::policy::check_future_skew;
 
 /// Decodes a message; the key must be present (producers key by caller).
 pub fn decode_message(m: &impl Message, config: &ConsumeConfig) -> Result<CallEvent, EventError> {
@@ -31,35 +32,6 @@ pub fn decode_message(m: &impl Message, config: &ConsumeConfig) -> Result<CallEv
     }
     let event = config.decoder.decode_json(payload)?;
     check_future_skew(event, config.max_future_skew)
-}
-
-/// The wall clock, epoch milliseconds.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
-
-/// Refuses an event whose time is more than `skew` ahead of the wall clock
-/// (`ts_out_of_range`); `None` checks nothing.
-pub fn check_future_skew(
-    event: CallEvent,
-    skew: Option<std::time::Duration>,
-) -> Result<CallEvent, EventError> {
-    let Some(skew) = skew else {
-        return Ok(event);
-    };
-    let now = now_ms();
-    if event.ts_ms > now.saturating_add(skew.as_millis() as i64) {
-        return Err(EventError::TsOutOfRange {
-            ts: event.ts_ms,
-            why: format!(
-                "more than {} s ahead of the wall clock ({now} ms)",
-                skew.as_secs()
-            ),
-        });
-    }
-    Ok(event)
 }
 
 /// Longest key a dead letter keeps, bytes.

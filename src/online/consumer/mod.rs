@@ -88,17 +88,7 @@ pub const DEFAULT_MAX_FUTURE_SKEW_S: u64 = 300;
 /// Default deadline for draining on shutdown and revoke, seconds.
 pub const DEFAULT_DRAIN_TIMEOUT_S: u64 = 10;
 
-/// What to do when the window store fails.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum StoreErrorPolicy {
-    /// Stop consuming and retry with backoff; commit nothing meanwhile, so nothing is lost.
-    #[default]
-    Block,
-    /// Allow the calls, flagged `degraded = true`, and keep going.
-    Allow,
-    /// Reject the calls, flagged `degraded = true`, and keep going.
-    Reject,
-}
+pub use crate::online::policy::StoreErrorPolicy;
 
 /// Configuration of the stream processor.
 #[derive(Debug, Clone)]

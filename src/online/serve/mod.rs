@@ -51,11 +51,10 @@ use crate::engine::event::{CallEvent, Decoder};
 use crate::engine::record::{Decision, Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, KafkaError};
-use crate::online::consumer::encode::{check_future_skew, now_ms};
-use crate::online::consumer::StoreErrorPolicy;
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
 use crate::online::policy::{apply_observed, IdleProbe};
+use crate::online::policy::{check_future_skew, now_ms, StoreErrorPolicy};
 use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
@@ -440,20 +439,7 @@ fn service_unavailable(body: serde_json::Value) -> Response {
 
 /// The decision record as JSON; a reject with its status and Retry-After.
 fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> Response {
-    // The decision columns read only the record; an event is needed for the row.
-    let event = CallEvent {
-        call_id: Default::default(),
-        caller: Default::default(),
-        ts_ms: v.record.ts_ms,
-        callee: None,
-        duration_ms: None,
-        label: None,
-        list_number: None,
-    };
-    let mut body = schema.to_json(Row {
-        event: &event,
-        verdict: v,
-    });
+    let mut body = schema.to_json(Row::of_verdict(v));
     body["duplicate"] = json!(v.duplicate);
     let status = match (v.record.decision, reject_status) {
         (Decision::Reject, Some(s)) => s,

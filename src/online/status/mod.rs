@@ -12,11 +12,11 @@ pub mod top;
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
 use crate::engine::record::{Decision, Verdict};
+use crate::online::clock::now_ms;
 use top::{RecentTop, TopCaller};
 
 /// The page served at `/`.
@@ -33,13 +33,6 @@ pub const TOP_CAPACITY: usize = 128;
 const LATENCIES: usize = 2_048;
 /// Seconds of store latencies the percentiles cover.
 const LATENCY_WINDOW_S: i64 = 60;
-
-/// Epoch milliseconds now.
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
-}
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Second {
