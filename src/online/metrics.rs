@@ -112,116 +112,135 @@ impl Default for Metrics {
 impl Metrics {
     /// Registers every metric.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("callguard");
-        let events = Family::<DecisionLabels, Counter>::default();
-        let dlq = Family::<KindLabel, Counter>::default();
-        let duplicates = Counter::default();
-        let dlq_failures = Counter::default();
-        let late = Counter::default();
-        let clamped = Counter::default();
-        let store_data_lost = Counter::default();
-        let invalid_checks = Family::<KindLabel, Counter>::default();
-        let connections_shed = Family::<KindLabel, Counter>::default();
-        let degraded = Counter::default();
-        let store_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
-        let store_errors = Family::<KindLabel, Counter>::default();
-        let store_conflicts = Counter::default();
-        let batch_size = Histogram::new(exponential_buckets(1.0, 2.0, 14));
-        let in_flight = Gauge::default();
-        let lag = Family::<PartitionLabels, Gauge>::default();
-        let rebalances = Family::<KindLabel, Counter>::default();
-        let rule_reloads = Family::<KindLabel, Counter>::default();
-        let publish_failures = Counter::default();
-        registry.register("events", "Decided call events", events.clone());
-        registry.register("dlq", "Events sent to the dead-letter topic", dlq.clone());
-        registry.register(
-            "dlq_failures",
-            "Dead letters that could not be produced (dropped and logged)",
-            dlq_failures.clone(),
-        );
-        registry.register(
+        let mut m = Metrics {
+            registry: Registry::with_prefix("callguard"),
+            events: Family::default(),
+            dlq: Family::default(),
+            dlq_failures: Counter::default(),
+            duplicates: Counter::default(),
+            late: Counter::default(),
+            clamped: Counter::default(),
+            store_data_lost: Counter::default(),
+            invalid_checks: Family::default(),
+            connections_shed: Family::default(),
+            degraded: Counter::default(),
+            store_latency: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            store_errors: Family::default(),
+            store_conflicts: Counter::default(),
+            batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            in_flight: Gauge::default(),
+            lag: Family::default(),
+            rebalances: Family::default(),
+            rule_reloads: Family::default(),
+            publish_failures: Counter::default(),
+            status: Status::default(),
+        };
+        m.register_decisions();
+        m.register_store();
+        m.register_pipeline();
+        m
+    }
+
+    /// Decided calls, duplicates, late and degraded ones, and what was refused.
+    fn register_decisions(&mut self) {
+        let r = &mut self.registry;
+        r.register("events", "Decided call events", self.events.clone());
+        r.register(
             "duplicates",
             "Redelivered call ids answered from the store",
-            duplicates.clone(),
+            self.duplicates.clone(),
         );
-        registry.register("late", "Events later than the grace period", late.clone());
-        registry.register(
+        r.register(
+            "late",
+            "Events later than the grace period",
+            self.late.clone(),
+        );
+        r.register(
             "clamped",
             "serve: check times ahead of the clock by more than the grace, decided at the clock",
-            clamped.clone(),
+            self.clamped.clone(),
         );
-        registry.register(
-            "store_data_lost",
-            "Times Redis was found to have lost every key of the prefix",
-            store_data_lost.clone(),
-        );
-        registry.register(
-            "invalid_checks",
-            "serve: checks refused as invalid (400), by kind",
-            invalid_checks.clone(),
-        );
-        registry.register(
-            "connections_shed",
-            "serve: connections shed (over the cap) or closed (too slow or idle)",
-            connections_shed.clone(),
-        );
-        registry.register(
+        r.register(
             "degraded",
             "Events decided by the fallback policy while the store failed",
-            degraded.clone(),
+            self.degraded.clone(),
         );
-        registry.register(
+        r.register(
+            "invalid_checks",
+            "serve: checks refused as invalid (400), by kind",
+            self.invalid_checks.clone(),
+        );
+        r.register(
+            "dlq",
+            "Events sent to the dead-letter topic",
+            self.dlq.clone(),
+        );
+        r.register(
+            "dlq_failures",
+            "Dead letters that could not be produced (dropped and logged)",
+            self.dlq_failures.clone(),
+        );
+    }
+
+    /// The window store: latency, errors, conflicts, data loss.
+    fn register_store(&mut self) {
+        let r = &mut self.registry;
+        r.register(
             "store_latency_seconds",
             "Latency of one store batch call",
-            store_latency.clone(),
+            self.store_latency.clone(),
         );
-        registry.register("store_errors", "Window store errors", store_errors.clone());
-        registry.register(
+        r.register(
+            "store_errors",
+            "Window store errors",
+            self.store_errors.clone(),
+        );
+        r.register(
             "store_conflicts",
             "Cached store writes refused because another writer had changed the caller (decided again)",
-            store_conflicts.clone(),
+            self.store_conflicts.clone(),
         );
-        registry.register("batch_size", "Events per batch", batch_size.clone());
-        registry.register(
+        r.register(
+            "store_data_lost",
+            "Times Redis was found to have lost every key of the prefix",
+            self.store_data_lost.clone(),
+        );
+    }
+
+    /// Batches, Kafka, rules and connections.
+    fn register_pipeline(&mut self) {
+        let r = &mut self.registry;
+        r.register("batch_size", "Events per batch", self.batch_size.clone());
+        r.register(
             "in_flight_batches",
             "Batches awaiting broker acknowledgement",
-            in_flight.clone(),
+            self.in_flight.clone(),
         );
-        registry.register("consumer_lag", "Consumer lag per partition", lag.clone());
-        registry.register(
+        r.register(
+            "consumer_lag",
+            "Consumer lag per partition",
+            self.lag.clone(),
+        );
+        r.register(
             "rebalances",
             "Consumer group rebalances",
-            rebalances.clone(),
+            self.rebalances.clone(),
         );
-        registry.register("rule_reloads", "Rule set reloads", rule_reloads.clone());
-        registry.register(
+        r.register(
+            "rule_reloads",
+            "Rule set reloads",
+            self.rule_reloads.clone(),
+        );
+        r.register(
             "publish_failures",
             "Records of calls decided by serve that could not be produced",
-            publish_failures.clone(),
+            self.publish_failures.clone(),
         );
-        Metrics {
-            registry,
-            events,
-            dlq,
-            dlq_failures,
-            duplicates,
-            late,
-            clamped,
-            store_data_lost,
-            invalid_checks,
-            connections_shed,
-            degraded,
-            store_latency,
-            store_errors,
-            store_conflicts,
-            batch_size,
-            in_flight,
-            lag,
-            rebalances,
-            rule_reloads,
-            publish_failures,
-            status: Status::default(),
-        }
+        r.register(
+            "connections_shed",
+            "serve: connections shed (over the cap) or closed (too slow or idle)",
+            self.connections_shed.clone(),
+        );
     }
 
     /// What `/v1/stats` answers.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tracing::warn;
 
 use crate::engine::event::CallEvent;
-use crate::engine::record::Verdict;
+use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
@@ -32,6 +32,36 @@ pub enum StoreErrorPolicy {
 }
 
 pub use crate::online::clock::now_ms;
+
+impl StoreErrorPolicy {
+    /// The decision a call the store could not decide gets (`None` under
+    /// `block`: it waits, or is answered 503).
+    pub fn fallback(self) -> Option<Decision> {
+        match self {
+            StoreErrorPolicy::Block => None,
+            StoreErrorPolicy::Allow => Some(Decision::Allow),
+            StoreErrorPolicy::Reject => Some(Decision::Reject),
+        }
+    }
+}
+
+/// The verdicts of `events` with every undecided one (`None`) decided
+/// `decision` without its windows, flagged degraded; logged once with
+/// `why` the store failed.
+pub fn degrade(
+    events: &[CallEvent],
+    verdicts: Vec<Option<Verdict>>,
+    rules: &RuleSet,
+    decision: Decision,
+    why: &str,
+) -> Vec<Verdict> {
+    warn!(error = %why, decision = ?decision, "store failed; deciding degraded");
+    events
+        .iter()
+        .zip(verdicts)
+        .map(|(e, v)| v.unwrap_or_else(|| Verdict::degraded(e, rules, decision)))
+        .collect()
+}
 
 /// Refuses an event whose time is more than `skew` ahead of the wall clock
 /// (`ts_out_of_range`); `None` checks nothing.

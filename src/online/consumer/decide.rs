@@ -17,7 +17,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::{apply_observed, IdleProbe};
+use crate::online::policy::{apply_observed, degrade, IdleProbe};
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
@@ -159,25 +159,16 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
             }
             Err(err) => chain(&err),
         };
-        let decision = match policy {
-            StoreErrorPolicy::Block => {
-                warn!(error = %why, retry_in_ms = backoff.as_millis() as u64, "store failed; blocking");
-                tokio::select! {
-                    _ = shutdown.as_mut() => return None,
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-                continue;
+        let Some(decision) = policy.fallback() else {
+            warn!(error = %why, retry_in_ms = backoff.as_millis() as u64, "store failed; blocking");
+            tokio::select! {
+                _ = shutdown.as_mut() => return None,
+                _ = tokio::time::sleep(backoff) => {}
             }
-            StoreErrorPolicy::Allow => Decision::Allow,
-            StoreErrorPolicy::Reject => Decision::Reject,
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            continue;
         };
-        warn!(error = %why, policy = ?policy, "store failed; deciding degraded");
-        return Some(Ok(events
-            .iter()
-            .zip(verdicts)
-            .map(|(e, v)| v.unwrap_or_else(|| Verdict::degraded(e, rules, decision)))
-            .collect()));
+        return Some(Ok(degrade(events, verdicts, rules, decision, &why)));
     }
 }
 

@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Query, Request, State};
@@ -41,26 +41,26 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::engine::event::{CallEvent, Decoder};
 use crate::engine::record::{Decision, Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
-use crate::error::{chain, EventError, KafkaError};
+use crate::error::{EventError, KafkaError};
 use crate::online::kafka::{client_err, producer_config};
 use crate::online::metrics::{self, Health, Metrics};
-use crate::online::policy::{apply_observed, IdleProbe};
 use crate::online::policy::{check_future_skew, now_ms, StoreErrorPolicy};
-use crate::online::produce::event_json;
-use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
+mod batcher;
 mod listener;
 mod uncertain;
+
+use batcher::Batcher;
 
 pub use listener::{Limits, Listener};
 
@@ -244,15 +244,15 @@ pub async fn run<S: WindowStore + 'static>(
     health.assigned.store(true, Ordering::Relaxed);
     let config = Arc::new(config);
     let (tx, rx) = mpsc::channel(QUEUE);
-    let batcher = tokio::spawn(batcher(
-        rx,
+    let batcher = Batcher::new(
         store,
         rules,
         config.clone(),
         metrics.clone(),
         health.clone(),
         producer,
-    ));
+    );
+    let batcher = tokio::spawn(batcher.run(rx));
     let state = AppState {
         jobs: tx,
         config: config.clone(),
@@ -456,218 +456,9 @@ fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> R
     r
 }
 
-/// Decides queued requests in arrival order, a batch per store round trip.
-async fn batcher<S: WindowStore>(
-    mut rx: mpsc::Receiver<Job>,
-    mut store: S,
-    mut rules: watch::Receiver<RuleSet>,
-    config: Arc<ServeConfig>,
-    metrics: Arc<Metrics>,
-    health: Arc<Health>,
-    producer: Option<(FutureProducer, ServeTopics)>,
-) {
-    let mut current = rules.borrow_and_update().clone();
-    let mut uncertain = uncertain::Uncertain::default();
-    let mut schema = Arc::new(Schema::decisions(&current));
-    let mut features = Schema::features(&current);
-    let mut jobs: Vec<Job> = Vec::with_capacity(config.batch_size);
-    // Ready once the store answers (at once, unless Redis is down at start);
-    // while idle, readiness from a probe, not from the last check.
-    let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
-    loop {
-        let Some(first) = idle.recv(&mut rx, &mut store, &metrics, &health).await else {
-            break;
-        };
-        jobs.push(first);
-        let deadline = Instant::now() + config.linger;
-        while jobs.len() < config.batch_size {
-            match rx.try_recv() {
-                Ok(j) => jobs.push(j),
-                Err(_) if config.linger.is_zero() => break,
-                Err(_) => match tokio::time::timeout_at(deadline.into(), rx.recv()).await {
-                    Ok(Some(j)) => jobs.push(j),
-                    _ => break,
-                },
-            }
-        }
-        if rules.has_changed().unwrap_or(false) {
-            current = rules.borrow_and_update().clone();
-            schema = Arc::new(Schema::decisions(&current));
-            features = Schema::features(&current);
-        }
-        // Calls whose handler gave up at its deadline are dropped unapplied.
-        let (mut events, replies): (Vec<CallEvent>, Vec<_>) = jobs
-            .drain(..)
-            .filter(|j| j.claim.send())
-            .map(|j| (j.event, j.reply))
-            .unzip();
-        if events.is_empty() {
-            continue;
-        }
-        clamp_to_clock(&mut events, current.grace_ms, now_ms(), &metrics);
-        metrics.batch_size.observe(events.len() as f64);
-        let (verdicts, why) =
-            match apply_observed(&mut store, &current, &events, &metrics, &health).await {
-                // Calls of a caller another writer kept changing: only they
-                // are left undecided, and nothing of them written.
-                Ok(v) => {
-                    let why = v.iter().any(Option::is_none).then(|| CONTENDED.to_string());
-                    (v, why)
-                }
-                Err(e) => (vec![None; events.len()], Some(chain(&e))),
-            };
-        let verdicts = match (&why, config.on_store_error) {
-            (None, _) => verdicts,
-            (Some(why), StoreErrorPolicy::Block) => {
-                let failed = verdicts.iter().filter(|v| v.is_none()).count();
-                warn!(error = %why, calls = failed, "store failed; answering 503");
-                verdicts
-            }
-            (Some(why), policy) => {
-                let decision = if policy == StoreErrorPolicy::Allow {
-                    Decision::Allow
-                } else {
-                    Decision::Reject
-                };
-                warn!(error = %why, policy = ?policy, "store failed; deciding degraded");
-                events
-                    .iter()
-                    .zip(verdicts)
-                    .map(|(e, v)| {
-                        Some(v.unwrap_or_else(|| Verdict::degraded(e, &current, decision)))
-                    })
-                    .collect()
-            }
-        };
-        // A store error may come after the call was applied; a contended
-        // caller's calls were not written.
-        let applied = if why.as_deref() == Some(CONTENDED) {
-            "no"
-        } else {
-            "unknown"
-        };
-        if let Some((p, topics)) = &producer {
-            // First decisions, and duplicates of calls whose first answer
-            // had no verdict (their record was never published).
-            let publishable: Vec<bool> = events
-                .iter()
-                .zip(&verdicts)
-                .map(|(e, v)| match v {
-                    Some(v) => !v.duplicate || uncertain.settle(&e.call_id),
-                    None => {
-                        if applied == "unknown" {
-                            uncertain.insert(&e.call_id);
-                        }
-                        false
-                    }
-                })
-                .collect();
-            publish(
-                p,
-                topics,
-                (&schema, &features),
-                &events,
-                &verdicts,
-                &publishable,
-                &metrics,
-            );
-        }
-        for (reply, v) in replies.into_iter().zip(verdicts) {
-            let outcome = match v {
-                Some(v) => {
-                    metrics.count_decided(&v);
-                    Outcome::Decided(v, schema.clone())
-                }
-                None => Outcome::Unavailable {
-                    why: format!(
-                        "window store failed: {}",
-                        why.as_deref().unwrap_or_default()
-                    ),
-                    applied,
-                },
-            };
-            let _ = reply.send(outcome);
-        }
-    }
-}
-
-/// A check's time may lead the server clock by at most the grace: one
-/// further ahead is decided at the server clock. A time far ahead would
-/// otherwise become its caller's latest, and every later call of the
-/// caller, older by more than the grace, would be late: counted 1 and
-/// allowed (one check with a bad clock, or a forged one, would switch the
-/// caller's limits off). The record, and what is produced to Kafka, carry
-/// the time used.
-fn clamp_to_clock(events: &mut [CallEvent], grace_ms: i64, now: i64, metrics: &Metrics) {
-    let latest = now.saturating_add(grace_ms);
-    for e in events.iter_mut().filter(|e| e.ts_ms > latest) {
-        e.ts_ms = now;
-        metrics.clamped.inc();
-    }
-}
-
-/// Produces the decided calls of a batch marked `publishable` (first
-/// decisions, not duplicates, save those never published) to the events,
-/// decisions and features topics, keyed by caller; delivery failures are
-/// logged and counted (`publish_failures`), never block an answer.
-fn publish(
-    producer: &FutureProducer,
-    topics: &ServeTopics,
-    (decisions, features): (&Schema, &Schema),
-    events: &[CallEvent],
-    verdicts: &[Option<Verdict>],
-    publishable: &[bool],
-    metrics: &Arc<Metrics>,
-) {
-    let mut pending = Vec::new();
-    let decided = events
-        .iter()
-        .zip(verdicts)
-        .zip(publishable)
-        .filter(|(_, publish)| **publish)
-        .filter_map(|((e, v), _)| Some((e, v.as_ref()?)));
-    for (e, v) in decided {
-        let row = Row {
-            event: e,
-            verdict: v,
-        };
-        let out = [
-            (&topics.events, event_json(e).into_bytes()),
-            (&topics.decisions, decisions.json_bytes(row)),
-            (&topics.features, features.json_bytes(row)),
-        ];
-        for (topic, payload) in out {
-            let record = FutureRecord::to(topic)
-                .key(e.caller.as_str())
-                .payload(&payload);
-            match producer.send_result(record) {
-                Ok(f) => pending.push(f),
-                Err((err, _)) => {
-                    warn!(error = %err, topic, "could not queue a record");
-                    metrics.publish_failures.inc();
-                }
-            }
-        }
-    }
-    let metrics = metrics.clone();
-    tokio::spawn(async move {
-        for f in pending {
-            match f.await {
-                Ok(Ok(_)) => {}
-                Ok(Err((err, _))) => {
-                    warn!(error = %err, "a record was not delivered");
-                    metrics.publish_failures.inc();
-                }
-                Err(_) => {
-                    metrics.publish_failures.inc();
-                }
-            }
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
+    use super::batcher::clamp_to_clock;
     use super::*;
 
     #[test]

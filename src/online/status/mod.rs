@@ -202,6 +202,71 @@ fn bump(counts: &mut BTreeMap<String, u64>, key: &str) {
     }
 }
 
+impl Inner {
+    /// The last [`HISTORY_S`] seconds up to `now_s`, oldest first.
+    fn series(&self, now_s: i64) -> Vec<Point> {
+        (now_s - HISTORY_S + 1..=now_s)
+            .map(|t| {
+                let s = self.seconds[t.rem_euclid(HISTORY_S) as usize];
+                let s = if s.at == t { s } else { Second::default() };
+                Point {
+                    t,
+                    decided: s.decided,
+                    rejected: s.rejected,
+                    shadow: s.shadow,
+                }
+            })
+            .collect()
+    }
+
+    /// p50 and p99 of the store latencies of the last minute.
+    fn latency_quantiles(&self, now_s: i64) -> (Option<f64>, Option<f64>) {
+        let mut recent: Vec<f64> = self
+            .latencies
+            .iter()
+            .filter(|(at, _)| *at > now_s - LATENCY_WINDOW_S)
+            .map(|(_, ms)| *ms)
+            .collect();
+        recent.sort_by(f64::total_cmp);
+        let quantile = |q: f64| -> Option<f64> {
+            let last = recent.len().checked_sub(1)?;
+            Some(recent[((last as f64) * q).round() as usize])
+        };
+        (quantile(0.5), quantile(0.99))
+    }
+
+    /// Rejects and shadow rejects per rule, by rule name.
+    fn per_rule(&self) -> Vec<RuleLine> {
+        let mut rules: Vec<&String> = self
+            .rejects_per_rule
+            .keys()
+            .chain(self.shadow_per_rule.keys())
+            .collect();
+        rules.sort();
+        rules.dedup();
+        rules
+            .into_iter()
+            .map(|r| RuleLine {
+                rule: r.clone(),
+                rejects: self.rejects_per_rule.get(r).copied().unwrap_or(0),
+                shadow: self.shadow_per_rule.get(r).copied().unwrap_or(0),
+            })
+            .collect()
+    }
+
+    /// Lag per partition.
+    fn lags(&self) -> Vec<Lag> {
+        self.lag
+            .iter()
+            .map(|((topic, partition), lag)| Lag {
+                topic: topic.clone(),
+                partition: *partition,
+                lag: *lag,
+            })
+            .collect()
+    }
+}
+
 /// The live status; cheap to update from the deciding path (one
 /// uncontended lock per call).
 #[derive(Debug)]
@@ -335,40 +400,12 @@ impl Status {
         let now = now_ms();
         let now_s = now.div_euclid(1000);
         let i = self.inner.lock().ok()?;
-        let series: Vec<Point> = (now_s - HISTORY_S + 1..=now_s)
-            .map(|t| {
-                let s = i.seconds[t.rem_euclid(HISTORY_S) as usize];
-                let s = if s.at == t { s } else { Second::default() };
-                Point {
-                    t,
-                    decided: s.decided,
-                    rejected: s.rejected,
-                    shadow: s.shadow,
-                }
-            })
-            .collect();
+        let series = i.series(now_s);
         let sum = |last: usize, f: fn(&Point) -> u64| -> u64 {
             series.iter().rev().take(last).map(f).sum()
         };
         let (decided_60, rejected_60) = (sum(60, |p| p.decided), sum(60, |p| p.rejected));
-        let mut recent: Vec<f64> = i
-            .latencies
-            .iter()
-            .filter(|(at, _)| *at > now_s - LATENCY_WINDOW_S)
-            .map(|(_, ms)| *ms)
-            .collect();
-        recent.sort_by(f64::total_cmp);
-        let quantile = |q: f64| -> Option<f64> {
-            let last = recent.len().checked_sub(1)?;
-            Some(recent[((last as f64) * q).round() as usize])
-        };
-        let mut rules: Vec<&String> = i
-            .rejects_per_rule
-            .keys()
-            .chain(i.shadow_per_rule.keys())
-            .collect();
-        rules.sort();
-        rules.dedup();
+        let (store_p50_ms, store_p99_ms) = i.latency_quantiles(now_s);
         Some(Snapshot {
             role: i.role,
             now_ms: now,
@@ -384,28 +421,13 @@ impl Status {
             } else {
                 rejected_60 as f64 / decided_60 as f64
             },
-            per_rule: rules
-                .into_iter()
-                .map(|r| RuleLine {
-                    rule: r.clone(),
-                    rejects: i.rejects_per_rule.get(r).copied().unwrap_or(0),
-                    shadow: i.shadow_per_rule.get(r).copied().unwrap_or(0),
-                })
-                .collect(),
+            per_rule: i.per_rule(),
             series,
             top_rejected: i.top.top(now_s, TOP_N),
             top_minutes: top::MINUTES,
-            lag: i
-                .lag
-                .iter()
-                .map(|((topic, partition), lag)| Lag {
-                    topic: topic.clone(),
-                    partition: *partition,
-                    lag: *lag,
-                })
-                .collect(),
-            store_p50_ms: quantile(0.5),
-            store_p99_ms: quantile(0.99),
+            lag: i.lags(),
+            store_p50_ms,
+            store_p99_ms,
             store_errors: i.store_errors,
             dead_letters: i.dead_letters,
             invalid_checks: i.invalid_checks,

@@ -129,46 +129,15 @@ pub(super) fn decide<'a>(
     if !changed {
         return Write::check(p.caller, at, &p.cached);
     }
+    let cached = &mut *p.cached;
+    let (records_op, sets, dels) = records_write(
+        plan,
+        &cached.state,
+        (&mut cached.records, &mut cached.stale),
+        made,
+        &mut journal,
+    );
     let state = &p.cached.state;
-    let (records_op, sets, dels) = match &mut p.cached.records {
-        Records::Inline(list) => {
-            // Records trimmed leave; a record trimmed and made again in
-            // this batch is replaced.
-            if !made.is_empty() || !journal.dropped_records.is_empty() {
-                list.retain(|(id, _)| state.holds_record(id) && !made.iter().any(|(m, _)| m == id));
-                list.extend(made.drain(..).filter(|(id, _)| state.holds_record(id)));
-            }
-            if list.len() > plan.records_apart_above {
-                let all = std::mem::take(list);
-                p.cached.records = Records::Apart;
-                (RecordsOp::Replace, all, Vec::new())
-            } else {
-                (RecordsOp::Inline, Vec::new(), Vec::new())
-            }
-        }
-        Records::Apart if state.record_count() <= plan.records_apart_above / 4 => {
-            let all = state
-                .records()
-                .map(|(id, v)| (CompactString::from(id), v.to_reply()))
-                .collect();
-            p.cached.records = Records::Inline(all);
-            p.cached.stale.clear();
-            (RecordsOp::Delete, Vec::new(), Vec::new())
-        }
-        Records::Apart => {
-            // Trimmed records leave the hash at most TRIM_COUNT a
-            // write; the rest wait for the caller's next writes. A
-            // record trimmed and then made again in this batch stays.
-            let stale = &mut p.cached.stale;
-            stale.append(&mut journal.dropped_records);
-            let n = stale.len().min(TRIM_COUNT);
-            let dels = stale
-                .drain(..n)
-                .filter(|id| !state.holds_record(id))
-                .collect();
-            (RecordsOp::Hash, made, dels)
-        }
-    };
     let (log_op, log) = log_write(plan, state, p.cached.log, old_len, &journal);
     let version = rand::random::<u64>() | 1;
     let value = state_value(version, state, log, &p.cached.records);
@@ -190,5 +159,55 @@ pub(super) fn decide<'a>(
         sets,
         dels,
         block,
+    }
+}
+
+/// Where a caller's changed records go: inline in the state, moved out to
+/// (or back from) the records hash, or set and trimmed there; the hash's
+/// fields to set and to delete.
+fn records_write(
+    plan: &Plan,
+    state: &CallerState,
+    (records, stale): (&mut Records, &mut Vec<CompactString>),
+    mut made: Vec<(CompactString, String)>,
+    journal: &mut Journal,
+) -> (RecordsOp, Vec<(CompactString, String)>, Vec<CompactString>) {
+    match records {
+        Records::Inline(list) => {
+            // Records trimmed leave; a record trimmed and made again in
+            // this batch is replaced.
+            if !made.is_empty() || !journal.dropped_records.is_empty() {
+                list.retain(|(id, _)| state.holds_record(id) && !made.iter().any(|(m, _)| m == id));
+                list.extend(made.drain(..).filter(|(id, _)| state.holds_record(id)));
+            }
+            if list.len() > plan.records_apart_above {
+                let all = std::mem::take(list);
+                *records = Records::Apart;
+                (RecordsOp::Replace, all, Vec::new())
+            } else {
+                (RecordsOp::Inline, Vec::new(), Vec::new())
+            }
+        }
+        Records::Apart if state.record_count() <= plan.records_apart_above / 4 => {
+            let all = state
+                .records()
+                .map(|(id, v)| (CompactString::from(id), v.to_reply()))
+                .collect();
+            *records = Records::Inline(all);
+            stale.clear();
+            (RecordsOp::Delete, Vec::new(), Vec::new())
+        }
+        Records::Apart => {
+            // Trimmed records leave the hash at most TRIM_COUNT a
+            // write; the rest wait for the caller's next writes. A
+            // record trimmed and then made again in this batch stays.
+            stale.append(&mut journal.dropped_records);
+            let n = stale.len().min(TRIM_COUNT);
+            let dels = stale
+                .drain(..n)
+                .filter(|id| !state.holds_record(id))
+                .collect();
+            (RecordsOp::Hash, made, dels)
+        }
     }
 }
