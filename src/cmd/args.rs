@@ -204,6 +204,57 @@ impl InputArgs {
     }
 }
 
+/// The flags `consume` and `serve` share: the rule set, the window store,
+/// how call events are decoded and whether numbers are pseudonymised.
+#[derive(Debug, Clone, Args)]
+pub struct OnlineArgs {
+    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Store options.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Field names of the JSON events and number normalisation.
+    #[command(flatten)]
+    pub decoder: DecoderArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
+}
+
+impl OnlineArgs {
+    /// The event decoder, pseudonymising numbers when asked.
+    pub fn event_decoder(&self) -> Result<Decoder> {
+        let mut decoder = self.decoder.decoder()?;
+        self.privacy.apply(&mut decoder)?;
+        Ok(decoder)
+    }
+}
+
+/// The flags the offline commands share: the call log and how to read
+/// it, the rule set, and whether numbers are pseudonymised.
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Input options.
+    #[command(flatten)]
+    pub input: InputArgs,
+    /// Rule options.
+    #[command(flatten)]
+    pub rules: RuleArgs,
+    /// Pseudonymised numbers.
+    #[command(flatten)]
+    pub privacy: PrivacyArgs,
+}
+
+impl LogArgs {
+    /// How to read the log, numbers pseudonymised when asked.
+    pub fn read_options(&self, progress: bool) -> Result<ReadOptions> {
+        let mut read = self.input.read_options(progress)?;
+        self.privacy.apply(&mut read.decoder)?;
+        Ok(read)
+    }
+}
+
 /// The rule set: a file, shorthands, and overrides.
 #[derive(Debug, Clone, Args)]
 pub struct RuleArgs {

@@ -10,7 +10,7 @@ use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{self, Health, Metrics};
 use callguard::online::reload;
 
-use crate::cmd::args::{DecoderArgs, KafkaArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind};
+use crate::cmd::args::{KafkaArgs, OnlineArgs, StoreKind};
 use crate::cmd::shutdown_signal;
 
 /// Run the stream processor: consume call events from Kafka, decide
@@ -37,18 +37,9 @@ pub struct ConsumeArgs {
     /// from the input, decisions and features topics.
     #[arg(long, env = "CALLGUARD_DLQ_TOPIC", default_value = consumer::DEFAULT_DLQ_TOPIC)]
     pub dlq_topic: String,
-    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    /// The rules, the store, the events' fields, pseudonyms.
     #[command(flatten)]
-    pub rules: RuleArgs,
-    /// Store options.
-    #[command(flatten)]
-    pub store: StoreArgs,
-    /// Field names of the JSON payload and number normalisation.
-    #[command(flatten)]
-    pub decoder: DecoderArgs,
-    /// Pseudonymised numbers.
-    #[command(flatten)]
-    pub privacy: PrivacyArgs,
+    pub online: OnlineArgs,
     /// What to do when the window store fails: `block` (stop and retry,
     /// commit nothing: nothing is lost), `allow` or `reject` (decide
     /// `degraded = true` and keep going).
@@ -120,8 +111,7 @@ impl ConsumeArgs {
         config.batch_linger = std::time::Duration::from_micros(self.batch_linger_us);
         config.on_store_error = self.on_store_error.into();
         config.max_payload_bytes = self.max_payload_bytes;
-        config.decoder = self.decoder.decoder()?;
-        self.privacy.apply(&mut config.decoder)?;
+        config.decoder = self.online.event_decoder()?;
         config.max_future_skew = (self.max_future_skew_s > 0)
             .then(|| std::time::Duration::from_secs(self.max_future_skew_s));
         config.drain_timeout = std::time::Duration::from_secs(self.drain_timeout_s);
@@ -149,8 +139,8 @@ impl ConsumeArgs {
 
 /// Runs `callguard consume` until SIGINT or SIGTERM.
 pub async fn run(args: ConsumeArgs) -> Result<()> {
-    let rules = args.rules.rule_set()?;
-    args.store.kind(StoreKind::Redis)?;
+    let rules = args.online.rules.rule_set()?;
+    args.online.store.kind(StoreKind::Redis)?;
     let embedded = match args.kafka.brokers.as_str() {
         "mock" => Some(args.embedded()?),
         _ => None,
@@ -176,14 +166,14 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
     .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
     tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
     let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
-    let rule_args = args.rules.clone();
+    let rule_args = args.online.rules.clone();
     reload::spawn(
         move || rule_args.rule_set(),
-        args.rules.rules.clone(),
+        args.online.rules.rules.clone(),
         rules_tx,
         metrics.clone(),
     )?;
-    let store = args.store.open(StoreKind::Redis).await?;
+    let store = args.online.store.open(StoreKind::Redis).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;
@@ -223,12 +213,12 @@ mod tests {
     fn consume_defaults_to_redis_and_refuses_a_url_with_memory() {
         use crate::cmd::args::StoreKind;
         let c = consume(&[]);
-        assert_eq!(c.store.kind(StoreKind::Redis).unwrap(), StoreKind::Redis);
+        assert_eq!(c.online.store.kind(StoreKind::Redis).unwrap(), StoreKind::Redis);
         let c = consume(&["--store", "memory", "--redis-url", "redis://127.0.0.1:1"]);
-        let e = c.store.kind(StoreKind::Redis).unwrap_err().to_string();
+        let e = c.online.store.kind(StoreKind::Redis).unwrap_err().to_string();
         assert!(e.contains("--store memory"), "{e}");
         let c = consume(&["--store", "memory"]);
-        assert_eq!(c.store.kind(StoreKind::Redis).unwrap(), StoreKind::Memory);
+        assert_eq!(c.online.store.kind(StoreKind::Redis).unwrap(), StoreKind::Memory);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs};
+use crate::cmd::args::LogArgs;
 use crate::cmd::{progress_wanted, report_invalid};
 
 /// Export point-in-time features of every call of a call log (Parquet
@@ -14,15 +14,9 @@ use crate::cmd::{progress_wanted, report_invalid};
 /// columns and values the consumer emits online. Large logs stream in chunks.
 #[derive(Debug, Clone, Args)]
 pub struct FeaturesArgs {
-    /// Input options.
+    /// The call log, the rules, pseudonyms.
     #[command(flatten)]
-    pub input: InputArgs,
-    /// Rule options.
-    #[command(flatten)]
-    pub rules: RuleArgs,
-    /// Pseudonymised numbers.
-    #[command(flatten)]
-    pub privacy: PrivacyArgs,
+    pub log: LogArgs,
     /// Feature table: `.parquet` (recommended: typed timestamps) or `.csv`.
     #[arg(long, short)]
     pub output: PathBuf,
@@ -38,11 +32,10 @@ pub struct FeaturesArgs {
 
 /// Runs `callguard features`.
 pub async fn run(args: FeaturesArgs) -> Result<()> {
-    let rules = args.rules.rule_set()?;
-    let mut read = args.input.read_options(progress_wanted())?;
-    args.privacy.apply(&mut read.decoder)?;
+    let rules = args.log.rules.rule_set()?;
+    let read = args.log.read_options(progress_wanted())?;
     let report = callguard::offline::features::export(
-        &args.input.input,
+        &args.log.input.input,
         &read,
         &rules,
         &args.columns,

@@ -8,25 +8,19 @@ use clap::Args;
 use callguard::engine::record::Schema;
 use callguard::offline::replay::to_table;
 
-use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs, StoreArgs};
+use crate::cmd::args::{LogArgs, StoreArgs};
 use crate::cmd::{describe_rules, progress_wanted, report_invalid};
 
 /// Decide every call of a historical call log, offline, with the same
 /// window semantics as the online consumer.
 #[derive(Debug, Clone, Args)]
 pub struct ReplayArgs {
-    /// Input options.
+    /// The call log, the rules, pseudonyms.
     #[command(flatten)]
-    pub input: InputArgs,
-    /// Rule options.
-    #[command(flatten)]
-    pub rules: RuleArgs,
+    pub log: LogArgs,
     /// Store options.
     #[command(flatten)]
     pub store: StoreArgs,
-    /// Pseudonymised numbers.
-    #[command(flatten)]
-    pub privacy: PrivacyArgs,
     /// Decision records: `.csv` or `.parquet`. Invalid rows go to
     /// `<name>.invalid.csv` beside it.
     #[arg(long, short)]
@@ -35,13 +29,12 @@ pub struct ReplayArgs {
 
 /// Runs `callguard replay`.
 pub async fn run(args: ReplayArgs) -> Result<()> {
-    let rules = args.rules.rule_set()?;
-    let mut read = args.input.read_options(progress_wanted())?;
-    args.privacy.apply(&mut read.decoder)?;
+    let rules = args.log.rules.rule_set()?;
+    let read = args.log.read_options(progress_wanted())?;
     let mut store = args.store.open_replay().await?;
     let schema = Schema::decisions(&rules);
     let report = to_table(
-        &args.input.input,
+        &args.log.input.input,
         &read,
         &rules,
         &mut store,

@@ -14,9 +14,7 @@ use callguard::online::reload;
 use callguard::online::serve::{self, ServeConfig, ServeTopics};
 use callguard::store::connecting::Connecting;
 
-use crate::cmd::args::{
-    DecoderArgs, KafkaSettingsArgs, PrivacyArgs, RuleArgs, StoreArgs, StoreKind,
-};
+use crate::cmd::args::{KafkaSettingsArgs, OnlineArgs, StoreKind};
 use crate::cmd::consume::PolicyArg;
 use crate::cmd::shutdown_signal;
 
@@ -39,18 +37,9 @@ pub struct ServeArgs {
     /// rounded up) instead of 200; the body is the record either way.
     #[arg(long, value_enum, env = "CALLGUARD_REJECT_STATUS")]
     pub reject_status: Option<RejectStatus>,
-    /// Rule options (the rules file is reloaded on SIGHUP and when it changes).
+    /// The rules, the store, the events' fields, pseudonyms.
     #[command(flatten)]
-    pub rules: RuleArgs,
-    /// Store options.
-    #[command(flatten)]
-    pub store: StoreArgs,
-    /// Field names of the JSON body (and query) and number normalisation.
-    #[command(flatten)]
-    pub decoder: DecoderArgs,
-    /// Pseudonymised numbers.
-    #[command(flatten)]
-    pub privacy: PrivacyArgs,
+    pub online: OnlineArgs,
     /// What to answer when the window store fails: `block` (503 with a
     /// Retry-After: the switch applies its own fallback), `allow` or
     /// `reject` (a record flagged `degraded = true`).
@@ -137,8 +126,7 @@ pub enum RejectStatus {
 
 impl ServeArgs {
     fn config(&self) -> Result<ServeConfig> {
-        let mut decoder = self.decoder.decoder()?;
-        self.privacy.apply(&mut decoder)?;
+        let decoder = self.online.event_decoder()?;
         let topics = match &self.brokers {
             Some(brokers) => Some(ServeTopics {
                 brokers: brokers.clone(),
@@ -176,20 +164,20 @@ impl ServeArgs {
 
 /// Runs `callguard serve` until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> Result<()> {
-    let rules = args.rules.rule_set()?;
+    let rules = args.online.rules.rule_set()?;
     let config = args.config()?;
     let metrics = Arc::new(Metrics::new());
     metrics.status.set_role("serve");
     let health = Arc::new(Health::default());
     let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
-    let rule_args = args.rules.clone();
+    let rule_args = args.online.rules.clone();
     reload::spawn(
         move || rule_args.rule_set(),
-        args.rules.rules.clone(),
+        args.online.rules.rules.clone(),
         rules_tx,
         metrics.clone(),
     )?;
-    let store = match args.store.open(StoreKind::Redis).await {
+    let store = match args.online.store.open(StoreKind::Redis).await {
         Ok(store) => Connecting::now(store),
         // Redis down at start: serve anyway, not ready, until it is up.
         Err(e)
@@ -200,7 +188,10 @@ pub async fn run(args: ServeArgs) -> Result<()> {
                 error = format!("{e:#}"),
                 "Redis is not reachable; serving, not ready, until it is"
             );
-            Connecting::later(args.store.redis_config(), args.store.cache_limit())
+            Connecting::later(
+                args.online.store.redis_config(),
+                args.online.store.cache_limit(),
+            )
         }
         Err(e) => return Err(e),
     };

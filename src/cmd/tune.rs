@@ -10,7 +10,7 @@ use callguard::offline::order::OrderedLog;
 use callguard::offline::table::write_frame;
 use callguard::offline::tune::{render_table, sweep_frame, sweep_ordered, Target};
 
-use crate::cmd::args::{InputArgs, PrivacyArgs, RuleArgs};
+use crate::cmd::args::LogArgs;
 use crate::cmd::progress_wanted;
 
 /// Sweep a rule's limit N over a range on a call log and recommend one:
@@ -19,15 +19,9 @@ use crate::cmd::progress_wanted;
 /// its limit (`NAME:KIND:WINDOW`): the limit is what the sweep varies.
 #[derive(Debug, Clone, Args)]
 pub struct TuneArgs {
-    /// Input options.
+    /// The call log, the rules, pseudonyms.
     #[command(flatten)]
-    pub input: InputArgs,
-    /// Rule options; the other rules keep their limits while one is swept.
-    #[command(flatten)]
-    pub rules: RuleArgs,
-    /// Pseudonymised numbers.
-    #[command(flatten)]
-    pub privacy: PrivacyArgs,
+    pub log: LogArgs,
     /// Which rule to sweep (default: the first).
     #[arg(long)]
     pub sweep: Option<String>,
@@ -72,7 +66,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
     let limits = parse_limits(&args.limits)?;
     let max_n = limits.last().copied().unwrap_or(1);
     // NAME:KIND:WINDOW without a limit: the sweep varies it.
-    let mut rule_args = args.rules.clone();
+    let mut rule_args = args.log.rules.clone();
     for r in &mut rule_args.rule {
         if r.split(':').count() == 3 {
             *r = format!("{r}:{max_n}");
@@ -90,16 +84,15 @@ pub fn run(args: TuneArgs) -> Result<()> {
         Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
         None => Target::MaxFalseReject(args.max_false_reject),
     };
-    let mut input = args.input.clone();
+    let mut log_args = args.log.clone();
     if let Some(col) = &args.label_column {
-        input.decoder.map.push(format!("label={col}"));
+        log_args.input.decoder.map.push(format!("label={col}"));
     }
     let progress = progress_wanted();
-    let mut read = input.read_options(progress)?;
-    args.privacy.apply(&mut read.decoder)?;
+    let mut read = log_args.read_options(progress)?;
     // A sweep counts calls; callees are only a feature.
     read.callees = false;
-    let log = Arc::new(OrderedLog::open(&input.input, &read)?);
+    let log = Arc::new(OrderedLog::open(&log_args.input.input, &read)?);
     let rows = log.rows();
     let started = std::time::Instant::now();
     let (result, invalid) = sweep_ordered(log, &rules, index, &limits, target, progress)?;
