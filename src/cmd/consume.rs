@@ -213,12 +213,23 @@ mod tests {
     fn consume_defaults_to_redis_and_refuses_a_url_with_memory() {
         use crate::cmd::args::StoreKind;
         let c = consume(&[]);
-        assert_eq!(c.online.store.kind(StoreKind::Redis).unwrap(), StoreKind::Redis);
+        assert_eq!(
+            c.online.store.kind(StoreKind::Redis).unwrap(),
+            StoreKind::Redis
+        );
         let c = consume(&["--store", "memory", "--redis-url", "redis://127.0.0.1:1"]);
-        let e = c.online.store.kind(StoreKind::Redis).unwrap_err().to_string();
+        let e = c
+            .online
+            .store
+            .kind(StoreKind::Redis)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("--store memory"), "{e}");
         let c = consume(&["--store", "memory"]);
-        assert_eq!(c.online.store.kind(StoreKind::Redis).unwrap(), StoreKind::Memory);
+        assert_eq!(
+            c.online.store.kind(StoreKind::Redis).unwrap(),
+            StoreKind::Memory
+        );
     }
 
     #[test]

@@ -14,9 +14,11 @@ use polars::prelude::*;
 
 use crate::engine::event::{CallEvent, Decoder, FieldMap, FIELDS};
 use crate::error::{EventError, IoError};
-use crate::offline::cdr::{detect, Layout, Preset};
+use crate::offline::cdr::{Layout, Preset};
 use crate::offline::columns::EventColumns;
 
+#[cfg(any(test, feature = "testing"))]
+mod polars_csv;
 mod row;
 mod stream;
 
@@ -103,62 +105,9 @@ pub fn polars_err(context: impl Into<String>) -> impl FnOnce(PolarsError) -> IoE
 }
 
 /// Reads a whole comma-separated (or Parquet) file into a data frame of
-/// text columns.
+/// text columns (CSV: `testing` feature).
 pub fn read_frame(path: &Path, format: InputFormat) -> Result<DataFrame, IoError> {
     read_frame_columns(path, format, b',', None)
-}
-
-/// The CSV reader's options: every cell as text (no type inference, so a
-/// `+34...` or `0034...` number keeps its digits), and rows with more fields
-/// than the header cut to the header's width (rows with fewer get nulls: a
-/// missing field, listed as an invalid row).
-fn csv_options(has_header: bool, delimiter: u8) -> CsvReadOptions {
-    CsvReadOptions::default()
-        .with_has_header(has_header)
-        .with_infer_schema_length(Some(0))
-        .with_parse_options(
-            CsvParseOptions::default()
-                .with_separator(delimiter)
-                .with_truncate_ragged_lines(true),
-        )
-}
-
-/// Reads a CSV file with `options`, turning a polars failure into an error
-/// that names the file and, for an unclosed quote, its line. A file with
-/// invalid UTF-8 is read again with the bad bytes replaced by U+FFFD (the
-/// rows holding them then fail decoding and are listed with their numbers);
-/// strict decoding first, as it is markedly faster on clean files.
-fn read_csv(path: &Path, options: CsvReadOptions) -> Result<DataFrame, IoError> {
-    let ctx = format!("reading {}", path.display());
-    let attempt = |options: CsvReadOptions| {
-        options
-            .try_into_reader_with_file_path(Some(path.into()))
-            .and_then(|r| r.finish())
-    };
-    let read = attempt(options.clone()).or_else(|e| {
-        if e.to_string().contains("utf-8") {
-            let lossy = options
-                .parse_options
-                .as_ref()
-                .clone()
-                .with_encoding(CsvEncoding::LossyUtf8);
-            attempt(options.with_parse_options(lossy))
-        } else {
-            Err(e)
-        }
-    });
-    read.map_err(|source| match unclosed_quote_line(path) {
-        Some(line) => IoError::BadShape {
-            path: path.to_path_buf(),
-            problem: format!(
-                "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
-            ),
-        },
-        None => IoError::Polars {
-            context: ctx,
-            source,
-        },
-    })
 }
 
 /// The line (1-based) where a `"` opens a field that is never closed.
@@ -232,9 +181,11 @@ fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
 }
 
 /// Reads a file into a data frame of text columns; with `wanted`, only those
-/// of its columns that exist (the others are never materialised). A
-/// switch's CDR file (an explicit preset; `Auto` is plain CSV here) is read
-/// whole, its columns named by its header or by position.
+/// of its columns that exist (the others are never materialised). CSV and
+/// switches' CDR files (an explicit preset; `Auto` is plain CSV here) are
+/// read with polars' CSV reader only as the tests' oracle of the streamed
+/// reader (`testing` feature); the library streams them
+/// ([`read_events`]).
 pub fn read_frame_columns(
     path: &Path,
     format: InputFormat,
@@ -267,48 +218,29 @@ pub fn read_frame_columns(
             let df = reader.finish().map_err(polars_err(ctx.clone()))?;
             to_text_columns(df).map_err(polars_err(ctx))?
         }
+        #[cfg(any(test, feature = "testing"))]
         InputFormat::Asterisk | InputFormat::FreeSwitch | InputFormat::KamailioAcc => {
             let preset = format
                 .preset()
                 .ok_or_else(|| bad_shape(path, "no preset"))?;
-            read_preset_frame(path, preset, delimiter)?
+            polars_csv::read_preset_frame(path, preset, delimiter)?
         }
+        #[cfg(any(test, feature = "testing"))]
+        _ => polars_csv::read_csv_frame(path, delimiter, wanted)?,
+        #[cfg(not(any(test, feature = "testing")))]
         _ => {
-            // The header alone tells the delimiter is right and which
-            // wanted columns exist.
-            let header = read_csv(path, csv_options(true, delimiter).with_n_rows(Some(0)))?;
-            let names: Vec<String> = header
-                .get_column_names()
-                .iter()
-                .map(|n| n.to_string())
-                .collect();
-            check_delimiter(path, &names, delimiter)?;
-            let columns = match wanted {
-                Some(wanted) => {
-                    let present: Vec<PlSmallStr> = wanted
-                        .iter()
-                        .filter(|w| names.iter().any(|n| n == *w))
-                        .map(|w| (*w).into())
-                        .collect();
-                    if present.is_empty() {
-                        return Err(IoError::MissingColumn {
-                            column: wanted.first().copied().unwrap_or("call_id").to_string(),
-                            field: "call_id",
-                            columns: names.join(", "),
-                        });
-                    }
-                    Some(present.into())
-                }
-                None => None,
-            };
-            read_csv(path, csv_options(true, delimiter).with_columns(columns))?
+            let _ = (delimiter, wanted);
+            return Err(bad_shape(
+                path,
+                "only Parquet is read into a frame; CSV is streamed (read_events)",
+            ));
         }
     };
     Ok(df)
 }
 
 /// `Auto` on a `.parquet` file is Parquet; anything else as given (an
-/// `Auto` CSV is told by its first line, [`detect`]).
+/// `Auto` CSV is told by its first line, [`crate::offline::cdr::detect`]).
 fn resolve_format(path: &Path, format: InputFormat) -> InputFormat {
     match format {
         InputFormat::Auto
@@ -390,31 +322,6 @@ fn preset_names(
     })
 }
 
-/// A preset's file as a frame of text columns (the polars reader).
-fn read_preset_frame(path: &Path, preset: &Preset, delimiter: u8) -> Result<DataFrame, IoError> {
-    let ctx = format!("reading {}", path.display());
-    let mut df = read_csv(path, csv_options(false, delimiter))?;
-    let first: Vec<String> = match df.get_row(0) {
-        Ok(row) => row
-            .0
-            .iter()
-            .map(|v| v.get_str().unwrap_or_default().to_string())
-            .collect(),
-        Err(_) => return Err(bad_shape(path, "no data: empty CSV")),
-    };
-    let cells: Vec<&str> = first.iter().map(String::as_str).collect();
-    let layout = detect(preset.format, &cells, &[]);
-    let names: Vec<PlSmallStr> = preset_names(path, preset, layout, &first)?
-        .into_iter()
-        .map(PlSmallStr::from)
-        .collect();
-    df.set_column_names(&names).map_err(polars_err(ctx))?;
-    if layout.header {
-        df = df.slice(1, df.height().saturating_sub(1));
-    }
-    Ok(df)
-}
-
 /// The input's column names to read for `opts`: every mapped field, but the
 /// callee when `opts.callees` is false.
 pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str> {
@@ -425,7 +332,10 @@ pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str>
         .collect()
 }
 
-/// Reads and decodes a call log, in file order (see [`read_events`]).
+/// Reads and decodes a call log whole, in file order (see
+/// [`read_events`]): a test oracle of the chunked readers (`testing`
+/// feature).
+#[cfg(any(test, feature = "testing"))]
 pub fn read_call_log(path: &Path, opts: &ReadOptions) -> Result<CallLog, IoError> {
     let (events, invalid) = read_events(path, opts)?;
     Ok(CallLog {

@@ -496,7 +496,9 @@ impl Sweeper {
 }
 
 /// Sweeps rule `index` over `limits` (ascending, distinct) on a decoded,
-/// time-sorted log.
+/// time-sorted log: the whole-log form tests compare the chunked
+/// [`sweep_ordered`] against (`testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub fn sweep(
     log: &CallLog,
     rules: &RuleSet,
@@ -661,7 +663,8 @@ impl RowCounts {
 }
 
 /// Computes a sweep row for one N by replaying the whole log with that N
-/// (a check of the one-pass path).
+/// (a test oracle of the one-pass path; `testing` feature).
+#[cfg(any(test, feature = "testing"))]
 pub fn row_by_replay(
     log: &CallLog,
     rules: &RuleSet,
