@@ -87,9 +87,8 @@ pub(super) fn read_csv_events(
     opts: &ReadOptions,
     format: InputFormat,
 ) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
-    let ctx = || format!("reading {}", path.display());
     let io = |source| IoError::Io {
-        context: ctx(),
+        context: format!("reading {}", path.display()),
         source,
     };
     let file = File::open(path).map_err(io)?;
@@ -110,65 +109,50 @@ pub(super) fn read_csv_events(
         .map(|n| String::from_utf8_lossy(n).into_owned())
         .collect();
     let header = resolve_header(path, opts, format, &first_text)?;
-    let (decoder, fields) = (&header.decoder, header.fields);
+    let first = header.first_is_data.then_some(first);
     let bar = progress_bar(size, opts.progress, "reading");
-    let mut events = EventColumns::with_capacity((size / 64) as usize);
-    let mut invalid = Vec::new();
-    let mut last_multiline = false;
-    // One thread parses records, the others decode batches of them; the
-    // batches are put back in file order here.
+    let decoded = decode_in_order(reader, first, &header, opts, size, &bar);
+    bar.finish_and_clear();
+    let decoded = decoded.map_err(csv_err)?;
+    check_quotes_closed(path, decoded.last_multiline)?;
+    Ok((decoded.events, decoded.invalid))
+}
+
+/// What [`decode_in_order`] read.
+struct Decoded {
+    events: EventColumns,
+    invalid: Vec<InvalidRow>,
+    /// The last record spans lines (an unclosed quote, perhaps).
+    last_multiline: bool,
+}
+
+/// Parses the records on one thread and decodes batches of them on
+/// others, putting the batches back in file order. `first`: a first
+/// record that is data (not a header).
+fn decode_in_order<R: std::io::Read + Send>(
+    reader: csv::Reader<R>,
+    first: Option<csv::ByteRecord>,
+    header: &Header,
+    opts: &ReadOptions,
+    size: u64,
+    bar: &indicatif::ProgressBar,
+) -> Result<Decoded, csv::Error> {
+    let mut out = Decoded {
+        events: EventColumns::with_capacity((size / 64) as usize),
+        invalid: Vec::new(),
+        last_multiline: false,
+    };
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
     let (full_tx, full_rx) =
         std::sync::mpsc::sync_channel::<(usize, Vec<csv::ByteRecord>)>(2 * workers);
     let full_rx = std::sync::Mutex::new(full_rx);
     let (done_tx, done_rx) = std::sync::mpsc::channel::<DecodedBatch>();
     let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<csv::ByteRecord>>();
-    let parsed = std::thread::scope(|s| {
-        let parser = s.spawn(move || -> Result<(), csv::Error> {
-            // Batches come back to be refilled: records are allocated once.
-            let (mut batch, mut filled) = if header.first_is_data {
-                (vec![first], 1)
-            } else {
-                (Vec::new(), 0)
-            };
-            for seq in 0.. {
-                if batch.len() < CSV_BATCH {
-                    batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
-                }
-                while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
-                    filled += 1;
-                }
-                let done = filled < CSV_BATCH;
-                batch.truncate(filled);
-                if filled > 0 && full_tx.send((seq, batch)).is_err() {
-                    break;
-                }
-                if done {
-                    break;
-                }
-                batch = empty_rx.try_recv().unwrap_or_default();
-                filled = 0;
-            }
-            Ok(())
-        });
+    std::thread::scope(|s| {
+        let parser = s.spawn(move || parse_batches(reader, first, &full_tx, &empty_rx));
         for _ in 0..workers {
             let (full_rx, done_tx) = (&full_rx, done_tx.clone());
-            let fields = &fields;
-            s.spawn(move || {
-                let mut row = RowDecoder::new(decoder, header.preset, opts.timezone);
-                row.attempt_column = header.attempt;
-                loop {
-                    let next = match full_rx.lock() {
-                        Ok(rx) => rx.recv(),
-                        Err(_) => return,
-                    };
-                    let Ok((seq, batch)) = next else { return };
-                    let decoded = row.decode_records(seq, batch, fields);
-                    if done_tx.send(decoded).is_err() {
-                        return;
-                    }
-                }
-            });
+            s.spawn(move || decode_batches(header, opts, full_rx, &done_tx));
         }
         drop(done_tx);
         let mut waiting = std::collections::BTreeMap::new();
@@ -176,10 +160,10 @@ pub(super) fn read_csv_events(
         for decoded in done_rx {
             waiting.insert(decoded.seq, decoded);
             while let Some(d) = waiting.remove(&next) {
-                events.append(d.events);
-                invalid.extend(d.invalid);
+                out.events.append(d.events);
+                out.invalid.extend(d.invalid);
                 if let Some(last) = d.records.last() {
-                    last_multiline = last.iter().any(|f| f.contains(&b'\n'));
+                    out.last_multiline = last.iter().any(|f| f.contains(&b'\n'));
                     bar.set_position(last.position().map_or(0, |p| p.byte()));
                 }
                 // The parser may have finished (or failed) already.
@@ -190,23 +174,81 @@ pub(super) fn read_csv_events(
         parser
             .join()
             .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    });
-    bar.finish_and_clear();
-    parsed.map_err(csv_err)?;
-    // A quote that is never closed runs to the end of the file: the last
-    // record then spans lines. Say where it opened rather than read the
-    // rest of the file as one cell.
-    if last_multiline {
-        if let Some(line) = unclosed_quote_line(path) {
-            return Err(IoError::BadShape {
-                path: path.to_path_buf(),
-                problem: format!(
-                    "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
-                ),
-            });
+    })?;
+    Ok(out)
+}
+
+/// The parsing thread: fills batches of [`CSV_BATCH`] records (reusing
+/// those that come back) and hands them on, numbered.
+fn parse_batches<R: std::io::Read>(
+    mut reader: csv::Reader<R>,
+    first: Option<csv::ByteRecord>,
+    full_tx: &std::sync::mpsc::SyncSender<(usize, Vec<csv::ByteRecord>)>,
+    empty_rx: &std::sync::mpsc::Receiver<Vec<csv::ByteRecord>>,
+) -> Result<(), csv::Error> {
+    let mut filled = usize::from(first.is_some());
+    let mut batch: Vec<csv::ByteRecord> = first.into_iter().collect();
+    for seq in 0.. {
+        if batch.len() < CSV_BATCH {
+            batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
+        }
+        while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
+            filled += 1;
+        }
+        let done = filled < CSV_BATCH;
+        batch.truncate(filled);
+        if filled > 0 && full_tx.send((seq, batch)).is_err() {
+            break;
+        }
+        if done {
+            break;
+        }
+        batch = empty_rx.try_recv().unwrap_or_default();
+        filled = 0;
+    }
+    Ok(())
+}
+
+/// A decoding thread: decodes the batches it takes until there are none.
+fn decode_batches(
+    header: &Header,
+    opts: &ReadOptions,
+    full_rx: &std::sync::Mutex<std::sync::mpsc::Receiver<(usize, Vec<csv::ByteRecord>)>>,
+    done_tx: &std::sync::mpsc::Sender<DecodedBatch>,
+) {
+    let mut row = RowDecoder::new(&header.decoder, header.preset, opts.timezone);
+    row.attempt_column = header.attempt;
+    loop {
+        let next = match full_rx.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        let Ok((seq, batch)) = next else { return };
+        if done_tx
+            .send(row.decode_records(seq, batch, &header.fields))
+            .is_err()
+        {
+            return;
         }
     }
-    Ok((events, invalid))
+}
+
+/// A quote that is never closed runs to the end of the file: the last
+/// record then spans lines. Says where it opened rather than read the rest
+/// of the file as one cell.
+fn check_quotes_closed(path: &Path, last_multiline: bool) -> Result<(), IoError> {
+    if !last_multiline {
+        return Ok(());
+    }
+    match unclosed_quote_line(path) {
+        Some(line) => Err(bad_shape(
+            path,
+            format!(
+                "line {line}: a quoted field is never closed (the rest of the file would be one cell)"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A batch of CSV records, decoded.
