@@ -25,13 +25,7 @@ const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dl
 
 /// A day of generated calls in processing order, and the replay's records.
 fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, Value>) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("calls.csv");
-    callguard::offline::generate::write_csv(
-        &path,
-        &callguard::offline::generate::generate(rows, seed),
-    )
-    .unwrap();
+    let (_dir, path) = common::generated_csv(rows, seed);
     let log = callguard::offline::order::OrderedLog::open(&path, &Default::default())
         .unwrap()
         .read_all();

@@ -44,42 +44,23 @@ async fn sample(rows: usize, seed: u64) -> Sample {
 }
 
 async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("calls.csv");
-    callguard::offline::generate::write_csv(
-        &path,
-        &callguard::offline::generate::generate(rows, seed),
-    )
-    .unwrap();
-    let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
-    log.sort_by_time();
+    let (dir, path, log) = common::generated_log(rows, seed);
     let rules = RuleSet::from_file(rules).unwrap();
     let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
-    let (decision_schema, feature_schema) = (Schema::decisions(&rules), Schema::features(&rules));
-    let expected = verdicts
-        .iter()
-        .zip(&log.events)
-        .map(|(verdict, (_, event))| {
-            let row = Row { event, verdict };
-            (
-                verdict.record.call_id.to_string(),
-                decision_schema.to_json(row),
-            )
-        })
-        .collect();
-    let features = verdicts
-        .iter()
-        .zip(&log.events)
-        .map(|(verdict, (_, event))| {
-            let row = Row { event, verdict };
-            (
-                verdict.record.call_id.to_string(),
-                feature_schema.to_json(row),
-            )
-        })
-        .collect();
+    let by_call_id = |schema: Schema| -> HashMap<String, Value> {
+        verdicts
+            .iter()
+            .zip(&log.events)
+            .map(|(verdict, (_, event))| {
+                let row = Row { event, verdict };
+                (verdict.record.call_id.to_string(), schema.to_json(row))
+            })
+            .collect()
+    };
+    let expected = by_call_id(Schema::decisions(&rules));
+    let features = by_call_id(Schema::features(&rules));
     Sample {
         _dir: dir,
         path,

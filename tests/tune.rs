@@ -5,22 +5,13 @@ mod common;
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::{CountPolicy, Rule, RuleSet};
-use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
+use callguard::offline::read::{CallLog, ReadOptions};
 use callguard::offline::tune::{row_by_replay, sweep, Sweeper, Target};
 use common::scenarios::T0;
 
 /// A generated log: its directory, its file and the log, time-sorted.
 fn generated_file(rows: usize, seed: u64) -> (tempfile::TempDir, std::path::PathBuf, CallLog) {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("calls.csv");
-    callguard::offline::generate::write_csv(
-        &path,
-        &callguard::offline::generate::generate(rows, seed),
-    )
-    .unwrap();
-    let mut log = read_call_log(&path, &ReadOptions::default()).unwrap();
-    log.sort_by_time();
-    (dir, path, log)
+    common::generated_log(rows, seed)
 }
 
 #[test]

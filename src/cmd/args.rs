@@ -2,6 +2,7 @@
 //! the library's configurations. Defaults come from the library's constants.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -12,11 +13,14 @@ use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
 use callguard::offline::replay::ReplayStore;
+use callguard::online::metrics::Metrics;
+use callguard::online::reload;
 use callguard::store::cached;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{self, RedisConfig};
 use callguard::store::sharded::ShardedStore;
 use callguard::store::AnyStore;
+use tokio::sync::watch;
 
 /// Kafka connection options.
 #[derive(Debug, Clone, Args)]
@@ -223,6 +227,20 @@ pub struct OnlineArgs {
 }
 
 impl OnlineArgs {
+    /// The rule set, reloaded on SIGHUP and when its file changes: the
+    /// receiver always holds the set in force.
+    pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
+        let (tx, rx) = watch::channel(self.rules.rule_set()?);
+        let rule_args = self.rules.clone();
+        reload::spawn(
+            move || rule_args.rule_set(),
+            self.rules.rules.clone(),
+            tx,
+            metrics.clone(),
+        )?;
+        Ok(rx)
+    }
+
     /// The event decoder, pseudonymising numbers when asked.
     pub fn event_decoder(&self) -> Result<Decoder> {
         let mut decoder = self.decoder.decoder()?;

@@ -8,7 +8,6 @@ use clap::{Args, ValueEnum};
 use callguard::online::consumer::{self, ConsumeConfig, StoreErrorPolicy};
 use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{self, Health, Metrics};
-use callguard::online::reload;
 
 use crate::cmd::args::{KafkaArgs, OnlineArgs, StoreKind};
 use crate::cmd::shutdown_signal;
@@ -139,7 +138,6 @@ impl ConsumeArgs {
 
 /// Runs `callguard consume` until SIGINT or SIGTERM.
 pub async fn run(args: ConsumeArgs) -> Result<()> {
-    let rules = args.online.rules.rule_set()?;
     args.online.store.kind(StoreKind::Redis)?;
     let embedded = match args.kafka.brokers.as_str() {
         "mock" => Some(args.embedded()?),
@@ -151,6 +149,8 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
     let config = args.config(&brokers)?;
 
     let metrics = Arc::new(Metrics::new());
+    // The rules first: a bad file stops it before anything is served.
+    let rules_rx = args.online.watch_rules(&metrics)?;
     let health = Arc::new(Health::default());
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
     let server_stop = async move {
@@ -165,14 +165,6 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
     .await
     .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
     tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
-    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
-    let rule_args = args.online.rules.clone();
-    reload::spawn(
-        move || rule_args.rule_set(),
-        args.online.rules.rules.clone(),
-        rules_tx,
-        metrics.clone(),
-    )?;
     let store = args.online.store.open(StoreKind::Redis).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);

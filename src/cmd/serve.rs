@@ -10,7 +10,6 @@ use clap::{Args, ValueEnum};
 use callguard::error::StoreError;
 use callguard::online::consumer;
 use callguard::online::metrics::{Health, Metrics};
-use callguard::online::reload;
 use callguard::online::serve::{self, ServeConfig, ServeTopics};
 use callguard::store::connecting::Connecting;
 
@@ -164,19 +163,11 @@ impl ServeArgs {
 
 /// Runs `callguard serve` until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> Result<()> {
-    let rules = args.online.rules.rule_set()?;
     let config = args.config()?;
     let metrics = Arc::new(Metrics::new());
     metrics.status.set_role("serve");
     let health = Arc::new(Health::default());
-    let (rules_tx, rules_rx) = tokio::sync::watch::channel(rules);
-    let rule_args = args.online.rules.clone();
-    reload::spawn(
-        move || rule_args.rule_set(),
-        args.online.rules.rules.clone(),
-        rules_tx,
-        metrics.clone(),
-    )?;
+    let rules_rx = args.online.watch_rules(&metrics)?;
     let store = match args.online.store.open(StoreKind::Redis).await {
         Ok(store) => Connecting::now(store),
         // Redis down at start: serve anyway, not ready, until it is up.

@@ -303,6 +303,34 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_callguard"))
 }
 
+/// A generated, labelled call log written as CSV in a temporary
+/// directory: the directory (keep it alive) and the file.
+pub fn generated_csv(rows: usize, seed: u64) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    callguard::offline::generate::write_csv(
+        &path,
+        &callguard::offline::generate::generate(rows, seed),
+    )
+    .unwrap();
+    (dir, path)
+}
+
+/// [`generated_csv`], read whole and sorted by time.
+pub fn generated_log(
+    rows: usize,
+    seed: u64,
+) -> (
+    tempfile::TempDir,
+    PathBuf,
+    callguard::offline::read::CallLog,
+) {
+    let (dir, path) = generated_csv(rows, seed);
+    let mut log = callguard::offline::read::read_call_log(&path, &Default::default()).unwrap();
+    log.sort_by_time();
+    (dir, path, log)
+}
+
 /// A tansu broker process (a real Kafka-protocol broker), killed on drop.
 pub struct Tansu {
     child: Child,
