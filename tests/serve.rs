@@ -275,11 +275,17 @@ fn rejects_with_retry_after(cached: bool) {
             T0 + dt
         ))
     };
-    for (id, dt) in [("a", 0), ("b", 1_000)] {
+    for (id, dt, left) in [("a", 0, "1"), ("b", 1_000, "0")] {
         let r = check(&mut conn, id, dt);
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(r.json()["retry_after_ms"], serde_json::Value::Null);
         assert_eq!(r.header("retry-after"), None);
+        // The rate-limit headers: the burst rule, its calls left, and its
+        // window as the reset.
+        assert_eq!(r.header("x-ratelimit-limit"), Some("2"));
+        assert_eq!(r.header("x-ratelimit-remaining"), Some(left));
+        assert_eq!(r.header("x-ratelimit-reset"), Some("10"));
+        assert_eq!(r.header("ratelimit-policy"), Some("\"burst\";q=2;w=10"));
     }
     // Third call at +2 s: over the limit until the call at +1 s leaves the
     // 10 s window, at +11 s: 9,000 ms from now.
@@ -290,6 +296,8 @@ fn rejects_with_retry_after(cached: bool) {
     assert_eq!(body["reason"], "burst");
     assert_eq!(body["retry_after_ms"], 9_000);
     assert_eq!(r.header("retry-after"), Some("9"));
+    assert_eq!(r.header("ratelimit"), Some("\"burst\";r=0;t=9"));
+    assert_eq!(r.header("x-ratelimit-reset"), Some("9"));
     // The block key says why, and expires with the retry-after.
     let key = "cg:block:{+34911000002}";
     let got = common::raw_command(redis.port, &format!("GET {key}")).unwrap();
@@ -310,6 +318,80 @@ fn rejects_with_retry_after(cached: bool) {
     let r = check(&mut conn, "d", 2_500);
     assert_eq!(r.json()["retry_after_ms"], 9_500);
     assert_eq!(r.header("retry-after"), Some("10"));
+}
+
+/// Every answer's rate-limit headers name the rule nearest its limit in
+/// the record of the same call (the one that rejected it, else the fewest
+/// calls left) with its limit, calls left and reset; retransmissions get
+/// the same.
+#[test]
+fn rate_limit_headers_agree_with_the_record() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(
+        None,
+        &["burst:fixed:1s:3".into(), "minute:sliding:60s:7".into()],
+    )
+    .unwrap();
+    let served = Served::start_with(config(), redis_config(&redis), rules, true);
+    let mut conn = served.conn();
+    let limits = [("burst", 3u64, 1i64), ("minute", 7, 60)];
+    let mut checked = 0;
+    for i in 0..30i64 {
+        let caller = if i % 3 == 0 {
+            "%2B34911000031"
+        } else {
+            "%2B34911000032"
+        };
+        let id = format!("h{}", i - i64::from(i % 7 == 6));
+        let r = conn.get(&format!(
+            "/v1/check?call_id={id}&caller={caller}&ts={}",
+            T0 + i * 350
+        ));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let body = r.json();
+        let counts: Vec<u64> = limits
+            .iter()
+            .map(|(name, _, _)| body[format!("count_{name}")].as_u64().unwrap())
+            .collect();
+        let reason = body["reason"].as_str().unwrap();
+        let (rule, left) = match limits.iter().position(|(n, _, _)| *n == reason) {
+            Some(k) => (k, limits[k].1.saturating_sub(counts[k])),
+            None => (0..limits.len())
+                .map(|k| (k, limits[k].1.saturating_sub(counts[k])))
+                .min_by_key(|(_, left)| *left)
+                .unwrap(),
+        };
+        let (name, limit, window_s) = limits[rule];
+        let reset = match body["retry_after_ms"].as_i64() {
+            Some(ms) if body["decision"] == "reject" => (ms as u64).div_ceil(1000),
+            _ => window_s as u64,
+        };
+        assert_eq!(
+            r.header("x-ratelimit-limit"),
+            Some(limit.to_string().as_str()),
+            "{body}"
+        );
+        assert_eq!(
+            r.header("x-ratelimit-remaining"),
+            Some(left.to_string().as_str()),
+            "{body}"
+        );
+        assert_eq!(
+            r.header("x-ratelimit-reset"),
+            Some(reset.to_string().as_str()),
+            "{body}"
+        );
+        assert_eq!(
+            r.header("ratelimit"),
+            Some(format!("\"{name}\";r={left};t={reset}").as_str()),
+            "{body}"
+        );
+        checked += usize::from(body["decision"] == "reject");
+    }
+    assert!(
+        checked >= 3,
+        "the sequence reaches the limits ({checked} rejects)"
+    );
 }
 
 #[test]

@@ -18,6 +18,7 @@ use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
+use super::ratelimit::{limits, RuleLimit};
 use super::uncertain::Uncertain;
 use super::{Job, Outcome, ServeConfig, ServeTopics};
 
@@ -63,6 +64,8 @@ pub(super) struct Batcher<S> {
     current: RuleSet,
     schema: Arc<Schema>,
     features: Schema,
+    /// The rules' limits, for the rate-limit headers.
+    limits: Arc<[RuleLimit]>,
     config: Arc<ServeConfig>,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
@@ -86,6 +89,7 @@ impl<S: WindowStore> Batcher<S> {
             store,
             schema: Arc::new(Schema::decisions(&current)),
             features: Schema::features(&current),
+            limits: limits(&current).into(),
             current,
             rules,
             config,
@@ -120,6 +124,7 @@ impl<S: WindowStore> Batcher<S> {
             self.current = self.rules.borrow_and_update().clone();
             self.schema = Arc::new(Schema::decisions(&self.current));
             self.features = Schema::features(&self.current);
+            self.limits = limits(&self.current).into();
         }
     }
 
@@ -215,7 +220,7 @@ impl<S: WindowStore> Batcher<S> {
             let outcome = match v {
                 Some(v) => {
                     self.metrics.count_decided(&v);
-                    Outcome::Decided(v, self.schema.clone())
+                    Outcome::Decided(v, self.schema.clone(), self.limits.clone())
                 }
                 None => Outcome::Unavailable {
                     why: format!(

@@ -58,6 +58,7 @@ use crate::store::WindowStore;
 
 mod batcher;
 mod listener;
+mod ratelimit;
 mod uncertain;
 
 use batcher::Batcher;
@@ -157,8 +158,8 @@ impl Default for ServeConfig {
 
 /// What the batcher answers for one request.
 enum Outcome {
-    /// Decided, with the columns of the rules that decided.
-    Decided(Verdict, Arc<Schema>),
+    /// Decided, with the columns and limits of the rules that decided.
+    Decided(Verdict, Arc<Schema>, Arc<[ratelimit::RuleLimit]>),
     /// The store failed under `block`: no verdict. `applied` says whether
     /// the call may still have been applied (`"unknown"`: the store call
     /// failed after it was sent) or surely was not (`"no"`: a caller
@@ -390,7 +391,9 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
         },
     };
     match answer {
-        Ok(Outcome::Decided(v, schema)) => decided(&v, &schema, s.config.reject_status),
+        Ok(Outcome::Decided(v, schema, limits)) => {
+            decided(&v, &schema, &limits, s.config.reject_status)
+        }
         Ok(Outcome::Unavailable { why, applied }) => unavailable_applied(&why, applied),
         Err(_) => unavailable("shutting down"),
     }
@@ -437,8 +440,14 @@ fn service_unavailable(body: serde_json::Value) -> Response {
     r
 }
 
-/// The decision record as JSON; a reject with its status and Retry-After.
-fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> Response {
+/// The decision record as JSON, with the rate-limit headers; a reject
+/// with its status and Retry-After.
+fn decided(
+    v: &Verdict,
+    schema: &Schema,
+    limits: &[ratelimit::RuleLimit],
+    reject_status: Option<StatusCode>,
+) -> Response {
     let mut body = schema.to_json(Row::of_verdict(v));
     body["duplicate"] = json!(v.duplicate);
     let status = match (v.record.decision, reject_status) {
@@ -446,6 +455,7 @@ fn decided(v: &Verdict, schema: &Schema, reject_status: Option<StatusCode>) -> R
         _ => StatusCode::OK,
     };
     let mut r = (status, axum::Json(body)).into_response();
+    ratelimit::add_headers(r.headers_mut(), limits, v);
     if status != StatusCode::OK {
         if let Some(ms) = v.record.retry_after_ms {
             let secs = (ms.max(0) as u64).div_ceil(1000);

@@ -1,0 +1,155 @@
+//! Rate-limit headers on a check's answer, for clients and proxies that
+//! read them: the rule nearest its limit, as `X-RateLimit-Limit`,
+//! `X-RateLimit-Remaining` and `X-RateLimit-Reset`, and as the IETF
+//! `RateLimit-Policy` and `RateLimit` fields
+//! (draft-ietf-httpapi-ratelimit-headers: `"<rule>";q=<limit>;w=<window
+//! s>` and `"<rule>";r=<remaining>;t=<reset s>`).
+//!
+//! They are read from the call's record, so a retransmission gets the same
+//! headers as the first answer. `Reset` is the Retry-After on a reject by
+//! a rule; on an allow, the rule's window in seconds: by then its count
+//! has surely dropped (it may drop sooner). Calls on the allow- or
+//! denylist carry none: no rule limits them.
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::engine::record::{Decision, Verdict};
+use crate::engine::rules::RuleSet;
+
+/// A rule's name, limit and window, as the headers name them.
+#[derive(Debug, Clone)]
+pub(super) struct RuleLimit {
+    name: String,
+    limit: u64,
+    window_s: u64,
+}
+
+/// The limits of `rules`, in rule order.
+pub(super) fn limits(rules: &RuleSet) -> Vec<RuleLimit> {
+    rules
+        .rules
+        .iter()
+        .map(|r| RuleLimit {
+            name: r.name.clone(),
+            limit: r.limit,
+            window_s: (r.window_ms.max(0) as u64).div_ceil(1000),
+        })
+        .collect()
+}
+
+/// The rule nearest its limit for this record: the one that rejected it,
+/// or the fewest calls left (the first on a tie); with its remaining
+/// calls. `None` for a listed caller.
+fn nearest<'a>(limits: &'a [RuleLimit], v: &Verdict) -> Option<(&'a RuleLimit, u64)> {
+    let r = &v.record;
+    if let Some(i) = limits.iter().position(|l| l.name == r.reason.as_str()) {
+        let left = limits[i]
+            .limit
+            .saturating_sub(r.counts.get(i).copied().unwrap_or(0));
+        return Some((&limits[i], left));
+    }
+    if r.reason != "ok" {
+        return None;
+    }
+    limits
+        .iter()
+        .zip(&r.counts)
+        .map(|(l, &c)| (l, l.limit.saturating_sub(c)))
+        .min_by_key(|(_, left)| *left)
+}
+
+/// Adds the rate-limit headers of `v` to `headers`.
+pub(super) fn add_headers(headers: &mut HeaderMap, limits: &[RuleLimit], v: &Verdict) {
+    let Some((rule, left)) = nearest(limits, v) else {
+        return;
+    };
+    let reset = match (v.record.decision, v.record.retry_after_ms) {
+        (Decision::Reject, Some(ms)) => (ms.max(0) as u64).div_ceil(1000),
+        _ => rule.window_s,
+    };
+    let fields = [
+        ("x-ratelimit-limit", rule.limit.to_string()),
+        ("x-ratelimit-remaining", left.to_string()),
+        ("x-ratelimit-reset", reset.to_string()),
+        (
+            "ratelimit-policy",
+            format!("\"{}\";q={};w={}", rule.name, rule.limit, rule.window_s),
+        ),
+        ("ratelimit", format!("\"{}\";r={left};t={reset}", rule.name)),
+    ];
+    for (name, value) in fields {
+        if let Ok(value) = HeaderValue::from_str(&value) {
+            headers.insert(HeaderName::from_static(name), value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::record::DecisionRecord;
+
+    fn verdict(decision: Decision, reason: &str, counts: &[u64], retry: Option<i64>) -> Verdict {
+        Verdict {
+            record: DecisionRecord {
+                call_id: "c".into(),
+                caller: "+34911000001".into(),
+                ts_ms: 0,
+                decision,
+                reason: reason.into(),
+                counts: counts.iter().copied().collect(),
+                shadow: false,
+                late: false,
+                degraded: false,
+                rules_version: "v".into(),
+                retry_after_ms: retry,
+            },
+            prev_ts_ms: None,
+            distinct_callees: None,
+            duplicate: false,
+        }
+    }
+
+    fn header(h: &HeaderMap, name: &str) -> String {
+        h.get(name).unwrap().to_str().unwrap().to_string()
+    }
+
+    #[test]
+    fn the_rule_nearest_its_limit_is_named() {
+        let rules = RuleSet::from_args(
+            None,
+            &["burst:fixed:1s:2".into(), "minute:sliding:60s:10".into()],
+        )
+        .unwrap();
+        let limits = limits(&rules);
+        // 1 of 2 left in the burst, 2 of 10 in the minute: the burst.
+        let mut h = HeaderMap::new();
+        add_headers(
+            &mut h,
+            &limits,
+            &verdict(Decision::Allow, "ok", &[1, 8], None),
+        );
+        assert_eq!(header(&h, "x-ratelimit-limit"), "2");
+        assert_eq!(header(&h, "x-ratelimit-remaining"), "1");
+        assert_eq!(header(&h, "x-ratelimit-reset"), "1");
+        assert_eq!(header(&h, "ratelimit-policy"), "\"burst\";q=2;w=1");
+        assert_eq!(header(&h, "ratelimit"), "\"burst\";r=1;t=1");
+        // Rejected by the minute rule: it, with the Retry-After, rounded up.
+        let mut h = HeaderMap::new();
+        add_headers(
+            &mut h,
+            &limits,
+            &verdict(Decision::Reject, "minute", &[1, 11], Some(12_300)),
+        );
+        assert_eq!(header(&h, "ratelimit"), "\"minute\";r=0;t=13");
+        assert_eq!(header(&h, "x-ratelimit-limit"), "10");
+        // Listed callers: none.
+        let mut h = HeaderMap::new();
+        add_headers(
+            &mut h,
+            &limits,
+            &verdict(Decision::Reject, "denylist", &[1, 1], None),
+        );
+        assert!(h.is_empty());
+    }
+}
