@@ -3,7 +3,8 @@
 //! One algorithm, two stores: [`memory::MemoryStore`] runs the reference
 //! algorithm of [`crate::engine::window`] in process (and
 //! [`sharded::ShardedStore`] runs it split by caller over the cores, for
-//! offline work); [`redis::RedisStore`] runs the
+//! offline work, where `offline::replay::ReplayStore` drives it chunk by
+//! chunk); [`redis::RedisStore`] runs the
 //! same algorithm in atomic Lua calls of several events each;
 //! [`cached::CachedStore`] runs the reference algorithm in process on
 //! cached per-caller state and keeps that state in Redis, written back

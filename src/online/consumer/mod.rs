@@ -3,13 +3,15 @@
 //! A consumer-group member reads call events, decides them in batches
 //! through a [`WindowStore`], and produces one decision record and one
 //! feature record per event (undecodable events go to the dead-letter topic
-//! with the original bytes). The path of one batch, top to bottom in
-//! [`run`]: collect (`next_batch`) → decode ([`encode::decode_message`]) →
-//! decide (`decide::Decider`, under the store-failure policy) → encode
+//! with the original bytes). [`run`] starts a `processor::Processor` and
+//! calls its `step` until shutdown. The path of one batch, top to bottom:
+//! collect (`batch::next_batch`) → decode ([`encode::decode_message`]) →
+//! admit what fits the checkpoint allowance (`Processor::admit`) → decide
+//! (`decide::Decider`, under the store-failure policy) → encode
 //! (`encode::Encoder`, the record schema) → produce (`delivery::send`) →
-//! acknowledge and store offsets (`delivery::Shared::settle`) → commit
-//! (librdkafka's auto-commit of stored offsets, checkpoints, and
-//! synchronously on revoke and shutdown).
+//! acknowledge and store offsets (`delivery::Shared::settle`, woken by the
+//! delivery callback) → commit (librdkafka's auto-commit of stored
+//! offsets, checkpoints, and synchronously on revoke and shutdown).
 //!
 //! The steps overlap: the decider (the store, on a task of its own) works on
 //! one batch while the loop collects and decodes the next and encodes and

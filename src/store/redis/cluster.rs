@@ -4,7 +4,7 @@
 //! slot map and reconnects), but a repair that started while a failed
 //! primary's replica was not yet promoted was seen to hang, and every
 //! later call then timed out for good. So after a call fails on a lost or
-//! slow connection, [`Nodes::follow`] opens a new connection (at most once
+//! slow connection, `Nodes::follow` opens a new connection (at most once
 //! a second) and the calls after it use that one.
 
 use std::sync::RwLock;

@@ -1,5 +1,5 @@
 //! A standalone primary found through Redis Sentinel, followed across
-//! failovers: [`Primary`] holds the connection to the primary the sentinels
+//! failovers: `Primary` holds the connection to the primary the sentinels
 //! named last, and asks them again when a call fails in a way a failover
 //! explains (the old primary gone, or answering `READONLY` as a replica).
 
