@@ -303,8 +303,17 @@ impl Metrics {
         }
     }
 
+    /// Counts a batch of decided calls: the counters per call, the status
+    /// page once.
+    pub fn count_batch<'v>(&self, verdicts: impl IntoIterator<Item = &'v Verdict> + Clone) {
+        for v in verdicts.clone() {
+            self.count_decided(v);
+        }
+        self.status.decided(verdicts);
+    }
+
     /// Counts one decided call by decision and reason, and its flags.
-    pub fn count_decided(&self, v: &Verdict) {
+    fn count_decided(&self, v: &Verdict) {
         let r = &v.record;
         self.events
             .get_or_create(&DecisionLabels {
@@ -321,7 +330,6 @@ impl Metrics {
         if r.degraded {
             self.degraded.inc();
         }
-        self.status.decided(v);
     }
 
     /// The text exposition format.

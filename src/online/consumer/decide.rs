@@ -172,9 +172,12 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
     }
 }
 
-/// Counts one decided call in the stats and metrics.
-pub(super) fn count(metrics: &Metrics, stats: &mut ConsumeStats, v: &Verdict) {
-    stats.decided += 1;
-    stats.rejected += u64::from(v.record.decision == Decision::Reject);
-    metrics.count_decided(v);
+/// Counts a decided batch in the stats and metrics.
+pub(super) fn count(metrics: &Metrics, stats: &mut ConsumeStats, verdicts: &[Verdict]) {
+    stats.decided += verdicts.len() as u64;
+    stats.rejected += verdicts
+        .iter()
+        .filter(|v| v.record.decision == Decision::Reject)
+        .count() as u64;
+    metrics.count_batch(verdicts);
 }

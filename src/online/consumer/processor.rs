@@ -275,9 +275,7 @@ impl Processor {
         };
         let verdicts = verdicts?;
         self.metrics.batch_size.observe(verdicts.len() as f64);
-        for v in &verdicts {
-            decide::count(&self.metrics, &mut self.stats, v);
-        }
+        decide::count(&self.metrics, &mut self.stats, &verdicts);
         // Encoded here, not by the decider: the store is the pipeline's
         // slowest step, so it does nothing else.
         self.encoder.follow(&decided.rules);

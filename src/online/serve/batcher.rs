@@ -216,12 +216,10 @@ impl<S: WindowStore> Batcher<S> {
     /// Answers each check with its verdict, or that the store failed.
     fn answer(&self, replies: Vec<oneshot::Sender<Outcome>>, decided: Decided) {
         let applied = decided.applied();
+        self.metrics.count_batch(decided.verdicts.iter().flatten());
         for (reply, v) in replies.into_iter().zip(decided.verdicts) {
             let outcome = match v {
-                Some(v) => {
-                    self.metrics.count_decided(&v);
-                    Outcome::Decided(v, self.schema.clone(), self.limits.clone())
-                }
+                Some(v) => Outcome::Decided(v, self.schema.clone(), self.limits.clone()),
                 None => Outcome::Unavailable {
                     why: format!(
                         "window store failed: {}",

@@ -13,7 +13,7 @@
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::engine::record::{Decision, Verdict};
+use crate::engine::record::{Decision, Verdict, REASON_OK};
 use crate::engine::rules::RuleSet;
 
 /// A rule's name, limit and window, as the headers name them.
@@ -48,7 +48,7 @@ fn nearest<'a>(limits: &'a [RuleLimit], v: &Verdict) -> Option<(&'a RuleLimit, u
             .saturating_sub(r.counts.get(i).copied().unwrap_or(0));
         return Some((&limits[i], left));
     }
-    if r.reason != "ok" {
+    if r.reason != REASON_OK {
         return None;
     }
     limits

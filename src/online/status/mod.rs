@@ -311,10 +311,10 @@ impl Status {
         self.with(|i| i.role = role);
     }
 
-    /// Counts a decided call at the wall clock.
-    pub fn decided(&self, v: &Verdict) {
+    /// Counts a batch of decided calls at the wall clock: one clock read
+    /// and one lock per batch.
+    pub fn decided<'v>(&self, verdicts: impl IntoIterator<Item = &'v Verdict>) {
         let now_s = now_ms().div_euclid(1000);
-        let r = &v.record;
         self.with(|i| {
             let slot = &mut i.seconds[now_s.rem_euclid(HISTORY_S) as usize];
             if slot.at != now_s {
@@ -323,19 +323,22 @@ impl Status {
                     ..Second::default()
                 };
             }
-            slot.decided += 1;
-            i.decided += 1;
-            if r.decision == Decision::Reject {
-                slot.rejected += 1;
-                i.rejected += 1;
-                bump(&mut i.rejects_per_rule, &r.reason);
-                if !v.duplicate {
-                    i.top.add(now_s, &r.caller);
+            for v in verdicts {
+                let r = &v.record;
+                slot.decided += 1;
+                i.decided += 1;
+                if r.decision == Decision::Reject {
+                    slot.rejected += 1;
+                    i.rejected += 1;
+                    bump(&mut i.rejects_per_rule, &r.reason);
+                    if !v.duplicate {
+                        i.top.add(now_s, &r.caller);
+                    }
+                } else if r.shadow {
+                    slot.shadow += 1;
+                    i.shadow += 1;
+                    bump(&mut i.shadow_per_rule, &r.reason);
                 }
-            } else if r.shadow {
-                slot.shadow += 1;
-                i.shadow += 1;
-                bump(&mut i.shadow_per_rule, &r.reason);
             }
         });
     }
@@ -466,15 +469,15 @@ mod tests {
     fn snapshot_counts_what_was_decided() {
         let s = Status::default();
         for _ in 0..7 {
-            s.decided(&verdict("+1", Decision::Allow, "ok", false));
+            s.decided([&verdict("+1", Decision::Allow, "ok", false)]);
         }
         for _ in 0..3 {
-            s.decided(&verdict("+2", Decision::Reject, "minute", false));
+            s.decided([&verdict("+2", Decision::Reject, "minute", false)]);
         }
-        s.decided(&verdict("+3", Decision::Allow, "hour", true));
+        s.decided([&verdict("+3", Decision::Allow, "hour", true)]);
         let mut dup = verdict("+2", Decision::Reject, "minute", false);
         dup.duplicate = true;
-        s.decided(&dup);
+        s.decided([&dup]);
         s.store_latency(0.002);
         s.store_latency(0.010);
         let snap = s
