@@ -28,6 +28,13 @@
 --          (trimmed at the idempotency horizon D, TTL D); not kept when the
 --          sliding log is the index (see log_is_index)
 --   :c     callees: sorted set, member callee, score its latest call time
+--   :l:<rule>:<W>  a sliding rule's own log, when it sees only some calls
+--          (filters): sorted set, member call_id, score event time
+--   :d:<rule>:<W>  a distinct-callees rule's recorded callees: sorted set,
+--          member callee, score its latest recorded call time (at most
+--          ARGV[12] kept: past that ZPOPMIN drops the lowest (time, callee))
+--   meta also holds t:<rule>:<W> = a token bucket's theoretical arrival
+--          time "<ms>,<rem>" (TAT = ms + rem / n, rate n per period)
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
 --   set to the reason with that TTL.
 -- ARGV, once per call:
@@ -40,18 +47,27 @@
 --   10 distinct callees kept: 0/1                 11 longest window Wmax (ms)
 --   12 most distinct callees kept per caller (a new one beyond it is not kept)
 --   13 block keys: 0/1          14 key prefix
---   15 n (number of rules), then per rule i: kind (0 fixed, 1 sliding,
---   2 sliding-approx), window (ms), limit, name
--- then per event j, 4 values: t (event time, ms), call_id,
---   listed (0 no, 1 allow, 2 deny), callee ('' for none).
+--   15 n (number of rules), then per rule i, 7 values: kind (0 fixed,
+--   1 sliding, 2 sliding-approx, 3 token-bucket, 4 distinct-callees),
+--   window (ms; a token bucket's span), limit (a token bucket's burst),
+--   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
+--   calls), warn level ('' none), rate "<n>/<period ms>" (a
+--   token bucket's; '' otherwise)
+-- then per event j, 5 values: t (event time, ms), call_id,
+--   listed (0 no, 1 allow, 2 deny), callee ('' for none), mask: '' when
+--   every rule sees every call, else one character per rule: 1 the rule
+--   sees the call, 2 it does not now (time profile) but sees its callee
+--   (it counts for the retry-after), 0 neither (RuleSet::mask).
 -- Returns: per event j, in order, duplicate (0/1) then record, where record is
 --   its fields joined by '|'
 --   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
---   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts retry_after_ms
+--   record fields: ts_ms decision reason shadow late rules_version prev_ts_ms distinct_callees counts retry_after_ms warn
 --   decision 0 allow, 1 reject; shadow and late 0/1; prev_ts_ms empty when the
 --   caller has no state within the retention; distinct_callees empty when
 --   callees are not kept; counts comma-separated in rule order;
---   retry_after_ms empty unless a rule rejected (the contract's retry-after).
+--   retry_after_ms empty unless a rule rejected (the contract's retry-after);
+--   a count is 0 for a rule that does not see the call; warn is the first
+--   rule whose count exceeds its warn level on an allowed call ('' none).
 -- Needs Redis >= 7.0: the #!lua shebang (no flags) makes Redis refuse the
 -- whole call up front with an OOM error when maxmemory is reached, instead
 -- of failing at its first write with part of it applied; retries are exact.
@@ -80,17 +96,29 @@ local H = 15
 
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
+local rshadow, warns, rcalls, rper, tfield, suffix, ownlog = {}, {}, {}, {}, {}, {}, {}
+local PER_RULE = 7
 -- Meta fields read per event: L, the three lower bounds, approx counters.
 local mfields = {'L', 'O', 'I', 'C', 'N'}
 for i = 1, n do
-  local base = H + (i - 1) * 4
+  local base = H + (i - 1) * PER_RULE
   kinds[i] = tonumber(ARGV[base + 1])
   wins[i] = tonumber(ARGV[base + 2])
   lims[i] = tonumber(ARGV[base + 3])
   names[i] = ARGV[base + 4]
+  local flags = tonumber(ARGV[base + 5])
+  rshadow[i] = flags % 2 == 1
+  ownlog[i] = flags >= 2
+  warns[i] = tonumber(ARGV[base + 6])
+  suffix[i] = names[i] .. ':' .. fmt('%d', wins[i])
+  local rc, rp = string.match(ARGV[base + 7], '^(%d+)/(%d+)$')
+  rcalls[i], rper[i] = tonumber(rc), tonumber(rp)
   if kinds[i] == 0 then
     ffield[i] = #mfields + 1
     mfields[#mfields + 1] = 'f:' .. names[i] .. ':' .. fmt('%d', wins[i])
+  elseif kinds[i] == 3 then
+    tfield[i] = #mfields + 1
+    mfields[#mfields + 1] = 't:' .. suffix[i]
   elseif kinds[i] == 2 then
     local f = 'a:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
     afield[i] = #mfields + 1
@@ -99,7 +127,11 @@ for i = 1, n do
     mfields[#mfields + 1] = f .. 'p'
   end
 end
-local E = H + 4 * n
+local E = H + PER_RULE * n
+local has_distinct = false
+for i = 1, n do
+  if kinds[i] == 4 then has_distinct = true end
+end
 local NM = #mfields
 -- Under attempts with a sliding rule and D = retention, the sliding log holds
 -- exactly the call ids the index would (the same members, scores and
@@ -240,9 +272,62 @@ local function approx_until(a, lnew, w, lim)
   return nil
 end
 
+-- Token bucket (window/bucket.rs): TAT as {ms, rem}, rem in n-ths of a ms.
+local function tat_next(tat, t, i)
+  local nn, per = rcalls[i], rper[i]
+  local ms, rem = t, 0
+  if tat and (tat[1] > t or (tat[1] == t and tat[2] > 0)) then ms, rem = tat[1], tat[2] end
+  local r = per % nn
+  ms, rem = ms + (per - r) / nn, rem + r
+  if rem >= nn then ms, rem = ms + 1, rem - nn end
+  return {ms, rem}
+end
+local function tat_level(tat, t, i)
+  local ticks = (tat[1] - t) * rcalls[i] + tat[2]
+  if ticks < 0 then ticks = 0 end
+  return ceil_div(ticks, rper[i])
+end
+local function tat_until(tat, t, i, lim)
+  local nn = rcalls[i]
+  local x = (tat[1] - t) * nn + tat[2] - (lim - 1) * rper[i]
+  local d = ceil_div(x, nn) - 1
+  if d >= 1 then return t + d end
+  return nil
+end
+-- Distinct callees (window/distinct.rs): the last time a call to own would
+-- still count above lim, from the lim-th most recent other callee.
+local function distinct_until(key, own, t, w, lim)
+  local top = call('ZREVRANGE', key, 0, lim, 'WITHSCORES')
+  local k = 0
+  for j = 1, #top, 2 do
+    if top[j] ~= own then
+      k = k + 1
+      if k == lim then
+        local e_end = tonumber(top[j + 1]) + w - 1
+        if e_end > t then return e_end end
+        return nil
+      end
+    end
+  end
+  return nil
+end
+
 -- Decides one event of the caller whose keys start with stem.
-local function decide(stem, t, id, listed, callee)
+local function decide(stem, t, id, listed, callee, mask)
   local meta, log, ids, callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
+  -- Whether rule i sees the call (1), counts it for the retry-after only (2).
+  local function sees(i)
+    return mask == '' or string.byte(mask, i) == 49
+  end
+  local function near(i)
+    return mask == '' or string.byte(mask, i) ~= 48
+  end
+  -- A rule's own sorted set (own log or distinct callees), if it has one.
+  local function own_key(i)
+    if kinds[i] == 4 then return stem .. ':d:' .. suffix[i] end
+    if ownlog[i] then return stem .. ':l:' .. suffix[i] end
+    return nil
+  end
   local rfield = 'r:' .. id
   mfields[NM + 1] = rfield
   local mv = call('HMGET', meta, unpack(mfields, 1, NM + (idem and 1 or 0)))
@@ -305,7 +390,10 @@ local function decide(stem, t, id, listed, callee)
         or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
         n_callees = n_callees + call('ZADD', callees, 'GT', t, callee)
       else
-        call('ZADD', callees, 'XX', 'GT', t, callee)
+        -- At the cap: only a kept callee is raised; one left over from
+        -- before the horizon (trimmed lazily) is gone for the contract.
+        local cur = tonumber(call('ZSCORE', callees, callee))
+        if cur and cur > horizon then call('ZADD', callees, 'XX', 'GT', t, callee) end
       end
       b_callees = lower(b_callees, t)
       call('PEXPIRE', callees, retention + slack)
@@ -318,12 +406,50 @@ local function decide(stem, t, id, listed, callee)
     end
   end
 
-  local counts, approx, fixed, fchanged = {}, {}, {}, false
+  -- A token bucket's TAT as kept, unless the caller starts afresh.
+  local function read_tat(i)
+    if not prev then return nil end
+    local ms, rem = string.match(mv[tfield[i]] or '', '^(-?%d+),(%d+)$')
+    if not ms then return nil end
+    return {tonumber(ms), tonumber(rem)}
+  end
+
+  -- Rules with sets of their own: drop what is at or below the horizon.
+  local okeys = {}
+  if mask ~= '' or has_distinct then
+    for i = 1, n do
+      okeys[i] = own_key(i)
+      if okeys[i] and near(i) then call('ZREMRANGEBYSCORE', okeys[i], '-inf', horizon) end
+    end
+  end
+
+  local counts, approx, fixed, fchanged, tats = {}, {}, {}, false, {}
   for i = 1, n do
     local w = wins[i]
     local b = floor(t / w)
     local kind = kinds[i]
-    if kind == 1 then
+    if not sees(i) then
+      counts[i] = 0
+    elseif kind == 4 then
+      if callee == '' then
+        counts[i] = 0
+      else
+        local live = call('ZCOUNT', okeys[i], '(' .. fmt('%d', t - w), '+inf')
+        local own = tonumber(call('ZSCORE', okeys[i], callee))
+        if not (own and own > t - w) then live = live + 1 end
+        counts[i] = math.min(live, max_callees)
+      end
+    elseif kind == 3 then
+      if t <= horizon then
+        -- Past the retention: counts 1, not recorded.
+        counts[i] = 1
+      else
+        tats[i] = tat_next(read_tat(i), t, i)
+        counts[i] = tat_level(tats[i], t, i)
+      end
+    elseif kind == 1 and okeys[i] then
+      counts[i] = 1 + call('ZCOUNT', okeys[i], '(' .. fmt('%d', t - w), fmt('%d', t))
+    elseif kind == 1 then
       if b_log == EMPTY then
         counts[i] = 1
       else
@@ -342,6 +468,9 @@ local function decide(stem, t, id, listed, callee)
           fchanged = true
         end
       end
+    elseif t <= horizon then
+      -- sliding-approx past the retention: counts 1, moves nothing.
+      counts[i] = 1
     else
       local k = afield[i]
       local cb, cur, pv = nil, 0, 0
@@ -366,16 +495,21 @@ local function decide(stem, t, id, listed, callee)
     end
   end
 
-  local would, reason = 0, 'ok'
+  local would, reason, by_shadow = 0, 'ok', false
   if listed == '2' then
     would, reason = 1, 'denylist'
   elseif listed == '1' then
     reason = 'allowlist'
   else
+    -- The first enforcing rule over its limit, else the first shadow one.
     for i = 1, n do
       if counts[i] > lims[i] then
-        would, reason = 1, names[i]
-        break
+        if not rshadow[i] then
+          would, reason, by_shadow = 1, names[i], false
+          break
+        elseif would == 0 then
+          would, reason, by_shadow = 1, names[i], true
+        end
       end
     end
   end
@@ -388,13 +522,26 @@ local function decide(stem, t, id, listed, callee)
     end
     for i = 1, n do
       local kind = kinds[i]
-      if kind == 0 then
+      if not sees(i) then
+        -- Not seen: nothing of the rule's changes.
+      elseif kind == 0 then
         local b = floor(t / wins[i])
         if admitted and (b + 1) * wins[i] + grace > lnew then
           fixed[i][b] = counts[i]
           fchanged = true
         end
-      elseif kind == 2 then
+      elseif kind == 1 and okeys[i] then
+        call('ZADD', okeys[i], t, id)
+        call('PEXPIRE', okeys[i], retention + slack)
+      elseif kind == 3 and tats[i] then
+        mv[tfield[i]] = fmt('%d,%d', tats[i][1], tats[i][2])
+        tats[i].changed = true
+      elseif kind == 4 and callee ~= '' then
+        call('ZADD', okeys[i], 'GT', t, callee)
+        local extra = call('ZCARD', okeys[i]) - max_callees
+        if extra > 0 then call('ZPOPMIN', okeys[i], extra) end
+        call('PEXPIRE', okeys[i], retention + slack)
+      elseif kind == 2 and approx[i] then
         local a = approx[i]
         if a[5] == a[2] then
           a[3] = a[3] + 1
@@ -406,7 +553,7 @@ local function decide(stem, t, id, listed, callee)
   end
 
   local shadow = 0
-  if shadow_mode and would == 1 then shadow = 1 end
+  if (shadow_mode or by_shadow) and would == 1 then shadow = 1 end
   local decision = would
   if shadow == 1 then decision = 0 end
   local retry = ''
@@ -415,12 +562,33 @@ local function decide(stem, t, id, listed, callee)
     for i = 1, n do
       local kind, w, lim = kinds[i], wins[i], lims[i]
       local s
-      if kind == 1 then
+      if rshadow[i] or not near(i) then
+        s = nil
+      elseif kind == 1 and okeys[i] then
+        s = sliding_until(okeys[i], t, w, lim)
+      elseif kind == 3 then
+        local tat = tats[i]
+        -- Not recorded (not seen, or admitted): the bucket as it was.
+        if not (tat and tat.changed) then tat = read_tat(i) end
+        if tat then s = tat_until(tat, t, i, lim) end
+        if s then s = math.min(s, lnew + retention - 1) end
+      elseif kind == 4 then
+        if callee ~= '' then s = distinct_until(okeys[i], callee, t, w, lim) end
+        if s then s = math.min(s, lnew + retention - 1) end
+      elseif kind == 1 then
         s = sliding_until(log, t, w, lim)
       elseif kind == 0 then
-        s = fixed_until(fixed[i], t, lnew, w, lim)
+        -- A rule that did not see the call: its buckets as kept.
+        s = fixed_until(fixed[i] or parse_buckets(mv[ffield[i]]), t, lnew, w, lim)
       else
-        s = approx_until(approx[i], lnew, w, lim)
+        local a = approx[i]
+        if not a and prev then
+          -- A rule that did not see the call: its counters as kept.
+          local k = afield[i]
+          local cb = tonumber(mv[k])
+          if cb then a = {k, cb, tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0} end
+        end
+        if a then s = approx_until(a, lnew, w, lim) end
       end
       if s and s > last then last = s end
     end
@@ -433,9 +601,18 @@ local function decide(stem, t, id, listed, callee)
 
   local parts = {}
   for i = 1, n do parts[i] = fmt('%d', counts[i]) end
+  local warn = ''
+  if decision == 0 and listed == '0' then
+    for i = 1, n do
+      if warns[i] and counts[i] > warns[i] then
+        warn = names[i]
+        break
+      end
+    end
+  end
   local encoded = fmt('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. (late and 1 or 0)
     .. '|' .. version .. '|' .. (prev and fmt('%d', prev) or '') .. '|' .. distinct
-    .. '|' .. table.concat(parts, ',') .. '|' .. retry
+    .. '|' .. table.concat(parts, ',') .. '|' .. retry .. '|' .. warn
   if index_apart then
     call('ZADD', ids, t, id)
     b_ids = lower(b_ids, t)
@@ -453,14 +630,25 @@ local function decide(stem, t, id, listed, callee)
   end
   if fchanged then
     for i = 1, n do
-      if kinds[i] == 0 then
+      if kinds[i] == 0 and fixed[i] then
         mset[#mset + 1] = mfields[ffield[i]]
         mset[#mset + 1] = format_buckets(fixed[i], wins[i], lnew)
       end
     end
   end
   for i = 1, n do
+    if tats[i] and tats[i].changed then
+      mset[#mset + 1] = mfields[tfield[i]]; mset[#mset + 1] = mv[tfield[i]]
+    elseif kinds[i] == 3 and not prev and mv[tfield[i]] then
+      -- The caller starts afresh: so does its bucket.
+      mset[#mset + 1] = mfields[tfield[i]]; mset[#mset + 1] = ''
+    end
     local a = approx[i]
+    if not a and kinds[i] == 2 and not prev and mv[afield[i]] then
+      -- The caller starts afresh: so do counters this call left alone.
+      local k = afield[i]
+      mset[#mset + 1] = mfields[k]; mset[#mset + 1] = ''
+    end
     if a then
       local k = a[1]
       mset[#mset + 1] = mfields[k]; mset[#mset + 1] = fmt('%d', a[2])
@@ -475,8 +663,9 @@ end
 
 local out = {}
 for j = 1, #KEYS do
-  local base = E + (j - 1) * 4
-  local dup, encoded = decide(KEYS[j], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4])
+  local base = E + (j - 1) * 5
+  local dup, encoded = decide(KEYS[j], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4],
+    ARGV[base + 5])
   out[#out + 1] = dup
   out[#out + 1] = encoded
 end

@@ -12,7 +12,9 @@
 
 pub mod duration;
 pub mod event;
+pub mod filter;
 pub mod record;
 pub mod rule;
+pub mod rule_file;
 pub mod rules;
 pub mod window;

@@ -73,7 +73,9 @@ pub struct DecisionRecord {
     pub decision: Decision,
     /// Why (see the type docs).
     pub reason: CompactString,
-    /// The window count per rule, in rule-set order (the current call included).
+    /// The window count per rule, in rule-set order (the current call
+    /// included); 0 for a rule that does not see the call (its filters),
+    /// written as an empty value.
     pub counts: Counts,
     /// Shadow mode turned a reject into an allow.
     pub shadow: bool,
@@ -88,6 +90,9 @@ pub struct DecisionRecord {
     /// contract's Retry-After, in [`crate::engine::window`]). `None` for
     /// allowed calls (shadow ones included) and denylist rejects.
     pub retry_after_ms: Option<i64>,
+    /// The first rule, in order, whose count exceeds its `warn` level, on
+    /// a call that is allowed and on no list.
+    pub warn: Option<CompactString>,
 }
 
 impl DecisionRecord {
@@ -137,6 +142,7 @@ impl Verdict {
                 degraded: true,
                 rules_version: rules.version().into(),
                 retry_after_ms: None,
+                warn: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,
@@ -214,6 +220,9 @@ pub enum Field {
     Label,
     /// `rules_version`.
     RulesVersion,
+    /// `warn`: see [`DecisionRecord::warn`] (only in a rule set with a
+    /// `warn` level).
+    Warn,
 }
 
 /// The type of a column, as tables store it.
@@ -255,7 +264,8 @@ impl Field {
             | Field::Callee
             | Field::Decision
             | Field::Reason
-            | Field::RulesVersion => Kind::Text,
+            | Field::RulesVersion
+            | Field::Warn => Kind::Text,
             Field::TsMs | Field::SincePrevMs | Field::DurationMs | Field::RetryAfterMs => Kind::Int,
             Field::Count(_) | Field::DistinctCallees => Kind::UInt,
             Field::Shadow | Field::Late | Field::Degraded | Field::Label => Kind::Bool,
@@ -272,7 +282,7 @@ impl Field {
             Field::Caller => Value::Text(Some(&r.caller)),
             Field::TsMs => Value::Int(Some(r.ts_ms)),
             Field::EventTime => Value::Time(r.ts_ms),
-            Field::Count(i) => Value::UInt(Some(r.counts.get(i).copied().unwrap_or(0))),
+            Field::Count(i) => Value::UInt(r.counts.get(i).copied().filter(|&c| c > 0)),
             Field::SincePrevMs => Value::Int(v.since_prev_ms()),
             Field::DistinctCallees => Value::UInt(v.distinct_callees),
             Field::Callee => Value::Text(row.event.callee.as_deref()),
@@ -285,6 +295,7 @@ impl Field {
             Field::Degraded => Value::Bool(Some(r.degraded)),
             Field::Label => Value::Bool(row.event.label),
             Field::RulesVersion => Value::Text(Some(&r.rules_version)),
+            Field::Warn => Value::Text(r.warn.as_deref()),
         }
     }
 }
@@ -355,6 +366,12 @@ impl Schema {
                 Field::Degraded => "degraded",
                 Field::Label => "label",
                 Field::RulesVersion => "rules_version",
+                Field::Warn => {
+                    if !rules.rules.iter().any(|r| r.warn.is_some()) {
+                        continue;
+                    }
+                    "warn"
+                }
             };
             columns.push(Column {
                 name: name.to_string(),
@@ -398,6 +415,7 @@ impl Schema {
                 Field::Decision,
                 Field::Reason,
                 Field::RetryAfterMs,
+                Field::Warn,
                 Field::Count(0),
                 Field::Shadow,
                 Field::Late,
@@ -427,6 +445,7 @@ impl Schema {
                 Field::Decision,
                 Field::Reason,
                 Field::RetryAfterMs,
+                Field::Warn,
                 Field::Late,
                 Field::Degraded,
                 Field::Label,

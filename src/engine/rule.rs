@@ -1,10 +1,12 @@
-//! One rule: a window kind, a window length and a limit.
+//! One rule: a window kind, a window length (or a rate) and a limit, with
+//! what it is keyed by, which calls it sees, a warning level and shadow.
 
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
 use crate::engine::duration::{format_duration, parse_duration_ms};
+use crate::engine::filter::Filter;
 use crate::error::RulesError;
 
 /// How a rule counts calls in its window.
@@ -17,6 +19,11 @@ pub enum WindowKind {
     Sliding,
     /// Two-bucket weighted counter: O(1) memory, an estimate of the sliding count.
     SlidingApprox,
+    /// GCRA: a rate and a burst (the limit); the count is the bucket level
+    /// after the call, in calls.
+    TokenBucket,
+    /// Distinct callees of the recorded calls in `(t - W, t]`.
+    DistinctCallees,
 }
 
 impl WindowKind {
@@ -26,6 +33,8 @@ impl WindowKind {
             WindowKind::Fixed => "fixed",
             WindowKind::Sliding => "sliding",
             WindowKind::SlidingApprox => "sliding-approx",
+            WindowKind::TokenBucket => "token-bucket",
+            WindowKind::DistinctCallees => "distinct-callees",
         }
     }
 
@@ -35,19 +44,100 @@ impl WindowKind {
             WindowKind::Fixed => 0,
             WindowKind::Sliding => 1,
             WindowKind::SlidingApprox => 2,
+            WindowKind::TokenBucket => 3,
+            WindowKind::DistinctCallees => 4,
         }
     }
 
-    /// Parses `fixed`, `sliding` or `sliding-approx`.
+    /// Parses `fixed`, `sliding`, `sliding-approx`, `token-bucket` or
+    /// `distinct-callees`.
     pub fn parse(s: &str) -> Result<Self, RulesError> {
         match s {
             "fixed" => Ok(WindowKind::Fixed),
             "sliding" => Ok(WindowKind::Sliding),
             "sliding-approx" | "sliding_approx" | "approx" => Ok(WindowKind::SlidingApprox),
+            "token-bucket" | "token_bucket" => Ok(WindowKind::TokenBucket),
+            "distinct-callees" | "distinct_callees" => Ok(WindowKind::DistinctCallees),
             other => Err(RulesError::Invalid(format!(
-                "unknown window kind `{other}` (fixed, sliding, sliding-approx)"
+                "unknown window kind `{other}` (fixed, sliding, sliding-approx, token-bucket, distinct-callees)"
             ))),
         }
+    }
+}
+
+/// What a rule counts calls by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RuleKey {
+    /// The caller's calls (the default).
+    #[default]
+    Caller,
+    /// A caller's calls to one callee: one window per (caller, callee).
+    #[serde(rename = "caller+callee")]
+    CallerCallee,
+}
+
+impl RuleKey {
+    /// Parses `caller` or `caller+callee`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "caller" => Ok(RuleKey::Caller),
+            "caller+callee" => Ok(RuleKey::CallerCallee),
+            other => Err(format!("unknown key `{other}` (caller, caller+callee)")),
+        }
+    }
+
+    fn is_caller(&self) -> bool {
+        *self == RuleKey::Caller
+    }
+}
+
+/// A token bucket's rate: `calls` per `per_ms` milliseconds. Its emission
+/// interval `T = per_ms / calls` is kept exact: times inside the bucket
+/// are whole milliseconds plus a remainder in `calls`-ths of one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Rate {
+    /// Calls per period.
+    pub calls: u64,
+    /// The period, ms: 1 s, 1 min or 1 h.
+    pub per_ms: i64,
+}
+
+impl Rate {
+    /// Parses `N/s`, `N/m` or `N/h`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}`: expected N/s, N/m or N/h, e.g. 2/s");
+        let (n, unit) = s.split_once('/').ok_or_else(bad)?;
+        let calls: u64 = n.trim().parse().map_err(|_| bad())?;
+        let per_ms = match unit.trim() {
+            "s" => 1_000,
+            "m" | "min" => 60_000,
+            "h" => 3_600_000,
+            _ => return Err(bad()),
+        };
+        if !(1..=1_000_000).contains(&calls) {
+            return Err(format!("`{s}`: the rate must be 1 to 1000000 per unit"));
+        }
+        Ok(Rate { calls, per_ms })
+    }
+
+    /// How long a bucket of `burst` calls takes to drain, ms, rounded up:
+    /// a caller idle that long starts afresh (the rule's span).
+    pub fn span_ms(self, burst: u64) -> i64 {
+        let ticks = i128::from(burst) * i128::from(self.per_ms);
+        let n = i128::from(self.calls);
+        i64::try_from((ticks + n - 1) / n).unwrap_or(i64::MAX)
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.per_ms {
+            1_000 => "s",
+            60_000 => "m",
+            _ => "h",
+        };
+        write!(f, "{}/{unit}", self.calls)
     }
 }
 
@@ -63,19 +153,68 @@ pub enum CountPolicy {
 }
 
 /// One rule: reject when the count in the window exceeds the limit.
+///
+/// The fields beyond the first four are left out of the canonical form
+/// when they hold their defaults, so a rule set that uses none of them
+/// keeps its version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Rule {
     /// Name: lowercase letters, digits and `_`; used in column names (`count_<name>`).
     pub name: String,
     /// How the window counts.
     pub kind: WindowKind,
-    /// Window length in milliseconds.
+    /// Window length in milliseconds; for a token bucket its span
+    /// ([`Rate::span_ms`] of the burst).
     pub window_ms: i64,
-    /// Largest allowed count; a call whose count exceeds it is rejected.
+    /// Largest allowed count (a token bucket's burst); a call whose count
+    /// exceeds it is rejected.
     pub limit: u64,
+    /// A token bucket's rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rate: Option<Rate>,
+    /// A count above this (on a call not rejected) is a warning.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warn: Option<u64>,
+    /// Report, never reject.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub shadow: bool,
+    /// What the rule counts calls by.
+    #[serde(skip_serializing_if = "RuleKey::is_caller")]
+    pub key: RuleKey,
+    /// Which calls it sees.
+    #[serde(skip_serializing_if = "Filter::is_empty")]
+    pub filter: Filter,
 }
 
 impl Rule {
+    /// A window rule seeing every call, keyed by caller, enforcing, without
+    /// a warning level.
+    pub fn new(name: impl Into<String>, kind: WindowKind, window_ms: i64, limit: u64) -> Self {
+        Rule {
+            name: name.into(),
+            kind,
+            window_ms,
+            limit,
+            rate: None,
+            warn: None,
+            shadow: false,
+            key: RuleKey::Caller,
+            filter: Filter::default(),
+        }
+    }
+
+    /// Whether it counts on the caller's shared sliding log: a sliding
+    /// rule keyed by caller that sees every call.
+    pub fn shares_log(&self) -> bool {
+        self.kind == WindowKind::Sliding && self.key == RuleKey::Caller && self.filter.is_empty()
+    }
+
+    /// Whether it keeps a sliding log of its own: a sliding rule keyed by
+    /// caller that sees only some calls.
+    pub fn own_log(&self) -> bool {
+        self.kind == WindowKind::Sliding && self.key == RuleKey::Caller && !self.filter.is_empty()
+    }
+
     /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`.
     pub fn parse_shorthand(s: &str) -> Result<Self, RulesError> {
         let parts: Vec<&str> = s.split(':').collect();
@@ -87,24 +226,39 @@ impl Rule {
         let limit = limit.trim().parse::<u64>().map_err(|_| {
             RulesError::Invalid(format!("rule `{s}`: limit `{limit}` is not a whole number"))
         })?;
-        Ok(Rule {
-            name: name.trim().to_string(),
-            kind: WindowKind::parse(kind.trim())?,
-            window_ms: parse_duration_ms(window.trim())?,
+        let kind = WindowKind::parse(kind.trim())?;
+        if matches!(kind, WindowKind::TokenBucket) {
+            return Err(RulesError::Invalid(format!(
+                "rule `{s}`: a token bucket needs a rate: write it in a rules file"
+            )));
+        }
+        Ok(Rule::new(
+            name.trim(),
+            kind,
+            parse_duration_ms(window.trim())?,
             limit,
-        })
+        ))
     }
 }
 
 impl fmt::Display for Rule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}:{}:{}:{}",
-            self.name,
-            self.kind.as_str(),
-            format_duration(self.window_ms),
-            self.limit
-        )
+        match self.rate {
+            Some(rate) => write!(
+                f,
+                "{}:{}:{rate}:{}",
+                self.name,
+                self.kind.as_str(),
+                self.limit
+            ),
+            None => write!(
+                f,
+                "{}:{}:{}:{}",
+                self.name,
+                self.kind.as_str(),
+                format_duration(self.window_ms),
+                self.limit
+            ),
+        }
     }
 }

@@ -20,13 +20,14 @@
 //! limit = 10
 //! ```
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 pub use crate::engine::duration::{format_duration, parse_duration_ms};
-pub use crate::engine::rule::{CountPolicy, Rule, WindowKind};
+use crate::engine::event::CallEvent;
+pub use crate::engine::filter::Filter;
+pub use crate::engine::rule::{CountPolicy, Rate, Rule, RuleKey, WindowKind};
 use crate::error::RulesError;
 
 /// Names a rule may not take: they are decision reasons of their own.
@@ -63,6 +64,10 @@ pub struct RuleSet {
     callees: bool,
     /// Most distinct callees kept per caller (`max_distinct_callees`).
     max_callees: u64,
+    /// Whether any rule sees only some calls.
+    filtered: bool,
+    /// Files the set was read from besides the rules file (`callees_file`s).
+    files: Vec<PathBuf>,
     version: String,
 }
 
@@ -109,34 +114,6 @@ impl RuleSpec {
     }
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RuleFile {
-    #[serde(default)]
-    count: CountPolicy,
-    grace: Option<String>,
-    #[serde(default)]
-    shadow: bool,
-    dedup: Option<String>,
-    distinct_callees: Option<bool>,
-    max_distinct_callees: Option<u64>,
-    #[serde(default)]
-    allow: Vec<String>,
-    #[serde(default)]
-    deny: Vec<String>,
-    #[serde(default, rename = "rule")]
-    rules: Vec<RuleEntry>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RuleEntry {
-    name: String,
-    kind: String,
-    window: String,
-    limit: u64,
-}
-
 /// Which list, if any, a caller is on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Listed {
@@ -156,8 +133,12 @@ pub enum Judgement {
     Denylisted,
     /// The caller is on the allowlist.
     Allowlisted,
-    /// Rule `i` is the first whose count exceeds its limit.
+    /// Rule `i` is the first enforcing rule whose count exceeds its limit.
     Exceeded(usize),
+    /// Rule `i` is the first rule whose count exceeds its limit, and a
+    /// shadow rule (no enforcing rule's count exceeds its limit): reported,
+    /// not rejected.
+    ShadowExceeded(usize),
     /// No list and no rule singles the call out.
     Within,
 }
@@ -248,11 +229,31 @@ impl RuleSet {
             }
             if r.limit == 0 {
                 return Err(RulesError::Invalid(format!(
-                    "rule `{}`: limit must be at least 1",
-                    r.name
+                    "rule `{}`, {}: must be at least 1",
+                    r.name,
+                    if r.rate.is_some() { "burst" } else { "limit" }
                 )));
             }
+            check_rule(r, max_distinct_callees)?;
         }
+        if rules.len() > MAX_RULES {
+            return Err(RulesError::Invalid(format!(
+                "{} rules: at most {MAX_RULES}",
+                rules.len()
+            )));
+        }
+        let rules = rules
+            .into_iter()
+            .map(|mut r| {
+                let callees = std::mem::take(&mut r.filter.callees);
+                let mut callees =
+                    normalize_prefixes(callees, &format!("rule `{}`, callees", r.name))?;
+                callees.sort();
+                callees.dedup();
+                r.filter.callees = callees;
+                Ok(r)
+            })
+            .collect::<Result<Vec<_>, RulesError>>()?;
         if !(0..=3_600_000).contains(&grace_ms) {
             return Err(RulesError::Invalid("grace must be 0 to 1h".into()));
         }
@@ -276,44 +277,13 @@ impl RuleSet {
             dedup: dedup_ms,
             callees: distinct_callees,
             max_callees: max_distinct_callees,
+            filtered: false,
+            files: Vec::new(),
             version: String::new(),
         };
+        set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
         set.version = set.compute_version();
         Ok(set)
-    }
-
-    /// Parses a TOML rule set.
-    pub fn from_toml(text: &str) -> Result<Self, RulesError> {
-        let file: RuleFile = toml::from_str(text).map_err(|e| RulesError::Toml(e.to_string()))?;
-        let rules = file
-            .rules
-            .into_iter()
-            .map(|e| {
-                Ok(Rule {
-                    kind: WindowKind::parse(&e.kind)?,
-                    window_ms: parse_duration_ms(&e.window)?,
-                    name: e.name,
-                    limit: e.limit,
-                })
-            })
-            .collect::<Result<Vec<_>, RulesError>>()?;
-        let grace_ms = match file.grace {
-            Some(g) => parse_duration_ms(&g)?,
-            None => DEFAULT_GRACE_MS,
-        };
-        RuleSet::build(RuleSpec {
-            rules,
-            count: file.count,
-            grace_ms,
-            allow: file.allow,
-            deny: file.deny,
-            shadow: file.shadow,
-            dedup_ms: file.dedup.as_deref().map(parse_duration_ms).transpose()?,
-            distinct_callees: file.distinct_callees.unwrap_or(true),
-            max_distinct_callees: file
-                .max_distinct_callees
-                .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
-        })
     }
 
     /// A copy that keeps (or skips) the distinct-callees feature.
@@ -359,20 +329,6 @@ impl RuleSet {
         self.dedup
             .unwrap_or(DEFAULT_DEDUP_MS)
             .max(self.retention_ms())
-    }
-
-    /// Reads a TOML rule set from a file.
-    pub fn from_file(path: &Path) -> Result<Self, RulesError> {
-        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        // Say which file: the parser's messages give lines, not the file.
-        Self::from_toml(&text).map_err(|e| match e {
-            RulesError::Toml(m) => RulesError::Toml(format!("{}: {m}", path.display())),
-            RulesError::Invalid(m) => RulesError::Invalid(format!("{}: {m}", path.display())),
-            other => other,
-        })
     }
 
     /// Builds the rule set from CLI arguments: a file, shorthands, or both (shorthands are appended).
@@ -439,9 +395,69 @@ impl RuleSet {
         self.max_window_ms() + self.grace_ms
     }
 
-    /// Whether any rule keeps a sliding log.
+    /// Whether any rule counts on the caller's shared sliding log (a
+    /// sliding rule keyed by caller that sees every call).
     pub fn has_sliding(&self) -> bool {
-        self.rules.iter().any(|r| r.kind == WindowKind::Sliding)
+        self.rules.iter().any(Rule::shares_log)
+    }
+
+    /// Whether any rule sees only some calls.
+    pub fn has_filters(&self) -> bool {
+        self.filtered
+    }
+
+    /// Whether rule `i` sees `ev` (see [`Filter`]).
+    pub fn sees(&self, i: usize, ev: &CallEvent) -> bool {
+        !self.filtered || self.rules.get(i).is_some_and(|r| r.filter.sees(ev))
+    }
+
+    /// Which rules see `ev`, one character per rule, for a store that
+    /// decides elsewhere (`lua/window.lua`): `1` sees it, `2` does not
+    /// see it now (its time profile) but sees its callee (so it counts for
+    /// the retry-after), `0` neither. `None` when every rule sees every call.
+    pub fn mask(&self, ev: &CallEvent) -> Option<String> {
+        self.filtered.then(|| {
+            self.rules
+                .iter()
+                .map(|r| {
+                    if !r.filter.sees_callee(ev.callee.as_deref()) {
+                        '0'
+                    } else if r.filter.sees_time(ev.ts_ms) {
+                        '1'
+                    } else {
+                        '2'
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// The files besides the rules file this set was read from (its
+    /// `callees_file`s): a reload watches them too.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    pub(crate) fn set_files(&mut self, files: Vec<PathBuf>) {
+        self.files = files;
+    }
+
+    /// The warning of a call with these counts: the first rule, in order,
+    /// with a `warn` level its count exceeds, when the call is allowed and
+    /// on no list (`None` otherwise).
+    pub fn warning(&self, judgement: Judgement, shadowed: bool, counts: &[u64]) -> Option<usize> {
+        let allowed = match judgement {
+            Judgement::Within | Judgement::ShadowExceeded(_) => true,
+            Judgement::Exceeded(_) => shadowed,
+            Judgement::Denylisted | Judgement::Allowlisted => false,
+        };
+        if !allowed {
+            return None;
+        }
+        self.rules
+            .iter()
+            .zip(counts)
+            .position(|(r, &c)| r.warn.is_some_and(|w| c > w))
     }
 
     /// Which list the (normalised) caller is on; the denylist wins.
@@ -456,20 +472,27 @@ impl RuleSet {
     }
 
     /// Judges a call of `caller` with these counts (one per rule): the
-    /// denylist, then the allowlist, then the first rule, in order, whose
-    /// count exceeds its limit. `skip` leaves one rule out (`tune` sweeps
+    /// denylist, then the allowlist, then the first enforcing rule, in
+    /// order, whose count exceeds its limit, then the first shadow rule
+    /// that does. `skip` leaves one rule out (`tune` sweeps
     /// its limit separately).
     pub fn judge(&self, caller: &str, counts: &[u64], skip: Option<usize>) -> Judgement {
         match self.listed(caller) {
             Listed::Deny => Judgement::Denylisted,
             Listed::Allow => Judgement::Allowlisted,
-            Listed::No => self
-                .rules
-                .iter()
-                .zip(counts)
-                .enumerate()
-                .find(|(i, (r, &c))| Some(*i) != skip && c > r.limit)
-                .map_or(Judgement::Within, |(i, _)| Judgement::Exceeded(i)),
+            Listed::No => {
+                let mut shadowed = None;
+                for (i, (r, &c)) in self.rules.iter().zip(counts).enumerate() {
+                    if Some(i) == skip || c <= r.limit {
+                        continue;
+                    }
+                    if !r.shadow {
+                        return Judgement::Exceeded(i);
+                    }
+                    shadowed.get_or_insert(i);
+                }
+                shadowed.map_or(Judgement::Within, Judgement::ShadowExceeded)
+            }
         }
     }
 
@@ -508,6 +531,46 @@ impl RuleSet {
     }
 }
 
+/// Most rules in a set.
+pub const MAX_RULES: usize = 64;
+
+/// Checks what a rule's kind, key and levels must agree on.
+fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
+    let bad = |field: &str, msg: &str| {
+        Err(RulesError::Invalid(format!(
+            "rule `{}`, {field}: {msg}",
+            r.name
+        )))
+    };
+    if r.warn.is_some_and(|w| w >= r.limit) {
+        return bad(
+            "warn",
+            "must be below the limit (a warning comes before a reject)",
+        );
+    }
+    if (r.kind == WindowKind::TokenBucket) != r.rate.is_some() {
+        return bad(
+            "rate",
+            "a token bucket needs one, and only a token bucket has one",
+        );
+    }
+    if r.kind == WindowKind::DistinctCallees {
+        if r.key != RuleKey::Caller {
+            return bad(
+                "key",
+                "a distinct-callees rule counts a caller's callees: key must be `caller`",
+            );
+        }
+        if r.limit >= max_callees {
+            return bad(
+                "limit",
+                "must be below max_distinct_callees (the count saturates there)",
+            );
+        }
+    }
+    Ok(())
+}
+
 fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, RulesError> {
     list.into_iter()
         .map(|raw| {
@@ -520,10 +583,15 @@ fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, Rul
                 None => s,
             };
             let digits = s.strip_prefix('+').unwrap_or("");
+            if raw.trim().is_empty() {
+                return Err(RulesError::Invalid(format!(
+                    "{which}: an empty prefix (it would match every number)"
+                )));
+            }
             if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_digit())
             {
                 return Err(RulesError::Invalid(format!(
-                    "{which} entry `{raw}`: expected + followed by 1 to 15 digits"
+                    "{which}: entry `{raw}`: expected + followed by 1 to 15 digits"
                 )));
             }
             Ok(s)

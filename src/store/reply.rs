@@ -9,7 +9,7 @@ use crate::engine::record::{Counts, Decision, DecisionRecord, Verdict};
 /// The fields of the Redis script's reply record, in order, `|`-separated
 /// (`counts` is comma-separated). `lua/window.lua` documents the same list;
 /// a test holds the two together.
-pub const REPLY_FIELDS: [&str; 10] = [
+pub const REPLY_FIELDS: [&str; 11] = [
     "ts_ms",
     "decision",
     "reason",
@@ -20,6 +20,7 @@ pub const REPLY_FIELDS: [&str; 10] = [
     "distinct_callees",
     "counts",
     "retry_after_ms",
+    "warn",
 ];
 
 impl Verdict {
@@ -70,6 +71,10 @@ impl Verdict {
         if let Some(ms) = r.retry_after_ms {
             out.push_str(num.format(ms));
         }
+        out.push('|');
+        if let Some(w) = &r.warn {
+            out.push_str(w);
+        }
         out
     }
 
@@ -81,11 +86,12 @@ impl Verdict {
         duplicate: bool,
     ) -> Option<Self> {
         let mut parts: Vec<&str> = encoded.split('|').collect();
-        if parts.len() == REPLY_FIELDS.len() - 1 {
-            // Kept by a version before retry_after_ms (a redelivery across an upgrade).
+        // Kept by a version before retry_after_ms or warn (a redelivery
+        // across an upgrade).
+        while parts.len() >= REPLY_FIELDS.len() - 2 && parts.len() < REPLY_FIELDS.len() {
             parts.push("");
         }
-        let [ts, decision, reason, shadow, late, version, prev, distinct, counts, retry] =
+        let [ts, decision, reason, shadow, late, version, prev, distinct, counts, retry, warn] =
             parts[..]
         else {
             return None;
@@ -118,6 +124,7 @@ impl Verdict {
                 degraded: false,
                 rules_version: version.into(),
                 retry_after_ms: optional(retry)?,
+                warn: (!warn.is_empty()).then(|| warn.into()),
             },
             prev_ts_ms: optional(prev)?,
             distinct_callees: optional(distinct)?.map(|d| d as u64),
@@ -160,6 +167,7 @@ mod tests {
         full.record.shadow = true;
         full.record.late = true;
         full.record.retry_after_ms = Some(9_000);
+        full.record.warn = Some("b".into());
         full.prev_ts_ms = Some(1_764_547_100_000);
         full.distinct_callees = Some(4);
         for v in [bare, full] {
@@ -167,7 +175,7 @@ mod tests {
             assert_eq!(back.as_ref(), Some(&v), "{}", v.to_reply());
         }
         // The same text as the window script writes for a record.
-        for lua in ["5|1|m|0|1|abc|-3||4,2|900", "5|0|ok|1|0|abc||7|1|"] {
+        for lua in ["5|1|m|0|1|abc|-3||4,2|900|", "5|0|ok|1|0|abc||7|1||burst"] {
             let v = Verdict::from_stored(lua, "c", "+34911234567", false).unwrap();
             assert_eq!(v.to_reply(), lua);
         }

@@ -1,10 +1,12 @@
 //! Random rule sets and event sequences: same-millisecond ties, events out
 //! of order within grace, late events, idle gaps, duplicate call ids, every
-//! rule kind and policy, allow and deny lists, shadow mode.
+//! rule kind and policy, allow and deny lists, shadow mode; rules that see
+//! only some callees or times of day, per-rule shadow and warning levels.
 #![allow(dead_code)]
 
 use callguard::engine::event::CallEvent;
-use callguard::engine::rules::{CountPolicy, Rule, RuleSet, WindowKind};
+use callguard::engine::filter::{parse_days, parse_timezone, Filter, Hours};
+use callguard::engine::rules::{CountPolicy, Rate, Rule, RuleSet, RuleSpec, WindowKind};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -24,13 +26,45 @@ pub fn random_rules_scaled(rng: &mut StdRng, scale: i64) -> RuleSet {
         WindowKind::Fixed,
         WindowKind::Sliding,
         WindowKind::SlidingApprox,
+        WindowKind::TokenBucket,
+        WindowKind::DistinctCallees,
     ];
+    // Sometimes few callees kept, so the cap is reached.
+    let cap = if rng.random_bool(0.3) {
+        rng.random_range(2..=5)
+    } else {
+        callguard::engine::rules::DEFAULT_MAX_DISTINCT_CALLEES
+    };
+    // Only the first rule set of a sequence has the newer features often.
+    let extras = rng.random_bool(0.6);
     let rules = (0..n)
-        .map(|i| Rule {
-            name: format!("r{i}"),
-            kind: kinds[rng.random_range(0..3)],
-            window_ms: windows[rng.random_range(0..windows.len())],
-            limit: rng.random_range(1..=6),
+        .map(|i| {
+            let kind = kinds[rng.random_range(0..if extras { 5 } else { 3 })];
+            let mut limit = rng.random_range(1..=6);
+            let mut rule = Rule::new(
+                format!("r{i}"),
+                kind,
+                windows[rng.random_range(0..windows.len())],
+                limit,
+            );
+            if kind == WindowKind::TokenBucket {
+                // T of 100 ms to 1 s (1 to 10 ms when scaled by 100).
+                let calls = [10, 3, 2, 1][rng.random_range(0..4)] * scale as u64;
+                let rate = Rate {
+                    calls,
+                    per_ms: 1_000,
+                };
+                rule.rate = Some(rate);
+                rule.window_ms = rate.span_ms(limit);
+            }
+            if kind == WindowKind::DistinctCallees {
+                limit = rng.random_range(1..cap.min(5));
+                rule.limit = limit;
+            }
+            if extras {
+                random_options(rng, &mut rule);
+            }
+            rule
         })
         .collect();
     let count = if rng.random_bool(0.5) {
@@ -49,15 +83,54 @@ pub fn random_rules_scaled(rng: &mut StdRng, scale: i64) -> RuleSet {
     } else {
         vec![]
     };
-    let set = RuleSet::new(rules, count, grace, allow, deny, rng.random_bool(0.2))
-        .unwrap()
-        .with_distinct_callees(rng.random_bool(0.85));
+    let set = RuleSet::build(RuleSpec {
+        count,
+        grace_ms: grace,
+        allow,
+        deny,
+        shadow: rng.random_bool(0.2),
+        max_distinct_callees: cap,
+        ..RuleSpec::new(rules)
+    })
+    .unwrap()
+    .with_distinct_callees(rng.random_bool(0.85));
     // Sometimes a short idempotency horizon, so old records are trimmed.
     match rng.random_range(0..3) {
         0 => set.with_dedup(1).unwrap(),
         1 => set.with_dedup(25_000 / scale).unwrap(),
         _ => set,
     }
+}
+
+/// Per-rule options: a warning level, shadow, a callee prefix, a time profile
+/// that flips at midnight UTC (where the random sequences may start).
+fn random_options(rng: &mut StdRng, rule: &mut Rule) {
+    if rng.random_bool(0.3) && rule.limit > 1 {
+        rule.warn = Some(rng.random_range(0..rule.limit));
+    }
+    rule.shadow = rng.random_bool(0.2);
+    let mut filter = Filter::default();
+    if rng.random_bool(0.3) {
+        // Callee 3, or callees 3 and 4, of the random sequences' callees.
+        filter.callees = vec!["+34910000003".into()];
+        if rng.random_bool(0.5) {
+            filter.callees.push("+34910000004".into());
+        }
+    }
+    match rng.random_range(0..6) {
+        0 => {
+            filter.hours = Some(Hours::parse("00:00-12:00").unwrap());
+        }
+        1 => {
+            filter.hours = Some(Hours::parse("01:00-13:00").unwrap());
+            filter.timezone = Some(parse_timezone("Europe/Madrid").unwrap());
+        }
+        2 => {
+            filter.days = Some(parse_days(&["mon".into()]).unwrap());
+        }
+        _ => {}
+    }
+    rule.filter = filter;
 }
 
 /// A random event sequence over `callers` callers.
@@ -72,7 +145,12 @@ pub fn random_events_scaled(
     callers: usize,
     scale: i64,
 ) -> Vec<CallEvent> {
-    let mut t = T0 + rng.random_range(0..1_000) / scale;
+    // Sometimes from just before midnight UTC (T0), so time profiles flip.
+    let mut t = if rng.random_bool(0.3) {
+        T0 - rng.random_range(0..20_000)
+    } else {
+        T0 + rng.random_range(0..1_000) / scale
+    };
     let mut out: Vec<CallEvent> = Vec::with_capacity(n);
     for i in 0..n {
         let roll: f64 = rng.random();

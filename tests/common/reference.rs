@@ -5,7 +5,7 @@
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
-use callguard::engine::rules::{CountPolicy, Listed, RuleSet, WindowKind};
+use callguard::engine::rules::{CountPolicy, Listed, RuleSet, RuleSpec, WindowKind};
 
 /// What the reference says of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,6 +20,7 @@ pub struct Expected {
     pub distinct_callees: Option<u64>,
     pub duplicate: bool,
     pub retry_after_ms: Option<i64>,
+    pub warn: Option<String>,
 }
 
 struct Past {
@@ -27,7 +28,12 @@ struct Past {
     call_id: String,
     callee: Option<String>,
     ts: i64,
-    recorded: bool,
+    /// Per rule: the rule saw the call.
+    seen: Vec<bool>,
+    /// Per rule: the rule saw and recorded the call.
+    recorded: Vec<bool>,
+    /// The caller's horizon `L' - R` when the call was decided.
+    horizon: i64,
     /// At or below the horizon `L' - R` when decided: past the retention,
     /// so no sliding-approx counter holds it.
     beyond: bool,
@@ -65,12 +71,15 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
             .max()
             .map_or(e.ts_ms, |l| l.max(e.ts_ms));
         let beyond = e.ts_ms <= latest - rules.retention_ms();
+        let seen: Vec<bool> = rules.rules.iter().map(|r| r.filter.sees(e)).collect();
         history.push(Past {
             caller: e.caller.to_string(),
             call_id: e.call_id.to_string(),
             callee: e.callee.as_ref().map(|c| c.to_string()),
             ts: e.ts_ms,
-            recorded,
+            recorded: seen.iter().map(|&s| s && recorded).collect(),
+            seen,
+            horizon: latest - rules.retention_ms(),
             beyond,
             expected: expected.clone(),
         });
@@ -95,15 +104,22 @@ fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
         .unwrap_or(t);
     // From latest + retention on, the caller starts afresh: every call counts 1.
     let end = latest + rules.retention_ms();
+    // The same call again; shadow rules never reject, and time profiles
+    // are taken to hold at every time.
+    let mut spec = rules.spec();
+    for r in &mut spec.rules {
+        r.filter.hours = None;
+        r.filter.days = None;
+    }
+    let probe_rules = RuleSet::build(RuleSpec { ..spec }).expect("the same rules");
     let mut last_reject = t;
     for s in t + 1..end {
         let probe = CallEvent {
             call_id: "probe-never-used".into(),
             ts_ms: s,
-            callee: None,
             ..e.clone()
         };
-        let x = decide_one(rules, history, &probe);
+        let x = decide_one(&probe_rules, history, &probe);
         assert!(!x.duplicate, "a probe is no duplicate");
         if x.decision == Decision::Reject {
             last_reject = s;
@@ -149,21 +165,28 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
         Vec::new()
     };
     let mut counts = Vec::new();
-    for rule in &rules.rules {
+    for (i, rule) in rules.rules.iter().enumerate() {
+        if !rule.filter.sees(e) {
+            counts.push(0);
+            continue;
+        }
         let w = rule.window_ms;
         let b = t.div_euclid(w);
         let rec_in = |bucket: i64| {
             live.iter()
-                .filter(|p| p.recorded && p.ts.div_euclid(w) == bucket)
+                .filter(|p| p.recorded[i] && p.ts.div_euclid(w) == bucket)
                 .count() as u64
         };
         let c = match rule.kind {
             WindowKind::Sliding => {
                 1 + live
                     .iter()
-                    .filter(|p| p.recorded && p.ts > h && p.ts > t - w && p.ts <= t)
+                    .filter(|p| p.recorded[i] && p.ts > h && p.ts > t - w && p.ts <= t)
                     .count() as u64
             }
+            WindowKind::TokenBucket | WindowKind::SlidingApprox if t <= h => 1,
+            WindowKind::TokenBucket => token_level(rule, &live, i, t),
+            WindowKind::DistinctCallees => distinct_count(rules, &live, i, e, h),
             WindowKind::Fixed => {
                 if (b + 1) * w + rules.grace_ms <= l_new {
                     1
@@ -174,6 +197,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
             WindowKind::SlidingApprox => {
                 let bmax = live
                     .iter()
+                    .filter(|p| p.seen[i] && !p.beyond)
                     .map(|p| p.ts.div_euclid(w))
                     .max()
                     .map_or(b, |m| m.max(b));
@@ -181,7 +205,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                 // horizon when decided; a call at or below it counts 1.
                 let counted = |bucket: i64| {
                     live.iter()
-                        .filter(|p| p.recorded && !p.beyond && p.ts.div_euclid(w) == bucket)
+                        .filter(|p| p.recorded[i] && !p.beyond && p.ts.div_euclid(w) == bucket)
                         .count() as u64
                 };
                 if b == bmax {
@@ -196,39 +220,67 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
         };
         counts.push(c);
     }
-    let (would, reason) = match rules.listed(&e.caller) {
-        Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string()),
-        Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string()),
-        Listed::No => match rules.rules.iter().zip(&counts).find(|(r, &c)| c > r.limit) {
-            Some((r, _)) => (Decision::Reject, r.name.clone()),
-            None => (Decision::Allow, REASON_OK.to_string()),
+    let over = |shadow: bool| {
+        rules
+            .rules
+            .iter()
+            .zip(&counts)
+            .find(|(r, &c)| r.shadow == shadow && c > r.limit)
+            .map(|(r, _)| r.name.clone())
+    };
+    let (would, reason, rule_shadow) = match rules.listed(&e.caller) {
+        Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string(), false),
+        Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string(), false),
+        Listed::No => match (over(false), over(true)) {
+            (Some(name), _) => (Decision::Reject, name, false),
+            (None, Some(name)) => (Decision::Reject, name, true),
+            (None, None) => (Decision::Allow, REASON_OK.to_string(), false),
         },
     };
     let distinct_callees = rules.tracks_callees().then(|| {
-        // A callee's latest call time among this caller's decided calls;
-        // gone once at or below the horizon, then raised by this call.
-        let named = |c: &Option<String>| c.clone().filter(|c| !c.is_empty());
+        // Each callee's latest call time among this caller's decided
+        // calls, replayed call by call: trimmed at each call's horizon, a
+        // new callee kept only below the cap; then this call's.
+        let cap = rules.max_distinct_callees() as usize;
+        let named = |c: Option<&str>| c.filter(|c| !c.is_empty()).map(str::to_string);
+        let note =
+            |latest: &mut std::collections::HashMap<String, i64>, c: Option<String>, ts: i64| {
+                if let Some(c) = c {
+                    if let Some(v) = latest.get_mut(&c) {
+                        *v = (*v).max(ts);
+                    } else if latest.len() < cap {
+                        latest.insert(c, ts);
+                    }
+                }
+            };
         let mut latest: std::collections::HashMap<String, i64> = Default::default();
         for p in &prior {
-            if let Some(c) = named(&p.callee) {
-                let v = latest.entry(c).or_insert(p.ts);
-                *v = (*v).max(p.ts);
-            }
+            latest.retain(|_, v| *v > p.horizon);
+            note(&mut latest, named(p.callee.as_deref()), p.ts);
         }
         latest.retain(|_, v| *v > h);
-        if let Some(c) = named(&e.callee.as_ref().map(|c| c.to_string())) {
-            let v = latest.entry(c).or_insert(t);
-            *v = (*v).max(t);
-        }
+        note(&mut latest, named(e.callee.as_deref()), t);
         latest
             .values()
             .filter(|&&v| v > t - rules.max_window_ms())
             .count() as u64
     });
-    let shadow = rules.shadow && would == Decision::Reject;
+    let shadow = (rules.shadow || rule_shadow) && would == Decision::Reject;
+    let decision = if shadow { Decision::Allow } else { would };
+    let warn = (decision == Decision::Allow && rules.listed(&e.caller) == Listed::No)
+        .then(|| {
+            rules
+                .rules
+                .iter()
+                .zip(&counts)
+                .find(|(r, &c)| r.warn.is_some_and(|w| c > w))
+                .map(|(r, _)| r.name.clone())
+        })
+        .flatten();
     Expected {
         ts_ms: t,
-        decision: if shadow { Decision::Allow } else { would },
+        decision,
+        warn,
         reason,
         counts,
         shadow,
@@ -238,4 +290,62 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
         duplicate: false,
         retry_after_ms: None,
     }
+}
+
+/// A token bucket's level for a call at `t`, from the recorded calls in
+/// processing order: times in `n`-ths of a millisecond (exact rationals).
+fn token_level(rule: &callguard::engine::rules::Rule, live: &[&&Past], i: usize, t: i64) -> u64 {
+    let rate = rule.rate.expect("a token bucket has a rate");
+    let (n, per) = (rate.calls as i128, rate.per_ms as i128);
+    let next =
+        |tat: Option<i128>, at: i64| tat.map_or(at as i128 * n, |x| x.max(at as i128 * n)) + per;
+    let mut tat = None;
+    for p in live.iter().filter(|p| p.recorded[i] && !p.beyond) {
+        tat = Some(next(tat, p.ts));
+    }
+    let ticks = (next(tat, t) - t as i128 * n).max(0);
+    ((ticks + per - 1) / per) as u64
+}
+
+/// A distinct-callees count: the kept set replayed call by call (trimmed
+/// at each call's horizon, the `cap` most recent kept), then
+/// `min(cap, |{live} ∪ {own}|)`.
+fn distinct_count(rules: &RuleSet, live: &[&&Past], i: usize, e: &CallEvent, h: i64) -> u64 {
+    let Some(own) = e.callee.as_deref().filter(|c| !c.is_empty()) else {
+        return 0;
+    };
+    let cap = rules.max_distinct_callees() as usize;
+    let w = rules.rules[i].window_ms;
+    let mut kept: std::collections::BTreeMap<String, i64> = Default::default();
+    for p in live {
+        kept.retain(|_, l| *l > p.horizon);
+        let Some(c) = p.callee.as_deref().filter(|c| !c.is_empty()) else {
+            continue;
+        };
+        if !p.recorded[i] {
+            continue;
+        }
+        let l = kept.entry(c.to_string()).or_insert(p.ts);
+        *l = (*l).max(p.ts);
+        while kept.len() > cap {
+            let lowest = kept
+                .iter()
+                .min_by(|a, b| (a.1, a.0).cmp(&(b.1, b.0)))
+                .map(|(c, _)| c.clone())
+                .expect("not empty");
+            kept.remove(&lowest);
+        }
+    }
+    kept.retain(|_, l| *l > h);
+    let mut live_callees: std::collections::BTreeSet<&str> = kept
+        .iter()
+        .filter(|(_, &l)| l > t_minus(e.ts_ms, w))
+        .map(|(c, _)| c.as_str())
+        .collect();
+    live_callees.insert(own);
+    (live_callees.len() as u64).min(cap as u64)
+}
+
+fn t_minus(t: i64, w: i64) -> i64 {
+    t - w
 }

@@ -65,8 +65,12 @@ use crate::engine::record::{
 };
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleSet, WindowKind};
 
+mod bucket;
+mod distinct;
 mod pack;
 
+pub use bucket::Tat;
+pub use distinct::Callees;
 pub use pack::PackedLog;
 
 /// State of the two-bucket approximate counter of one rule.
@@ -129,7 +133,9 @@ fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, CompactString) {
     match judgement {
         Judgement::Denylisted => (Decision::Reject, CompactString::const_new(REASON_DENYLIST)),
         Judgement::Allowlisted => (Decision::Allow, CompactString::const_new(REASON_ALLOWLIST)),
-        Judgement::Exceeded(i) => (Decision::Reject, rules.rules[i].name.as_str().into()),
+        Judgement::Exceeded(i) | Judgement::ShadowExceeded(i) => {
+            (Decision::Reject, rules.rules[i].name.as_str().into())
+        }
         Judgement::Within => (Decision::Allow, CompactString::const_new(REASON_OK)),
     }
 }
@@ -190,6 +196,13 @@ pub struct CallerState {
     fixed: Vec<(RuleId, BTreeMap<i64, u64>)>,
     /// Per sliding-approx rule, by identity: its counters.
     approx: Vec<(RuleId, Approx)>,
+    /// Per sliding rule that sees only some calls, by identity: its own
+    /// sorted log of recorded times.
+    own_logs: Vec<(RuleId, VecDeque<i64>)>,
+    /// Per token-bucket rule, by identity: its theoretical arrival time.
+    buckets: Vec<(RuleId, Option<Tat>)>,
+    /// Per distinct-callees rule, by identity: its recorded callees.
+    distinct: Vec<(RuleId, Callees)>,
     /// Idempotency: call id → the verdict it got.
     seen: HashMap<CompactString, Verdict>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
@@ -229,6 +242,19 @@ pub fn bucket_of(t: i64, w: i64) -> i64 {
 /// (saturating: times at the ends of `i64` never overflow).
 fn bucket_end(b: i64, w: i64, grace: i64) -> i64 {
     b.saturating_add(1).saturating_mul(w).saturating_add(grace)
+}
+
+/// A sliding count at `t` over the sorted recorded times `log`, this call
+/// included: `1 + |{e in log: t - w < e <= t}|`.
+fn sliding_count(log: &VecDeque<i64>, t: i64, w: i64) -> u64 {
+    let lo = log.partition_point(|&x| x <= t.saturating_sub(w));
+    // Calls in time order: every recorded time is at or before t.
+    let hi = if log.back().is_none_or(|&b| b <= t) {
+        log.len()
+    } else {
+        log.partition_point(|&x| x <= t)
+    };
+    1 + (hi - lo) as u64
 }
 
 /// The last time after which a sliding rule (window `w`, limit `n`) stops
@@ -384,20 +410,31 @@ impl CallerState {
             .then(|| self.distinct_callees(rules, ev));
         let late = prev.is_some_and(|l| t < l.saturating_sub(rules.grace_ms));
         let counts: Counts = (0..rules.rules.len())
-            .map(|i| self.count(rules, i, t, &h))
+            .map(|i| {
+                if rules.sees(i, ev) {
+                    self.count(rules, i, ev, &h)
+                } else {
+                    0
+                }
+            })
             .collect();
-        let (would, reason) = outcome(rules, rules.judge(ev.number_for_lists(), &counts, None));
+        let judgement = rules.judge(ev.number_for_lists(), &counts, None);
+        let (would, reason) = outcome(rules, judgement);
         if rules.count == CountPolicy::Attempts || would == Decision::Allow {
             if let Some(j) = journal {
                 j.log_inserted_inside |= self.log.back().is_some_and(|&b| b > t);
             }
-            self.record(rules, t, &h);
+            self.record(rules, ev, &h);
         }
         self.latest = Some(h.latest);
 
-        let shadow = rules.shadow && would == Decision::Reject;
+        let shadow = would == Decision::Reject
+            && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
         let retry_after_ms = (would == Decision::Reject && !shadow && reason != REASON_DENYLIST)
-            .then(|| self.retry_after(rules, t, h.latest));
+            .then(|| self.retry_after(rules, ev, h.latest));
+        let warn = rules
+            .warning(judgement, shadow, &counts)
+            .map(|i| CompactString::from(rules.rules[i].name.as_str()));
         let verdict = Verdict {
             record: DecisionRecord {
                 call_id: ev.call_id.clone(),
@@ -411,6 +448,7 @@ impl CallerState {
                 degraded: false,
                 rules_version: rules.version().into(),
                 retry_after_ms,
+                warn,
             },
             prev_ts_ms: prev,
             distinct_callees,
@@ -424,13 +462,35 @@ impl CallerState {
 
     /// Milliseconds from `t` until a call would pass every rule from then on
     /// (the contract's retry-after), from the state after the call at `t`.
-    fn retry_after(&mut self, rules: &RuleSet, t: i64, l_new: i64) -> i64 {
+    /// Shadow rules never reject; the later call is this one again (the
+    /// same callee), and a rule's time profile is taken to hold at every
+    /// time (so the answer is never too early).
+    fn retry_after(&mut self, rules: &RuleSet, ev: &CallEvent, l_new: i64) -> i64 {
+        let t = ev.ts_ms;
         let expires = l_new.saturating_add(rules.retention_ms());
+        let own = ev.callee.as_deref().filter(|c| !c.is_empty());
         let mut last = t;
         for rule in &rules.rules {
+            if rule.shadow || !rule.filter.sees_callee(ev.callee.as_deref()) {
+                continue;
+            }
             let (w, n) = (rule.window_ms, rule.limit);
             let rejects_until = match rule.kind {
+                WindowKind::Sliding if rule.own_log() => {
+                    sliding_rejects_until(slot(&mut self.own_logs, rule), w, n, t)
+                }
                 WindowKind::Sliding => sliding_rejects_until(&self.log, w, n, t),
+                WindowKind::TokenBucket => match (*slot(&mut self.buckets, rule), rule.rate) {
+                    (Some(tat), Some(rate)) => tat
+                        .rejects_until(t, rate, n)
+                        .map(|s| s.min(expires.saturating_sub(1))),
+                    _ => None,
+                },
+                WindowKind::DistinctCallees => own.and_then(|own| {
+                    slot(&mut self.distinct, rule)
+                        .rejects_until(own, t, w, n)
+                        .map(|s| s.min(expires.saturating_sub(1)))
+                }),
                 WindowKind::Fixed => slot(&mut self.fixed, rule)
                     .iter()
                     .rev()
@@ -500,21 +560,31 @@ impl CallerState {
         (self.callees.len() - not_after) as u64
     }
 
-    /// Rule `i`'s count for a call at `t`, this call included.
-    fn count(&mut self, rules: &RuleSet, i: usize, t: i64, h: &Horizons) -> u64 {
+    /// Rule `i`'s count for a call at `t` that it sees, this call included.
+    fn count(&mut self, rules: &RuleSet, i: usize, ev: &CallEvent, h: &Horizons) -> u64 {
+        let t = ev.ts_ms;
         let l_new = h.latest;
-        let w = rules.rules[i].window_ms;
-        match rules.rules[i].kind {
-            WindowKind::Sliding => {
-                let lo = self.log.partition_point(|&x| x <= t.saturating_sub(w));
-                // Calls in time order: every recorded time is at or before t.
-                let hi = if self.log.back().is_none_or(|&b| b <= t) {
-                    self.log.len()
-                } else {
-                    self.log.partition_point(|&x| x <= t)
-                };
-                1 + (hi - lo) as u64
+        let rule = &rules.rules[i];
+        let w = rule.window_ms;
+        match rule.kind {
+            WindowKind::Sliding if rule.own_log() => {
+                sliding_count(slot(&mut self.own_logs, rule), t, w)
             }
+            WindowKind::Sliding => sliding_count(&self.log, t, w),
+            // A call at or below the horizon is past the retention: it
+            // counts 1 and is not recorded (as in the other kinds).
+            WindowKind::TokenBucket => match rule.rate {
+                Some(rate) if t > h.retention => {
+                    Tat::next(*slot(&mut self.buckets, rule), t, rate).level(t, rate)
+                }
+                _ => 1,
+            },
+            WindowKind::DistinctCallees => match ev.callee.as_deref().filter(|c| !c.is_empty()) {
+                Some(own) => {
+                    slot(&mut self.distinct, rule).count(own, t, w, rules.max_distinct_callees())
+                }
+                None => 0,
+            },
             WindowKind::Fixed => {
                 let b = bucket_of(t, w);
                 if bucket_end(b, w, rules.grace_ms) <= l_new {
@@ -526,22 +596,44 @@ impl CallerState {
                         .unwrap_or(0)
                 }
             }
+            // At or below the horizon: past the retention, counts 1, moves
+            // and records nothing (a rule that sees only some calls may
+            // keep counters of a bucket that old).
+            WindowKind::SlidingApprox if t <= h.retention => 1,
             WindowKind::SlidingApprox => {
                 slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, h.retention)
             }
         }
     }
 
-    fn record(&mut self, rules: &RuleSet, t: i64, h: &Horizons) {
+    fn record(&mut self, rules: &RuleSet, ev: &CallEvent, h: &Horizons) {
+        let t = ev.ts_ms;
         let l_new = h.latest;
         if rules.has_sliding() {
             insert_sorted(&mut self.log, t, |&x| x <= t);
         }
-        for rule in &rules.rules {
+        for (i, rule) in rules.rules.iter().enumerate() {
+            if !rules.sees(i, ev) {
+                continue;
+            }
             let w = rule.window_ms;
             let b = bucket_of(t, w);
             match rule.kind {
+                WindowKind::Sliding if rule.own_log() => {
+                    insert_sorted(slot(&mut self.own_logs, rule), t, |&x| x <= t);
+                }
                 WindowKind::Sliding => {}
+                WindowKind::TokenBucket => {
+                    if let Some(rate) = rule.rate.filter(|_| t > h.retention) {
+                        let tat = slot(&mut self.buckets, rule);
+                        *tat = Some(Tat::next(*tat, t, rate));
+                    }
+                }
+                WindowKind::DistinctCallees => {
+                    if let Some(own) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
+                        slot(&mut self.distinct, rule).record(own, t, rules.max_distinct_callees());
+                    }
+                }
                 WindowKind::Fixed => {
                     if bucket_end(b, w, rules.grace_ms) > l_new {
                         *slot(&mut self.fixed, rule).entry(b).or_insert(0) += 1;
@@ -550,7 +642,7 @@ impl CallerState {
                 WindowKind::SlidingApprox => {
                     let a = slot(&mut self.approx, rule);
                     match a.bucket {
-                        Some(cb) if cb == b => a.cur += 1,
+                        Some(cb) if cb == b && t > h.retention => a.cur += 1,
                         Some(cb) if Approx::counts_in_prev(b, cb, t, h.retention) => a.prev += 1,
                         _ => {}
                     }
@@ -593,6 +685,13 @@ impl CallerState {
         for (id, map) in &mut self.fixed {
             let w = id.window_ms;
             map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
+        }
+        for (_, log) in &mut self.own_logs {
+            let cut = log.iter().take_while(|&&x| x <= horizon).count();
+            log.drain(..cut);
+        }
+        for (_, callees) in &mut self.distinct {
+            callees.trim(horizon);
         }
         while self
             .callees_by_ts
@@ -659,6 +758,19 @@ impl CallerState {
                 })
                 .sum::<usize>()
             + self.approx.len() * size_of::<(RuleId, Approx)>()
+            + self
+                .own_logs
+                .iter()
+                .map(|(id, log)| {
+                    size_of::<(RuleId, VecDeque<i64>)>() + id.name.len() + log.len() * 8
+                })
+                .sum::<usize>()
+            + self.buckets.len() * size_of::<(RuleId, Option<Tat>)>()
+            + self
+                .distinct
+                .iter()
+                .map(|(_, c)| size_of::<(RuleId, Callees)>() + c.approx_bytes())
+                .sum::<usize>()
             + self.seen.len() * (size_of::<(CompactString, Verdict)>() + 16)
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
             + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)

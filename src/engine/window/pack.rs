@@ -25,6 +25,9 @@ pub enum PackedLog {
 /// Version byte of [`CallerState::pack`]'s format.
 const PACK_FORMAT: u8 = 1;
 
+/// The same format followed by the state of rules with state of their own.
+const PACK_FORMAT_RULES: u8 = 2;
+
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
@@ -121,7 +124,13 @@ impl CallerState {
     /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
     /// store keeps it apart) and only its place there is written.
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        out.push(PACK_FORMAT);
+        let rule_state =
+            !(self.own_logs.is_empty() && self.buckets.is_empty() && self.distinct.is_empty());
+        out.push(if rule_state {
+            PACK_FORMAT_RULES
+        } else {
+            PACK_FORMAT
+        });
         let base = self.latest.unwrap_or(0);
         put_opt(out, self.latest);
         match log {
@@ -168,6 +177,73 @@ impl CallerState {
             put_signed(out, base.wrapping_sub(ts));
             put_str(out, callee);
         }
+        if rule_state {
+            self.pack_rule_state(out, base);
+        }
+    }
+
+    /// The state of rules with state of their own (own logs, token
+    /// buckets, distinct callees), under [`PACK_FORMAT_RULES`]; a state
+    /// without them packs as before.
+    fn pack_rule_state(&self, out: &mut Vec<u8>, base: i64) {
+        put_varint(out, self.own_logs.len() as u64);
+        for (id, log) in &self.own_logs {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_varint(out, log.len() as u64);
+            for &e in log {
+                put_signed(out, base.wrapping_sub(e));
+            }
+        }
+        put_varint(out, self.buckets.len() as u64);
+        for (id, tat) in &self.buckets {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_opt(out, tat.map(|x| x.ms.wrapping_sub(base)));
+            put_varint(out, tat.map_or(0, |x| x.rem));
+        }
+        put_varint(out, self.distinct.len() as u64);
+        for (id, callees) in &self.distinct {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_varint(out, callees.len() as u64);
+            for (ts, callee) in callees.iter() {
+                put_signed(out, base.wrapping_sub(*ts));
+                put_str(out, callee);
+            }
+        }
+    }
+
+    /// Reads what [`CallerState::pack_rule_state`] wrote.
+    fn unpack_rule_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
+        for _ in 0..r.len()? {
+            let id = r.rule_id()?;
+            let mut log = VecDeque::new();
+            for _ in 0..r.len()? {
+                log.push_back(base.wrapping_sub(r.signed()?));
+            }
+            self.own_logs.push((id, log));
+        }
+        for _ in 0..r.len()? {
+            let id = r.rule_id()?;
+            let ms = r.opt()?;
+            let rem = r.varint()?;
+            let tat = ms.map(|d| Tat {
+                ms: base.wrapping_add(d),
+                rem,
+            });
+            self.buckets.push((id, tat));
+        }
+        for _ in 0..r.len()? {
+            let id = r.rule_id()?;
+            let mut callees = Callees::default();
+            for _ in 0..r.len()? {
+                let ts = base.wrapping_sub(r.signed()?);
+                callees.record(r.string()?, ts, u64::MAX);
+            }
+            self.distinct.push((id, callees));
+        }
+        Some(())
     }
 
     /// Reads a state written by [`CallerState::pack`] (without records),
@@ -175,7 +251,8 @@ impl CallerState {
     /// outside comes back empty: see [`CallerState::restore_log`].
     pub fn unpack(bytes: &[u8]) -> Option<(Self, PackedLog)> {
         let mut r = Unpacker(bytes);
-        if r.byte()? != PACK_FORMAT {
+        let format = r.byte()?;
+        if format != PACK_FORMAT && format != PACK_FORMAT_RULES {
             return None;
         }
         let latest = r.opt()?;
@@ -231,6 +308,9 @@ impl CallerState {
             .callees_by_ts
             .make_contiguous()
             .sort_by_key(|(ts, _)| *ts);
+        if format == PACK_FORMAT_RULES {
+            state.unpack_rule_state(&mut r, base)?;
+        }
         r.0.is_empty().then_some((state, log))
     }
 
@@ -263,13 +343,41 @@ mod tests {
 
     #[test]
     fn packed_state_reads_back_and_corrupt_bytes_are_refused() {
-        let rules = RuleSet::from_args(
-            None,
-            &[
-                "f:fixed:10s:3".into(),
-                "s:sliding:20s:3".into(),
-                "a:sliding-approx:30s:3".into(),
-            ],
+        // Every kind, and a sliding rule with a log of its own.
+        let rules = RuleSet::from_toml(
+            r#"
+            [[rule]]
+            name = "f"
+            kind = "fixed"
+            window = "10s"
+            limit = 3
+            [[rule]]
+            name = "s"
+            kind = "sliding"
+            window = "20s"
+            limit = 3
+            [[rule]]
+            name = "a"
+            kind = "sliding-approx"
+            window = "30s"
+            limit = 3
+            [[rule]]
+            name = "own"
+            kind = "sliding"
+            window = "20s"
+            limit = 2
+            callees = ["+34912", "+34913"]
+            [[rule]]
+            name = "tb"
+            kind = "token-bucket"
+            rate = "3/s"
+            burst = 4
+            [[rule]]
+            name = "spray"
+            kind = "distinct-callees"
+            window = "10s"
+            limit = 3
+            "#,
         )
         .unwrap()
         .with_distinct_callees(true);
@@ -298,6 +406,10 @@ mod tests {
             assert_eq!(a, c, "call {i}, log apart");
             copy_at = packed;
         }
+        // The rules with state of their own were packed and read back.
+        assert!(
+            !state.own_logs.is_empty() && !state.buckets.is_empty() && !state.distinct.is_empty()
+        );
         for cut in 0..copy_at.len() {
             assert!(
                 CallerState::unpack(&copy_at[..cut]).is_none(),
@@ -307,6 +419,6 @@ mod tests {
         let mut longer = copy_at.clone();
         longer.push(0);
         assert!(CallerState::unpack(&longer).is_none());
-        assert!(CallerState::unpack(&[2, 0, 0, 0, 0, 0]).is_none());
+        assert!(CallerState::unpack(&[3, 0, 0, 0, 0, 0]).is_none());
     }
 }

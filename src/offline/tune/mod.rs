@@ -166,7 +166,9 @@ impl BaseShard {
         let h = &mut self.histogram;
         match rules.judge(e.number_for_lists(), &v.record.counts, Some(index)) {
             Judgement::Allowlisted => {}
-            Judgement::Denylisted | Judgement::Exceeded(_) => {
+            // A shadow rule's would-be rejects count as rejects here, as
+            // under a shadow rule set: the sweep says what would be rejected.
+            Judgement::Denylisted | Judgement::Exceeded(_) | Judgement::ShadowExceeded(_) => {
                 h.always[fraud] += 1;
                 tally.always = true;
             }

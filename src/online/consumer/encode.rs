@@ -221,6 +221,7 @@ mod tests {
                 degraded: false,
                 rules_version: rules.version().into(),
                 retry_after_ms: None,
+                warn: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,

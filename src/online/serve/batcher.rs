@@ -219,7 +219,7 @@ impl<S: WindowStore> Batcher<S> {
         self.metrics.count_batch(decided.verdicts.iter().flatten());
         for (reply, v) in replies.into_iter().zip(decided.verdicts) {
             let outcome = match v {
-                Some(v) => Outcome::Decided(v, self.schema.clone(), self.limits.clone()),
+                Some(v) => Outcome::Decided(Box::new(v), self.schema.clone(), self.limits.clone()),
                 None => Outcome::Unavailable {
                     why: format!(
                         "window store failed: {}",

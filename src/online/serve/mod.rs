@@ -159,7 +159,7 @@ impl Default for ServeConfig {
 /// What the batcher answers for one request.
 enum Outcome {
     /// Decided, with the columns and limits of the rules that decided.
-    Decided(Verdict, Arc<Schema>, Arc<[ratelimit::RuleLimit]>),
+    Decided(Box<Verdict>, Arc<Schema>, Arc<[ratelimit::RuleLimit]>),
     /// The store failed under `block`: no verdict. `applied` says whether
     /// the call may still have been applied (`"unknown"`: the store call
     /// failed after it was sent) or surely was not (`"no"`: a caller

@@ -103,6 +103,7 @@ mod tests {
                 degraded: false,
                 rules_version: "v".into(),
                 retry_after_ms: retry,
+                warn: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,

@@ -458,6 +458,7 @@ mod tests {
                 degraded: false,
                 rules_version: "v".into(),
                 retry_after_ms: None,
+                warn: None,
             },
             prev_ts_ms: None,
             distinct_callees: None,

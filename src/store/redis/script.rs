@@ -137,7 +137,13 @@ impl RedisStore {
             cmd.arg(rule.kind.code())
                 .arg(rule.window_ms)
                 .arg(rule.limit)
-                .arg(&rule.name);
+                .arg(&rule.name)
+                .arg(u8::from(rule.shadow) + 2 * u8::from(rule.own_log()))
+                .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
+                .arg(
+                    rule.rate
+                        .map_or_else(String::new, |r| format!("{}/{}", r.calls, r.per_ms)),
+                );
         }
         for ev in events {
             let listed = match rules.listed(ev.number_for_lists()) {
@@ -148,7 +154,8 @@ impl RedisStore {
             cmd.arg(ev.ts_ms)
                 .arg(ev.call_id.as_str())
                 .arg(listed)
-                .arg(ev.callee.as_deref().unwrap_or(""));
+                .arg(ev.callee.as_deref().unwrap_or(""))
+                .arg(rules.mask(ev).as_deref().unwrap_or(""));
         }
         cmd
     }

@@ -1,0 +1,287 @@
+//! Rule files: the TOML an operator writes, read into a [`RuleSet`].
+//!
+//! Every field error names the rule and the field. A `callees_file` is read
+//! relative to the rules file; the set remembers it, so a reload notices
+//! when it changes, and its prefixes are part of the version.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::engine::duration::parse_duration_ms;
+use crate::engine::filter::{parse_days, parse_timezone, Filter, Hours};
+use crate::engine::rule::{CountPolicy, Rate, Rule, RuleKey, WindowKind};
+use crate::engine::rules::{RuleSet, RuleSpec, DEFAULT_GRACE_MS, DEFAULT_MAX_DISTINCT_CALLEES};
+use crate::error::RulesError;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    #[serde(default)]
+    count: CountPolicy,
+    grace: Option<String>,
+    #[serde(default)]
+    shadow: bool,
+    dedup: Option<String>,
+    distinct_callees: Option<bool>,
+    max_distinct_callees: Option<u64>,
+    timezone: Option<String>,
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    deny: Vec<String>,
+    #[serde(default, rename = "rule")]
+    rules: Vec<RuleEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleEntry {
+    name: String,
+    kind: String,
+    window: Option<String>,
+    limit: Option<u64>,
+    rate: Option<String>,
+    burst: Option<u64>,
+    warn: Option<u64>,
+    #[serde(default)]
+    shadow: bool,
+    key: Option<String>,
+    callees: Option<Vec<String>>,
+    callees_file: Option<String>,
+    hours: Option<String>,
+    days: Option<Vec<String>>,
+    timezone: Option<String>,
+}
+
+/// `rule `NAME`, FIELD: MESSAGE`.
+fn field_error(rule: &str, field: &str, msg: impl std::fmt::Display) -> RulesError {
+    RulesError::Invalid(format!("rule `{rule}`, {field}: {msg}"))
+}
+
+/// Reads a callees file: one prefix per line, `#` starts a comment.
+fn read_prefix_file(path: &Path) -> Result<Vec<String>, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Ok(text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect())
+}
+
+impl RuleEntry {
+    /// The rule, with `callees_file` read from `dir` (noted in `files`)
+    /// and `default_tz` for a time profile without its own zone.
+    fn into_rule(
+        self,
+        dir: Option<&Path>,
+        default_tz: Option<chrono_tz::Tz>,
+        files: &mut Vec<PathBuf>,
+    ) -> Result<Rule, RulesError> {
+        let name = self.name.clone();
+        let err = |field: &str, msg: String| field_error(&name, field, msg);
+        let kind = WindowKind::parse(&self.kind).map_err(|e| err("kind", e.to_string()))?;
+        let (window_ms, limit, rate) = if kind == WindowKind::TokenBucket {
+            for (set, field) in [
+                (self.window.is_some(), "window"),
+                (self.limit.is_some(), "limit"),
+            ] {
+                if set {
+                    return Err(err(
+                        field,
+                        "a token bucket has `rate` and `burst` instead".into(),
+                    ));
+                }
+            }
+            let rate = Rate::parse(
+                self.rate
+                    .as_deref()
+                    .ok_or_else(|| err("rate", "missing".into()))?,
+            )
+            .map_err(|e| err("rate", e))?;
+            let burst = self.burst.ok_or_else(|| err("burst", "missing".into()))?;
+            if burst == 0 {
+                return Err(err("burst", "must be at least 1".into()));
+            }
+            (rate.span_ms(burst), burst, Some(rate))
+        } else {
+            for (set, field) in [
+                (self.rate.is_some(), "rate"),
+                (self.burst.is_some(), "burst"),
+            ] {
+                if set {
+                    return Err(err(field, "only a token bucket has one".into()));
+                }
+            }
+            let window = self
+                .window
+                .as_deref()
+                .ok_or_else(|| err("window", "missing".into()))?;
+            let window_ms = parse_duration_ms(window).map_err(|e| err("window", e.to_string()))?;
+            let limit = self.limit.ok_or_else(|| err("limit", "missing".into()))?;
+            (window_ms, limit, None)
+        };
+        let key = match self.key.as_deref() {
+            Some(k) => RuleKey::parse(k).map_err(|e| err("key", e))?,
+            None => RuleKey::Caller,
+        };
+        let mut callees = self.callees.unwrap_or_default();
+        if let Some(file) = &self.callees_file {
+            let path = match dir {
+                Some(d) => d.join(file),
+                None => {
+                    return Err(err(
+                        "callees_file",
+                        "needs a rules file to be read relative to".into(),
+                    ))
+                }
+            };
+            callees.extend(read_prefix_file(&path).map_err(|e| err("callees_file", e))?);
+            files.push(path);
+        }
+        let hours = self
+            .hours
+            .as_deref()
+            .map(Hours::parse)
+            .transpose()
+            .map_err(|e| err("hours", e))?;
+        let days = self
+            .days
+            .as_deref()
+            .map(parse_days)
+            .transpose()
+            .map_err(|e| err("days", e))?;
+        let timezone = match self.timezone.as_deref() {
+            Some(tz) => Some(parse_timezone(tz).map_err(|e| err("timezone", e.to_string()))?),
+            None => default_tz,
+        };
+        let has_time = hours.is_some() || days.is_some();
+        let filter = Filter {
+            callees,
+            hours,
+            days,
+            timezone: timezone.filter(|_| has_time),
+        };
+        Ok(Rule {
+            rate,
+            warn: self.warn,
+            shadow: self.shadow,
+            key,
+            filter,
+            ..Rule::new(name.clone(), kind, window_ms, limit)
+        })
+    }
+}
+
+impl RuleSet {
+    /// Parses a TOML rule set (a `callees_file` cannot be read: use
+    /// [`RuleSet::from_file`]).
+    pub fn from_toml(text: &str) -> Result<Self, RulesError> {
+        Self::from_toml_in(text, None)
+    }
+
+    /// Parses a TOML rule set whose `callees_file`s are relative to `dir`.
+    pub fn from_toml_in(text: &str, dir: Option<&Path>) -> Result<Self, RulesError> {
+        let file: RuleFile = toml::from_str(text).map_err(|e| RulesError::Toml(e.to_string()))?;
+        let default_tz = file.timezone.as_deref().map(parse_timezone).transpose()?;
+        let mut files = Vec::new();
+        let rules = file
+            .rules
+            .into_iter()
+            .map(|e| e.into_rule(dir, default_tz, &mut files))
+            .collect::<Result<Vec<_>, RulesError>>()?;
+        let grace_ms = match file.grace {
+            Some(g) => parse_duration_ms(&g)?,
+            None => DEFAULT_GRACE_MS,
+        };
+        let mut set = RuleSet::build(RuleSpec {
+            rules,
+            count: file.count,
+            grace_ms,
+            allow: file.allow,
+            deny: file.deny,
+            shadow: file.shadow,
+            dedup_ms: file.dedup.as_deref().map(parse_duration_ms).transpose()?,
+            distinct_callees: file.distinct_callees.unwrap_or(true),
+            max_distinct_callees: file
+                .max_distinct_callees
+                .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
+        })?;
+        set.set_files(files);
+        Ok(set)
+    }
+
+    /// Reads a TOML rule set from a file.
+    pub fn from_file(path: &Path) -> Result<Self, RulesError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RulesError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        // Say which file: the parser's messages give lines, not the file.
+        Self::from_toml_in(&text, path.parent()).map_err(|e| match e {
+            RulesError::Toml(m) => RulesError::Toml(format!("{}: {m}", path.display())),
+            RulesError::Invalid(m) => RulesError::Invalid(format!("{}: {m}", path.display())),
+            other => other,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "timezone = \"Europe/Madrid\"\n[[rule]]\nname = \"irsf\"\n";
+
+    fn error_of(rule_text: &str) -> String {
+        match RuleSet::from_toml(&format!("{BASE}{rule_text}")) {
+            Ok(_) => panic!("accepted: {rule_text}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn bad_fields_name_the_rule_and_the_field() {
+        let w = "kind = \"sliding\"\nwindow = \"1h\"\nlimit = 3\n";
+        for (extra, field) in [
+            ("days = [\"mon\", \"funday\"]", "days"),
+            ("hours = \"25:00-07:00\"", "hours"),
+            ("timezone = \"Mars/Olympus\"", "timezone"),
+            ("callees = [\"+882\", \"\"]", "callees"),
+            ("key = \"callee+caller\"", "key"),
+            ("warn = 3", "warn"),
+        ] {
+            let e = error_of(&format!("{w}{extra}\n"));
+            assert!(e.contains("`irsf`") && e.contains(field), "{extra}: {e}");
+        }
+        let e = error_of("kind = \"token-bucket\"\nrate = \"2/s\"\nburst = 0\n");
+        assert!(e.contains("`irsf`") && e.contains("burst"), "{e}");
+        let e = error_of("kind = \"token-bucket\"\nrate = \"2/d\"\nburst = 3\n");
+        assert!(e.contains("rate"), "{e}");
+        let e = error_of(&format!("{w}callees_file = \"ranges.txt\"\n"));
+        assert!(e.contains("callees_file"), "{e}");
+    }
+
+    #[test]
+    fn a_callees_file_is_read_merged_and_versioned() {
+        let dir = tempfile::tempdir().unwrap();
+        let rules = dir.path().join("rules.toml");
+        let ranges = dir.path().join("ranges.txt");
+        std::fs::write(
+            &rules,
+            "[[rule]]\nname = \"irsf\"\nkind = \"sliding\"\nwindow = \"1h\"\nlimit = 3\ncallees = [\"+53\"]\ncallees_file = \"ranges.txt\"\n",
+        )
+        .unwrap();
+        std::fs::write(&ranges, "# premium ranges\n+882\n00881 # satellite\n\n").unwrap();
+        let a = RuleSet::from_file(&rules).unwrap();
+        assert_eq!(a.rules[0].filter.callees, ["+53", "+881", "+882"]);
+        assert_eq!(a.files(), std::slice::from_ref(&ranges));
+        std::fs::write(&ranges, "+882\n").unwrap();
+        let b = RuleSet::from_file(&rules).unwrap();
+        assert_ne!(a.version(), b.version());
+        std::fs::remove_file(&ranges).unwrap();
+        let e = RuleSet::from_file(&rules).unwrap_err().to_string();
+        assert!(e.contains("`irsf`") && e.contains("callees_file"), "{e}");
+    }
+}
