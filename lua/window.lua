@@ -33,6 +33,12 @@
 --   :d:<rule>:<W>  a distinct-callees rule's recorded callees: sorted set,
 --          member callee, score its latest recorded call time (at most
 --          ARGV[12] kept: past that ZPOPMIN drops the lowest (time, callee))
+--   :p:<rule>:<W>   a rule keyed by caller and callee: hash, field callee,
+--          value its pair's state ("t1,t2,..." sliding times; "b=c,..."
+--          fixed buckets; "b,cur,prev" sliding-approx; "ms,rem" token bucket)
+--   :pz:<rule>:<W>  its pairs: sorted set, member callee, score the latest
+--          call to it the rule saw (at most ARGV[12] pairs: past that
+--          ZPOPMIN drops the lowest (time, callee) and its state)
 --   meta also holds t:<rule>:<W> = a token bucket's theoretical arrival
 --          time "<ms>,<rem>" (TAT = ms + rem / n, rate n per period)
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
@@ -51,7 +57,7 @@
 --   1 sliding, 2 sliding-approx, 3 token-bucket, 4 distinct-callees),
 --   window (ms; a token bucket's span), limit (a token bucket's burst),
 --   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
---   calls), warn level ('' none), rate "<n>/<period ms>" (a
+--   calls + 4 keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
 --   token bucket's; '' otherwise)
 -- then per event j, 5 values: t (event time, ms), call_id,
 --   listed (0 no, 1 allow, 2 deny), callee ('' for none), mask: '' when
@@ -96,7 +102,7 @@ local H = 15
 
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
-local rshadow, warns, rcalls, rper, tfield, suffix, ownlog = {}, {}, {}, {}, {}, {}, {}
+local rshadow, warns, rcalls, rper, tfield, suffix, ownlog, paired = {}, {}, {}, {}, {}, {}, {}, {}
 local PER_RULE = 7
 -- Meta fields read per event: L, the three lower bounds, approx counters.
 local mfields = {'L', 'O', 'I', 'C', 'N'}
@@ -108,12 +114,15 @@ for i = 1, n do
   names[i] = ARGV[base + 4]
   local flags = tonumber(ARGV[base + 5])
   rshadow[i] = flags % 2 == 1
-  ownlog[i] = flags >= 2
+  ownlog[i] = flags % 4 >= 2
+  paired[i] = flags >= 4
   warns[i] = tonumber(ARGV[base + 6])
   suffix[i] = names[i] .. ':' .. fmt('%d', wins[i])
   local rc, rp = string.match(ARGV[base + 7], '^(%d+)/(%d+)$')
   rcalls[i], rper[i] = tonumber(rc), tonumber(rp)
-  if kinds[i] == 0 then
+  if paired[i] then
+    -- Kept per pair, not in meta.
+  elseif kinds[i] == 0 then
     ffield[i] = #mfields + 1
     mfields[#mfields + 1] = 'f:' .. names[i] .. ':' .. fmt('%d', wins[i])
   elseif kinds[i] == 3 then
@@ -130,7 +139,7 @@ end
 local E = H + PER_RULE * n
 local has_distinct = false
 for i = 1, n do
-  if kinds[i] == 4 then has_distinct = true end
+  if kinds[i] == 4 or paired[i] then has_distinct = true end
 end
 local NM = #mfields
 -- Under attempts with a sliding rule and D = retention, the sliding log holds
@@ -253,9 +262,8 @@ local function fixed_until(fb, t, lnew, w, lim)
   end
   return nil
 end
-local function approx_until(a, lnew, w, lim)
+local function approx_until(a, expires, w, lim)
   local cb, cur, pv = a[2], a[3], a[4]
-  local expires = lnew + retention
   local segs = {
     {cb + 1, last_offset(cur, 1, w, lim)},
     {cb, last_offset(pv, cur + 1, w, lim)},
@@ -312,6 +320,56 @@ local function distinct_until(key, own, t, w, lim)
   return nil
 end
 
+-- Pairs (window/pairs.rs): a pair's state string read into a table for
+-- its rule's kind, and written back.
+local function pair_parse(i, v, horizon)
+  local kind = kinds[i]
+  if kind == 1 then
+    local times = {}
+    for x in string.gmatch(v or '', '-?%d+') do
+      local e = tonumber(x)
+      if e > horizon then times[#times + 1] = e end
+    end
+    return times
+  elseif kind == 0 then
+    return parse_buckets(v or false)
+  elseif kind == 2 then
+    local cb, cur, pv = string.match(v or '', '^(-?%d+),(%d+),(%d+)$')
+    if not cb then return {nil, nil, 0, 0} end
+    return {nil, tonumber(cb), tonumber(cur), tonumber(pv)}
+  else
+    local ms, rem = string.match(v or '', '^(-?%d+),(%d+)$')
+    if not ms then return nil end
+    return {tonumber(ms), tonumber(rem)}
+  end
+end
+local function pair_format(i, st, lnew)
+  local kind = kinds[i]
+  if kind == 1 then
+    local parts = {}
+    for j = 1, #st do parts[j] = fmt('%d', st[j]) end
+    return table.concat(parts, ',')
+  elseif kind == 0 then
+    return format_buckets(st, wins[i], lnew)
+  elseif kind == 2 then
+    if not st[2] then return '' end
+    return fmt('%d,%d,%d', st[2], st[3], st[4])
+  else
+    if not st then return '' end
+    return fmt('%d,%d', st[1], st[2])
+  end
+end
+-- sliding_until over a sorted table of times.
+local function list_until(times, t, w, lim)
+  local k = #times
+  for j = k - lim + 1, 1, -1 do
+    local e_end = times[j] + w - 1
+    if e_end <= t then return nil end
+    if times[j + lim - 1] <= e_end then return e_end end
+  end
+  return nil
+end
+
 -- Decides one event of the caller whose keys start with stem.
 local function decide(stem, t, id, listed, callee, mask)
   local meta, log, ids, callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
@@ -324,6 +382,7 @@ local function decide(stem, t, id, listed, callee, mask)
   end
   -- A rule's own sorted set (own log or distinct callees), if it has one.
   local function own_key(i)
+    if paired[i] then return stem .. ':pz:' .. suffix[i] end
     if kinds[i] == 4 then return stem .. ':d:' .. suffix[i] end
     if ownlog[i] then return stem .. ':l:' .. suffix[i] end
     return nil
@@ -419,17 +478,65 @@ local function decide(stem, t, id, listed, callee, mask)
   if mask ~= '' or has_distinct then
     for i = 1, n do
       okeys[i] = own_key(i)
-      if okeys[i] and near(i) then call('ZREMRANGEBYSCORE', okeys[i], '-inf', horizon) end
+      if okeys[i] and near(i) then
+        if paired[i] then
+          -- Pairs whose latest call is at or below the horizon go, state and all.
+          local old = call('ZRANGEBYSCORE', okeys[i], '-inf', horizon)
+          for s0 = 1, #old, 1000 do
+            call('HDEL', stem .. ':p:' .. suffix[i], unpack(old, s0, math.min(s0 + 999, #old)))
+          end
+        end
+        call('ZREMRANGEBYSCORE', okeys[i], '-inf', horizon)
+      end
     end
   end
 
-  local counts, approx, fixed, fchanged, tats = {}, {}, {}, false, {}
+  local counts, approx, fixed, fchanged, tats, pst = {}, {}, {}, false, {}, {}
   for i = 1, n do
     local w = wins[i]
     local b = floor(t / w)
     local kind = kinds[i]
     if not sees(i) then
       counts[i] = 0
+    elseif paired[i] then
+      if callee == '' then
+        counts[i] = 0
+      elseif t <= horizon then
+        counts[i] = 1
+      else
+        local st = pair_parse(i, call('HGET', stem .. ':p:' .. suffix[i], callee), horizon)
+        call('ZADD', okeys[i], 'GT', t, callee)
+        pst[i] = st
+        if kind == 1 then
+          local c = 1
+          for j = 1, #st do
+            if st[j] > t - w and st[j] <= t then c = c + 1 end
+          end
+          counts[i] = c
+        elseif kind == 0 then
+          if (b + 1) * w + grace <= lnew then counts[i] = 1 else counts[i] = (st[b] or 0) + 1 end
+        elseif kind == 2 then
+          local cb, cur, pv = st[2], st[3], st[4]
+          if not cb then
+            cb, cur, pv = b, 0, 0
+          elseif b > cb then
+            if b == cb + 1 then pv = cur else pv = 0 end
+            cur, cb = 0, b
+          end
+          if b == cb then
+            local a = pv * math.max(w - (t - b * w) - 1, 0)
+            counts[i] = (a - a % w) / w + cur + 1
+          elseif b == cb - 1 then
+            counts[i] = pv + 1
+          else
+            counts[i] = 1
+          end
+          st[2], st[3], st[4] = cb, cur, pv
+        else
+          pst[i] = {tat = tat_next(st, t, i), old = st}
+          counts[i] = tat_level(pst[i].tat, t, i)
+        end
+      end
     elseif kind == 4 then
       if callee == '' then
         counts[i] = 0
@@ -524,6 +631,22 @@ local function decide(stem, t, id, listed, callee, mask)
       local kind = kinds[i]
       if not sees(i) then
         -- Not seen: nothing of the rule's changes.
+      elseif paired[i] then
+        local st = pst[i]
+        if st then
+          local b = floor(t / wins[i])
+          if kind == 1 then
+            local j = #st
+            while j >= 1 and st[j] > t do j = j - 1 end
+            table.insert(st, j + 1, t)
+          elseif kind == 0 then
+            if (b + 1) * wins[i] + grace > lnew then st[b] = (st[b] or 0) + 1 end
+          elseif kind == 2 then
+            if b == st[2] then st[3] = st[3] + 1 elseif b == st[2] - 1 then st[4] = st[4] + 1 end
+          else
+            st.old = st.tat
+          end
+        end
       elseif kind == 0 then
         local b = floor(t / wins[i])
         if admitted and (b + 1) * wins[i] + grace > lnew then
@@ -552,6 +675,24 @@ local function decide(stem, t, id, listed, callee, mask)
     end
   end
 
+  -- Pairs touched by this call: written back, then the cap.
+  for i = 1, n do
+    local st = pst[i]
+    if st then
+      local hk = stem .. ':p:' .. suffix[i]
+      local v
+      if kinds[i] == 3 then v = pair_format(i, st.old, lnew) else v = pair_format(i, st, lnew) end
+      call('HSET', hk, callee, v)
+      local extra = call('ZCARD', okeys[i]) - max_callees
+      if extra > 0 then
+        local popped = call('ZPOPMIN', okeys[i], extra)
+        for j = 1, #popped, 2 do call('HDEL', hk, popped[j]) end
+      end
+      call('PEXPIRE', okeys[i], retention + slack)
+      call('PEXPIRE', hk, retention + slack)
+    end
+  end
+
   local shadow = 0
   if (shadow_mode or by_shadow) and would == 1 then shadow = 1 end
   local decision = would
@@ -564,6 +705,23 @@ local function decide(stem, t, id, listed, callee, mask)
       local s
       if rshadow[i] or not near(i) then
         s = nil
+      elseif paired[i] then
+        local pl = callee ~= '' and tonumber(call('ZSCORE', okeys[i], callee))
+        if pl then
+          local st = pair_parse(i, call('HGET', stem .. ':p:' .. suffix[i], callee), horizon)
+          local pexp = pl + retention
+          if kind == 1 then
+            s = list_until(st, t, w, lim)
+          elseif kind == 0 then
+            s = fixed_until(st, t, lnew, w, lim)
+          elseif kind == 2 then
+            if st[2] then s = approx_until(st, pexp, w, lim) end
+          elseif st then
+            s = tat_until(st, t, i, lim)
+            if s then s = math.min(s, pexp - 1) end
+          end
+          if s and s <= t then s = nil end
+        end
       elseif kind == 1 and okeys[i] then
         s = sliding_until(okeys[i], t, w, lim)
       elseif kind == 3 then
@@ -588,7 +746,7 @@ local function decide(stem, t, id, listed, callee, mask)
           local cb = tonumber(mv[k])
           if cb then a = {k, cb, tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0} end
         end
-        if a then s = approx_until(a, lnew, w, lim) end
+        if a then s = approx_until(a, lnew + retention, w, lim) end
       end
       if s and s > last then last = s end
     end

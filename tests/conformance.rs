@@ -224,12 +224,17 @@ async fn reload_with_changed_windows_matches_redis() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn capped_callee_sets_match_memory() {
     let server = RedisServer::start(&[]);
-    for seed in 0..12u64 {
+    let mut tested = 0;
+    for seed in 0..16u64 {
         let (rules, events) = random::case(seed, 400, 3);
-        let rules = rules
+        // (A distinct-callees rule with a limit of 3 or more takes no cap of 3.)
+        let Ok(rules) = rules
             .with_distinct_callees(true)
             .with_max_distinct_callees(3)
-            .unwrap();
+        else {
+            continue;
+        };
+        tested += 1;
         for mode in MODES {
             let mut redis = open(mode, vec![server.url()], &format!("cap{mode:?}{seed}:")).await;
             assert_same(
@@ -248,6 +253,7 @@ async fn capped_callee_sets_match_memory() {
             .count();
         assert!(saturated > 0, "seed {seed}: the cap is never reached");
     }
+    assert!(tested >= 10, "only {tested} random rule sets took the cap");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,6 +350,73 @@ async fn every_key_has_a_ttl_and_all_expire() {
     }
     assert_eq!(names.len(), 97 * 3, "unexpected keys: {names:?}");
     // Longest window + grace is 700 ms.
+    assert_all_expire(&server, &mut con, &names).await;
+}
+
+/// The keys of the rules with state of their own (a sliding rule's own log,
+/// a distinct-callees set, caller+callee pairs) get TTLs and expire too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_of_rules_with_state_of_their_own_have_ttls() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_toml(
+        r#"
+        grace = "100ms"
+        [[rule]]
+        name = "own"
+        kind = "sliding"
+        window = "400ms"
+        limit = 3
+        callees = ["+3491"]
+        [[rule]]
+        name = "spray"
+        kind = "distinct-callees"
+        window = "300ms"
+        limit = 2
+        [[rule]]
+        name = "pair"
+        key = "caller+callee"
+        kind = "sliding"
+        window = "500ms"
+        limit = 2
+        [[rule]]
+        name = "tb"
+        kind = "token-bucket"
+        rate = "10/s"
+        burst = 3
+        "#,
+    )
+    .unwrap()
+    .with_dedup(600)
+    .unwrap();
+    let mut redis = RedisStore::connect(config(vec![server.url()], "own:"))
+        .await
+        .unwrap();
+    let events: Vec<CallEvent> = (0..600i64)
+        .map(|i| CallEvent {
+            callee: Some(format!("+349100000{:02}", i % 13).into()),
+            ..ev(
+                &format!("+3460000{:04}", i % 31),
+                &format!("c{i}"),
+                T0 + i * 3,
+            )
+        })
+        .collect();
+    for chunk in events.chunks(128) {
+        redis.apply_batch(&rules, chunk).await.unwrap();
+    }
+    let mut con = server.connection();
+    let mut names: Vec<String> = redis::cmd("KEYS").arg("own:*").query(&mut con).unwrap();
+    names.retain(|k| k != "own:mode");
+    for suffix in [
+        ":m",
+        ":l:own:400",
+        ":d:spray:300",
+        ":p:pair:500",
+        ":pz:pair:500",
+    ] {
+        let n = names.iter().filter(|k| k.ends_with(suffix)).count();
+        assert_eq!(n, 31, "callers with a {suffix} key: {names:?}");
+    }
     assert_all_expire(&server, &mut con, &names).await;
 }
 

@@ -382,7 +382,7 @@ async fn a_sharded_replay_of_a_file_equals_the_sequential_replay() {
     use std::sync::Arc;
     let dir = tempfile::tempdir().unwrap();
     let mut covered = Coverage::default();
-    for seed in 0..12u64 {
+    for seed in 0..20u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let rules = random::random_rules(&mut rng);
         // More than two chunks of the replay (16,384 rows), over many callers.

@@ -1,12 +1,13 @@
 //! Random rule sets and event sequences: same-millisecond ties, events out
 //! of order within grace, late events, idle gaps, duplicate call ids, every
 //! rule kind and policy, allow and deny lists, shadow mode; rules that see
-//! only some callees or times of day, per-rule shadow and warning levels.
+//! only some callees or times of day, keyed by caller and callee, per-rule
+//! shadow and warning levels.
 #![allow(dead_code)]
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::filter::{parse_days, parse_timezone, Filter, Hours};
-use callguard::engine::rules::{CountPolicy, Rate, Rule, RuleSet, RuleSpec, WindowKind};
+use callguard::engine::rules::{CountPolicy, Rate, Rule, RuleKey, RuleSet, RuleSpec, WindowKind};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -109,6 +110,9 @@ fn random_options(rng: &mut StdRng, rule: &mut Rule) {
         rule.warn = Some(rng.random_range(0..rule.limit));
     }
     rule.shadow = rng.random_bool(0.2);
+    if rule.kind != WindowKind::DistinctCallees && rng.random_bool(0.3) {
+        rule.key = RuleKey::CallerCallee;
+    }
     let mut filter = Filter::default();
     if rng.random_bool(0.3) {
         // Callee 3, or callees 3 and 4, of the random sequences' callees.

@@ -5,7 +5,7 @@
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
-use callguard::engine::rules::{CountPolicy, Listed, RuleSet, RuleSpec, WindowKind};
+use callguard::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet, RuleSpec, WindowKind};
 
 /// What the reference says of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,6 +170,23 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
             counts.push(0);
             continue;
         }
+        // The calls the rule counts on: the caller's, or its calls to this
+        // callee since the pair was last created.
+        let pair_calls;
+        let live: &[&&Past] = if rule.key == RuleKey::CallerCallee {
+            let Some(callee) = e.callee.as_deref().filter(|c| !c.is_empty()) else {
+                counts.push(0);
+                continue;
+            };
+            if t <= h {
+                counts.push(1);
+                continue;
+            }
+            pair_calls = pair_history(rules, &live, i, callee, h);
+            &pair_calls
+        } else {
+            &live
+        };
         let w = rule.window_ms;
         let b = t.div_euclid(w);
         let rec_in = |bucket: i64| {
@@ -185,8 +202,8 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                     .count() as u64
             }
             WindowKind::TokenBucket | WindowKind::SlidingApprox if t <= h => 1,
-            WindowKind::TokenBucket => token_level(rule, &live, i, t),
-            WindowKind::DistinctCallees => distinct_count(rules, &live, i, e, h),
+            WindowKind::TokenBucket => token_level(rule, live, i, t),
+            WindowKind::DistinctCallees => distinct_count(rules, live, i, e, h),
             WindowKind::Fixed => {
                 if (b + 1) * w + rules.grace_ms <= l_new {
                     1
@@ -348,4 +365,44 @@ fn distinct_count(rules: &RuleSet, live: &[&&Past], i: usize, e: &CallEvent, h: 
 
 fn t_minus(t: i64, w: i64) -> i64 {
     t - w
+}
+
+/// The calls to `callee` of rule `i`'s pair as it stands at horizon `h`:
+/// pair membership replayed call by call (a pair is created by a call the
+/// rule sees above the horizon, dropped once its latest such call is at or
+/// below a call's horizon, and the lowest (latest, callee) dropped past the
+/// cap), the calls of its current life returned.
+fn pair_history<'a, 'b>(
+    rules: &RuleSet,
+    live: &[&'b &'a Past],
+    i: usize,
+    callee: &str,
+    h: i64,
+) -> Vec<&'b &'a Past> {
+    let cap = rules.max_distinct_callees() as usize;
+    let mut pairs: std::collections::BTreeMap<String, (i64, Vec<&'b &'a Past>)> =
+        Default::default();
+    for &q in live {
+        pairs.retain(|_, (l, _)| *l > q.horizon);
+        if let Some(c) = q.callee.as_deref().filter(|c| !c.is_empty()) {
+            if q.seen[i] && !q.beyond {
+                let entry = pairs.entry(c.to_string()).or_insert((q.ts, Vec::new()));
+                entry.0 = entry.0.max(q.ts);
+                entry.1.push(q);
+            }
+        }
+        while pairs.len() > cap {
+            let lowest = pairs
+                .iter()
+                .min_by(|a, b| ((a.1).0, a.0).cmp(&((b.1).0, b.0)))
+                .map(|(c, _)| c.clone())
+                .expect("not empty");
+            pairs.remove(&lowest);
+        }
+    }
+    pairs.retain(|_, (l, _)| *l > h);
+    pairs
+        .remove(callee)
+        .map(|(_, calls)| calls)
+        .unwrap_or_default()
 }

@@ -63,15 +63,17 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::{
     Counts, Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
 };
-use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleSet, WindowKind};
+use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleKey, RuleSet, WindowKind};
 
 mod bucket;
 mod distinct;
 mod pack;
+mod pairs;
 
 pub use bucket::Tat;
 pub use distinct::Callees;
 pub use pack::PackedLog;
+use pairs::{Pair, Pairs};
 
 /// State of the two-bucket approximate counter of one rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -203,6 +205,8 @@ pub struct CallerState {
     buckets: Vec<(RuleId, Option<Tat>)>,
     /// Per distinct-callees rule, by identity: its recorded callees.
     distinct: Vec<(RuleId, Callees)>,
+    /// Per rule keyed by caller and callee, by identity: its pairs.
+    pairs: Vec<(RuleId, Pairs)>,
     /// Idempotency: call id → the verdict it got.
     seen: HashMap<CompactString, Verdict>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
@@ -242,6 +246,93 @@ pub fn bucket_of(t: i64, w: i64) -> i64 {
 /// (saturating: times at the ends of `i64` never overflow).
 fn bucket_end(b: i64, w: i64, grace: i64) -> i64 {
     b.saturating_add(1).saturating_mul(w).saturating_add(grace)
+}
+
+/// A pair's count for a call at `t` above the horizon (see [`pairs`]).
+fn pair_count(rule: &Rule, pair: &mut Pair, t: i64, h: &Horizons, grace: i64) -> u64 {
+    let w = rule.window_ms;
+    match rule.kind {
+        WindowKind::Sliding => sliding_count(&pair.log, t, w),
+        WindowKind::Fixed => {
+            let b = bucket_of(t, w);
+            if bucket_end(b, w, grace) <= h.latest {
+                1
+            } else {
+                1 + pair.fixed.get(&b).copied().unwrap_or(0)
+            }
+        }
+        WindowKind::SlidingApprox => pair.approx.advance_and_count(t, w, h.retention),
+        WindowKind::TokenBucket => match rule.rate {
+            Some(rate) => Tat::next(pair.tat, t, rate).level(t, rate),
+            None => 1,
+        },
+        // Not keyed by pair (the rule set refuses it).
+        WindowKind::DistinctCallees => 1,
+    }
+}
+
+/// Records a call at `t` above the horizon in its pair.
+fn pair_record(rule: &Rule, pair: &mut Pair, t: i64, h: &Horizons, grace: i64) {
+    let w = rule.window_ms;
+    let b = bucket_of(t, w);
+    match rule.kind {
+        WindowKind::Sliding => insert_sorted(&mut pair.log, t, |&x| x <= t),
+        WindowKind::Fixed => {
+            if bucket_end(b, w, grace) > h.latest {
+                *pair.fixed.entry(b).or_insert(0) += 1;
+            }
+        }
+        WindowKind::SlidingApprox => {
+            let a = &mut pair.approx;
+            match a.bucket {
+                Some(cb) if cb == b => a.cur += 1,
+                Some(cb) if Approx::counts_in_prev(b, cb, t, h.retention) => a.prev += 1,
+                _ => {}
+            }
+        }
+        WindowKind::TokenBucket => {
+            if let Some(rate) = rule.rate {
+                pair.tat = Some(Tat::next(pair.tat, t, rate));
+            }
+        }
+        WindowKind::DistinctCallees => {}
+    }
+}
+
+/// The last time a call to this pair's callee would still be rejected by
+/// the rule, with no further calls; the pair is dropped (its calls start
+/// afresh) once its latest call is past the retention.
+fn pair_rejects_until(
+    rule: &Rule,
+    pair: &Pair,
+    t: i64,
+    l_new: i64,
+    rules: &RuleSet,
+) -> Option<i64> {
+    let (w, n) = (rule.window_ms, rule.limit);
+    let expires = pair.latest.saturating_add(rules.retention_ms());
+    match rule.kind {
+        WindowKind::Sliding => sliding_rejects_until(&pair.log, w, n, t),
+        WindowKind::Fixed => pair
+            .fixed
+            .iter()
+            .rev()
+            .find(|(&b, &c)| c >= n && bucket_end(b, w, rules.grace_ms) > l_new)
+            .map(|(&b, _)| b.saturating_add(1).saturating_mul(w).saturating_sub(1)),
+        WindowKind::SlidingApprox => {
+            let a = pair.approx;
+            a.bucket
+                .and_then(|cb| approx_rejects_until(cb, a.cur, a.prev, w, n, expires))
+        }
+        WindowKind::TokenBucket => match (pair.tat, rule.rate) {
+            (Some(tat), Some(rate)) => tat
+                .rejects_until(t, rate, n)
+                .map(|s| s.min(expires.saturating_sub(1))),
+            _ => None,
+        },
+        WindowKind::DistinctCallees => None,
+    }
+    .filter(|&s| s > t)
 }
 
 /// A sliding count at `t` over the sorted recorded times `log`, this call
@@ -426,6 +517,7 @@ impl CallerState {
             }
             self.record(rules, ev, &h);
         }
+        self.cap_pairs(rules);
         self.latest = Some(h.latest);
 
         let shadow = would == Decision::Reject
@@ -462,6 +554,13 @@ impl CallerState {
 
     /// Milliseconds from `t` until a call would pass every rule from then on
     /// (the contract's retry-after), from the state after the call at `t`.
+    /// Drops, per rule keyed by caller and callee, the pairs past the cap.
+    fn cap_pairs(&mut self, rules: &RuleSet) {
+        for (_, pairs) in &mut self.pairs {
+            pairs.cap(rules.max_distinct_callees());
+        }
+    }
+
     /// Shadow rules never reject; the later call is this one again (the
     /// same callee), and a rule's time profile is taken to hold at every
     /// time (so the answer is never too early).
@@ -475,6 +574,13 @@ impl CallerState {
                 continue;
             }
             let (w, n) = (rule.window_ms, rule.limit);
+            if rule.key == RuleKey::CallerCallee {
+                let pair = own.and_then(|c| slot(&mut self.pairs, rule).get(c));
+                if let Some(s) = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules)) {
+                    last = last.max(s);
+                }
+                continue;
+            }
             let rejects_until = match rule.kind {
                 WindowKind::Sliding if rule.own_log() => {
                     sliding_rejects_until(slot(&mut self.own_logs, rule), w, n, t)
@@ -566,6 +672,17 @@ impl CallerState {
         let l_new = h.latest;
         let rule = &rules.rules[i];
         let w = rule.window_ms;
+        if rule.key == RuleKey::CallerCallee {
+            return match ev.callee.as_deref().filter(|c| !c.is_empty()) {
+                None => 0,
+                // Past the retention: counts 1, touches nothing.
+                Some(_) if t <= h.retention => 1,
+                Some(callee) => {
+                    let pair = slot(&mut self.pairs, rule).touch(callee, t);
+                    pair_count(rule, pair, t, h, rules.grace_ms)
+                }
+            };
+        }
         match rule.kind {
             WindowKind::Sliding if rule.own_log() => {
                 sliding_count(slot(&mut self.own_logs, rule), t, w)
@@ -618,6 +735,17 @@ impl CallerState {
             }
             let w = rule.window_ms;
             let b = bucket_of(t, w);
+            if rule.key == RuleKey::CallerCallee {
+                if let Some(callee) = ev
+                    .callee
+                    .as_deref()
+                    .filter(|c| !c.is_empty() && t > h.retention)
+                {
+                    let pair = slot(&mut self.pairs, rule).touch(callee, t);
+                    pair_record(rule, pair, t, h, rules.grace_ms);
+                }
+                continue;
+            }
             match rule.kind {
                 WindowKind::Sliding if rule.own_log() => {
                     insert_sorted(slot(&mut self.own_logs, rule), t, |&x| x <= t);
@@ -693,6 +821,15 @@ impl CallerState {
         for (_, callees) in &mut self.distinct {
             callees.trim(horizon);
         }
+        let grace = rules.grace_ms;
+        for (id, pairs) in &mut self.pairs {
+            let w = id.window_ms;
+            pairs.trim(horizon, |p| {
+                let cut = p.log.iter().take_while(|&&x| x <= horizon).count();
+                p.log.drain(..cut);
+                p.fixed.retain(|&b, _| bucket_end(b, w, grace) > l_new);
+            });
+        }
         while self
             .callees_by_ts
             .front()
@@ -766,6 +903,11 @@ impl CallerState {
                 })
                 .sum::<usize>()
             + self.buckets.len() * size_of::<(RuleId, Option<Tat>)>()
+            + self
+                .pairs
+                .iter()
+                .map(|(_, p)| size_of::<(RuleId, Pairs)>() + p.approx_bytes())
+                .sum::<usize>()
             + self
                 .distinct
                 .iter()

@@ -106,6 +106,36 @@ impl Unpacker<'_> {
         std::str::from_utf8(s).ok()
     }
 
+    fn pair(&mut self, base: i64) -> Option<Pair> {
+        let latest = base.wrapping_sub(self.signed()?);
+        let mut log = VecDeque::new();
+        for _ in 0..self.len()? {
+            log.push_back(base.wrapping_sub(self.signed()?));
+        }
+        let mut fixed = BTreeMap::new();
+        for _ in 0..self.len()? {
+            let b = self.signed()?;
+            fixed.insert(b, self.varint()?);
+        }
+        let approx = Approx {
+            bucket: self.opt()?,
+            cur: self.varint()?,
+            prev: self.varint()?,
+        };
+        let ms = self.opt()?;
+        let rem = self.varint()?;
+        Some(Pair {
+            latest,
+            log,
+            fixed,
+            approx,
+            tat: ms.map(|d| Tat {
+                ms: base.wrapping_add(d),
+                rem,
+            }),
+        })
+    }
+
     fn rule_id(&mut self) -> Option<RuleId> {
         Some(RuleId {
             name: self.string()?.to_string(),
@@ -124,8 +154,10 @@ impl CallerState {
     /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
     /// store keeps it apart) and only its place there is written.
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        let rule_state =
-            !(self.own_logs.is_empty() && self.buckets.is_empty() && self.distinct.is_empty());
+        let rule_state = !(self.own_logs.is_empty()
+            && self.buckets.is_empty()
+            && self.distinct.is_empty()
+            && self.pairs.is_empty());
         out.push(if rule_state {
             PACK_FORMAT_RULES
         } else {
@@ -212,6 +244,30 @@ impl CallerState {
                 put_str(out, callee);
             }
         }
+        put_varint(out, self.pairs.len() as u64);
+        for (id, pairs) in &self.pairs {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_varint(out, pairs.len() as u64);
+            for (callee, pair) in pairs.iter() {
+                put_str(out, callee);
+                put_signed(out, base.wrapping_sub(pair.latest));
+                put_varint(out, pair.log.len() as u64);
+                for &e in &pair.log {
+                    put_signed(out, base.wrapping_sub(e));
+                }
+                put_varint(out, pair.fixed.len() as u64);
+                for (&b, &c) in &pair.fixed {
+                    put_signed(out, b);
+                    put_varint(out, c);
+                }
+                put_opt(out, pair.approx.bucket);
+                put_varint(out, pair.approx.cur);
+                put_varint(out, pair.approx.prev);
+                put_opt(out, pair.tat.map(|x| x.ms.wrapping_sub(base)));
+                put_varint(out, pair.tat.map_or(0, |x| x.rem));
+            }
+        }
     }
 
     /// Reads what [`CallerState::pack_rule_state`] wrote.
@@ -242,6 +298,16 @@ impl CallerState {
                 callees.record(r.string()?, ts, u64::MAX);
             }
             self.distinct.push((id, callees));
+        }
+        for _ in 0..r.len()? {
+            let id = r.rule_id()?;
+            let mut pairs = Pairs::default();
+            for _ in 0..r.len()? {
+                let callee = r.string()?.to_string();
+                let pair = r.pair(base)?;
+                pairs.restore(&callee, pair);
+            }
+            self.pairs.push((id, pairs));
         }
         Some(())
     }
@@ -377,6 +443,18 @@ mod tests {
             kind = "distinct-callees"
             window = "10s"
             limit = 3
+            [[rule]]
+            name = "same_callee"
+            key = "caller+callee"
+            kind = "sliding-approx"
+            window = "20s"
+            limit = 2
+            [[rule]]
+            name = "pair_tb"
+            key = "caller+callee"
+            kind = "token-bucket"
+            rate = "1/s"
+            burst = 2
             "#,
         )
         .unwrap()
@@ -408,7 +486,10 @@ mod tests {
         }
         // The rules with state of their own were packed and read back.
         assert!(
-            !state.own_logs.is_empty() && !state.buckets.is_empty() && !state.distinct.is_empty()
+            !state.own_logs.is_empty()
+                && !state.buckets.is_empty()
+                && !state.distinct.is_empty()
+                && !state.pairs.is_empty()
         );
         for cut in 0..copy_at.len() {
             assert!(

@@ -14,7 +14,7 @@ use redis::{RedisError, Value};
 
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
-use crate::engine::rules::{CountPolicy, Listed, RuleSet};
+use crate::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet};
 use crate::error::StoreError;
 use crate::store::redis::conn::{classify, is_noscript, Conn, ModeClaim};
 use crate::store::redis::RedisConfig;
@@ -138,7 +138,11 @@ impl RedisStore {
                 .arg(rule.window_ms)
                 .arg(rule.limit)
                 .arg(&rule.name)
-                .arg(u8::from(rule.shadow) + 2 * u8::from(rule.own_log()))
+                .arg(
+                    u8::from(rule.shadow)
+                        + 2 * u8::from(rule.own_log())
+                        + 4 * u8::from(rule.key == RuleKey::CallerCallee),
+                )
                 .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
                 .arg(
                     rule.rate
