@@ -124,6 +124,19 @@ pub struct PrivacyArgs {
 }
 
 impl PrivacyArgs {
+    /// Refuses rules that match callee prefixes when callees are
+    /// pseudonymised: no prefix matches a pseudonym.
+    pub fn check_rules(&self, rules: RuleSet) -> Result<RuleSet, RulesError> {
+        match rules.rules.iter().find(|r| !r.filter.callees.is_empty()) {
+            Some(r) if self.hash_numbers => Err(RulesError::Invalid(format!(
+                "rule `{}`, callees: callee prefixes cannot match pseudonymised callees \
+                 (--hash-numbers); drop one or the other",
+                r.name
+            ))),
+            _ => Ok(rules),
+        }
+    }
+
     /// Sets the decoder's hasher when `--hash-numbers` is given.
     pub fn apply(&self, decoder: &mut Decoder) -> Result<()> {
         if !self.hash_numbers {
@@ -230,10 +243,10 @@ impl OnlineArgs {
     /// The rule set, reloaded on SIGHUP and when its file changes: the
     /// receiver always holds the set in force.
     pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
-        let (tx, rx) = watch::channel(self.rules.rule_set()?);
-        let rule_args = self.rules.clone();
+        let (tx, rx) = watch::channel(self.privacy.check_rules(self.rules.rule_set()?)?);
+        let (rule_args, privacy) = (self.rules.clone(), self.privacy.clone());
         reload::spawn(
-            move || rule_args.rule_set(),
+            move || privacy.check_rules(rule_args.rule_set()?),
             self.rules.rules.clone(),
             tx,
             metrics.clone(),
@@ -265,6 +278,11 @@ pub struct LogArgs {
 }
 
 impl LogArgs {
+    /// The rule set (see [`PrivacyArgs::check_rules`]).
+    pub fn rule_set(&self) -> Result<RuleSet, RulesError> {
+        self.privacy.check_rules(self.rules.rule_set()?)
+    }
+
     /// How to read the log, numbers pseudonymised when asked.
     pub fn read_options(&self, progress: bool) -> Result<ReadOptions> {
         let mut read = self.input.read_options(progress)?;

@@ -32,7 +32,7 @@ pub struct FeaturesArgs {
 
 /// Runs `callguard features`.
 pub async fn run(args: FeaturesArgs) -> Result<()> {
-    let rules = args.log.rules.rule_set()?;
+    let rules = args.log.rule_set()?;
     let read = args.log.read_options(progress_wanted())?;
     let report = callguard::offline::features::export(
         &args.log.input.input,

@@ -29,7 +29,7 @@ pub struct ReplayArgs {
 
 /// Runs `callguard replay`.
 pub async fn run(args: ReplayArgs) -> Result<()> {
-    let rules = args.log.rules.rule_set()?;
+    let rules = args.log.rule_set()?;
     let read = args.log.read_options(progress_wanted())?;
     let mut store = args.store.open_replay().await?;
     let schema = Schema::decisions(&rules);

@@ -196,7 +196,7 @@ impl RuleSet {
             Some(g) => parse_duration_ms(&g)?,
             None => DEFAULT_GRACE_MS,
         };
-        let mut set = RuleSet::build(RuleSpec {
+        RuleSet::build(RuleSpec {
             rules,
             count: file.count,
             grace_ms,
@@ -208,9 +208,8 @@ impl RuleSet {
             max_distinct_callees: file
                 .max_distinct_callees
                 .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
-        })?;
-        set.set_files(files);
-        Ok(set)
+            files,
+        })
     }
 
     /// Reads a TOML rule set from a file.

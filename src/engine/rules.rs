@@ -94,6 +94,8 @@ pub struct RuleSpec {
     pub distinct_callees: bool,
     /// Most distinct callees kept per caller.
     pub max_distinct_callees: u64,
+    /// Files the rules were read from besides the rules file (`callees_file`s).
+    pub files: Vec<PathBuf>,
 }
 
 impl RuleSpec {
@@ -110,6 +112,7 @@ impl RuleSpec {
             dedup_ms: None,
             distinct_callees: true,
             max_distinct_callees: DEFAULT_MAX_DISTINCT_CALLEES,
+            files: Vec::new(),
         }
     }
 }
@@ -176,6 +179,7 @@ impl RuleSet {
             dedup_ms: self.dedup,
             distinct_callees: self.callees,
             max_distinct_callees: self.max_callees,
+            files: self.files.clone(),
         }
     }
 
@@ -191,6 +195,7 @@ impl RuleSet {
             dedup_ms,
             distinct_callees,
             max_distinct_callees,
+            files,
         } = spec;
         if rules.is_empty() {
             return Err(RulesError::Invalid(
@@ -278,7 +283,7 @@ impl RuleSet {
             callees: distinct_callees,
             max_callees: max_distinct_callees,
             filtered: false,
-            files: Vec::new(),
+            files,
             version: String::new(),
         };
         set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
@@ -369,7 +374,8 @@ impl RuleSet {
         })
     }
 
-    /// A copy where rule `index` has another limit (used by `tune`).
+    /// A copy where rule `index` has another limit (a token bucket's
+    /// burst, and with it its span; used by `tune`).
     pub fn with_limit(&self, index: usize, limit: u64) -> Result<Self, RulesError> {
         let mut spec = self.spec();
         let rule = spec
@@ -377,6 +383,16 @@ impl RuleSet {
             .get_mut(index)
             .ok_or_else(|| RulesError::Invalid(format!("no rule number {index}")))?;
         rule.limit = limit;
+        if let Some(rate) = rule.rate {
+            rule.window_ms = rate.span_ms(limit);
+        }
+        RuleSet::build(spec)
+    }
+
+    /// A copy without warning levels (they never decide a call).
+    pub fn without_warnings(&self) -> Result<Self, RulesError> {
+        let mut spec = self.spec();
+        spec.rules.iter_mut().for_each(|r| r.warn = None);
         RuleSet::build(spec)
     }
 
@@ -436,10 +452,6 @@ impl RuleSet {
     /// `callees_file`s): a reload watches them too.
     pub fn files(&self) -> &[PathBuf] {
         &self.files
-    }
-
-    pub(crate) fn set_files(&mut self, files: Vec<PathBuf>) {
-        self.files = files;
     }
 
     /// The warning of a call with these counts: the first rule, in order,

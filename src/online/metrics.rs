@@ -40,6 +40,13 @@ pub struct KindLabel {
     pub kind: String,
 }
 
+/// Labels of a rule.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabel {
+    /// The rule's name.
+    pub rule: String,
+}
+
 /// Labels of a partition.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PartitionLabels {
@@ -54,6 +61,9 @@ pub struct Metrics {
     registry: Registry,
     /// Decided events by decision and reason.
     pub events: Family<DecisionLabels, Counter>,
+    /// Calls over a rule's `warn` level and allowed, by that rule
+    /// (redeliveries not counted again).
+    pub warnings: Family<RuleLabel, Counter>,
     /// Events sent to the dead-letter topic, by error kind.
     pub dlq: Family<KindLabel, Counter>,
     /// Dead letters that could not be produced (dropped, logged).
@@ -115,6 +125,7 @@ impl Metrics {
         let mut m = Metrics {
             registry: Registry::with_prefix("callguard"),
             events: Family::default(),
+            warnings: Family::default(),
             dlq: Family::default(),
             dlq_failures: Counter::default(),
             duplicates: Counter::default(),
@@ -145,6 +156,11 @@ impl Metrics {
     fn register_decisions(&mut self) {
         let r = &mut self.registry;
         r.register("events", "Decided call events", self.events.clone());
+        r.register(
+            "warnings",
+            "Allowed calls over a rule's warn level, by the first such rule",
+            self.warnings.clone(),
+        );
         r.register(
             "duplicates",
             "Redelivered call ids answered from the store",
@@ -323,6 +339,12 @@ impl Metrics {
             .inc();
         if v.duplicate {
             self.duplicates.inc();
+        } else if let Some(w) = &r.warn {
+            self.warnings
+                .get_or_create(&RuleLabel {
+                    rule: w.to_string(),
+                })
+                .inc();
         }
         if r.late {
             self.late.inc();

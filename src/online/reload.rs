@@ -21,6 +21,14 @@ fn mtime(path: Option<&PathBuf>) -> Option<SystemTime> {
         .and_then(|m| m.modified().ok())
 }
 
+/// The modification times of the rules file and of the files the rules in
+/// force were read from (`callees_file`s).
+fn stamps(watched: Option<&PathBuf>, rules: &RuleSet) -> Vec<Option<SystemTime>> {
+    std::iter::once(mtime(watched))
+        .chain(rules.files().iter().map(|f| mtime(Some(f))))
+        .collect()
+}
+
 /// Shows `rules` on the status page as the set in force.
 pub fn note_in_force(rules: &RuleSet, metrics: &Metrics) {
     let list = rules.rules.iter().map(ToString::to_string).collect();
@@ -54,7 +62,8 @@ pub fn reload_now(
 
 /// Spawns the reloader task; it ends when every receiver is gone. `load`
 /// builds the rule set afresh; `watched` is the rules file, if any, whose
-/// modification time is polled.
+/// modification time is polled, with those of the files the rules in force
+/// name (`callees_file`).
 pub fn spawn(
     load: impl Fn() -> Result<RuleSet, RulesError> + Send + 'static,
     watched: Option<PathBuf>,
@@ -64,13 +73,13 @@ pub fn spawn(
     let mut hup = signal(SignalKind::hangup())?;
     note_in_force(&tx.borrow(), &metrics);
     tokio::spawn(async move {
-        let mut seen = mtime(watched.as_ref());
+        let mut seen = stamps(watched.as_ref(), &tx.borrow());
         let mut tick = tokio::time::interval(POLL);
         loop {
             tokio::select! {
                 _ = hup.recv() => reload_now(&load, &tx, &metrics, "SIGHUP"),
                 _ = tick.tick() => {
-                    let now = mtime(watched.as_ref());
+                    let now = stamps(watched.as_ref(), &tx.borrow());
                     if now != seen {
                         seen = now;
                         reload_now(&load, &tx, &metrics, "file changed");

@@ -9,7 +9,11 @@
 //! so counts do not depend on N: one replay gives every call's count, and a
 //! call is rejected under N exactly when its count exceeds N. The whole sweep
 //! is then histograms and prefix sums. Under `admitted`, decisions feed back
-//! into the counts, so each N is replayed too, spread over threads. The
+//! into the counts, so each N is replayed too, spread over threads (and so
+//! under `attempts` when the retention grows with N: a token bucket's span
+//! is its burst times its interval). A rule that sees only some calls
+//! (filters) counts only those: its count for the others is empty, never
+//! over any N. The
 //! replay under the rule set as given is split by caller over the cores
 //! ([`crate::store::sharded`]), and skips the distinct-callees feature,
 //! which never decides a call. Input arrives a chunk at a time
@@ -255,9 +259,19 @@ impl Sweeper {
                 rules.rules.len()
             )));
         }
-        // Distinct callees are a feature, never a reason: a sweep skips them.
-        let rules = &rules.with_distinct_callees(false);
-        let replayed = if rules.count == CountPolicy::Admitted {
+        // Distinct callees are a feature and warnings never decide: a
+        // sweep skips both (a warn level would also bound the limits).
+        let rules = &rules.with_distinct_callees(false).without_warnings()?;
+        // Under attempts counts do not depend on N, unless the retention
+        // does (a token bucket's span grows with its burst): then every N
+        // is replayed, as under admitted.
+        let retention_varies = limits
+            .iter()
+            .map(|&n| rules.with_limit(index, n).map(|r| r.retention_ms()))
+            .collect::<Result<Vec<_>, RulesError>>()?
+            .into_iter()
+            .any(|r| r != rules.retention_ms());
+        let replayed = if rules.count == CountPolicy::Admitted || retention_varies {
             limits
                 .iter()
                 .map(|&n| {

@@ -8,8 +8,10 @@
 //! They are read from the call's record, so a retransmission gets the same
 //! headers as the first answer. `Reset` is the Retry-After on a reject by
 //! a rule; on an allow, the rule's window in seconds: by then its count
-//! has surely dropped (it may drop sooner). Calls on the allow- or
-//! denylist carry none: no rule limits them.
+//! has surely dropped (it may drop sooner; a token bucket's window is the
+//! time its burst takes to drain). Calls on the allow- or denylist carry
+//! none: no rule limits them; nor do shadow rules, or rules that do not
+//! see the call (their count is empty).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 
@@ -22,6 +24,7 @@ pub(super) struct RuleLimit {
     name: String,
     limit: u64,
     window_s: u64,
+    shadow: bool,
 }
 
 /// The limits of `rules`, in rule order.
@@ -33,6 +36,7 @@ pub(super) fn limits(rules: &RuleSet) -> Vec<RuleLimit> {
             name: r.name.clone(),
             limit: r.limit,
             window_s: (r.window_ms.max(0) as u64).div_ceil(1000),
+            shadow: r.shadow,
         })
         .collect()
 }
@@ -42,18 +46,22 @@ pub(super) fn limits(rules: &RuleSet) -> Vec<RuleLimit> {
 /// calls. `None` for a listed caller.
 fn nearest<'a>(limits: &'a [RuleLimit], v: &Verdict) -> Option<(&'a RuleLimit, u64)> {
     let r = &v.record;
-    if let Some(i) = limits.iter().position(|l| l.name == r.reason.as_str()) {
+    if r.decision == Decision::Reject {
+        let i = limits.iter().position(|l| l.name == r.reason.as_str())?;
         let left = limits[i]
             .limit
             .saturating_sub(r.counts.get(i).copied().unwrap_or(0));
         return Some((&limits[i], left));
     }
-    if r.reason != REASON_OK {
+    // Allowed: by no list, maybe over a shadow rule's limit.
+    let listed = r.reason != REASON_OK && !limits.iter().any(|l| l.name == r.reason.as_str());
+    if listed {
         return None;
     }
     limits
         .iter()
         .zip(&r.counts)
+        .filter(|(l, &c)| !l.shadow && c > 0)
         .map(|(l, &c)| (l, l.limit.saturating_sub(c)))
         .min_by_key(|(_, left)| *left)
 }

@@ -1,0 +1,275 @@
+//! The rules a fraud team writes, end to end through the `serve` binary on a
+//! real redis-server (both Redis modes): a night-time IRSF rule over a
+//! callees file with a warning level, a token bucket, a shadow rule keyed
+//! by caller and callee and a distinct-callees rule; their counts, reasons,
+//! warnings and Retry-After as the switch sees them; the callees file
+//! reloaded with the rules, and a broken one keeping the rules in force.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::scenarios::T0;
+use common::{HttpConn, HttpResponse, RedisServer};
+
+const RULES: &str = r#"
+timezone = "Europe/Madrid"
+
+[[rule]]
+name = "irsf_night"
+kind = "sliding"
+window = "1h"
+limit = 2
+warn = 1
+callees_file = "ranges.txt"
+hours = "22:00-07:00"
+
+[[rule]]
+name = "pbx_burst"
+kind = "token-bucket"
+rate = "1/s"
+burst = 3
+
+[[rule]]
+name = "same_callee"
+key = "caller+callee"
+kind = "sliding"
+window = "1h"
+limit = 4
+shadow = true
+
+[[rule]]
+name = "spray"
+kind = "distinct-callees"
+window = "10m"
+limit = 5
+"#;
+
+struct Serve {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(dir: &Path, redis: &RedisServer, mode: &str) -> Serve {
+    let port = common::free_port();
+    let child = std::process::Command::new(common::bin())
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--redis-url", &redis.url(), "--redis-mode", mode])
+        .args(["--key-prefix", &format!("{mode}:")])
+        .args(["--reject-status", "429"])
+        .arg("--rules")
+        .arg(dir.join("rules.toml"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start serve");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "serve not ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Serve { child, port }
+}
+
+fn check(conn: &mut HttpConn, id: &str, caller: &str, callee: &str, ts: i64) -> HttpResponse {
+    let body = serde_json::json!({"call_id": id, "caller": caller, "callee": callee, "ts": ts});
+    conn.post("/v1/check", &body.to_string())
+}
+
+/// (decision, reason, warn, count per rule) of an answer.
+fn seen(r: &HttpResponse) -> (String, String, serde_json::Value, [serde_json::Value; 4]) {
+    let v = r.json();
+    let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+    let counts = ["irsf_night", "pbx_burst", "same_callee", "spray"]
+        .map(|n| v[format!("count_{n}")].clone());
+    (s("decision"), s("reason"), v["warn"].clone(), counts)
+}
+
+fn run(mode: &str) {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("rules.toml"), RULES).unwrap();
+    std::fs::write(dir.path().join("ranges.txt"), "# premium ranges\n+882\n").unwrap();
+    let served = start(dir.path(), &redis, mode);
+    let mut conn = HttpConn::connect(served.port);
+    let null = serde_json::Value::Null;
+    let n = |x: u64| serde_json::json!(x);
+    // T0 is 01:00 in Madrid: night. Three calls to a premium range, 10 s apart.
+    let a = "+34911000001";
+    let r = check(&mut conn, "a1", a, "+88210000001", T0);
+    assert_eq!(
+        seen(&r),
+        (
+            "allow".into(),
+            "ok".into(),
+            null.clone(),
+            [n(1), n(1), n(1), n(1)]
+        )
+    );
+    let r = check(&mut conn, "a2", a, "+88210000001", T0 + 10_000);
+    assert_eq!(
+        seen(&r),
+        (
+            "allow".into(),
+            "ok".into(),
+            "irsf_night".into(),
+            [n(2), n(1), n(2), n(1)]
+        ),
+        "over the warn level: a warning"
+    );
+    let r = check(&mut conn, "a3", a, "+88210000001", T0 + 20_000);
+    assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(seen(&r).1, "irsf_night");
+    // The call at +10 s leaves the hour at +3610 s: 3590 s after this one.
+    assert_eq!(r.header("retry-after"), Some("3590"));
+    // A callee outside the ranges: the IRSF rule does not see it.
+    let r = check(&mut conn, "a4", a, "+34910000001", T0 + 30_000);
+    assert_eq!(
+        seen(&r),
+        (
+            "allow".into(),
+            "ok".into(),
+            null.clone(),
+            [null.clone(), n(1), n(1), n(2)]
+        )
+    );
+    // Daytime (13:00 in Madrid): the night rule does not see the call.
+    let d = "+34911000004";
+    for i in 0..3 {
+        let r = check(
+            &mut conn,
+            &format!("d{i}"),
+            d,
+            "+88210000001",
+            T0 + 12 * 3_600_000 + i * 10_000,
+        );
+        assert_eq!(seen(&r).3[0], null, "day call {i}");
+        assert_eq!(r.status, 200);
+    }
+    // A PBX burst: four calls in one millisecond, rate 1/s, burst 3.
+    let b = "+34911000002";
+    for i in 0..4 {
+        let r = check(
+            &mut conn,
+            &format!("b{i}"),
+            b,
+            &format!("+3491000010{i}"),
+            T0,
+        );
+        assert_eq!(seen(&r).3[1], n(i as u64 + 1), "burst call {i}");
+        if i == 3 {
+            assert_eq!((r.status, seen(&r).1.as_str()), (429, "pbx_burst"));
+            // TAT = T0 + 4 s; a call passes from T0 + 2 s on.
+            assert_eq!(r.header("retry-after"), Some("2"));
+        }
+    }
+    // The same callee five times: over the shadow rule, allowed and flagged.
+    let c = "+34911000003";
+    for i in 0..5 {
+        let r = check(
+            &mut conn,
+            &format!("c{i}"),
+            c,
+            "+34910000200",
+            T0 + i * 10_000,
+        );
+        let v = r.json();
+        assert_eq!(r.status, 200, "{v}");
+        assert_eq!(v["count_same_callee"], i + 1);
+        assert_eq!(v["shadow"], i == 4, "{v}");
+        if i == 4 {
+            assert_eq!(v["reason"], "same_callee");
+        }
+    }
+    // A spray: the sixth distinct callee in ten minutes is rejected.
+    let s = "+34911000005";
+    for i in 0..6 {
+        let r = check(
+            &mut conn,
+            &format!("s{i}"),
+            s,
+            &format!("+3491000030{i}"),
+            T0 + i * 5_000,
+        );
+        assert_eq!(seen(&r).3[3], n(i as u64 + 1));
+        assert_eq!(r.status == 429, i == 5, "{}", r.body);
+    }
+    // The warning is counted.
+    let metrics = common::http_get(served.port, "/metrics").unwrap();
+    assert!(
+        metrics.contains("callguard_warnings_total{rule=\"irsf_night\"} 1"),
+        "{metrics}"
+    );
+
+    // The ranges file changes: the rules are reloaded with it.
+    let version =
+        check(&mut conn, "v0", "+34911000009", "+34910000009", T0).json()["rules_version"].clone();
+    std::fs::write(dir.path().join("ranges.txt"), "+882\n+53\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut k = 0;
+    let new_version = loop {
+        k += 1;
+        let v = check(
+            &mut conn,
+            &format!("v{k}"),
+            "+34911000009",
+            "+34910000009",
+            T0,
+        )
+        .json();
+        if v["rules_version"] != version {
+            break v["rules_version"].clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the ranges file was not reloaded"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let e = "+34911000006";
+    for i in 0..3 {
+        let r = check(
+            &mut conn,
+            &format!("e{i}"),
+            e,
+            "+5350000001",
+            T0 + i * 1_000,
+        );
+        assert_eq!(seen(&r).3[0], n(i as u64 + 1), "a Cuban number now counts");
+    }
+    // A broken ranges file: the reload fails, the rules in force stay.
+    std::fs::write(dir.path().join("ranges.txt"), "+882\nnot-a-prefix\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let stats = common::http_get(served.port, "/v1/stats").unwrap_or_default();
+        if stats.contains("not-a-prefix") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the failed reload is not shown: {stats}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let r = check(&mut conn, "e9", e, "+5350000001", T0 + 5_000);
+    assert_eq!(r.json()["rules_version"], new_version);
+    assert_eq!(seen(&r).3[0], n(4));
+}
+
+#[test]
+fn every_rule_kind_through_serve_in_cached_mode() {
+    run("cached");
+}
+
+#[test]
+fn every_rule_kind_through_serve_in_script_mode() {
+    run("script");
+}
