@@ -135,17 +135,49 @@ async fn main() {
     println!("## Redis memory per active caller (20 calls per window, 2,000 callers)\n");
     println!("| rule | script, idempotency on | script, off | cached, on | cached, off |");
     println!("|---|---|---|---|---|");
-    for (name, rule, callees) in [
-        ("fixed 60s", "m:fixed:60s:100", false),
-        ("sliding 60s", "m:sliding:60s:100", false),
-        ("sliding-approx 60s", "m:sliding-approx:60s:100", false),
+    let shorthand = |r: &str| RuleSet::from_args(None, &[r.to_string()]).expect("rules");
+    // The newer kinds alone (the distinct-callees feature off), 20 callees.
+    let toml = |rule: &str| {
+        RuleSet::from_toml(&format!(
+            "distinct_callees = false\n[[rule]]\nname = \"m\"\n{rule}"
+        ))
+        .expect("rules")
+    };
+    let kinds = [
+        ("fixed 60s", shorthand("m:fixed:60s:100"), false),
+        ("sliding 60s", shorthand("m:sliding:60s:100"), false),
+        (
+            "sliding-approx 60s",
+            shorthand("m:sliding-approx:60s:100"),
+            false,
+        ),
         (
             "sliding 60s, 20 distinct callees",
-            "m:sliding:60s:100",
+            shorthand("m:sliding:60s:100"),
             true,
         ),
-    ] {
-        let rules = RuleSet::from_args(None, &[rule.to_string()]).expect("rules");
+        (
+            "token-bucket 1/s, burst 100",
+            toml("kind = \"token-bucket\"\nrate = \"1/s\"\nburst = 100\n"),
+            false,
+        ),
+        (
+            "distinct-callees 60s, 20 callees (feature off)",
+            toml("kind = \"distinct-callees\"\nwindow = \"60s\"\nlimit = 100\n"),
+            true,
+        ),
+        (
+            "sliding 60s seeing callees +3491 (own log; feature off)",
+            toml("kind = \"sliding\"\nwindow = \"60s\"\nlimit = 100\ncallees = [\"+3491\"]\n"),
+            true,
+        ),
+        (
+            "sliding 60s keyed caller+callee, 20 callees (feature off)",
+            toml("kind = \"sliding\"\nwindow = \"60s\"\nlimit = 100\nkey = \"caller+callee\"\n"),
+            true,
+        ),
+    ];
+    for (name, rules, callees) in kinds {
         let mut row = format!("| {name} |");
         for (cached, idem) in [(false, true), (false, false), (true, true), (true, false)] {
             let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flush");
@@ -366,12 +398,34 @@ fn median(mut v: Vec<Round>) -> Round {
     v[v.len() / 2]
 }
 
+/// The 5-rule set: `data/rules.toml` plus these two of `data/rules-fraud.toml`.
+const FIVE_EXTRA: &str = r#"
+[[rule]]
+name = "spray"
+kind = "distinct-callees"
+window = "10m"
+limit = 60
+
+[[rule]]
+name = "pbx_burst"
+kind = "token-bucket"
+rate = "2/s"
+burst = 20
+"#;
+
 /// Section 3: the store against the seeds' one-key script, same run.
 async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, total: usize) {
     let one = RuleSet::from_args(None, &["minute:sliding:60s:20".into()]).expect("rules");
     let three = RuleSet::from_toml(include_str!("../data/rules.toml")).expect("rules");
+    // The example set plus a distinct-callees rule and a token bucket.
+    let five = RuleSet::from_toml(&format!(
+        "{}{FIVE_EXTRA}",
+        include_str!("../data/rules.toml")
+    ))
+    .expect("rules");
     let (mut seeds, mut s1, mut s3, mut c1, mut c3) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut s5, mut c5) = (Vec::new(), Vec::new());
     // BENCH_CACHED_ONLY=1 leaves the script store out (a quicker A/B of the default).
     let script = std::env::var_os("BENCH_CACHED_ONLY").is_none();
     for _ in 0..3 {
@@ -379,9 +433,11 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
         if script {
             s1.push(store_round(con, url, &one, total, false).await);
             s3.push(store_round(con, url, &three, total, false).await);
+            s5.push(store_round(con, url, &five, total, false).await);
         }
         c1.push(store_round(con, url, &one, total, true).await);
         c3.push(store_round(con, url, &three, total, true).await);
+        c5.push(store_round(con, url, &five, total, true).await);
     }
     let (seeds, c1, c3) = (median(seeds), median(c1), median(c3));
     println!(
@@ -399,9 +455,11 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
     if script {
         rows.push(("script store, 1 sliding rule", median(s1)));
         rows.push(("script store, data/rules.toml (3 rules)", median(s3)));
+        rows.push(("script store, + spray and pbx_burst (5 rules)", median(s5)));
     }
     rows.push(("cached store, 1 sliding rule", c1));
     rows.push(("cached store, data/rules.toml (3 rules)", c3));
+    rows.push(("cached store, + spray and pbx_burst (5 rules)", median(c5)));
     for (what, r) in rows {
         let own = r.2.map_or_else(|| "n/a".into(), |us| format!("{us:.1}"));
         println!(

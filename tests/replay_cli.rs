@@ -178,7 +178,7 @@ fn clear_errors_for_bad_inputs() {
         "-o",
         out.to_str().unwrap(),
     ]);
-    assert!(String::from_utf8_lossy(&o.stderr).contains("limit must be at least 1"));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("rule `m`, limit: must be at least 1"));
 }
 
 /// The streamed CSV reader (the `csv` crate, parsed on one thread and

@@ -9,6 +9,7 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use callguard::engine::event::CallEvent;
+use callguard::engine::record::Decision;
 use callguard::engine::rules::RuleSet;
 use callguard::online::consumer::StoreErrorPolicy;
 use callguard::online::metrics::{Health, Metrics};
@@ -138,14 +139,21 @@ fn record(mut v: serde_json::Value) -> serde_json::Value {
 #[test]
 fn checks_over_http_equal_replay_post_and_get() {
     let redis = RedisServer::start(&[]);
-    for (seed, cached) in [
-        (3_u64, false),
-        (17, false),
-        (99, false),
-        (3, true),
-        (17, true),
-        (99, true),
-    ] {
+    // The first three random cases with rejects and redeliveries (found by
+    // search, so they survive changes to the generator), in both modes.
+    let seeds: Vec<u64> = (1..500u64)
+        .filter(|&seed| {
+            let (rules, events) = random::case(seed, 500, 5);
+            let mut memory = callguard::store::memory::MemoryStore::new();
+            let v: Vec<_> = events.iter().map(|e| memory.apply(&rules, e)).collect();
+            v.iter().any(|v| v.record.decision == Decision::Reject) && v.iter().any(|v| v.duplicate)
+        })
+        .take(3)
+        .collect();
+    let cases = [false, true]
+        .into_iter()
+        .flat_map(|cached| seeds.iter().map(move |&seed| (seed, cached)));
+    for (seed, cached) in cases {
         let (rules, events) = random::case(seed, 500, 5);
         let prefix = format!("s{seed}{cached}:");
         let served = Served::start_with(

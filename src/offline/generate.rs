@@ -9,6 +9,9 @@
 //! | dialer | legit | call centre on one caller ID: ~8 calls/min in shifts (allowlist candidate) |
 //! | robocaller | fraud | one number at 5-10 calls/min for 10-60 min, short calls |
 //! | wangiri | fraud | one-ring bursts at 3-5 calls/s for 30 s to 3 min, at night, every callee distinct, some calls in the same millisecond |
+//! | irsf | fraud | a hacked PBX at night (Madrid time): a few short test calls, then long calls to premium ranges ([`IRSF_RANGES`]) every 10-60 s for 1-3 h, a new number every ~10 calls |
+//! | pbx_burst | legit | a PBX dialing its queue: 10-25 calls within seconds at 09:00 Madrid time and two or three more bursts in the day, quiet in between |
+//! | harasser | fraud | one caller calling one callee again and again: 8-30 calls, 2-10 min apart, mostly unanswered |
 //!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
 //! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms`, `label`
@@ -51,11 +54,14 @@ pub fn generate(rows: usize, seed: u64) -> Vec<GenCall> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut calls = Vec::with_capacity(rows + 1024);
     let shares = [
-        ("subscriber", 0.55),
+        ("subscriber", 0.51),
         ("pbx", 0.18),
         ("dialer", 0.10),
         ("robocaller", 0.11),
         ("wangiri", 0.06),
+        ("irsf", 0.02),
+        ("pbx_burst", 0.01),
+        ("harasser", 0.01),
     ];
     let mut id = 0u64;
     for (pop, share) in shares {
@@ -68,7 +74,10 @@ pub fn generate(rows: usize, seed: u64) -> Vec<GenCall> {
                 "pbx" => pbx(&mut rng, id, &mut calls),
                 "dialer" => dialer(&mut rng, id, &mut calls),
                 "robocaller" => robocaller(&mut rng, id, &mut calls),
-                _ => wangiri(&mut rng, id, &mut calls),
+                "wangiri" => wangiri(&mut rng, id, &mut calls),
+                "irsf" => irsf(&mut rng, id, &mut calls),
+                "pbx_burst" => pbx_burst(&mut rng, id, &mut calls),
+                _ => harasser(&mut rng, id, &mut calls),
             }
         }
         calls.truncate(start + target);
@@ -238,6 +247,90 @@ fn wangiri(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             });
         }
         t += exp_gap(rng, mean_gap);
+    }
+}
+
+/// Premium-rate and high-cost ranges IRSF pumps traffic to (satellite and
+/// international networks, high-termination countries): the generator's
+/// and `data/irsf-ranges.txt`'s example list.
+pub const IRSF_RANGES: [&str; 6] = ["+881", "+882", "+883", "+53", "+252", "+232"];
+
+const HOUR_MS: i64 = 3_600_000;
+
+fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
+    let caller = number(rng, "+3491", 5) + "00";
+    // 22:00 to 05:00 in Madrid (UTC+1 in December).
+    let mut t = DAY_START_MS + (21 * HOUR_MS + rng.random_range(0..7 * HOUR_MS)) % DAY_MS;
+    let end = t + rng.random_range(HOUR_MS..3 * HOUR_MS);
+    let range = IRSF_RANGES[rng.random_range(0..IRSF_RANGES.len())];
+    let mut callee = number(rng, range, 7);
+    let mean_gap = rng.random_range(10_000.0..60_000.0);
+    let mut n = 0;
+    while t < end {
+        // A few short test calls first, then long ones; a new number
+        // every ten calls or so.
+        let test_call = n < 3;
+        if n > 0 && rng.random_bool(0.1) {
+            callee = number(rng, range, 7);
+        }
+        out.push(GenCall {
+            caller: caller.clone(),
+            callee: callee.clone(),
+            ts_ms: t,
+            duration_ms: if test_call {
+                rng.random_range(5_000..20_000)
+            } else {
+                rng.random_range(60_000..1_200_000)
+            },
+            fraud: true,
+            population: "irsf",
+        });
+        n += 1;
+        t += exp_gap(rng, mean_gap);
+    }
+}
+
+fn pbx_burst(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
+    let caller = number(rng, "+3493", 5) + "00";
+    // 09:00 in Madrid, then two or three more bursts in business hours.
+    let mut starts = vec![DAY_START_MS + 8 * HOUR_MS + rng.random_range(0..60_000)];
+    for _ in 0..rng.random_range(2..=3) {
+        starts.push(DAY_START_MS + rng.random_range(9 * HOUR_MS..17 * HOUR_MS));
+    }
+    for start in starts {
+        let mut t = start;
+        for _ in 0..rng.random_range(10..=25) {
+            out.push(GenCall {
+                caller: caller.clone(),
+                callee: subscriber_number(rng),
+                ts_ms: t,
+                duration_ms: legit_duration(rng),
+                fraud: false,
+                population: "pbx_burst",
+            });
+            t += rng.random_range(50..800);
+        }
+    }
+}
+
+fn harasser(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
+    let caller = subscriber_number(rng);
+    let callee = subscriber_number(rng);
+    let mut t = daytime_ts(rng);
+    for _ in 0..rng.random_range(8..=30) {
+        out.push(GenCall {
+            caller: caller.clone(),
+            callee: callee.clone(),
+            ts_ms: t,
+            duration_ms: if rng.random_bool(0.2) {
+                rng.random_range(2_000..15_000)
+            } else {
+                0
+            },
+            fraud: true,
+            population: "harasser",
+        });
+        t += rng.random_range(120_000..600_000);
     }
 }
 
@@ -453,5 +546,52 @@ mod tests {
             .windows(2)
             .any(|w| w[0].ts_ms == w[1].ts_ms && w[0].caller == w[1].caller));
         assert_ne!(generate(5_000, 8), a);
+    }
+
+    #[test]
+    fn the_new_populations_have_their_shapes() {
+        let calls = generate(50_000, 3);
+        let of = |p: &str| {
+            calls
+                .iter()
+                .filter(|c| c.population == p)
+                .collect::<Vec<_>>()
+        };
+        let irsf = of("irsf");
+        assert!(irsf.len() > 500, "{}", irsf.len());
+        for c in &irsf {
+            assert!(IRSF_RANGES.iter().any(|r| c.callee.starts_with(r)), "{c:?}");
+            // 21:00 to 07:00 UTC at the latest (22:00 to 08:00 in Madrid).
+            let hour = (c.ts_ms - DAY_START_MS).rem_euclid(DAY_MS) / HOUR_MS;
+            assert!(!(7..21).contains(&hour), "{c:?}");
+        }
+        // PBX bursts: at least 10 calls of one caller within 20 s.
+        let bursty = of("pbx_burst");
+        assert!(bursty.iter().all(|c| !c.fraud));
+        let burst_at = |c: &GenCall| {
+            bursty
+                .iter()
+                .filter(|d| d.caller == c.caller && (d.ts_ms - c.ts_ms).abs() <= 20_000)
+                .count()
+        };
+        // (The population's last caller may be cut short by the row count.)
+        let short: std::collections::HashSet<&str> = bursty
+            .iter()
+            .filter(|c| burst_at(c) < 10)
+            .map(|c| c.caller.as_str())
+            .collect();
+        assert!(short.len() <= 1, "{short:?}");
+        // Harassers: one callee, again and again.
+        let h = of("harasser");
+        assert!(h.iter().all(|c| h
+            .iter()
+            .filter(|d| d.caller == c.caller)
+            .all(|d| d.callee == c.callee)));
+        let few: std::collections::HashSet<&str> = h
+            .iter()
+            .filter(|c| h.iter().filter(|d| d.caller == c.caller).count() < 8)
+            .map(|c| c.caller.as_str())
+            .collect();
+        assert!(few.len() <= 1, "{few:?}");
     }
 }
