@@ -273,3 +273,67 @@ fn every_rule_kind_through_serve_in_cached_mode() {
 fn every_rule_kind_through_serve_in_script_mode() {
     run("script");
 }
+
+/// `data/rules-fraud.toml` on the generated traffic each of its rules is
+/// for: the IRSF night calls are rejected by `irsf_night`, the harassment
+/// loops flagged by the shadow `same_callee`, the PBX bursts never
+/// rejected by the token bucket, and no ordinary subscriber rejected.
+#[test]
+fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
+    use callguard::engine::event::CallEvent;
+    use callguard::engine::record::Decision;
+    use callguard::engine::rules::RuleSet;
+    use callguard::store::memory::MemoryStore;
+    let rules = RuleSet::from_file(Path::new("data/rules-fraud.toml")).unwrap();
+    let calls = callguard::offline::generate::generate(20_000, 1);
+    let mut store = MemoryStore::new();
+    let mut tally: std::collections::HashMap<(&str, String, bool), usize> = Default::default();
+    let mut per_population: std::collections::HashMap<&str, usize> = Default::default();
+    for (i, c) in calls.iter().enumerate() {
+        let e = CallEvent {
+            call_id: format!("c{i}").into(),
+            caller: c.caller.as_str().into(),
+            ts_ms: c.ts_ms,
+            callee: Some(c.callee.as_str().into()),
+            duration_ms: Some(c.duration_ms),
+            label: Some(c.fraud),
+            list_number: None,
+        };
+        let v = store.apply(&rules, &e);
+        let r = &v.record;
+        let key = match r.decision {
+            Decision::Reject => r.reason.to_string(),
+            Decision::Allow if r.shadow => format!("shadow:{}", r.reason),
+            Decision::Allow => "ok".into(),
+        };
+        *tally
+            .entry((c.population, key, r.warn.is_some()))
+            .or_default() += 1;
+        *per_population.entry(c.population).or_default() += 1;
+    }
+    let count = |pop: &str, key: &str| {
+        tally
+            .iter()
+            .filter(|((p, k, _), _)| *p == pop && k == key)
+            .map(|(_, n)| n)
+            .sum::<usize>()
+    };
+    let share = |pop: &str, key: &str| count(pop, key) as f64 / per_population[pop] as f64;
+    assert!(share("irsf", "irsf_night") > 0.9, "{tally:?}");
+    assert!(share("harasser", "shadow:same_callee") > 0.5, "{tally:?}");
+    assert_eq!(count("pbx_burst", "pbx_burst"), 0, "{tally:?}");
+    let warned_irsf: usize = tally
+        .iter()
+        .filter(|((p, _, w), _)| *p == "irsf" && *w)
+        .map(|(_, n)| n)
+        .sum();
+    assert!(
+        warned_irsf > 0,
+        "the IRSF warning level never fired: {tally:?}"
+    );
+    assert_eq!(
+        count("subscriber", "ok"),
+        per_population["subscriber"],
+        "{tally:?}"
+    );
+}

@@ -343,5 +343,65 @@ fn tune_plot_shows_the_whole_false_reject_curve() {
         .find(|(s, p)| *s == "#E68C00" && p.len() == 2 && p[0].0 < 100)
         .expect("the --max-false-reject line");
     assert!(bound.1[0].1 > curve[0].1 && bound.1[0].1 < curve.last().unwrap().1);
-    assert!(plot.contains("--max-false-reject 0.2%") && plot.contains("recommended N = 14"));
+    // The recommendation the command printed is the one drawn.
+    let out = String::from_utf8_lossy(&o.stdout);
+    let n: u64 = out
+        .split("recommendation: N = ")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|d| d.parse().ok())
+        .unwrap_or_else(|| panic!("no recommendation: {out}"));
+    assert!(plot.contains("--max-false-reject 0.2%"));
+    assert!(plot.contains(&format!("recommended N = {n}")), "N = {n}");
+}
+
+/// A rule that sees only some calls (night calls to premium ranges, from a
+/// callees file) is swept over the calls it sees: `tune`'s rows equal what
+/// `replay` rejects with each limit (the sweep reads the callees it needs).
+#[test]
+fn a_filtered_rule_is_swept_as_replay_decides() {
+    let dir = tempfile::tempdir().unwrap();
+    let ranges = std::fs::canonicalize("data/irsf-ranges.txt").unwrap();
+    let rules_at = |limit: u64| {
+        let path = dir.path().join(format!("irsf-{limit}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "timezone = \"Europe/Madrid\"\n[[rule]]\nname = \"irsf_night\"\nkind = \"sliding\"\nwindow = \"1h\"\nlimit = {limit}\ncallees_file = \"{}\"\nhours = \"22:00-07:00\"\n",
+                ranges.display()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let csv = dir.path().join("sweep.csv");
+    let o = std::process::Command::new(common::bin())
+        .args(["tune", "-i", "data/calls.csv", "--rules"])
+        .arg(rules_at(3))
+        .args(["--limits", "1..8", "-o"])
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let table = std::fs::read_to_string(&csv).unwrap();
+    let rejected: Vec<u64> = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    for n in [1u64, 4, 8] {
+        let out = dir.path().join(format!("d{n}.csv"));
+        let o = std::process::Command::new(common::bin())
+            .args(["replay", "-i", "data/calls.csv", "--rules"])
+            .arg(rules_at(n))
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
+        assert!(rejects > 0, "the rule rejects nothing at N = {n}");
+        assert_eq!(rejected[n as usize - 1], rejects, "N = {n}");
+    }
 }

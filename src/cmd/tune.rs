@@ -90,8 +90,8 @@ pub fn run(args: TuneArgs) -> Result<()> {
     }
     let progress = progress_wanted();
     let mut read = log_args.read_options(progress)?;
-    // A sweep counts calls; callees are only a feature.
-    read.callees = false;
+    // Callees matter to a sweep only where a rule decides by them.
+    read.callees = rules.decides_by_callee();
     let log = Arc::new(OrderedLog::open(&log_args.input.input, &read)?);
     let rows = log.rows();
     let started = std::time::Instant::now();

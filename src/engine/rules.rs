@@ -417,6 +417,17 @@ impl RuleSet {
         self.rules.iter().any(Rule::shares_log)
     }
 
+    /// Whether any rule decides by the callee: a callee filter, a
+    /// distinct-callees rule, a rule keyed by caller and callee (else the
+    /// callee is only the distinct-callees feature).
+    pub fn decides_by_callee(&self) -> bool {
+        self.rules.iter().any(|r| {
+            !r.filter.callees.is_empty()
+                || r.kind == WindowKind::DistinctCallees
+                || r.key == RuleKey::CallerCallee
+        })
+    }
+
     /// Whether any rule sees only some calls.
     pub fn has_filters(&self) -> bool {
         self.filtered

@@ -69,10 +69,14 @@ impl Rejections {
     /// Counts one decided call, if it was (or would have been) rejected;
     /// `label` is the event's ground truth, if known.
     pub fn add(&mut self, verdict: &Verdict, label: Option<bool>) {
-        let r = &verdict.record;
-        if !r.would_reject() {
-            return;
+        if verdict.record.would_reject() {
+            self.add_rejected(verdict, label);
         }
+    }
+
+    /// Counts one call the caller has found rejected.
+    pub fn add_rejected(&mut self, verdict: &Verdict, label: Option<bool>) {
+        let r = &verdict.record;
         self.calls += 1;
         self.fraud_calls += u64::from(label == Some(true));
         self.legit_calls += u64::from(label == Some(false));

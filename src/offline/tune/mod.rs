@@ -109,8 +109,19 @@ struct CallerTally {
 /// One replay with one limit (the `admitted` path).
 struct Replayed {
     rules: RuleSet,
+    index: usize,
     store: MemoryStore,
     rejections: Rejections,
+}
+
+/// Whether a sweep counts a call as rejected: rejected, or over a limit
+/// in shadow mode when the whole set is in shadow mode or the shadow rule
+/// is the swept one (what enforcing it would reject); other shadow rules
+/// stay report-only, as they are.
+fn swept_reject(rules: &RuleSet, index: usize, v: &crate::engine::record::Verdict) -> bool {
+    let r = &v.record;
+    r.decision == crate::engine::record::Decision::Reject
+        || (r.shadow && (rules.shadow || r.reason == rules.rules[index].name.as_str()))
 }
 
 impl Replayed {
@@ -118,7 +129,9 @@ impl Replayed {
         for (i, (_, e)) in events.iter().enumerate() {
             let unique = unique.get(i).copied().unwrap_or(false);
             let v = self.store.apply_unique(&self.rules, e, unique);
-            self.rejections.add(&v, e.label);
+            if swept_reject(&self.rules, self.index, &v) {
+                self.rejections.add_rejected(&v, e.label);
+            }
         }
     }
 }
@@ -170,13 +183,13 @@ impl BaseShard {
         let h = &mut self.histogram;
         match rules.judge(e.number_for_lists(), &v.record.counts, Some(index)) {
             Judgement::Allowlisted => {}
-            // A shadow rule's would-be rejects count as rejects here, as
-            // under a shadow rule set: the sweep says what would be rejected.
-            Judgement::Denylisted | Judgement::Exceeded(_) | Judgement::ShadowExceeded(_) => {
+            Judgement::Denylisted | Judgement::Exceeded(_) => {
                 h.always[fraud] += 1;
                 tally.always = true;
             }
-            Judgement::Within => {
+            // Another shadow rule over its limit: report-only, so the call
+            // is rejected exactly when the swept rule's count exceeds N.
+            Judgement::Within | Judgement::ShadowExceeded(_) => {
                 let cap = h.calls.len() - 1;
                 h.calls[(count as usize).min(cap)][fraud] += 1;
                 tally.peak_n = tally.peak_n.max(count);
@@ -277,6 +290,7 @@ impl Sweeper {
                 .map(|&n| {
                     Ok(Replayed {
                         rules: rules.with_limit(index, n)?,
+                        index,
                         store: MemoryStore::new(),
                         rejections: Rejections::default(),
                     })
