@@ -337,3 +337,54 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
         "{tally:?}"
     );
 }
+
+/// `features` exports the new counts (empty where a rule does not see the
+/// call) and the `warn` column, as `replay` decides.
+#[test]
+fn features_export_the_new_counts_and_warnings() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("features.csv");
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "features",
+            "-i",
+            "data/calls.csv",
+            "--rules",
+            "data/rules-fraud.toml",
+            "-o",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut reader = csv::Reader::from_path(&out).unwrap();
+    let header = reader.headers().unwrap().clone();
+    let col = |name: &str| {
+        header
+            .iter()
+            .position(|h| h == name)
+            .unwrap_or_else(|| panic!("no column {name}: {header:?}"))
+    };
+    let (irsf, spray, pbx, pair, warn) = (
+        col("count_irsf_night"),
+        col("count_spray"),
+        col("count_pbx_burst"),
+        col("count_same_callee"),
+        col("warn"),
+    );
+    let rows: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+    assert_eq!(rows.len(), 20_000);
+    let filled = |i: usize| rows.iter().filter(|r| !r[i].is_empty()).count();
+    // The IRSF rule sees the night calls to premium ranges only (400).
+    assert_eq!(filled(irsf), 400);
+    // Every generated call names a callee: the others see every call.
+    assert_eq!(
+        (filled(spray), filled(pbx), filled(pair)),
+        (20_000, 20_000, 20_000)
+    );
+    let warned: std::collections::HashSet<&str> = rows.iter().map(|r| &r[warn]).collect();
+    assert!(
+        warned.contains("minute") && warned.contains("irsf_night"),
+        "{warned:?}"
+    );
+}
