@@ -320,6 +320,26 @@ local function distinct_until(key, own, t, w, lim)
   return nil
 end
 
+-- sliding-approx (Approx::advance_and_count): the counters (bucket cb, nil
+-- for none) moved to t's bucket if it is newer, and the call's estimate.
+local function approx_count(cb, cur, pv, t, w, horizon)
+  local b = floor(t / w)
+  if not cb then
+    cb, cur, pv = b, 0, 0
+  elseif b > cb then
+    if b == cb + 1 then pv = cur else pv = 0 end
+    cur, cb = 0, b
+  end
+  local c = 1
+  if b == cb then
+    local a = pv * math.max(w - (t - b * w) - 1, 0)
+    c = (a - a % w) / w + cur + 1
+  elseif b == cb - 1 and t > horizon then
+    c = pv + 1
+  end
+  return cb, cur, pv, c
+end
+
 -- Pairs (window/pairs.rs): a pair's state string read into a table for
 -- its rule's kind, and written back.
 local function pair_parse(i, v, horizon)
@@ -516,22 +536,7 @@ local function decide(stem, t, id, listed, callee, mask)
         elseif kind == 0 then
           if (b + 1) * w + grace <= lnew then counts[i] = 1 else counts[i] = (st[b] or 0) + 1 end
         elseif kind == 2 then
-          local cb, cur, pv = st[2], st[3], st[4]
-          if not cb then
-            cb, cur, pv = b, 0, 0
-          elseif b > cb then
-            if b == cb + 1 then pv = cur else pv = 0 end
-            cur, cb = 0, b
-          end
-          if b == cb then
-            local a = pv * math.max(w - (t - b * w) - 1, 0)
-            counts[i] = (a - a % w) / w + cur + 1
-          elseif b == cb - 1 then
-            counts[i] = pv + 1
-          else
-            counts[i] = 1
-          end
-          st[2], st[3], st[4] = cb, cur, pv
+          st[2], st[3], st[4], counts[i] = approx_count(st[2], st[3], st[4], t, w, horizon)
         else
           pst[i] = {tat = tat_next(st, t, i), old = st}
           counts[i] = tat_level(pst[i].tat, t, i)
@@ -584,20 +589,7 @@ local function decide(stem, t, id, listed, callee, mask)
       if prev then
         cb, cur, pv = tonumber(mv[k]), tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0
       end
-      if not cb then
-        cb, cur, pv = b, 0, 0
-      elseif b > cb then
-        if b == cb + 1 then pv = cur else pv = 0 end
-        cur, cb = 0, b
-      end
-      if b == cb then
-        local a = pv * math.max(w - (t - b * w) - 1, 0)
-        counts[i] = (a - a % w) / w + cur + 1
-      elseif b == cb - 1 and t > horizon then
-        counts[i] = pv + 1
-      else
-        counts[i] = 1
-      end
+      cb, cur, pv, counts[i] = approx_count(cb, cur, pv, t, w, horizon)
       approx[i] = {k, cb, cur, pv, b}
     end
   end

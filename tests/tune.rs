@@ -102,6 +102,63 @@ fn sweep_equals_a_replay_for_every_n() {
     }
 }
 
+/// The newer rule kinds swept as replay decides, under both policies: a
+/// distinct-callees rule, a token bucket whose span is the longest window
+/// (its burst moves the retention, so every N is replayed), a shadow rule
+/// keyed by caller and callee, and a night-time rule on premium ranges.
+#[test]
+fn sweeps_of_the_newer_rule_kinds_equal_a_replay_for_every_n() {
+    let (_dir, _path, log) = generated_file(6_000, 5);
+    for count in ["attempts", "admitted"] {
+        let set = RuleSet::from_toml(&format!(
+            r#"
+            count = "{count}"
+            timezone = "Europe/Madrid"
+            [[rule]]
+            name = "spray"
+            kind = "distinct-callees"
+            window = "10m"
+            limit = 30
+            warn = 20
+            [[rule]]
+            name = "pbx"
+            kind = "token-bucket"
+            rate = "1/m"
+            burst = 20
+            [[rule]]
+            name = "same_callee"
+            key = "caller+callee"
+            kind = "fixed"
+            window = "5m"
+            limit = 3
+            shadow = true
+            [[rule]]
+            name = "irsf"
+            kind = "sliding"
+            window = "10m"
+            limit = 2
+            callees = ["+881", "+882", "+883", "+53", "+252", "+232"]
+            hours = "22:00-07:00"
+            "#
+        ))
+        .unwrap();
+        for index in 0..4 {
+            let limits: Vec<u64> = (1..=12).collect();
+            let s = sweep(&log, &set, index, &limits, Target::MaxFalseReject(0.002)).unwrap();
+            let per_limit = count == "admitted" || set.rules[index].name == "pbx";
+            assert_eq!(s.passes, if per_limit { limits.len() + 1 } else { 1 });
+            for (row, &n) in s.rows.iter().zip(&limits) {
+                let want = row_by_replay(&log, &set, index, n).unwrap();
+                assert_eq!(row, &want, "{count}, rule {index}, N = {n}");
+            }
+            assert!(
+                s.rows[0].calls_rejected > s.rows[11].calls_rejected,
+                "{count}, rule {index}: N changes nothing"
+            );
+        }
+    }
+}
+
 fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
     (
         id as u64,

@@ -701,7 +701,7 @@ pub fn row_by_replay(
     index: usize,
     limit: u64,
 ) -> Result<SweepRow, RulesError> {
-    let set = rules.with_limit(index, limit)?;
+    let set = rules.without_warnings()?.with_limit(index, limit)?;
     let labelled = !log.events.is_empty() && log.events.iter().all(|(_, e)| e.label.is_some());
     let mut fraud_callers = foldhash::HashSet::default();
     let (mut fraud_calls, mut legit_calls) = (0, 0);
@@ -713,7 +713,10 @@ pub fn row_by_replay(
         if e.label == Some(true) {
             fraud_callers.insert(e.caller.as_str());
         }
-        rejections.add(&store.apply(&set, e), e.label);
+        let v = store.apply(&set, e);
+        if swept_reject(&set, index, &v) {
+            rejections.add_rejected(&v, e.label);
+        }
     }
     let legit_callers = rejections
         .callers
