@@ -294,11 +294,15 @@ impl LogArgs {
 /// The rule set: a file, shorthands, and overrides.
 #[derive(Debug, Clone, Args)]
 pub struct RuleArgs {
-    /// Rule set file (TOML); see data/rules.toml.
+    /// Rule set file (TOML); see data/rules.toml, and data/rules-fraud.toml
+    /// for token buckets, distinct-callees rules, callee and time-of-day
+    /// filters, warn levels, per-rule shadow and caller+callee keys. A
+    /// `callees_file` it names is reloaded with it.
     #[arg(long, env = "CALLGUARD_RULES")]
     pub rules: Option<PathBuf>,
-    /// A rule NAME:KIND:WINDOW:LIMIT (KIND: fixed, sliding, sliding-approx),
-    /// e.g. `minute:sliding:60s:20`; repeatable, appended to --rules.
+    /// A rule NAME:KIND:WINDOW:LIMIT (KIND: fixed, sliding, sliding-approx,
+    /// distinct-callees; a token bucket and rule options need a file), e.g.
+    /// `minute:sliding:60s:20`; repeatable, appended to --rules.
     #[arg(long = "rule", value_name = "NAME:KIND:WINDOW:LIMIT")]
     pub rule: Vec<String>,
     /// Override the counting policy: `attempts` (every call counts) or

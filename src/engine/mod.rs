@@ -4,7 +4,8 @@
 //! * [`event`]: the call event and its decoder (JSON payloads and call-log
 //!   rows share it).
 //! * [`rules`]: rule sets (windows, limits, lists, shadow mode) and the
-//!   decision order.
+//!   decision order; [`rule`] one rule, [`rule_file`] the TOML operators
+//!   write, [`filter`] which calls a rule sees.
 //! * [`window`]: the reference window algorithm for one caller: the
 //!   contract every store implements.
 //! * [`record`]: decision records, verdicts and the one column schema of

@@ -21,16 +21,31 @@
 //!   `(t - W, t]`, in whole milliseconds). An event in bucket `B - 1` above
 //!   the horizon (`t > H`) counts `prev + 1`; older events count 1 and are
 //!   not recorded.
+//! * token-bucket (rate `n` per `P` ms, `T = P / n`, burst `N`): `tat' =
+//!   max(TAT, t) + T`, count `ceil((tat' - t) / T)`; recorded: `TAT = tat'`
+//!   (`bucket.rs`); the rule's window is its span `ceil(N T)`. At or below
+//!   the horizon a call counts 1 and is not recorded.
+//! * distinct-callees: `min(C, |{callees with latest recorded > t - W} ∪
+//!   {own}|)`, the `C` most recently called kept (`distinct.rs`).
+//! * A rule keyed by caller and callee applies its kind to the calls to
+//!   this call's callee alone, one pair each (`pairs.rs`).
+//! * A rule that does not see a call (its filters) neither counts nor
+//!   records it; its count is 0, written empty. A sliding rule that sees
+//!   only some calls keeps a log of its own.
 //! * `late = L exists and t < L - grace`.
-//! * Decision: denylist, then allowlist, then the first rule whose count
-//!   exceeds its limit; shadow mode emits `allow` instead of `reject`.
+//! * Decision: denylist, then allowlist, then the first enforcing rule
+//!   whose count exceeds its limit, then the first shadow rule that does
+//!   (allowed, `shadow`); shadow mode emits `allow` instead of `reject`.
+//!   `warn`: the first rule whose count exceeds its warn level, on an
+//!   allowed call on no list.
 //! * Recording: every event under `attempts`; under `admitted` only events
 //!   whose decision (before shadow) is allow.
 //! * Retry-after, on a reject by a rule (not shadow, not the denylist): the
 //!   smallest `d >= 1` such that a call of this caller at any time `>= t + d`
 //!   would pass every rule, given the state after this call and no further
 //!   calls. Per rule, the last time `s > t` at which such a call would still
-//!   exceed the limit, then the largest over the rules, plus one:
+//!   exceed the limit, then the largest over the enforcing rules that see
+//!   the call's callee (time profiles taken to hold always), plus one:
 //!   * sliding (limit `N`, recorded times `e_1 <= ... <= e_k`): a call at `s`
 //!     is over the limit iff `N` recorded calls lie in `(s - W, s]`, i.e.
 //!     `e_{i+N-1} <= s <= e_i + W - 1` for some `i`; the last such `s` is
@@ -248,7 +263,7 @@ fn bucket_end(b: i64, w: i64, grace: i64) -> i64 {
     b.saturating_add(1).saturating_mul(w).saturating_add(grace)
 }
 
-/// A pair's count for a call at `t` above the horizon (see [`pairs`]).
+/// A pair's count for a call at `t` above the horizon (see `pairs.rs`).
 fn pair_count(rule: &Rule, pair: &mut Pair, t: i64, h: &Horizons, grace: i64) -> u64 {
     let w = rule.window_ms;
     match rule.kind {
