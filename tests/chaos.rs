@@ -17,11 +17,10 @@ use callguard::engine::event::CallEvent;
 use callguard::engine::rules::RuleSet;
 use callguard::online::consumer::ConsumeConfig;
 use callguard::store::redis::{RedisConfig, RedisStore};
+use common::kafka::TOPICS;
 use common::kafka::{by_call_id, read_decisions};
 use common::{RedisServer, Tansu};
 use serde_json::Value;
-
-const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
 
 /// A day of generated calls in processing order, and the replay's records.
 fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, Value>) {
@@ -57,10 +56,7 @@ async fn start(
 async fn broker_killed_and_restarted_mid_run_loses_nothing() {
     let redis = RedisServer::start(&[]);
     let tansu = Tansu::start_sqlite();
-    for t in TOPICS {
-        tansu.create_topic(t, 2);
-    }
-    let brokers = tansu.bootstrap();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, 2)));
     let (events, rules, expected) = sample(15_000, 31);
     let (first, second) = events.split_at(events.len() / 2);
     callguard::online::produce::produce(first.iter(), &brokers, &[], "calls")
@@ -95,10 +91,7 @@ async fn redis_killed_and_restarted_mid_run_loses_nothing() {
     let aof = ["--appendonly", "yes", "--appendfsync", "always"];
     let redis = RedisServer::start(&aof);
     let tansu = Tansu::start_sqlite();
-    for t in TOPICS {
-        tansu.create_topic(t, 2);
-    }
-    let brokers = tansu.bootstrap();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, 2)));
     let (events, rules, expected) = sample(15_000, 32);
     let (first, second) = events.split_at(events.len() / 2);
     callguard::online::produce::produce(first.iter(), &brokers, &[], "calls")

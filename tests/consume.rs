@@ -12,19 +12,17 @@ use callguard::engine::record::{Row, Schema};
 use callguard::engine::rules::RuleSet;
 use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
-use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::store::cached::CacheLimit;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
+use common::kafka::TOPICS;
 use common::kafka::{by_call_id, produce_raw, read_decisions, read_topic, signal, spawn_consumer};
 use common::{RedisServer, Tansu};
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 use tokio::sync::watch;
-
-const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
 
 /// A generated call log on disk, its time-sorted events and the replay's records.
 struct Sample {
@@ -155,11 +153,7 @@ fn config(brokers: &str, group: &str) -> ConsumeConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mock_cluster_decisions_equal_replay() {
     let redis = RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 3).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
     let s = sample(20_000, 11).await;
     let n = callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
@@ -293,10 +287,7 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
 /// A tansu broker with the four topics, 4 partitions each, and its address.
 fn tansu_with_topics() -> (Tansu, String) {
     let tansu = Tansu::start();
-    for t in TOPICS {
-        tansu.create_topic(t, 4);
-    }
-    let brokers = tansu.bootstrap();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, 4)));
     (tansu, brokers)
 }
 
@@ -402,11 +393,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
     // consumer processes): it expires killed group members after the session
     // timeout, which tansu 0.6 does not do for members killed mid-join.
     let redis = RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 4).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 4)));
     let s = sample_with(30_000, seed, rules).await;
     callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
@@ -467,12 +454,8 @@ async fn group_with_one_stopped_midway(instances: usize, seed: u64, mode: &[&str
     // On the mock cluster: tansu 0.6 hands out overlapping assignments while
     // members join and leave (see the closing notes of the consumer issue).
     let redis = RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    kafka.create_topic("calls", 6).unwrap();
-    for t in &TOPICS[1..] {
-        kafka.create_topic(t, 3).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) =
+        common::kafka::mock_cluster(&TOPICS.map(|t| (t, if t == "calls" { 6 } else { 3 })));
     let s = sample(30_000, seed).await;
     callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
@@ -527,10 +510,7 @@ async fn script_mode_three_instances_one_stopped_midway_lose_nothing() {
 async fn malformed_messages_go_to_the_dead_letter_topic() {
     let redis = RedisServer::start(&[]);
     let tansu = Tansu::start();
-    for t in TOPICS {
-        tansu.create_topic(t, 1);
-    }
-    let brokers = tansu.bootstrap();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, 1)));
     let k: &[u8] = b"+34911000001";
     let huge = format!(
         "{{\"call_id\":\"huge\",\"caller\":\"+34911000001\",\"ts\":1764547200000,\"pad\":\"{}\"}}",
@@ -663,11 +643,7 @@ async fn cached_mode_redis_outage_under_block_loses_nothing() {
 
 async fn redis_outage(cached: bool, group: &str) {
     let redis = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 2).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 2)));
     let s = sample(20_000, 15).await;
     callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
@@ -715,11 +691,7 @@ async fn allow_and_reject_policies_emit_degraded_decisions() {
         (StoreErrorPolicy::Reject, "reject"),
     ] {
         let redis = RedisServer::start(&[]);
-        let kafka = EmbeddedKafka::start().unwrap();
-        for t in TOPICS {
-            kafka.create_topic(t, 1).unwrap();
-        }
-        let brokers = kafka.bootstrap();
+        let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 1)));
         let mut cfg = config(&brokers, "g-degraded");
         cfg.on_store_error = policy;
         let rules = RuleSet::from_args(None, &["m:sliding:1m:100".into()]).unwrap();
@@ -755,11 +727,7 @@ async fn allow_and_reject_policies_emit_degraded_decisions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_serves_metrics_and_reloads_rules_on_sighup() {
     let redis = RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 1).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 1)));
     let dir = tempfile::tempdir().unwrap();
     let rules = dir.path().join("rules.toml");
     let v1 = "[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 100\n";
@@ -863,9 +831,7 @@ async fn process_serves_metrics_and_reloads_rules_on_sighup() {
 /// by caller, skips and reports invalid rows, and loses nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn produce_command_loads_a_log_in_processing_order() {
-    let kafka = EmbeddedKafka::start().unwrap();
-    kafka.create_topic("calls", 2).unwrap();
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&[("calls", 2)]);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("calls.csv");
     let s = sample(3_000, 5).await;
@@ -928,11 +894,7 @@ async fn produce_command_loads_a_log_in_processing_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_consumer_readiness_follows_the_store() {
     let redis = RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 2).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 2)));
     let port = common::free_port();
     let addr = format!("127.0.0.1:{port}");
     let _child = common::Killed(spawn_consumer(

@@ -15,6 +15,7 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::kafka::TOPICS;
 use common::sentinel::{wait_until, Ha};
 use common::{HttpConn, Killed};
 use serde_json::Value;
@@ -176,8 +177,6 @@ fn serve_without_wait_replicas_loses_the_unreplicated_decisions() {
     }
 }
 
-const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
-
 /// What one failover under `consume` did: the decisions it produced, and
 /// how many of them differ from `replay` of the same calls.
 async fn consume_through_failover(
@@ -201,11 +200,7 @@ async fn consume_through_failover(
     let rules = RuleSet::from_file(rules_path).unwrap();
     let expected = common::replay_records(&events, &rules);
 
-    let kafka = callguard::online::kafka::EmbeddedKafka::start().unwrap();
-    for t in TOPICS {
-        kafka.create_topic(t, 2).unwrap();
-    }
-    let brokers = kafka.bootstrap();
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 2)));
     let consume = Killed(
         Command::new(common::bin())
             .args(["consume", "--brokers", &brokers, "--group", group_id])

@@ -10,7 +10,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use callguard::engine::event::{CallEvent, MAX_TS_MS, MIN_TS_MS};
 use callguard::engine::rules::RuleSet;
 use callguard::online::consumer::ConsumeConfig;
-use callguard::online::kafka::EmbeddedKafka;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::store::memory::MemoryStore;
 use common::kafka::{produce_raw, read_decisions, read_topic};
@@ -321,16 +320,12 @@ async fn an_oversized_message_is_a_truncated_dead_letter_not_a_poison_pill() {
 async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() {
     use callguard::store::redis::{RedisConfig, RedisStore};
     let redis = common::RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    let brokers = kafka.bootstrap();
-    for (t, p) in [
+    let (_kafka, brokers) = common::kafka::mock_cluster(&[
         ("calls", 4),
         ("call-decisions", 2),
         ("call-features", 2),
         ("calls-dlq", 1),
-    ] {
-        kafka.create_topic(t, p).unwrap();
-    }
+    ]);
     let rules = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
     // 40 callers, 100 calls each, in time order per caller.
     let start = now_ms() - 3_600_000;
@@ -434,16 +429,12 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
     // Room for a few hundred callers' state, not for all 3,000.
     redis.cap_memory_above_use(400_000);
 
-    let kafka = EmbeddedKafka::start().unwrap();
-    let brokers = kafka.bootstrap();
-    for (t, p) in [
+    let (_kafka, brokers) = common::kafka::mock_cluster(&[
         ("calls", 2),
         ("call-decisions", 2),
         ("call-features", 2),
         ("calls-dlq", 1),
-    ] {
-        kafka.create_topic(t, p).unwrap();
-    }
+    ]);
     let rules = RuleSet::from_args(None, &["minute:sliding:60s:3".into()]).unwrap();
     let start = now_ms() - 600_000;
     let events: Vec<CallEvent> = (0..3_000)
@@ -727,16 +718,12 @@ async fn hashed_numbers_agree_online_and_offline_and_never_leave_the_process() {
 
     // Online: the same events, the same key, a real Redis.
     let redis = common::RedisServer::start(&[]);
-    let kafka = EmbeddedKafka::start().unwrap();
-    let brokers = kafka.bootstrap();
-    for (t, p) in [
+    let (_kafka, brokers) = common::kafka::mock_cluster(&[
         ("calls", 2),
         ("call-decisions", 2),
         ("call-features", 2),
         ("calls-dlq", 1),
-    ] {
-        kafka.create_topic(t, p).unwrap();
-    }
+    ]);
     let raw: Vec<(String, Vec<u8>)> = messages
         .iter()
         .map(|(k, v)| (k.clone(), v.to_string().into_bytes()))

@@ -12,11 +12,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::kafka::TOPICS;
 use common::kafka::{produce_raw, read_decisions, signal, spawn_consumer};
 use common::{http_get, Tansu};
 use serde_json::Value;
-
-const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
 
 /// Chromium, headless, with what keeps it off the network (the flags the
 /// machine's notes name), on a fresh profile.
@@ -113,11 +112,7 @@ async fn the_page_renders_what_stats_and_metrics_say() {
     common::require("chromium");
     let redis = common::RedisServer::start(&[]);
     let tansu = Tansu::start();
-    tansu.create_topic("calls", 2);
-    for t in &TOPICS[1..] {
-        tansu.create_topic(t, 1);
-    }
-    let brokers = tansu.bootstrap();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, if t == "calls" { 2 } else { 1 })));
     let dir = tempfile::tempdir().unwrap();
     let rules = dir.path().join("rules.toml");
     std::fs::write(

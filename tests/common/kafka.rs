@@ -247,6 +247,10 @@ impl InProcess {
     }
 }
 
+/// The consumer's topics, as `consume`'s defaults name them: calls,
+/// decisions, features, dead letters.
+pub const TOPICS: [&str; 4] = ["calls", "call-decisions", "call-features", "calls-dlq"];
+
 /// The embedded mock cluster with these topics (name, partitions), and its
 /// bootstrap address.
 pub fn mock_cluster(topics: &[(&str, i32)]) -> (callguard::online::kafka::EmbeddedKafka, String) {

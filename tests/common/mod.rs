@@ -412,6 +412,15 @@ impl Tansu {
     }
 
     /// `127.0.0.1:<port>`.
+    /// Creates `topics` (name, partitions) and returns the bootstrap
+    /// address.
+    pub fn with_topics(&self, topics: &[(&str, u32)]) -> String {
+        for (t, p) in topics {
+            self.create_topic(t, *p);
+        }
+        self.bootstrap()
+    }
+
     pub fn bootstrap(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
