@@ -25,7 +25,8 @@
 #   Sections 2 and 3 run once per mode in MODES (default "default
 #   script": "default" passes no --redis-mode, so it measures what a
 #   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to section 3's consume
-#   (e.g. "--batch-linger-us 1000").
+#   (e.g. "--batch-linger-us 1000"). SKIP_STORE=1 leaves section 1 out
+#   (an A/B of two builds of `consume` through CALLGUARD_BIN).
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -43,8 +44,10 @@ cargo build --release -q --bin callguard --example bench_store --example loadgen
 bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 ex="$CARGO_TARGET_DIR/release/examples"
 
-echo "# 1. Store against the simple-script ceiling"
-"$ex/bench_store" 100000
+if [ "${SKIP_STORE:-0}" != 1 ]; then
+  echo "# 1. Store against the simple-script ceiling"
+  "$ex/bench_store" 100000
+fi
 
 source scripts/loopback.sh
 start_redis

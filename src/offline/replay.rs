@@ -224,12 +224,12 @@ pub async fn run_ordered<S: WindowStore>(
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
     log.events_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
+        // (A batched store keeps every record: the unique-id hint serves
+        // the sharded in-memory replay only.)
         let EventChunk {
-            events,
-            unique,
-            invalid,
+            events, invalid, ..
         } = chunk;
-        let verdicts = apply_events(&events, &unique, rules, store).await?;
+        let verdicts = apply_events(&events, rules, store).await?;
         replaying.tally.add(&verdicts);
         let chunk = DecidedChunk {
             events,
@@ -437,27 +437,18 @@ pub async fn run<S: WindowStore>(
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
     let events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
-    apply_events(&events, &log.unique, rules, store).await
+    apply_events(&events, rules, store).await
 }
 
-/// Applies events through a store in batches of [`REPLAY_BATCH`], passing
-/// [`CallLog::unique`] when there is one flag per event.
+/// Applies events through a store in batches of [`REPLAY_BATCH`].
 async fn apply_events<S: WindowStore>(
     events: &[CallEvent],
-    unique: &[bool],
     rules: &RuleSet,
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
-    let known = unique.len() == events.len();
-    let size = REPLAY_BATCH;
     let mut verdicts = Vec::new();
-    for (i, batch) in events.chunks(size).enumerate() {
-        let got = if known {
-            let flags = &unique[i * size..i * size + batch.len()];
-            store.apply_batch_unique(rules, batch, flags).await?
-        } else {
-            store.apply_batch(rules, batch).await?
-        };
+    for batch in events.chunks(REPLAY_BATCH) {
+        let got = store.apply_batch(rules, batch).await?;
         if verdicts.is_empty() {
             // The first batch's list is kept (one batch: no copy at all).
             verdicts = got;

@@ -100,17 +100,4 @@ impl WindowStore for MemoryStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         Ok(events.iter().map(|e| self.apply(rules, e)).collect())
     }
-
-    async fn apply_batch_unique(
-        &mut self,
-        rules: &RuleSet,
-        events: &[CallEvent],
-        unique: &[bool],
-    ) -> Result<Vec<Verdict>, StoreError> {
-        Ok(events
-            .iter()
-            .enumerate()
-            .map(|(i, e)| self.apply_unique(rules, e, unique.get(i).copied().unwrap_or(false)))
-            .collect())
-    }
 }

@@ -68,20 +68,6 @@ pub trait WindowStore: Send {
         }
     }
 
-    /// [`WindowStore::apply_batch`] where `unique[i]` says event `i`'s call
-    /// id occurs nowhere else in the input, so a store may skip its
-    /// idempotency record. Verdicts are the same; by default `unique` is
-    /// ignored.
-    fn apply_batch_unique(
-        &mut self,
-        rules: &RuleSet,
-        events: &[CallEvent],
-        unique: &[bool],
-    ) -> impl Future<Output = Result<Vec<Verdict>, StoreError>> + Send {
-        let _ = unique;
-        self.apply_batch(rules, events)
-    }
-
     /// What the store has counted of its own work since it connected
     /// (zeros for in-process stores).
     fn stats(&self) -> StoreStats {
@@ -134,19 +120,6 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         match self {
             AnyStore::Memory(s) => s.apply_batch(rules, events).await,
-            AnyStore::Redis(s) => s.apply_batch(rules, events).await,
-            AnyStore::Cached(s) => s.apply_batch(rules, events).await,
-        }
-    }
-
-    async fn apply_batch_unique(
-        &mut self,
-        rules: &RuleSet,
-        events: &[CallEvent],
-        unique: &[bool],
-    ) -> Result<Vec<Verdict>, StoreError> {
-        match self {
-            AnyStore::Memory(s) => s.apply_batch_unique(rules, events, unique).await,
             AnyStore::Redis(s) => s.apply_batch(rules, events).await,
             AnyStore::Cached(s) => s.apply_batch(rules, events).await,
         }

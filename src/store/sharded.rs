@@ -168,15 +168,6 @@ impl WindowStore for ShardedStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         Ok(self.apply_unique(rules, events, &[]))
     }
-
-    async fn apply_batch_unique(
-        &mut self,
-        rules: &RuleSet,
-        events: &[CallEvent],
-        unique: &[bool],
-    ) -> Result<Vec<Verdict>, StoreError> {
-        Ok(self.apply_unique(rules, events, unique))
-    }
 }
 
 #[cfg(test)]
