@@ -724,6 +724,56 @@ async fn allow_and_reject_policies_emit_degraded_decisions() {
     }
 }
 
+/// `--on-store-error local`: with Redis gone the consumer keeps deciding,
+/// on its own windows: a caller's calls are counted from the outage's
+/// start, rejected over the limit with the rule as the reason, every
+/// record flagged degraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_policy_decides_on_the_instances_own_windows() {
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 1)));
+    let mut cfg = config(&brokers, "g-local");
+    cfg.on_store_error = StoreErrorPolicy::Local;
+    let rules = RuleSet::from_args(None, &["m:sliding:1m:3".into()]).unwrap();
+    let run = start_in_process(cfg, &redis.url(), rules).await;
+    drop(redis);
+    let msgs: Vec<String> = (0..5)
+        .map(|i| {
+            format!(
+                "{{\"call_id\":\"l{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
+                1_764_547_200_000i64 + i
+            )
+        })
+        .collect();
+    let raw: Vec<(Option<&[u8]>, &[u8])> = msgs
+        .iter()
+        .map(|m| (Some(&b"+34911000001"[..]), m.as_bytes()))
+        .collect();
+    produce_raw(&brokers, "calls", &raw).await;
+    let records = read_decisions(&brokers, "call-decisions", 5, Duration::from_secs(60)).await;
+    let text = run.metrics.encode();
+    run.stop().await;
+    let by_id = by_call_id(&records);
+    for i in 0..5u64 {
+        let r = &by_id[&format!("l{i}")];
+        assert_eq!(r["count_m"], i + 1, "{r}");
+        assert_eq!(r["degraded"], true, "{r}");
+        let (decision, reason) = if i < 3 {
+            ("allow", "ok")
+        } else {
+            ("reject", "m")
+        };
+        assert_eq!(
+            (r["decision"].as_str(), r["reason"].as_str()),
+            (Some(decision), Some(reason))
+        );
+    }
+    assert!(
+        text.contains("callguard_fallback_decisions_total 5"),
+        "{text}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_serves_metrics_and_reloads_rules_on_sighup() {
     let redis = RedisServer::start(&[]);

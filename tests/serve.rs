@@ -132,7 +132,9 @@ fn get_path(e: &CallEvent) -> String {
 
 /// The record without `duplicate`, for comparing with a replay's.
 fn record(mut v: serde_json::Value) -> serde_json::Value {
-    v.as_object_mut().unwrap().remove("duplicate");
+    let fields = v.as_object_mut().unwrap();
+    fields.remove("duplicate");
+    fields.remove("ratelimit");
     v
 }
 
@@ -306,6 +308,11 @@ fn rejects_with_retry_after(cached: bool) {
     assert_eq!(r.header("retry-after"), Some("9"));
     assert_eq!(r.header("ratelimit"), Some("\"burst\";r=0;t=9"));
     assert_eq!(r.header("x-ratelimit-reset"), Some("9"));
+    // The same in the body, for clients that read only bodies (Kamailio).
+    assert_eq!(
+        body["ratelimit"],
+        serde_json::json!({"rule": "burst", "limit": 2, "remaining": 0, "reset": 9})
+    );
     // The block key says why, and expires with the retry-after.
     let key = "cg:block:{+34911000002}";
     let got = common::raw_command(redis.port, &format!("GET {key}")).unwrap();
@@ -393,6 +400,11 @@ fn rate_limit_headers_agree_with_the_record() {
             r.header("ratelimit"),
             Some(format!("\"{name}\";r={left};t={reset}").as_str()),
             "{body}"
+        );
+        assert_eq!(
+            body["ratelimit"],
+            serde_json::json!({"rule": name, "limit": limit, "remaining": left, "reset": reset}),
+            "the body's copy of the headers"
         );
         checked += usize::from(body["decision"] == "reject");
     }
@@ -502,6 +514,82 @@ fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
         }
         assert!(std::time::Instant::now() < deadline, "still {}", r.status);
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `--on-store-error local`, in both Redis modes: with Redis stopped every
+/// check is answered (no 503) from the instance's own windows, counted from
+/// the start of the outage and flagged degraded; once Redis is back,
+/// decisions come from Redis again and the local state is dropped.
+#[test]
+fn local_fallback_decides_on_its_own_windows_while_redis_is_down() {
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:2".into()]).unwrap();
+    for cached in [false, true] {
+        let redis = RedisServer::start(&[]);
+        let served = Served::start_with(
+            ServeConfig {
+                on_store_error: StoreErrorPolicy::Local,
+                ..config()
+            },
+            redis_config(&redis),
+            rules.clone(),
+            cached,
+        );
+        let mut conn = served.conn();
+        let check = |conn: &mut HttpConn, id: &str, caller: &str, dt: i64| {
+            let body = serde_json::json!({"call_id": id, "caller": caller, "ts": T0 + dt});
+            conn.post("/v1/check", &body.to_string())
+        };
+        let v = check(&mut conn, "before", "+34911000031", 0).json();
+        assert_eq!(
+            (v["count_m"].as_u64(), v["degraded"].as_bool()),
+            (Some(1), Some(false))
+        );
+        let (port, dir) = redis.stop();
+        // Down: a caller's calls counted locally, from the outage's start.
+        let mut seen = Vec::new();
+        for i in 0..3 {
+            let r = check(
+                &mut conn,
+                &format!("down{i}"),
+                "+34911000031",
+                1_000 + i * 1_000,
+            );
+            assert_eq!(r.status, 200, "cached {cached}, call {i}: {}", r.body);
+            let v = r.json();
+            assert_eq!(v["degraded"], true, "{v}");
+            seen.push((
+                v["count_m"].as_u64().unwrap(),
+                v["decision"].as_str().unwrap().to_string(),
+            ));
+        }
+        assert_eq!(
+            seen,
+            [
+                (1, "allow".into()),
+                (2, "allow".into()),
+                (3, "reject".into())
+            ],
+            "cached {cached}"
+        );
+        let v = check(&mut conn, "down3", "+34911000031", 4_000).json();
+        assert_eq!(v["reason"], "m", "a real reason, not store_error: {v}");
+        assert_eq!(served.metrics.fallback_decisions.get(), 4);
+        // Back up: decided by Redis again.
+        let _redis = RedisServer::start_in(port, dir, &[]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = check(&mut conn, "up", "+34911000032", 5_000).json();
+            if v["degraded"] == false {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "still local: {v}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let after = served.metrics.fallback_decisions.get();
+        let v = check(&mut conn, "up2", "+34911000033", 6_000).json();
+        assert_eq!(v["degraded"], false, "{v}");
+        assert_eq!(served.metrics.fallback_decisions.get(), after);
     }
 }
 

@@ -162,6 +162,8 @@ struct SipCall {
     caller: String,
     status: u16,
     retry_after_s: Option<u64>,
+    /// The 603's X-RateLimit-Limit and X-RateLimit-Remaining.
+    rate_limit: Option<(u64, u64)>,
 }
 
 /// Runs SIPp's check scenario: one call per line of `callers` (caller,
@@ -228,6 +230,10 @@ fn run_sipp(
                 caller: f[1].to_string(),
                 status: f[2].parse().unwrap(),
                 retry_after_s: f.get(3).and_then(|s| s.parse().ok()),
+                rate_limit: f
+                    .get(4)
+                    .and_then(|s| s.parse().ok())
+                    .zip(f.get(5).and_then(|s| s.parse().ok())),
             }
         })
         .collect();
@@ -301,6 +307,14 @@ fn declines_exactly_the_rejected_calls(mode: &[&str]) {
                 Some(ms.div_ceil(1000)),
                 "{call:?} vs {v}"
             );
+            // The rate-limit headers, passed on in the SIP reply.
+            let rl = &v["ratelimit"];
+            assert_eq!(
+                call.rate_limit,
+                rl["limit"].as_u64().zip(rl["remaining"].as_u64()),
+                "{call:?} vs {v}"
+            );
+            assert!(call.rate_limit.is_some(), "{call:?}");
         }
         log.push_str(&format!(
             "\"{}\",{},{}\n",

@@ -81,6 +81,11 @@ pub enum PolicyArg {
     Allow,
     /// Reject the calls, flagged `degraded = true`, and keep going.
     Reject,
+    /// Decide the calls on this instance's own window state (kept in memory
+    /// from the start of the outage), flagged `degraded = true`, and keep
+    /// going; back to the store as soon as it answers. The store never
+    /// learns of these calls.
+    Local,
 }
 
 impl From<PolicyArg> for StoreErrorPolicy {
@@ -89,6 +94,7 @@ impl From<PolicyArg> for StoreErrorPolicy {
             PolicyArg::Block => StoreErrorPolicy::Block,
             PolicyArg::Allow => StoreErrorPolicy::Allow,
             PolicyArg::Reject => StoreErrorPolicy::Reject,
+            PolicyArg::Local => StoreErrorPolicy::Local,
         }
     }
 }

@@ -61,6 +61,9 @@ pub struct Metrics {
     registry: Registry,
     /// Decided events by decision and reason.
     pub events: Family<DecisionLabels, Counter>,
+    /// Calls decided on the instance's own state while the store failed
+    /// (`--on-store-error local`).
+    pub fallback_decisions: Counter,
     /// Calls over a rule's `warn` level and allowed, by that rule
     /// (redeliveries not counted again).
     pub warnings: Family<RuleLabel, Counter>,
@@ -126,6 +129,7 @@ impl Metrics {
             registry: Registry::with_prefix("callguard"),
             events: Family::default(),
             warnings: Family::default(),
+            fallback_decisions: Counter::default(),
             dlq: Family::default(),
             dlq_failures: Counter::default(),
             duplicates: Counter::default(),
@@ -156,6 +160,11 @@ impl Metrics {
     fn register_decisions(&mut self) {
         let r = &mut self.registry;
         r.register("events", "Decided call events", self.events.clone());
+        r.register(
+            "fallback_decisions",
+            "Calls decided on the instance's own state while the store failed (--on-store-error local)",
+            self.fallback_decisions.clone(),
+        );
         r.register(
             "warnings",
             "Allowed calls over a rule's warn level, by the first such rule",

@@ -14,6 +14,7 @@ use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
+use crate::store::memory::MemoryStore;
 use crate::store::WindowStore;
 
 /// How often an idle `serve` or `consume` probes the store for `/readyz`.
@@ -29,18 +30,125 @@ pub enum StoreErrorPolicy {
     Allow,
     /// Reject the calls, flagged `degraded = true`, and keep going.
     Reject,
+    /// Decide the calls on this instance's own window state, kept in
+    /// memory from the start of the outage, flagged `degraded = true`, and
+    /// keep going; back to the store as soon as it answers.
+    Local,
+}
+
+/// What happens to a call the store could not decide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// It waits (`consume`) or is answered 503 (`serve`).
+    Wait,
+    /// It gets this decision without its windows.
+    Fixed(Decision),
+    /// It is decided on the instance's own state ([`LocalFallback`]).
+    Local,
 }
 
 pub use crate::online::clock::now_ms;
 
 impl StoreErrorPolicy {
-    /// The decision a call the store could not decide gets (`None` under
-    /// `block`: it waits, or is answered 503).
-    pub fn fallback(self) -> Option<Decision> {
+    /// What a call the store could not decide gets.
+    pub fn fallback(self) -> Fallback {
         match self {
-            StoreErrorPolicy::Block => None,
-            StoreErrorPolicy::Allow => Some(Decision::Allow),
-            StoreErrorPolicy::Reject => Some(Decision::Reject),
+            StoreErrorPolicy::Block => Fallback::Wait,
+            StoreErrorPolicy::Allow => Fallback::Fixed(Decision::Allow),
+            StoreErrorPolicy::Reject => Fallback::Fixed(Decision::Reject),
+            StoreErrorPolicy::Local => Fallback::Local,
+        }
+    }
+}
+
+/// The failure policy with what it keeps: the local state under `local`.
+pub struct OnStoreError {
+    /// The policy.
+    pub policy: StoreErrorPolicy,
+    local: LocalFallback,
+}
+
+impl OnStoreError {
+    /// The policy, with no local state yet.
+    pub fn new(policy: StoreErrorPolicy) -> Self {
+        OnStoreError {
+            policy,
+            local: LocalFallback::default(),
+        }
+    }
+
+    /// Decides the calls the store left undecided (`None`) under the
+    /// policy; gives the verdicts back unchanged under `block` (the calls
+    /// wait, or are answered 503).
+    pub fn settle(
+        &mut self,
+        events: &[CallEvent],
+        verdicts: Vec<Option<Verdict>>,
+        rules: &RuleSet,
+        why: &str,
+        metrics: &Metrics,
+    ) -> Result<Vec<Verdict>, Vec<Option<Verdict>>> {
+        match self.policy.fallback() {
+            Fallback::Wait => Err(verdicts),
+            Fallback::Fixed(d) => Ok(degrade(events, verdicts, rules, d, why)),
+            Fallback::Local => Ok(self.local.decide(events, verdicts, rules, why, metrics)),
+        }
+    }
+
+    /// The store decided a whole batch: a local state is dropped.
+    pub fn store_answered(&mut self) {
+        self.local.store_answered();
+    }
+}
+
+/// `--on-store-error local`: while the store fails, calls are decided by
+/// the reference algorithm on window state this instance keeps in memory,
+/// from the first call it decided so (calls before the outage are not in
+/// it: counts start afresh). Each such record is flagged `degraded`. The
+/// state is dropped once the store answers again, so the next outage
+/// starts afresh too. The store never learns of these calls: after the
+/// outage a caller's windows in Redis lack them.
+#[derive(Default)]
+pub struct LocalFallback {
+    store: MemoryStore,
+    used: bool,
+}
+
+impl LocalFallback {
+    /// The verdicts of `events`, every undecided one (`None`) decided on
+    /// the local state, flagged degraded; logged with `why` the store
+    /// failed, counted in `callguard_fallback_decisions_total`.
+    pub fn decide(
+        &mut self,
+        events: &[CallEvent],
+        verdicts: Vec<Option<Verdict>>,
+        rules: &RuleSet,
+        why: &str,
+        metrics: &Metrics,
+    ) -> Vec<Verdict> {
+        if !self.used {
+            warn!(error = %why, "store failed; deciding on this instance's own state");
+            self.used = true;
+        }
+        events
+            .iter()
+            .zip(verdicts)
+            .map(|(e, v)| {
+                v.unwrap_or_else(|| {
+                    metrics.fallback_decisions.inc();
+                    let mut v = self.store.apply(rules, e);
+                    v.record.degraded = true;
+                    v
+                })
+            })
+            .collect()
+    }
+
+    /// The store answered: the local state of this outage is dropped.
+    pub fn store_answered(&mut self) {
+        if self.used {
+            tracing::info!("store answers again; local fallback state dropped");
+            *self = LocalFallback::default();
         }
     }
 }

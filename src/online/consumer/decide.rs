@@ -17,7 +17,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::{apply_observed, degrade, IdleProbe};
+use crate::online::policy::{apply_observed, IdleProbe, OnStoreError};
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
 
@@ -69,12 +69,13 @@ impl Decider {
             // Readiness from a probe while no batch comes (a quiet topic,
             // or Redis gone while idle), as `serve` keeps it.
             let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
+            let mut on_error = OnStoreError::new(config.on_store_error);
             while let Some(job) = idle.recv(&mut rx, &mut store, &metrics, &health).await {
                 let verdicts = decide(
                     &mut store,
                     &job.rules,
                     &job.events,
-                    config.on_store_error,
+                    &mut on_error,
                     &metrics,
                     &health,
                     &mut Pin::new(&mut shutdown),
@@ -112,12 +113,13 @@ impl Decider {
 /// Decides a batch under the failure policy; `None` if shutdown came while
 /// blocked. Calls the store left undecided (their caller kept changing
 /// under it: another writer) are tried again alone under `block`, or
-/// decided degraded under `allow` and `reject`; the others' verdicts stand.
+/// decided degraded under `allow`, `reject` and `local`; the others' verdicts
+/// stand.
 pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
     store: &mut S,
     rules: &RuleSet,
     events: &[CallEvent],
-    policy: StoreErrorPolicy,
+    on_error: &mut OnStoreError,
     metrics: &Metrics,
     health: &Health,
     shutdown: &mut Pin<&mut F>,
@@ -149,26 +151,27 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
                     .filter(|&i| verdicts[i].is_none())
                     .collect();
                 if undecided.is_empty() {
+                    on_error.store_answered();
                     return Some(Ok(verdicts.into_iter().flatten().collect()));
                 }
                 left = Some(undecided);
                 CONTENDED.to_string()
             }
-            Err(err) if policy == StoreErrorPolicy::Block && !err.is_transient() => {
+            Err(err) if on_error.policy == StoreErrorPolicy::Block && !err.is_transient() => {
                 return Some(Err(err.into()));
             }
             Err(err) => chain(&err),
         };
-        let Some(decision) = policy.fallback() else {
-            warn!(error = %why, retry_in_ms = backoff.as_millis() as u64, "store failed; blocking");
-            tokio::select! {
-                _ = shutdown.as_mut() => return None,
-                _ = tokio::time::sleep(backoff) => {}
-            }
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-            continue;
-        };
-        return Some(Ok(degrade(events, verdicts, rules, decision, &why)));
+        match on_error.settle(events, verdicts, rules, &why, metrics) {
+            Ok(decided) => return Some(Ok(decided)),
+            Err(undecided) => verdicts = undecided,
+        }
+        warn!(error = %why, retry_in_ms = backoff.as_millis() as u64, "store failed; blocking");
+        tokio::select! {
+            _ = shutdown.as_mut() => return None,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 

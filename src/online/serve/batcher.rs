@@ -13,7 +13,7 @@ use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::chain;
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::{apply_observed, degrade, now_ms, IdleProbe};
+use crate::online::policy::{apply_observed, now_ms, IdleProbe, OnStoreError};
 use crate::online::produce::event_json;
 use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
@@ -72,6 +72,8 @@ pub(super) struct Batcher<S> {
     producer: Option<(FutureProducer, ServeTopics)>,
     /// Calls answered 503 that the store may have applied.
     uncertain: Uncertain,
+    /// The failure policy, with its local state under `local`.
+    on_error: OnStoreError,
 }
 
 impl<S: WindowStore> Batcher<S> {
@@ -92,11 +94,12 @@ impl<S: WindowStore> Batcher<S> {
             limits: limits(&current).into(),
             current,
             rules,
-            config,
             metrics,
             health,
-            producer,
             uncertain: Uncertain::default(),
+            on_error: OnStoreError::new(config.on_store_error),
+            producer,
+            config,
         }
     }
 
@@ -177,18 +180,19 @@ impl<S: WindowStore> Batcher<S> {
                 Err(e) => (vec![None; events.len()], Some(chain(&e))),
             };
         let Some(reason) = &why else {
+            self.on_error.store_answered();
             return Decided { verdicts, why };
         };
-        let verdicts = match self.config.on_store_error.fallback() {
-            None => {
+        let verdicts = match self
+            .on_error
+            .settle(events, verdicts, rules, reason, &self.metrics)
+        {
+            Ok(decided) => decided.into_iter().map(Some).collect(),
+            Err(verdicts) => {
                 let failed = verdicts.iter().filter(|v| v.is_none()).count();
                 warn!(error = %reason, calls = failed, "store failed; answering 503");
                 verdicts
             }
-            Some(decision) => degrade(events, verdicts, rules, decision, reason)
-                .into_iter()
-                .map(Some)
-                .collect(),
         };
         Decided { verdicts, why }
     }

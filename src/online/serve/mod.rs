@@ -450,6 +450,9 @@ fn decided(
 ) -> Response {
     let mut body = schema.to_json(Row::of_verdict(v));
     body["duplicate"] = json!(v.duplicate);
+    if let Some(limits) = ratelimit::body(limits, v) {
+        body["ratelimit"] = limits;
+    }
     let status = match (v.record.decision, reject_status) {
         (Decision::Reject, Some(s)) => s,
         _ => StatusCode::OK,

@@ -66,14 +66,36 @@ fn nearest<'a>(limits: &'a [RuleLimit], v: &Verdict) -> Option<(&'a RuleLimit, u
         .min_by_key(|(_, left)| *left)
 }
 
-/// Adds the rate-limit headers of `v` to `headers`.
-pub(super) fn add_headers(headers: &mut HeaderMap, limits: &[RuleLimit], v: &Verdict) {
-    let Some((rule, left)) = nearest(limits, v) else {
-        return;
-    };
+/// The nearest rule, the calls left under it and the reset (s).
+fn nearest_with_reset<'a>(
+    limits: &'a [RuleLimit],
+    v: &Verdict,
+) -> Option<(&'a RuleLimit, u64, u64)> {
+    let (rule, left) = nearest(limits, v)?;
     let reset = match (v.record.decision, v.record.retry_after_ms) {
         (Decision::Reject, Some(ms)) => (ms.max(0) as u64).div_ceil(1000),
         _ => rule.window_s,
+    };
+    Some((rule, left, reset))
+}
+
+/// The same as a JSON object for the answer's body (`ratelimit`: `rule`,
+/// `limit`, `remaining`, `reset`), for a client that reads only bodies (a
+/// Kamailio `http_client` query, which passes them on in its SIP reply).
+pub(super) fn body(limits: &[RuleLimit], v: &Verdict) -> Option<serde_json::Value> {
+    let (rule, left, reset) = nearest_with_reset(limits, v)?;
+    Some(serde_json::json!({
+        "rule": rule.name,
+        "limit": rule.limit,
+        "remaining": left,
+        "reset": reset,
+    }))
+}
+
+/// Adds the rate-limit headers of `v` to `headers`.
+pub(super) fn add_headers(headers: &mut HeaderMap, limits: &[RuleLimit], v: &Verdict) {
+    let Some((rule, left, reset)) = nearest_with_reset(limits, v) else {
+        return;
     };
     let fields = [
         ("x-ratelimit-limit", rule.limit.to_string()),
