@@ -78,6 +78,7 @@ fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
         duration_ms: None,
         label: None,
         list_number: None,
+        filter_callee: None,
     }
 }
 

@@ -165,6 +165,7 @@ fn extreme_times_do_not_overflow_the_engine() {
                 duration_ms: None,
                 label: None,
                 list_number: None,
+                filter_callee: None,
             },
         );
         assert!(v.record.counts.iter().all(|&c| c >= 1), "{v:?}");
@@ -340,6 +341,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
                 duration_ms: None,
                 label: None,
                 list_number: None,
+                filter_callee: None,
             });
         }
     }
@@ -446,6 +448,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         })
         .collect();
     callguard::online::produce::produce(events.iter(), &brokers, &[], "calls")
@@ -577,6 +580,7 @@ async fn callee_sets_stay_bounded_in_redis() {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         })
         .collect();
     let mut last = None;
@@ -615,6 +619,7 @@ async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
         duration_ms: None,
         label: None,
         list_number: None,
+        filter_callee: None,
     };
     let flood: Vec<CallEvent> = (0..2_000).map(|i| call(i, start + i)).collect();
     for chunk in flood.chunks(500) {

@@ -298,6 +298,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             duration_ms: Some(c.duration_ms),
             label: Some(c.fraud),
             list_number: None,
+            filter_callee: None,
         };
         let v = store.apply(&rules, &e);
         let r = &v.record;
@@ -387,4 +388,60 @@ fn features_export_the_new_counts_and_warnings() {
         warned.contains("minute") && warned.contains("irsf_night"),
         "{warned:?}"
     );
+}
+
+/// Under `--hash-numbers` a rule's callee prefixes still match the real
+/// callees: `replay` of the fraud rules with pseudonymised numbers decides
+/// every call as it does without (the pseudonyms aside).
+#[test]
+fn callee_prefixes_match_real_callees_under_pseudonyms() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |hash: bool| {
+        let out = dir.path().join(format!("d-{hash}.csv"));
+        let mut cmd = std::process::Command::new(common::bin());
+        cmd.args([
+            "replay",
+            "-i",
+            "data/calls.csv",
+            "--rules",
+            "data/rules-fraud.toml",
+            "-o",
+        ])
+        .arg(&out);
+        if hash {
+            cmd.arg("--hash-numbers")
+                .env("CALLGUARD_HASH_KEY", "0123456789abcdef0123456789abcdef");
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let mut reader = csv::Reader::from_path(&out).unwrap();
+        let header = reader.headers().unwrap().clone();
+        reader
+            .records()
+            .map(|r| {
+                let r = r.unwrap();
+                // Every column but the caller (a pseudonym under hashing).
+                header
+                    .iter()
+                    .zip(r.iter())
+                    .filter(|(h, _)| *h != "caller")
+                    .map(|(h, v)| format!("{h}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect::<Vec<String>>()
+    };
+    let (plain, hashed) = (run(false), run(true));
+    assert_eq!(plain.len(), 20_000);
+    let irsf_rejects = hashed
+        .iter()
+        .filter(|r| r.contains("reason=irsf_night"))
+        .count();
+    assert!(
+        irsf_rejects > 300,
+        "{irsf_rejects} IRSF rejects under pseudonyms"
+    );
+    for (p, h) in plain.iter().zip(&hashed) {
+        assert_eq!(p, h);
+    }
 }

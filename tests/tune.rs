@@ -170,6 +170,7 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
             duration_ms: None,
             label: Some(fraud),
             list_number: None,
+            filter_callee: None,
         },
     )
 }

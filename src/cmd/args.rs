@@ -112,7 +112,8 @@ pub struct PrivacyArgs {
     /// Replace every caller and callee, in Redis keys, records, features and
     /// logs, by an HMAC-SHA256 pseudonym of the normalised number (`h` and
     /// 32 hex digits) under a secret key (CALLGUARD_HASH_KEY, or
-    /// --hash-key-file). Allow and deny lists still match the real numbers.
+    /// --hash-key-file). Allow and deny lists and rules' callee prefixes
+    /// still match the real numbers.
     /// Use the same key online and offline for equal pseudonyms. Dead
     /// letters keep the original bytes.
     #[arg(long, env = "CALLGUARD_HASH_NUMBERS")]
@@ -124,19 +125,6 @@ pub struct PrivacyArgs {
 }
 
 impl PrivacyArgs {
-    /// Refuses rules that match callee prefixes when callees are
-    /// pseudonymised: no prefix matches a pseudonym.
-    pub fn check_rules(&self, rules: RuleSet) -> Result<RuleSet, RulesError> {
-        match rules.rules.iter().find(|r| !r.filter.callees.is_empty()) {
-            Some(r) if self.hash_numbers => Err(RulesError::Invalid(format!(
-                "rule `{}`, callees: callee prefixes cannot match pseudonymised callees \
-                 (--hash-numbers); drop one or the other",
-                r.name
-            ))),
-            _ => Ok(rules),
-        }
-    }
-
     /// Sets the decoder's hasher when `--hash-numbers` is given.
     pub fn apply(&self, decoder: &mut Decoder) -> Result<()> {
         if !self.hash_numbers {
@@ -243,10 +231,10 @@ impl OnlineArgs {
     /// The rule set, reloaded on SIGHUP and when its file changes: the
     /// receiver always holds the set in force.
     pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
-        let (tx, rx) = watch::channel(self.privacy.check_rules(self.rules.rule_set()?)?);
-        let (rule_args, privacy) = (self.rules.clone(), self.privacy.clone());
+        let (tx, rx) = watch::channel(self.rules.rule_set()?);
+        let rule_args = self.rules.clone();
         reload::spawn(
-            move || privacy.check_rules(rule_args.rule_set()?),
+            move || rule_args.rule_set(),
             self.rules.rules.clone(),
             tx,
             metrics.clone(),
@@ -278,9 +266,9 @@ pub struct LogArgs {
 }
 
 impl LogArgs {
-    /// The rule set (see [`PrivacyArgs::check_rules`]).
+    /// The rule set.
     pub fn rule_set(&self) -> Result<RuleSet, RulesError> {
-        self.privacy.check_rules(self.rules.rule_set()?)
+        self.rules.rule_set()
     }
 
     /// How to read the log, numbers pseudonymised when asked.

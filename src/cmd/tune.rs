@@ -72,7 +72,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
             *r = format!("{r}:{max_n}");
         }
     }
-    let rules = args.log.privacy.check_rules(rule_args.rule_set()?)?;
+    let rules = rule_args.rule_set()?;
     let index = match &args.sweep {
         Some(name) => rules
             .rule_index(name)

@@ -112,6 +112,9 @@ pub struct CallEvent {
     /// With pseudonymised numbers: the caller's real normalised number, for
     /// allow- and denylist matching only (it is never stored or emitted).
     pub list_number: Option<String>,
+    /// With pseudonymised numbers: the callee's real normalised number, for
+    /// rules' callee prefixes only (it is never stored or emitted).
+    pub filter_callee: Option<CompactString>,
 }
 
 impl CallEvent {
@@ -119,6 +122,12 @@ impl CallEvent {
     /// caller, also when `caller` is a pseudonym.
     pub fn number_for_lists(&self) -> &str {
         self.list_number.as_deref().unwrap_or(&self.caller)
+    }
+
+    /// The callee rules' callee prefixes are matched against: the real
+    /// one, also when `callee` is a pseudonym.
+    pub fn callee_for_filters(&self) -> Option<&str> {
+        self.filter_callee.as_deref().or(self.callee.as_deref())
     }
 }
 
@@ -325,15 +334,17 @@ impl Decoder {
             }
         };
         let label = parse_label(get(LABEL))?;
-        let (caller, callee, list_number) = match &self.hasher {
+        let (caller, callee, list_number, filter_callee) = match &self.hasher {
             // After normalisation, so a number has one pseudonym however it
-            // was written; the real number stays only for list matching.
+            // was written; the real numbers stay only for list and callee
+            // prefix matching.
             Some(h) => (
                 h.hash(&caller).into(),
-                callee.map(|c| h.hash(&c).into()),
+                callee.as_deref().map(|c| h.hash(c).into()),
                 Some(caller.into()),
+                callee,
             ),
-            None => (caller, callee, None),
+            None => (caller, callee, None, None),
         };
         Ok(CallEvent {
             call_id,
@@ -343,6 +354,7 @@ impl Decoder {
             duration_ms,
             label,
             list_number,
+            filter_callee,
         })
     }
 

@@ -110,7 +110,7 @@ impl Filter {
 
     /// Whether the rule sees `ev`.
     pub fn sees(&self, ev: &CallEvent) -> bool {
-        self.sees_callee(ev.callee.as_deref()) && self.sees_time(ev.ts_ms)
+        self.sees_callee(ev.callee_for_filters()) && self.sees_time(ev.ts_ms)
     }
 
     /// Whether a call to `callee` passes the callee prefixes (a call with

@@ -169,6 +169,7 @@ static NO_EVENT: CallEvent = CallEvent {
     duration_ms: None,
     label: None,
     list_number: None,
+    filter_callee: None,
 };
 
 impl<'a> Row<'a> {
@@ -642,6 +643,7 @@ mod tests {
             duration_ms: Some(-3),
             label: Some(true),
             list_number: None,
+            filter_callee: None,
         };
         let bare = CallEvent {
             callee: None,

@@ -447,7 +447,7 @@ impl RuleSet {
             self.rules
                 .iter()
                 .map(|r| {
-                    if !r.filter.sees_callee(ev.callee.as_deref()) {
+                    if !r.filter.sees_callee(ev.callee_for_filters()) {
                         '0'
                     } else if r.filter.sees_time(ev.ts_ms) {
                         '1'

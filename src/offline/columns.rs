@@ -42,6 +42,8 @@ pub struct EventColumns {
     /// The real caller of events that carry one (pseudonymised input), by
     /// event index.
     list_numbers: foldhash::HashMap<usize, String>,
+    /// The real callee of events that carry one, by event index.
+    filter_callees: foldhash::HashMap<usize, CompactString>,
 }
 
 impl EventColumns {
@@ -114,6 +116,9 @@ impl EventColumns {
         if let Some(n) = &e.list_number {
             self.list_numbers.insert(i, n.clone());
         }
+        if let Some(c) = &e.filter_callee {
+            self.filter_callees.insert(i, c.clone());
+        }
     }
 
     /// Appends every event of `other`, in order.
@@ -144,6 +149,8 @@ impl EventColumns {
         self.callee.extend(callees);
         self.list_numbers
             .extend(other.list_numbers.into_iter().map(|(i, n)| (base + i, n)));
+        self.filter_callees
+            .extend(other.filter_callees.into_iter().map(|(i, c)| (base + i, c)));
     }
 
     /// Per event, a dense number for its caller: equal callers get equal
@@ -174,6 +181,7 @@ impl EventColumns {
                 _ => None,
             },
             list_number: self.list_numbers.get(&i).cloned(),
+            filter_callee: self.filter_callees.get(&i).cloned(),
         }
     }
 
@@ -243,6 +251,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         }
     }
 

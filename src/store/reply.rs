@@ -152,6 +152,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         };
         let bare = Verdict {
             record: DecisionRecord {
@@ -207,6 +208,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         };
         let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
         assert_eq!(v.record.decision, Decision::Reject);

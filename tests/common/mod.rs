@@ -295,6 +295,7 @@ pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
         duration_ms: None,
         label: None,
         list_number: None,
+        filter_callee: None,
     }
 }
 

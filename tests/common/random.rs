@@ -191,6 +191,7 @@ pub fn random_events_scaled(
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         });
     }
     out

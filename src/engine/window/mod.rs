@@ -585,7 +585,7 @@ impl CallerState {
         let own = ev.callee.as_deref().filter(|c| !c.is_empty());
         let mut last = t;
         for rule in &rules.rules {
-            if rule.shadow || !rule.filter.sees_callee(ev.callee.as_deref()) {
+            if rule.shadow || !rule.filter.sees_callee(ev.callee_for_filters()) {
                 continue;
             }
             let (w, n) = (rule.window_ms, rule.limit);
@@ -956,6 +956,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         }
     }
 

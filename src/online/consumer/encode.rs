@@ -245,6 +245,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         };
         let mut out = Vec::new();
         let events = [event.clone(), event];

@@ -486,6 +486,7 @@ mod tests {
             duration_ms: None,
             label: None,
             list_number: None,
+            filter_callee: None,
         };
         let mut events = vec![
             at(now - 60_000),

@@ -246,6 +246,7 @@ mod tests {
                 duration_ms: None,
                 label: None,
                 list_number: None,
+                filter_callee: None,
             };
             c.state.apply(rules, &ev);
         }
