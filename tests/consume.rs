@@ -695,25 +695,7 @@ async fn allow_and_reject_policies_emit_degraded_decisions() {
         let mut cfg = config(&brokers, "g-degraded");
         cfg.on_store_error = policy;
         let rules = RuleSet::from_args(None, &["m:sliding:1m:100".into()]).unwrap();
-        let run = start_in_process(cfg, &redis.url(), rules).await;
-        drop(redis);
-        let msgs: Vec<String> = (0..5)
-            .map(|i| {
-                format!(
-                    "{{\"call_id\":\"d{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
-                    1_764_547_200_000i64 + i
-                )
-            })
-            .collect();
-        let raw: Vec<(Option<&[u8]>, &[u8])> = msgs
-            .iter()
-            .map(|m| (Some(&b"+34911000001"[..]), m.as_bytes()))
-            .collect();
-        produce_raw(&brokers, "calls", &raw).await;
-        let records = read_decisions(&brokers, "call-decisions", 5, Duration::from_secs(60)).await;
-        let text = run.metrics.encode();
-        run.stop().await;
-        let by_id = by_call_id(&records);
+        let (by_id, text) = five_calls_with_redis_gone(cfg, redis, rules, "d").await;
         assert_eq!(by_id.len(), 5);
         for r in by_id.values() {
             assert_eq!(r["decision"], decision);
@@ -722,6 +704,37 @@ async fn allow_and_reject_policies_emit_degraded_decisions() {
         }
         assert!(text.contains("callguard_degraded_total 5"), "{text}");
     }
+}
+
+/// Runs the consumer on `redis`, stops Redis, and has it decide five calls
+/// of one caller (ids `<prefix>0` to `<prefix>4`, 1 ms apart): their
+/// records by call id, and the metrics' text.
+async fn five_calls_with_redis_gone(
+    cfg: ConsumeConfig,
+    redis: RedisServer,
+    rules: RuleSet,
+    prefix: &str,
+) -> (std::collections::HashMap<String, serde_json::Value>, String) {
+    let brokers = cfg.brokers.clone();
+    let run = start_in_process(cfg, &redis.url(), rules).await;
+    drop(redis);
+    let msgs: Vec<String> = (0..5)
+        .map(|i| {
+            format!(
+                "{{\"call_id\":\"{prefix}{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
+                1_764_547_200_000i64 + i
+            )
+        })
+        .collect();
+    let raw: Vec<(Option<&[u8]>, &[u8])> = msgs
+        .iter()
+        .map(|m| (Some(&b"+34911000001"[..]), m.as_bytes()))
+        .collect();
+    produce_raw(&brokers, "calls", &raw).await;
+    let records = read_decisions(&brokers, "call-decisions", 5, Duration::from_secs(60)).await;
+    let text = run.metrics.encode();
+    run.stop().await;
+    (by_call_id(&records), text)
 }
 
 /// `--on-store-error local`: with Redis gone the consumer keeps deciding,
@@ -735,25 +748,7 @@ async fn local_policy_decides_on_the_instances_own_windows() {
     let mut cfg = config(&brokers, "g-local");
     cfg.on_store_error = StoreErrorPolicy::Local;
     let rules = RuleSet::from_args(None, &["m:sliding:1m:3".into()]).unwrap();
-    let run = start_in_process(cfg, &redis.url(), rules).await;
-    drop(redis);
-    let msgs: Vec<String> = (0..5)
-        .map(|i| {
-            format!(
-                "{{\"call_id\":\"l{i}\",\"caller\":\"+34911000001\",\"ts\":{}}}",
-                1_764_547_200_000i64 + i
-            )
-        })
-        .collect();
-    let raw: Vec<(Option<&[u8]>, &[u8])> = msgs
-        .iter()
-        .map(|m| (Some(&b"+34911000001"[..]), m.as_bytes()))
-        .collect();
-    produce_raw(&brokers, "calls", &raw).await;
-    let records = read_decisions(&brokers, "call-decisions", 5, Duration::from_secs(60)).await;
-    let text = run.metrics.encode();
-    run.stop().await;
-    let by_id = by_call_id(&records);
+    let (by_id, text) = five_calls_with_redis_gone(cfg, redis, rules, "l").await;
     for i in 0..5u64 {
         let r = &by_id[&format!("l{i}")];
         assert_eq!(r["count_m"], i + 1, "{r}");
