@@ -137,9 +137,11 @@ for i = 1, n do
   end
 end
 local E = H + PER_RULE * n
-local has_distinct = false
+-- Whether some rule keeps sorted sets of its own (distinct callees, pairs;
+-- own logs come with a mask).
+local has_own_sets = false
 for i = 1, n do
-  if kinds[i] == 4 or paired[i] then has_distinct = true end
+  if kinds[i] == 4 or paired[i] then has_own_sets = true end
 end
 local NM = #mfields
 -- Under attempts with a sliding rule and D = retention, the sliding log holds
@@ -495,7 +497,7 @@ local function decide(stem, t, id, listed, callee, mask)
 
   -- Rules with sets of their own: drop what is at or below the horizon.
   local okeys = {}
-  if mask ~= '' or has_distinct then
+  if mask ~= '' or has_own_sets then
     for i = 1, n do
       okeys[i] = own_key(i)
       if okeys[i] and near(i) then

@@ -356,15 +356,11 @@ fn distinct_count(rules: &RuleSet, live: &[&&Past], i: usize, e: &CallEvent, h: 
     kept.retain(|_, l| *l > h);
     let mut live_callees: std::collections::BTreeSet<&str> = kept
         .iter()
-        .filter(|(_, &l)| l > t_minus(e.ts_ms, w))
+        .filter(|(_, &l)| l > e.ts_ms - w)
         .map(|(c, _)| c.as_str())
         .collect();
     live_callees.insert(own);
     (live_callees.len() as u64).min(cap as u64)
-}
-
-fn t_minus(t: i64, w: i64) -> i64 {
-    t - w
 }
 
 /// The calls to `callee` of rule `i`'s pair as it stands at horizon `h`:

@@ -110,10 +110,7 @@ mod tests {
         let mut c = Callees::default();
         for (i, t) in [0, 10, 20, 30].into_iter().enumerate() {
             let own = format!("+3460000000{i}");
-            assert_eq!(
-                c.count(&own, t, 25, 3),
-                (i as u64 + 1).min(3).min(if t == 30 { 3 } else { 9 })
-            );
+            assert_eq!(c.count(&own, t, 25, 3), (i as u64 + 1).min(3));
             c.record(&own, t, 3);
         }
         // Kept: the three most recent (10, 20, 30); +34600000000 dropped.

@@ -530,7 +530,7 @@ impl CallerState {
             if let Some(j) = journal {
                 j.log_inserted_inside |= self.log.back().is_some_and(|&b| b > t);
             }
-            self.record(rules, ev, &h);
+            self.record(rules, ev, &h, &counts);
         }
         self.cap_pairs(rules);
         self.latest = Some(h.latest);
@@ -738,14 +738,16 @@ impl CallerState {
         }
     }
 
-    fn record(&mut self, rules: &RuleSet, ev: &CallEvent, h: &Horizons) {
+    /// Records the call in the state of every rule that saw it (`counts`:
+    /// its counts, 0 for exactly the rules that did not).
+    fn record(&mut self, rules: &RuleSet, ev: &CallEvent, h: &Horizons, counts: &[u64]) {
         let t = ev.ts_ms;
         let l_new = h.latest;
         if rules.has_sliding() {
             insert_sorted(&mut self.log, t, |&x| x <= t);
         }
-        for (i, rule) in rules.rules.iter().enumerate() {
-            if !rules.sees(i, ev) {
+        for (rule, &count) in rules.rules.iter().zip(counts) {
+            if count == 0 {
                 continue;
             }
             let w = rule.window_ms;
