@@ -79,6 +79,7 @@ fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
         label: None,
         list_number: None,
         filter_callee: None,
+        aggregate: None,
     }
 }
 

@@ -166,6 +166,7 @@ fn extreme_times_do_not_overflow_the_engine() {
                 label: None,
                 list_number: None,
                 filter_callee: None,
+                aggregate: None,
             },
         );
         assert!(v.record.counts.iter().all(|&c| c >= 1), "{v:?}");
@@ -342,6 +343,7 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
                 label: None,
                 list_number: None,
                 filter_callee: None,
+                aggregate: None,
             });
         }
     }
@@ -449,6 +451,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         })
         .collect();
     callguard::online::produce::produce(events.iter(), &brokers, &[], "calls")
@@ -581,6 +584,7 @@ async fn callee_sets_stay_bounded_in_redis() {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         })
         .collect();
     let mut last = None;
@@ -620,6 +624,7 @@ async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
         label: None,
         list_number: None,
         filter_callee: None,
+        aggregate: None,
     };
     let flood: Vec<CallEvent> = (0..2_000).map(|i| call(i, start + i)).collect();
     for chunk in flood.chunks(500) {

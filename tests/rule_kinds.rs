@@ -299,6 +299,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             label: Some(c.fraud),
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let v = store.apply(&rules, &e);
         let r = &v.record;

@@ -171,6 +171,7 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
             label: Some(fraud),
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         },
     )
 }

@@ -115,6 +115,24 @@ pub struct CallEvent {
     /// With pseudonymised numbers: the callee's real normalised number, for
     /// rules' callee prefixes only (it is never stored or emitted).
     pub filter_callee: Option<CompactString>,
+    /// What the rules keyed by callee or global found for this call, one
+    /// entry per rule of the set (others zero), filled in by
+    /// [`crate::engine::aggregate::Gate`] before the caller's rules decide;
+    /// `None` when the set has no such rule.
+    pub aggregate: Option<Box<[Aggregated]>>,
+}
+
+/// One rule keyed by callee or global, for one call: its count and, when
+/// its window (as this instance sees it) would reject a call to the same
+/// key later, the last time it would.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Aggregated {
+    /// The count, this call included; 0 when the rule does not see it.
+    pub count: u64,
+    /// The last time at which a call to the same key would still exceed
+    /// the limit, given the window after this call (the retry-after's
+    /// part of the rule).
+    pub until: Option<i64>,
 }
 
 impl CallEvent {
@@ -128,6 +146,14 @@ impl CallEvent {
     /// one, also when `callee` is a pseudonym.
     pub fn callee_for_filters(&self) -> Option<&str> {
         self.filter_callee.as_deref().or(self.callee.as_deref())
+    }
+
+    /// What rule `i` (keyed by callee or global) found for this call.
+    pub fn aggregated(&self, i: usize) -> Aggregated {
+        self.aggregate
+            .as_ref()
+            .and_then(|a| a.get(i).copied())
+            .unwrap_or_default()
     }
 }
 
@@ -355,6 +381,7 @@ impl Decoder {
             label,
             list_number,
             filter_callee,
+            aggregate: None,
         })
     }
 

@@ -8,9 +8,12 @@
 //!   write, [`filter`] which calls a rule sees.
 //! * [`window`]: the reference window algorithm for one caller: the
 //!   contract every store implements.
+//! * [`aggregate`]: rules keyed by callee or global, decided from leased
+//!   credits before the caller's rules.
 //! * [`record`]: decision records, verdicts and the one column schema of
 //!   every output.
 
+pub mod aggregate;
 pub mod duration;
 pub mod event;
 pub mod filter;

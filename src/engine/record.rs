@@ -170,6 +170,7 @@ static NO_EVENT: CallEvent = CallEvent {
     label: None,
     list_number: None,
     filter_callee: None,
+    aggregate: None,
 };
 
 impl<'a> Row<'a> {
@@ -644,6 +645,7 @@ mod tests {
             label: Some(true),
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let bare = CallEvent {
             callee: None,

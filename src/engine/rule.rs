@@ -75,16 +75,34 @@ pub enum RuleKey {
     /// A caller's calls to one callee: one window per (caller, callee).
     #[serde(rename = "caller+callee")]
     CallerCallee,
+    /// All calls to one callee, from any caller: one window per callee,
+    /// shared by every instance through leased credits
+    /// ([`crate::engine::aggregate`]).
+    Callee,
+    /// All calls the rule sees, network-wide: one window, shared like a
+    /// callee's.
+    Global,
 }
 
 impl RuleKey {
-    /// Parses `caller` or `caller+callee`.
+    /// Parses `caller`, `caller+callee`, `callee` or `global`.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "caller" => Ok(RuleKey::Caller),
             "caller+callee" => Ok(RuleKey::CallerCallee),
-            other => Err(format!("unknown key `{other}` (caller, caller+callee)")),
+            "callee" => Ok(RuleKey::Callee),
+            "global" => Ok(RuleKey::Global),
+            other => Err(format!(
+                "unknown key `{other}` (caller, caller+callee, callee, global)"
+            )),
         }
+    }
+
+    /// Whether the rule counts calls of many callers (`callee`, `global`):
+    /// its state is not the caller's, and instances share it through
+    /// leased credits.
+    pub fn is_aggregate(self) -> bool {
+        matches!(self, RuleKey::Callee | RuleKey::Global)
     }
 
     fn is_caller(&self) -> bool {

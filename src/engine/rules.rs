@@ -401,9 +401,21 @@ impl RuleSet {
         &self.version
     }
 
-    /// The longest window of any rule, in milliseconds.
+    /// The longest window of any rule kept per caller, in milliseconds
+    /// (rules keyed by callee or global keep no caller state).
     pub fn max_window_ms(&self) -> i64 {
-        self.rules.iter().map(|r| r.window_ms).max().unwrap_or(0)
+        self.rules
+            .iter()
+            .filter(|r| !r.key.is_aggregate())
+            .map(|r| r.window_ms)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Whether any rule is keyed by callee or global (decided through
+    /// [`crate::engine::aggregate::Gate`] before the caller's state).
+    pub fn has_aggregates(&self) -> bool {
+        self.rules.iter().any(|r| r.key.is_aggregate())
     }
 
     /// How long state must be kept after a caller's latest call: longest window + grace.
@@ -424,7 +436,7 @@ impl RuleSet {
         self.rules.iter().any(|r| {
             !r.filter.callees.is_empty()
                 || r.kind == WindowKind::DistinctCallees
-                || r.key == RuleKey::CallerCallee
+                || matches!(r.key, RuleKey::CallerCallee | RuleKey::Callee)
         })
     }
 
@@ -575,6 +587,13 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
         return bad(
             "rate",
             "a token bucket needs one, and only a token bucket has one",
+        );
+    }
+    if r.key.is_aggregate() && !matches!(r.kind, WindowKind::Fixed | WindowKind::SlidingApprox) {
+        return bad(
+            "key",
+            "a rule keyed by callee or global is `fixed` or `sliding-approx` \
+             (its count is shared between instances as leased credits)",
         );
     }
     if r.kind == WindowKind::DistinctCallees {

@@ -182,6 +182,7 @@ impl EventColumns {
             },
             list_number: self.list_numbers.get(&i).cloned(),
             filter_callee: self.filter_callees.get(&i).cloned(),
+            aggregate: None,
         }
     }
 
@@ -252,6 +253,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         }
     }
 

@@ -153,6 +153,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let bare = Verdict {
             record: DecisionRecord {
@@ -209,6 +210,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
         assert_eq!(v.record.decision, Decision::Reject);

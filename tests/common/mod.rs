@@ -296,6 +296,7 @@ pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
         label: None,
         list_number: None,
         filter_callee: None,
+        aggregate: None,
     }
 }
 

@@ -192,6 +192,7 @@ pub fn random_events_scaled(
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         });
     }
     out

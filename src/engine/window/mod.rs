@@ -29,6 +29,9 @@
 //!   {own}|)`, the `C` most recently called kept (`distinct.rs`).
 //! * A rule keyed by caller and callee applies its kind to the calls to
 //!   this call's callee alone, one pair each (`pairs.rs`).
+//! * A rule keyed by callee or global keeps nothing of the caller's: its
+//!   count and its part of the retry-after come with the event, from
+//!   [`crate::engine::aggregate`].
 //! * A rule that does not see a call (its filters) neither counts nor
 //!   records it; its count is 0, written empty. A sliding rule that sees
 //!   only some calls keeps a log of its own.
@@ -387,7 +390,7 @@ fn sliding_rejects_until(log: &VecDeque<i64>, w: i64, n: u64, t: i64) -> Option<
 /// The last time a sliding-approx rule (window `w`, limit `n`) rejects, for
 /// counters `cur` and `prev` of bucket `cb` and no further calls; `expires`
 /// is when the caller's state expires (from then on every call counts 1).
-fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i64) -> Option<i64> {
+pub(crate) fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i64) -> Option<i64> {
     let wu = w as u128;
     // Within a bucket the estimate is floor(x * (w - r - 1) / w) + extra,
     // over the limit while x * (w - r - 1) >= (n - extra + 1) * w, so the
@@ -517,7 +520,9 @@ impl CallerState {
         let late = prev.is_some_and(|l| t < l.saturating_sub(rules.grace_ms));
         let counts: Counts = (0..rules.rules.len())
             .map(|i| {
-                if rules.sees(i, ev) {
+                if rules.rules[i].key.is_aggregate() {
+                    ev.aggregated(i).count
+                } else if rules.sees(i, ev) {
                     self.count(rules, i, ev, &h)
                 } else {
                     0
@@ -584,8 +589,15 @@ impl CallerState {
         let expires = l_new.saturating_add(rules.retention_ms());
         let own = ev.callee.as_deref().filter(|c| !c.is_empty());
         let mut last = t;
-        for rule in &rules.rules {
+        for (i, rule) in rules.rules.iter().enumerate() {
             if rule.shadow || !rule.filter.sees_callee(ev.callee_for_filters()) {
+                continue;
+            }
+            if rule.key.is_aggregate() {
+                // Its window is the callee's (or everyone's): as the gate saw it.
+                if let Some(s) = ev.aggregated(i).until {
+                    last = last.max(s);
+                }
                 continue;
             }
             let (w, n) = (rule.window_ms, rule.limit);
@@ -747,7 +759,8 @@ impl CallerState {
             insert_sorted(&mut self.log, t, |&x| x <= t);
         }
         for (rule, &count) in rules.rules.iter().zip(counts) {
-            if count == 0 {
+            // Rules keyed by callee or global keep nothing of the caller's.
+            if count == 0 || rule.key.is_aggregate() {
                 continue;
             }
             let w = rule.window_ms;
@@ -959,6 +972,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         }
     }
 

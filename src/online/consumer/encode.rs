@@ -246,6 +246,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let mut out = Vec::new();
         let events = [event.clone(), event];

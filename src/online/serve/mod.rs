@@ -487,6 +487,7 @@ mod tests {
             label: None,
             list_number: None,
             filter_callee: None,
+            aggregate: None,
         };
         let mut events = vec![
             at(now - 60_000),

@@ -247,6 +247,7 @@ mod tests {
                 label: None,
                 list_number: None,
                 filter_callee: None,
+                aggregate: None,
             };
             c.state.apply(rules, &ev);
         }

@@ -1,0 +1,445 @@
+//! Rules keyed by callee or global: windows many callers share, counted
+//! through credits so that several instances can enforce one limit.
+//!
+//! The contract (also in the README, "Limits across callers"):
+//!
+//! * A rule keyed by `callee` has one window per callee, one keyed
+//!   `global` a single window; `fixed` or `sliding-approx`, with the
+//!   buckets of a caller's rules (`b = floor(t / W)`).
+//! * It counts the calls it sees and admits, in processing order, before
+//!   the caller's rules decide: a call another rule rejects still holds its
+//!   place (under either count policy); a call over the rule's limit is not
+//!   counted. A call id the gate decided before gets the same result again
+//!   and counts nothing (within the last [`REMEMBERED_IDS`] ids).
+//! * fixed: count `c + 1`, `c` the calls counted in the bucket before it;
+//!   sliding-approx: `floor(p (W - r - 1) / W) + c + 1`, `p` the previous
+//!   bucket's count, `r = t - b W`. Over the limit: rejected (or flagged,
+//!   for a shadow rule), in rule order with the caller's rules.
+//! * A bucket's counter is dropped once the newest call the gate has seen
+//!   is past `(b + 2) W + grace`; a call in it afterwards starts afresh.
+//! * Credits: the count of a bucket is the credits handed out for it. An
+//!   instance takes credits from a ledger in blocks (`lua/lease.lua` in
+//!   Redis, atomically, never past the limit), admits a call only with a
+//!   credit in hand, and gives back what it still holds of a bucket when
+//!   it first asks for the next one (unless the batch still needs them).
+//!   Admitted calls per bucket across all instances therefore never
+//!   exceed the limit. A sliding-approx rule's weighted estimate is
+//!   checked by each instance against its view of the previous bucket, so
+//!   across instances the estimate (never the bucket's limit) can be
+//!   exceeded. A call is rejected while other instances hold unused
+//!   credits: at most the sum over the others of what they hold, each at
+//!   most one block beyond its batch's need ([`block_cap`]) for a fixed
+//!   rule.
+//! * The count an instance writes is its view: the credits handed out as
+//!   of its last lease less those it holds, plus its own calls. With one
+//!   instance (and offline, where [`MemoryLedger`] plays Redis) that is
+//!   the exact count above, whatever the batches.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use compact_str::CompactString;
+use foldhash::{HashMap, HashMapExt};
+
+use crate::engine::event::{Aggregated, CallEvent};
+use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
+use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
+
+/// Call ids whose results the gate keeps, so a redelivered or retried
+/// call takes no second credit.
+pub const REMEMBERED_IDS: usize = 1 << 18;
+
+/// The largest block of credits taken beyond a batch's need: a sixteenth
+/// of the limit, at least one. The bound on calls rejected while others
+/// hold credits grows with it; the Redis calls saved grow with it too.
+pub fn block_cap(limit: u64) -> u64 {
+    (limit / 16).max(1)
+}
+
+/// One counter: a rule's window for one key in one bucket.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CounterId {
+    /// The rule's name.
+    pub rule: CompactString,
+    /// Its window, ms (a reload that changes it starts new counters).
+    pub window_ms: i64,
+    /// The callee, or empty for a global rule.
+    pub key: CompactString,
+    /// The bucket, `floor(t / W)`.
+    pub bucket: i64,
+}
+
+impl CounterId {
+    /// The same counter one bucket earlier.
+    pub fn prev(&self) -> CounterId {
+        CounterId {
+            bucket: self.bucket.saturating_sub(1),
+            ..self.clone()
+        }
+    }
+
+    /// When (event time) the counter is dropped: `b W + ttl`, with the
+    /// ttl `2 W + grace` of [`LeaseRequest::ttl_ms`].
+    fn expires_at(&self, ttl_ms: i64) -> i64 {
+        self.bucket
+            .saturating_mul(self.window_ms)
+            .saturating_add(ttl_ms)
+    }
+}
+
+/// A request for credits of one counter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// The counter.
+    pub counter: CounterId,
+    /// Sliding-approx: the previous bucket's credits are wanted too.
+    pub approx: bool,
+    /// The rule's limit.
+    pub limit: u64,
+    /// Credits wanted.
+    pub want: u64,
+    /// Credits of the previous bucket given back first.
+    pub give_back: u64,
+    /// How long the counter must live, ms: `2 W + grace`.
+    pub ttl_ms: i64,
+    /// The newest event time the gate has seen (an in-memory ledger drops
+    /// counters by it).
+    pub now_ms: i64,
+}
+
+/// What a ledger answered to a [`LeaseRequest`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Lease {
+    /// Credits granted (maybe fewer than wanted, maybe none).
+    pub granted: u64,
+    /// Credits handed out for the counter so far, these included.
+    pub total: u64,
+    /// Credits handed out for the previous bucket (sliding-approx; 0 else).
+    pub prev: u64,
+}
+
+/// Credits in process: the reference of `lua/lease.lua`, and the ledger
+/// of offline work (one instance, so counts are exact) and of the local
+/// fallback (limits scaled by a share).
+#[derive(Debug, Default)]
+pub struct MemoryLedger {
+    counters: HashMap<CounterId, u64>,
+    expiry: BinaryHeap<Reverse<(i64, CounterId)>>,
+    /// Limits are scaled by this (the local fallback's share).
+    share: Option<f64>,
+}
+
+impl MemoryLedger {
+    /// A ledger of whole limits.
+    pub fn new() -> Self {
+        MemoryLedger::default()
+    }
+
+    /// A ledger granting `share` of each limit (at least one call), for an
+    /// instance deciding alone while Redis fails.
+    pub fn with_share(share: f64) -> Self {
+        MemoryLedger {
+            share: Some(share.clamp(0.0, 1.0)),
+            ..MemoryLedger::default()
+        }
+    }
+
+    /// The limit a request is held to here.
+    fn limit(&self, limit: u64) -> u64 {
+        match self.share {
+            // (A hair over, so a third of 9 is 3, not 2.999.)
+            Some(share) => ((limit as f64 * share + 1e-9).floor() as u64).max(1),
+            None => limit,
+        }
+    }
+
+    /// Answers requests in order, as the lease script does.
+    pub fn lease(&mut self, requests: &[LeaseRequest]) -> Vec<Lease> {
+        requests.iter().map(|r| self.lease_one(r)).collect()
+    }
+
+    fn lease_one(&mut self, req: &LeaseRequest) -> Lease {
+        self.expire(req.now_ms);
+        let prev_id = req.counter.prev();
+        if req.give_back > 0 {
+            if let Some(p) = self.counters.get_mut(&prev_id) {
+                *p = p.saturating_sub(req.give_back);
+            }
+        }
+        let prev = if req.approx {
+            self.counters.get(&prev_id).copied().unwrap_or(0)
+        } else {
+            0
+        };
+        let cur = self.counters.get(&req.counter).copied().unwrap_or(0);
+        let granted = req.want.min(self.limit(req.limit).saturating_sub(cur));
+        if granted > 0 {
+            if !self.counters.contains_key(&req.counter) {
+                let at = req.counter.expires_at(req.ttl_ms);
+                self.expiry.push(Reverse((at, req.counter.clone())));
+            }
+            self.counters.insert(req.counter.clone(), cur + granted);
+        }
+        Lease {
+            granted,
+            total: cur + granted,
+            prev,
+        }
+    }
+
+    fn expire(&mut self, now: i64) {
+        while let Some(Reverse((at, _))) = self.expiry.peek() {
+            if *at >= now {
+                break;
+            }
+            if let Some(Reverse((_, id))) = self.expiry.pop() {
+                self.counters.remove(&id);
+            }
+        }
+    }
+}
+
+/// What an instance holds of one counter.
+#[derive(Debug, Clone, Copy, Default)]
+struct Held {
+    /// Credits handed out for it (all instances) as of the last lease.
+    total: u64,
+    /// Credits this instance holds, unused.
+    held: u64,
+    /// The previous bucket's credits as of the last lease.
+    prev: u64,
+    /// Calls this instance counted in it.
+    mine: u64,
+}
+
+/// Decides the rules keyed by callee or global for batches of calls, from
+/// credits a [`Ledger`]-like source leases to it: [`Gate::plan`] says what
+/// to ask for, [`Gate::settle`] takes the answers, [`Gate::decide`] fills
+/// in each call's [`Aggregated`] entries, in order.
+#[derive(Debug, Default)]
+pub struct Gate {
+    counters: HashMap<CounterId, Held>,
+    expiry: BinaryHeap<Reverse<(i64, CounterId)>>,
+    latest: Option<i64>,
+    remembered: HashMap<CompactString, Box<[Aggregated]>>,
+    remembered_order: VecDeque<CompactString>,
+}
+
+/// The counter rule `i` counts `ev` in, if it sees it.
+fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
+    let rule = &rules.rules[i];
+    let key = match rule.key {
+        RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
+        RuleKey::Global => "",
+        RuleKey::Caller | RuleKey::CallerCallee => return None,
+    };
+    if !rules.sees(i, ev) {
+        return None;
+    }
+    Some(CounterId {
+        rule: rule.name.as_str().into(),
+        window_ms: rule.window_ms,
+        key: key.into(),
+        bucket: bucket_of(ev.ts_ms, rule.window_ms),
+    })
+}
+
+/// The rules keyed by callee or global, by index.
+fn aggregate_rules(rules: &RuleSet) -> Vec<usize> {
+    (0..rules.rules.len())
+        .filter(|&i| rules.rules[i].key.is_aggregate())
+        .collect()
+}
+
+impl Gate {
+    /// An empty gate.
+    pub fn new() -> Self {
+        Gate::default()
+    }
+
+    /// The credits `events` need beyond those held: one request per
+    /// counter short of its calls in the batch, for what is missing plus a
+    /// block sized from this instance's own calls to the key (this bucket's
+    /// or the one before), at most [`block_cap`]. A counter asked for the
+    /// first time gives back what is held of the bucket before.
+    pub fn plan(&mut self, rules: &RuleSet, events: &[CallEvent]) -> Vec<LeaseRequest> {
+        let aggs = aggregate_rules(rules);
+        if aggs.is_empty() {
+            return Vec::new();
+        }
+        if let Some(t) = events.iter().map(|e| e.ts_ms).max() {
+            self.latest = Some(self.latest.map_or(t, |l| l.max(t)));
+        }
+        let now = self.latest.unwrap_or(i64::MIN);
+        self.expire(now);
+        let mut needs: Vec<(usize, CounterId, u64)> = Vec::new();
+        let mut at: HashMap<CounterId, usize> = HashMap::new();
+        for ev in events {
+            if self.remembered.contains_key(&ev.call_id) {
+                continue;
+            }
+            for &i in &aggs {
+                let Some(id) = counter_of(rules, i, ev) else {
+                    continue;
+                };
+                match at.get(&id) {
+                    Some(&k) => needs[k].2 += 1,
+                    None => {
+                        at.insert(id.clone(), needs.len());
+                        needs.push((i, id, 1));
+                    }
+                }
+            }
+        }
+        let mut requests = Vec::new();
+        for (i, id, need) in needs {
+            let rule = &rules.rules[i];
+            let held = self.counters.get(&id).copied();
+            let have = held.map_or(0, |h| h.held);
+            if held.is_some() && have >= need {
+                continue;
+            }
+            let prev_id = id.prev();
+            let recent = held
+                .map_or(0, |h| h.mine)
+                .max(self.counters.get(&prev_id).map_or(0, |h| h.mine));
+            let give_back = match (held, self.counters.get_mut(&prev_id)) {
+                (None, Some(p)) if !at.contains_key(&prev_id) => {
+                    let g = p.held;
+                    p.held = 0;
+                    p.total -= g;
+                    g
+                }
+                _ => 0,
+            };
+            requests.push(LeaseRequest {
+                counter: id,
+                approx: rule.kind == WindowKind::SlidingApprox,
+                limit: rule.limit,
+                want: need - have + recent.min(block_cap(rule.limit)),
+                give_back,
+                ttl_ms: rule
+                    .window_ms
+                    .saturating_mul(2)
+                    .saturating_add(rules.grace_ms),
+                now_ms: now,
+            });
+        }
+        requests
+    }
+
+    /// Takes the ledger's answers to [`Gate::plan`]'s requests.
+    pub fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
+        for (req, lease) in requests.iter().zip(leases) {
+            let id = &req.counter;
+            if !self.counters.contains_key(id) {
+                self.expiry
+                    .push(Reverse((id.expires_at(req.ttl_ms), id.clone())));
+            }
+            let h = self.counters.entry(id.clone()).or_default();
+            h.held += lease.granted;
+            h.total = lease.total.max(h.held);
+            h.prev = lease.prev;
+        }
+    }
+
+    /// Fills in `events`' [`CallEvent::aggregate`], in order, taking a
+    /// credit for each call a rule admits.
+    pub fn decide(&mut self, rules: &RuleSet, events: &mut [CallEvent]) {
+        let aggs = aggregate_rules(rules);
+        if aggs.is_empty() {
+            return;
+        }
+        for ev in events.iter_mut() {
+            if let Some(known) = self.remembered.get(&ev.call_id) {
+                ev.aggregate = Some(known.clone());
+                continue;
+            }
+            let mut out = vec![Aggregated::default(); rules.rules.len()];
+            for &i in &aggs {
+                if let Some(id) = counter_of(rules, i, ev) {
+                    out[i] = self.judge(rules, i, &id, ev.ts_ms);
+                }
+            }
+            let out: Box<[Aggregated]> = out.into();
+            self.remember(&ev.call_id, out.clone());
+            ev.aggregate = Some(out);
+        }
+    }
+
+    /// Plans, leases from `ledger` and decides: the whole gate on an
+    /// in-process ledger.
+    pub fn run(&mut self, ledger: &mut MemoryLedger, rules: &RuleSet, events: &mut [CallEvent]) {
+        let requests = self.plan(rules, events);
+        if !requests.is_empty() {
+            let leases = ledger.lease(&requests);
+            self.settle(&requests, &leases);
+        }
+        self.decide(rules, events);
+    }
+
+    /// Rule `i`'s result for a call at `t` counted in `id`.
+    fn judge(&mut self, rules: &RuleSet, i: usize, id: &CounterId, t: i64) -> Aggregated {
+        let rule = &rules.rules[i];
+        let (w, n, b) = (rule.window_ms, rule.limit, id.bucket);
+        let r = t - b.saturating_mul(w);
+        let approx = rule.kind == WindowKind::SlidingApprox;
+        let prev = if approx { self.prev_view(id) } else { 0 };
+        let weighted = approx_estimate(prev, 0, w, r) - 1;
+        let h = self.counters.entry(id.clone()).or_default();
+        let used = h.total - h.held;
+        let mut count = weighted + used + 1;
+        let admitted = h.held > 0 && count <= n;
+        if admitted {
+            h.held -= 1;
+            h.mine += 1;
+        } else {
+            // No credit in hand: over the limit as this instance sees it.
+            count = count.max(n + 1);
+        }
+        let after = used + u64::from(admitted);
+        let bucket_last = b.saturating_add(1).saturating_mul(w).saturating_sub(1);
+        let until = if approx {
+            approx_rejects_until(b, after, prev, w, n, i64::MAX).or((!admitted).then_some(t))
+        } else {
+            (!admitted || after >= n).then_some(bucket_last)
+        };
+        Aggregated { count, until }
+    }
+
+    /// The previous bucket's count as this instance sees it: the calls
+    /// counted there as of its own last lease of it, or the ledger's count
+    /// when it leased this bucket (less what it still holds there), the
+    /// larger. With one instance, exactly the calls counted there.
+    fn prev_view(&self, id: &CounterId) -> u64 {
+        let snapshot = self.counters.get(id).map_or(0, |h| h.prev);
+        match self.counters.get(&id.prev()) {
+            Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
+            None => snapshot,
+        }
+    }
+
+    fn remember(&mut self, call_id: &CompactString, out: Box<[Aggregated]>) {
+        if self.remembered_order.len() >= REMEMBERED_IDS {
+            if let Some(old) = self.remembered_order.pop_front() {
+                self.remembered.remove(&old);
+            }
+        }
+        self.remembered_order.push_back(call_id.clone());
+        self.remembered.insert(call_id.clone(), out);
+    }
+
+    fn expire(&mut self, now: i64) {
+        while let Some(Reverse((at, _))) = self.expiry.peek() {
+            if *at >= now {
+                break;
+            }
+            if let Some(Reverse((_, id))) = self.expiry.pop() {
+                self.counters.remove(&id);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

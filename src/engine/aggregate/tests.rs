@@ -1,0 +1,171 @@
+use std::collections::HashMap as StdMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::engine::rules::{Rule, RuleSpec};
+
+fn ev(id: usize, t: i64, callee: &str) -> CallEvent {
+    CallEvent {
+        call_id: format!("c{id}").into(),
+        caller: format!("+3460000{:04}", id % 7919).into(),
+        ts_ms: t,
+        callee: Some(callee.into()),
+        duration_ms: None,
+        label: None,
+        list_number: None,
+        filter_callee: None,
+        aggregate: None,
+    }
+}
+
+fn rules(kind: WindowKind, key: RuleKey, w: i64, n: u64) -> RuleSet {
+    let mut r = Rule::new("agg", kind, w, n);
+    r.key = key;
+    let per_caller = Rule::new("caller", WindowKind::Fixed, 1_000, 1_000);
+    RuleSet::build(RuleSpec::new(vec![per_caller, r])).expect("valid rules")
+}
+
+/// The contract by brute force: one counter per (key, bucket), calls in
+/// order, no credits.
+fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
+    let rule = &rules.rules[1];
+    let (w, n) = (rule.window_ms, rule.limit);
+    let approx = rule.kind == WindowKind::SlidingApprox;
+    let mut counts: StdMap<(String, i64), u64> = StdMap::new();
+    let mut seen: StdMap<String, Aggregated> = StdMap::new();
+    let mut out = Vec::new();
+    for e in events {
+        if let Some(a) = seen.get(e.call_id.as_str()) {
+            out.push(*a);
+            continue;
+        }
+        let key = match rule.key {
+            RuleKey::Global => String::new(),
+            _ => e.callee.clone().unwrap_or_default().to_string(),
+        };
+        let b = e.ts_ms.div_euclid(w);
+        let r = e.ts_ms - b * w;
+        let c = counts.get(&(key.clone(), b)).copied().unwrap_or(0);
+        let p = counts.get(&(key.clone(), b - 1)).copied().unwrap_or(0);
+        let weighted = if approx { p * (w - r - 1).max(0) as u64 / w as u64 } else { 0 };
+        let count = weighted + c + 1;
+        let admitted = count <= n;
+        if admitted {
+            counts.insert((key, b), c + 1);
+        }
+        let after = c + u64::from(admitted);
+        let until = if approx {
+            approx_rejects_until(b, after, p, w, n, i64::MAX).or((!admitted).then_some(e.ts_ms))
+        } else {
+            (!admitted || after >= n).then_some((b + 1) * w - 1)
+        };
+        let a = Aggregated { count, until };
+        seen.insert(e.call_id.to_string(), a);
+        out.push(a);
+    }
+    out
+}
+
+/// Calls in rough time order (never more than a window behind), to a few
+/// callees, some call ids repeated.
+fn random_events(rng: &mut StdRng, len: usize, w: i64) -> Vec<CallEvent> {
+    let mut t = 1_000_000i64;
+    (0..len)
+        .map(|i| {
+            t += rng.random_range(0..w / 4);
+            let jitter = rng.random_range(0..w / 2);
+            let id = if i > 0 && rng.random_range(0..20) == 0 { rng.random_range(0..i) } else { i };
+            ev(id, t - jitter, &format!("+3491000000{}", rng.random_range(0..3)))
+        })
+        .collect()
+}
+
+#[test]
+fn one_instance_on_the_memory_ledger_is_the_contract_whatever_the_batches() {
+    let mut rng = StdRng::seed_from_u64(7);
+    for case in 0..300 {
+        let kind = if case % 2 == 0 { WindowKind::Fixed } else { WindowKind::SlidingApprox };
+        let key = if case % 3 == 0 { RuleKey::Global } else { RuleKey::Callee };
+        let w = rng.random_range(40..400);
+        let n = rng.random_range(1..12);
+        let set = rules(kind, key, w, n);
+        let mut events = random_events(&mut rng, 200, w);
+        let expected = naive(&set, &events);
+        let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+        let mut at = 0;
+        while at < events.len() {
+            let size = rng.random_range(1..40).min(events.len() - at);
+            gate.run(&mut ledger, &set, &mut events[at..at + size]);
+            at += size;
+        }
+        let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
+        assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
+        assert!(events.iter().all(|e| e.aggregated(0) == Aggregated::default()));
+    }
+}
+
+#[test]
+fn instances_sharing_a_ledger_never_admit_past_the_limit_and_hold_at_most_a_block() {
+    let mut rng = StdRng::seed_from_u64(11);
+    for case in 0..200 {
+        let w = 1_000;
+        let n = rng.random_range(1..80);
+        let set = rules(WindowKind::Fixed, RuleKey::Callee, w, n);
+        let mut ledger = MemoryLedger::new();
+        let mut gates: Vec<Gate> = (0..3).map(|_| Gate::new()).collect();
+        let mut admitted: StdMap<(String, i64), u64> = StdMap::new();
+        let mut t = 0i64;
+        for round in 0..60 {
+            let g = rng.random_range(0..gates.len());
+            let mut batch: Vec<CallEvent> = (0..rng.random_range(1..30))
+                .map(|k| {
+                    t += rng.random_range(0..20);
+                    ev(round * 100 + k, t, &format!("+349100000{}", rng.random_range(0..2)))
+                })
+                .collect();
+            gates[g].run(&mut ledger, &set, &mut batch);
+            for e in &batch {
+                let a = e.aggregated(1);
+                if a.count <= n {
+                    let key = (e.callee.clone().unwrap_or_default().to_string(), e.ts_ms / w);
+                    *admitted.entry(key).or_default() += 1;
+                }
+            }
+            for gate in &gates {
+                for h in gate.counters.values() {
+                    assert!(h.held <= block_cap(n), "case {case}: holds {} > block", h.held);
+                }
+            }
+        }
+        for ((key, b), a) in &admitted {
+            assert!(*a <= n, "case {case}: {a} admitted to {key} in bucket {b}, limit {n}");
+        }
+    }
+}
+
+#[test]
+fn a_share_scales_the_limit_and_never_goes_to_zero() {
+    let set = rules(WindowKind::Fixed, RuleKey::Global, 10_000, 9);
+    let mut events: Vec<CallEvent> = (0..20).map(|i| ev(i, 5_000 + i as i64, "+34910000001")).collect();
+    Gate::new().run(&mut MemoryLedger::with_share(1.0 / 3.0), &set, &mut events);
+    let admitted = events.iter().filter(|e| e.aggregated(1).count <= 9).count();
+    assert_eq!(admitted, 3);
+    let mut events: Vec<CallEvent> = (0..5).map(|i| ev(i, 5_000 + i as i64, "+34910000001")).collect();
+    Gate::new().run(&mut MemoryLedger::with_share(0.01), &set, &mut events);
+    assert_eq!(events.iter().filter(|e| e.aggregated(1).count <= 9).count(), 1);
+}
+
+#[test]
+fn a_call_decided_before_takes_no_second_credit() {
+    let set = rules(WindowKind::Fixed, RuleKey::Callee, 10_000, 2);
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+    let mut first = vec![ev(1, 100, "+34910000001")];
+    gate.run(&mut ledger, &set, &mut first);
+    let mut again = vec![ev(1, 100, "+34910000001"), ev(2, 101, "+34910000001"), ev(3, 102, "+34910000001")];
+    gate.run(&mut ledger, &set, &mut again);
+    let counts: Vec<u64> = again.iter().map(|e| e.aggregated(1).count).collect();
+    assert_eq!(counts, vec![1, 2, 3]);
+    assert_eq!(again[2].aggregated(1).until, Some(9_999));
+}
