@@ -54,16 +54,21 @@
 --   12 most distinct callees kept per caller (a new one beyond it is not kept)
 --   13 block keys: 0/1          14 key prefix
 --   15 n (number of rules), then per rule i, 7 values: kind (0 fixed,
---   1 sliding, 2 sliding-approx, 3 token-bucket, 4 distinct-callees),
+--   1 sliding, 2 sliding-approx, 3 token-bucket, 4 distinct-callees,
+--   5 keyed by callee or global: decided before, nothing kept here),
 --   window (ms; a token bucket's span), limit (a token bucket's burst),
 --   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
 --   calls + 4 keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
 --   token bucket's; '' otherwise)
--- then per event j, 5 values: t (event time, ms), call_id,
+-- then per event j, 6 values: t (event time, ms), call_id,
 --   listed (0 no, 1 allow, 2 deny), callee ('' for none), mask: '' when
 --   every rule sees every call, else one character per rule: 1 the rule
 --   sees the call, 2 it does not now (time profile) but sees its callee
---   (it counts for the retry-after), 0 neither (RuleSet::mask).
+--   (it counts for the retry-after), 0 neither (RuleSet::mask); outside:
+--   per kind-5 rule in order, "<count>:<until>" joined by ',' (until, the
+--   rule's last rejecting time, '' for none; src/engine/aggregate.rs).
+--   A reject by a kind-5 rule sets no block key (the caller is not the
+--   one over the limit).
 -- Returns: per event j, in order, duplicate (0/1) then record, where record is
 --   its fields joined by '|'
 --   (src/engine/record.rs REPLY_FIELDS; a test holds the two lists together):
@@ -137,6 +142,12 @@ for i = 1, n do
   end
 end
 local E = H + PER_RULE * n
+-- Names of the kind-5 rules (a reject by one sets no block key), and the
+-- current event's values of theirs (see decide).
+local outside_names, outside_count, outside_until = {}, {}, {}
+for i = 1, n do
+  if kinds[i] == 5 then outside_names[names[i]] = true end
+end
 -- Whether some rule keeps sorted sets of its own (distinct callees, pairs;
 -- own logs come with a mask).
 local has_own_sets = false
@@ -393,7 +404,16 @@ local function list_until(times, t, w, lim)
 end
 
 -- Decides one event of the caller whose keys start with stem.
-local function decide(stem, t, id, listed, callee, mask)
+local function decide(stem, t, id, listed, callee, mask, outside)
+  -- The kind-5 rules' counts and last rejecting times, in rule order.
+  outside_count, outside_until = {}, {}
+  if outside ~= '' then
+    local i = 0
+    for c, u in string.gmatch(outside, '(%d+):(%-?%d*)') do
+      repeat i = i + 1 until i > n or kinds[i] == 5
+      outside_count[i], outside_until[i] = tonumber(c), tonumber(u)
+    end
+  end
   local meta, log, ids, callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
   -- Whether rule i sees the call (1), counts it for the retry-after only (2).
   local function sees(i)
@@ -518,7 +538,9 @@ local function decide(stem, t, id, listed, callee, mask)
     local w = wins[i]
     local b = floor(t / w)
     local kind = kinds[i]
-    if not sees(i) then
+    if kind == 5 then
+      counts[i] = outside_count[i] or 0
+    elseif not sees(i) then
       counts[i] = 0
     elseif paired[i] then
       if callee == '' then
@@ -699,6 +721,8 @@ local function decide(stem, t, id, listed, callee, mask)
       local s
       if rshadow[i] or not near(i) then
         s = nil
+      elseif kind == 5 then
+        s = outside_until[i]
       elseif paired[i] then
         local pl = callee ~= '' and tonumber(call('ZSCORE', okeys[i], callee))
         if pl then
@@ -746,7 +770,7 @@ local function decide(stem, t, id, listed, callee, mask)
     end
     local ra = last + 1 - t
     retry = fmt('%d', ra)
-    if block then
+    if block and not outside_names[reason] then
       call('SET', prefix .. 'block:' .. string.sub(stem, #prefix + 1), reason, 'PX', ra)
     end
   end
@@ -815,9 +839,9 @@ end
 
 local out = {}
 for j = 1, #KEYS do
-  local base = E + (j - 1) * 5
+  local base = E + (j - 1) * 6
   local dup, encoded = decide(KEYS[j], tonumber(ARGV[base + 1]), ARGV[base + 2], ARGV[base + 3], ARGV[base + 4],
-    ARGV[base + 5])
+    ARGV[base + 5], ARGV[base + 6])
   out[#out + 1] = dup
   out[#out + 1] = encoded
 end

@@ -10,8 +10,11 @@ use std::time::Duration;
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::{Decision, Verdict};
 use callguard::engine::rules::RuleSet;
+use callguard::engine::aggregate::MemoryLedger;
 use callguard::store::cached::CachedStore;
+use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
+use callguard::store::redis::lease::RedisLedger;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use callguard::store::{AnyStore, WindowStore};
 use common::scenarios::{self, T0};
@@ -262,11 +265,47 @@ async fn standalone_random_sequences_match_memory() {
     random_suite(vec![server.url()], 0..40).await;
 }
 
+/// Rules keyed by callee or global: one instance leasing from Redis in
+/// either mode decides like the in-memory store behind the in-process
+/// ledger (the offline path), whatever the batches.
+async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
+    for mode in MODES {
+        for seed in seeds.clone() {
+            let (rules, events) = random::aggregate_case(seed, 600, 6);
+            let prefix = format!("a{mode:?}{seed}:");
+            let mut memory = Gated::new(MemoryStore::new(), Ledger::Memory(MemoryLedger::new()));
+            let expected = memory.apply_batch(&rules, &events).await.unwrap();
+            let ledger = Ledger::Redis(Box::new(RedisLedger::new(config(urls.clone(), &prefix))));
+            let mut redis = Gated::new(open(mode, urls.clone(), &prefix).await, ledger);
+            let mut got = Vec::new();
+            for chunk in events.chunks(1 + seed as usize % 90) {
+                got.extend(redis.apply_batch(&rules, chunk).await.unwrap());
+            }
+            for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+                assert_eq!(g, x, "{mode:?}: seed {seed}, event #{i}, rules {rules:?}");
+            }
+            assert_eq!(got.len(), expected.len());
+            let k = rules.rules.iter().position(|r| r.key.is_aggregate()).unwrap();
+            assert!(
+                expected.iter().any(|v| v.record.counts[k] > 1),
+                "seed {seed}: the aggregate rule never counted past 1"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standalone_aggregate_rules_match_memory() {
+    let server = RedisServer::start(&[]);
+    aggregate_suite(vec![server.url()], 0..30).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios_and_random_sequences_match_memory() {
     let cluster = RedisCluster::start();
     scenario_suite(cluster.urls()).await;
     random_suite(cluster.urls(), 100..115).await;
+    aggregate_suite(cluster.urls(), 200..206).await;
     // The callers really were spread over the three masters.
     for node in &cluster.nodes {
         let info = raw_command(node.port, "DBSIZE").unwrap();

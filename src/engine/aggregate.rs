@@ -15,8 +15,12 @@
 //!   sliding-approx: `floor(p (W - r - 1) / W) + c + 1`, `p` the previous
 //!   bucket's count, `r = t - b W`. Over the limit: rejected (or flagged,
 //!   for a shadow rule), in rule order with the caller's rules.
-//! * A bucket's counter is dropped once the newest call the gate has seen
-//!   is past `(b + 2) W + grace`; a call in it afterwards starts afresh.
+//! * A call whose bucket ended more than one window and grace before the
+//!   newest call the gate saw before it (`(b + 2) W + grace <= L`, in
+//!   processing order) counts 1 and is not counted: the bucket is dead,
+//!   as a caller's dead fixed bucket. A counter is dropped once no live
+//!   call can need it (`L >= (b + 3) W + grace`: it is the previous
+//!   bucket of a sliding-approx rule one window longer).
 //! * Credits: the count of a bucket is the credits handed out for it. An
 //!   instance takes credits from a ledger in blocks (`lua/lease.lua` in
 //!   Redis, atomically, never past the limit), admits a call only with a
@@ -79,7 +83,7 @@ impl CounterId {
     }
 
     /// When (event time) the counter is dropped: `b W + ttl`, with the
-    /// ttl `2 W + grace` of [`LeaseRequest::ttl_ms`].
+    /// ttl `3 W + grace` of [`LeaseRequest::ttl_ms`].
     fn expires_at(&self, ttl_ms: i64) -> i64 {
         self.bucket
             .saturating_mul(self.window_ms)
@@ -100,10 +104,11 @@ pub struct LeaseRequest {
     pub want: u64,
     /// Credits of the previous bucket given back first.
     pub give_back: u64,
-    /// How long the counter must live, ms: `2 W + grace`.
+    /// How long the counter must live from its bucket's start, ms:
+    /// `3 W + grace` (in Redis, its TTL from the lease, plus slack).
     pub ttl_ms: i64,
-    /// The newest event time the gate has seen (an in-memory ledger drops
-    /// counters by it).
+    /// The newest event time the gate saw before the batch (an in-memory
+    /// ledger drops counters by it).
     pub now_ms: i64,
 }
 
@@ -244,6 +249,17 @@ fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
     })
 }
 
+/// Whether a call counted in `id` comes after its bucket died: `(b + 2) W
+/// + grace <= L`, `L` the newest call seen before it.
+fn is_dead(id: &CounterId, newest_before: Option<i64>, grace_ms: i64) -> bool {
+    let end = id
+        .bucket
+        .saturating_add(2)
+        .saturating_mul(id.window_ms)
+        .saturating_add(grace_ms);
+    newest_before.is_some_and(|l| end <= l)
+}
+
 /// The rules keyed by callee or global, by index.
 fn aggregate_rules(rules: &RuleSet) -> Vec<usize> {
     (0..rules.rules.len())
@@ -267,14 +283,14 @@ impl Gate {
         if aggs.is_empty() {
             return Vec::new();
         }
-        if let Some(t) = events.iter().map(|e| e.ts_ms).max() {
-            self.latest = Some(self.latest.map_or(t, |l| l.max(t)));
-        }
         let now = self.latest.unwrap_or(i64::MIN);
         self.expire(now);
         let mut needs: Vec<(usize, CounterId, u64)> = Vec::new();
         let mut at: HashMap<CounterId, usize> = HashMap::new();
+        let mut newest = self.latest;
         for ev in events {
+            let before = newest;
+            newest = Some(newest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
             if self.remembered.contains_key(&ev.call_id) {
                 continue;
             }
@@ -282,6 +298,9 @@ impl Gate {
                 let Some(id) = counter_of(rules, i, ev) else {
                     continue;
                 };
+                if is_dead(&id, before, rules.grace_ms) {
+                    continue;
+                }
                 match at.get(&id) {
                     Some(&k) => needs[k].2 += 1,
                     None => {
@@ -320,7 +339,7 @@ impl Gate {
                 give_back,
                 ttl_ms: rule
                     .window_ms
-                    .saturating_mul(2)
+                    .saturating_mul(3)
                     .saturating_add(rules.grace_ms),
                 now_ms: now,
             });
@@ -351,15 +370,22 @@ impl Gate {
             return;
         }
         for ev in events.iter_mut() {
+            let before = self.latest;
+            self.latest = Some(before.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
             if let Some(known) = self.remembered.get(&ev.call_id) {
                 ev.aggregate = Some(known.clone());
                 continue;
             }
             let mut out = vec![Aggregated::default(); rules.rules.len()];
             for &i in &aggs {
-                if let Some(id) = counter_of(rules, i, ev) {
-                    out[i] = self.judge(rules, i, &id, ev.ts_ms);
-                }
+                out[i] = match counter_of(rules, i, ev) {
+                    None => continue,
+                    Some(id) if is_dead(&id, before, rules.grace_ms) => Aggregated {
+                        count: 1,
+                        until: None,
+                    },
+                    Some(id) => self.judge(rules, i, &id, ev.ts_ms),
+                };
             }
             let out: Box<[Aggregated]> = out.into();
             self.remember(&ev.call_id, out.clone());

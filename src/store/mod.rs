@@ -8,11 +8,14 @@
 //! same algorithm in atomic Lua calls of several events each;
 //! [`cached::CachedStore`] runs the reference algorithm in process on
 //! cached per-caller state and keeps that state in Redis, written back
-//! under a version check. The conformance suite in `tests/` runs the same
+//! under a version check. [`gated::Gated`] puts a store behind the gate of
+//! the rules keyed by callee or global (credits leased from Redis or in
+//! process). The conformance suite in `tests/` runs the same
 //! scenarios against every store and demands identical records.
 
 pub mod cached;
 pub mod connecting;
+pub mod gated;
 pub mod memory;
 pub mod redis;
 pub mod reply;

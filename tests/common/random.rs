@@ -210,3 +210,36 @@ pub fn case_scaled(seed: u64, n: usize, callers: usize, scale: i64) -> (RuleSet,
     let events = random_events_scaled(&mut rng, n, callers, scale);
     (rules, events)
 }
+
+/// `rules` with a rule keyed by callee or global added at a random place
+/// (fixed or sliding-approx, maybe shadow, maybe with a warning level).
+pub fn with_aggregate(rng: &mut StdRng, rules: &RuleSet) -> RuleSet {
+    let kind = [WindowKind::Fixed, WindowKind::SlidingApprox][rng.random_range(0..2)];
+    let limit = rng.random_range(2..=8);
+    let mut rule = Rule::new(
+        "agg",
+        kind,
+        [500, 1_000, 5_000][rng.random_range(0..3)],
+        limit,
+    );
+    rule.key = if rng.random_bool(0.5) {
+        RuleKey::Callee
+    } else {
+        RuleKey::Global
+    };
+    rule.shadow = rng.random_bool(0.2);
+    if rng.random_bool(0.3) {
+        rule.warn = Some(limit - 1);
+    }
+    let mut spec = rules.spec();
+    let at = rng.random_range(0..=spec.rules.len());
+    spec.rules.insert(at, rule);
+    RuleSet::build(spec).expect("a valid rule set")
+}
+
+/// [`case`] with a rule keyed by callee or global.
+pub fn aggregate_case(seed: u64, n: usize, callers: usize) -> (RuleSet, Vec<CallEvent>) {
+    let (rules, events) = case(seed, n, callers);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xa66);
+    (with_aggregate(&mut rng, &rules), events)
+}

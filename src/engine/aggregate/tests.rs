@@ -24,7 +24,9 @@ fn rules(kind: WindowKind, key: RuleKey, w: i64, n: u64) -> RuleSet {
     let mut r = Rule::new("agg", kind, w, n);
     r.key = key;
     let per_caller = Rule::new("caller", WindowKind::Fixed, 1_000, 1_000);
-    RuleSet::build(RuleSpec::new(vec![per_caller, r])).expect("valid rules")
+    let mut spec = RuleSpec::new(vec![per_caller, r]);
+    spec.grace_ms = w / 3;
+    RuleSet::build(spec).expect("valid rules")
 }
 
 /// The contract by brute force: one counter per (key, bucket), calls in
@@ -36,9 +38,19 @@ fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
     let mut counts: StdMap<(String, i64), u64> = StdMap::new();
     let mut seen: StdMap<String, Aggregated> = StdMap::new();
     let mut out = Vec::new();
+    let mut newest: Option<i64> = None;
     for e in events {
+        let before = newest;
+        newest = Some(newest.map_or(e.ts_ms, |l| l.max(e.ts_ms)));
         if let Some(a) = seen.get(e.call_id.as_str()) {
             out.push(*a);
+            continue;
+        }
+        let dead = before.is_some_and(|l| (e.ts_ms.div_euclid(w) + 2) * w + rules.grace_ms <= l);
+        if dead {
+            let a = Aggregated { count: 1, until: None };
+            seen.insert(e.call_id.to_string(), a);
+            out.push(a);
             continue;
         }
         let key = match rule.key {
@@ -75,7 +87,7 @@ fn random_events(rng: &mut StdRng, len: usize, w: i64) -> Vec<CallEvent> {
     (0..len)
         .map(|i| {
             t += rng.random_range(0..w / 4);
-            let jitter = rng.random_range(0..w / 2);
+            let jitter = if rng.random_range(0..30) == 0 { rng.random_range(0..8 * w) } else { rng.random_range(0..w / 2) };
             let id = if i > 0 && rng.random_range(0..20) == 0 { rng.random_range(0..i) } else { i };
             ev(id, t - jitter, &format!("+3491000000{}", rng.random_range(0..3)))
         })

@@ -105,6 +105,11 @@ impl RedisConfig {
         self.tagged("block:", caller, "")
     }
 
+    /// `<prefix><head>{<tag>}<tail>`, for keys tagged other than by caller.
+    pub fn tagged_key(&self, head: &str, tag: &str, tail: &str) -> String {
+        self.tagged(head, tag, tail)
+    }
+
     /// `<prefix><head>{<caller>}<tail>`.
     fn tagged(&self, head: &str, caller: &str, tail: &str) -> String {
         let mut key = String::new();

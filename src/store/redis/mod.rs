@@ -6,6 +6,8 @@
 //! - [`cluster`]: a Cluster connection rebuilt when it stops answering.
 //! - [`sentinel`]: a standalone primary found through Redis Sentinel and
 //!   followed across failovers.
+//! - [`lease`]: credits of the rules keyed by callee or global
+//!   (`lua/lease.lua`).
 //! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
 //!   atomic Lua calls (`lua/window.lua`).
 //!
@@ -14,6 +16,7 @@
 pub mod cluster;
 pub mod config;
 pub mod conn;
+pub mod lease;
 pub mod script;
 pub mod sentinel;
 

@@ -134,7 +134,8 @@ impl RedisStore {
             .arg(&self.config.key_prefix)
             .arg(rules.rules.len());
         for rule in &rules.rules {
-            cmd.arg(rule.kind.code())
+            // Rules keyed by callee or global were decided before: kind 5.
+            cmd.arg(if rule.key.is_aggregate() { 5 } else { rule.kind.code() })
                 .arg(rule.window_ms)
                 .arg(rule.limit)
                 .arg(&rule.name)
@@ -159,7 +160,8 @@ impl RedisStore {
                 .arg(ev.call_id.as_str())
                 .arg(listed)
                 .arg(ev.callee.as_deref().unwrap_or(""))
-                .arg(rules.mask(ev).as_deref().unwrap_or(""));
+                .arg(rules.mask(ev).as_deref().unwrap_or(""))
+                .arg(outside(rules, ev));
         }
         cmd
     }
@@ -289,4 +291,28 @@ fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
         other => return Err(bad(&format!("{other:?}"))),
     };
     Verdict::from_reply(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
+}
+
+/// The window script's `outside` argument: per rule keyed by callee or
+/// global, in order, `<count>:<until>` (see `lua/window.lua`).
+fn outside(rules: &RuleSet, ev: &CallEvent) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    if ev.aggregate.is_none() {
+        return out;
+    }
+    for (i, rule) in rules.rules.iter().enumerate() {
+        if !rule.key.is_aggregate() {
+            continue;
+        }
+        let a = ev.aggregated(i);
+        if !out.is_empty() {
+            out.push(',');
+        }
+        let _ = write!(out, "{}:", a.count);
+        if let Some(u) = a.until {
+            let _ = write!(out, "{u}");
+        }
+    }
+    out
 }
