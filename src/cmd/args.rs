@@ -18,6 +18,9 @@ use callguard::online::reload;
 use callguard::store::cached;
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{self, RedisConfig};
+use callguard::engine::aggregate::MemoryLedger;
+use callguard::store::gated::{Gated, Ledger};
+use callguard::store::redis::lease::RedisLedger;
 use callguard::store::sharded::ShardedStore;
 use callguard::store::AnyStore;
 use tokio::sync::watch;
@@ -225,6 +228,36 @@ pub struct OnlineArgs {
     /// Pseudonymised numbers.
     #[command(flatten)]
     pub privacy: PrivacyArgs,
+    /// The local fallback's share of limits shared between instances.
+    #[command(flatten)]
+    pub fallback: FallbackArgs,
+}
+
+/// How much of a limit shared between instances (rules keyed by callee or
+/// global) one instance may admit alone under `--on-store-error local`.
+#[derive(Debug, Clone, Args)]
+pub struct FallbackArgs {
+    /// Instances deciding the same calls (consume members and serve
+    /// processes together): while Redis fails, each admits at most
+    /// limit / this of a rule keyed by callee or global, at least one call
+    /// per bucket (`--on-store-error local`).
+    #[arg(long, env = "CALLGUARD_EXPECTED_INSTANCES", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub expected_instances: u32,
+    /// The share of such a limit one instance admits alone while Redis
+    /// fails, 0 to 1 (instead of 1 / --expected-instances).
+    #[arg(long, env = "CALLGUARD_LOCAL_SHARE")]
+    pub local_share: Option<f64>,
+}
+
+impl FallbackArgs {
+    /// The share: `--local-share`, else 1 / `--expected-instances`.
+    pub fn share(&self) -> Result<f64> {
+        match self.local_share {
+            Some(s) if s.is_finite() && s > 0.0 && s <= 1.0 => Ok(s),
+            Some(s) => anyhow::bail!("--local-share {s}: must be above 0 and at most 1"),
+            None => Ok(1.0 / f64::from(self.expected_instances)),
+        }
+    }
 }
 
 impl OnlineArgs {
@@ -572,13 +605,29 @@ impl StoreArgs {
         })
     }
 
+    /// Opens the store of an online command behind the gate of the rules
+    /// keyed by callee or global, whose credits come from the same place
+    /// as the windows: Redis, or this process.
+    pub async fn open_gated(&self, default: StoreKind) -> Result<Gated<AnyStore>> {
+        let store = self.open(default).await?;
+        Ok(Gated::new(store, self.ledger(default)?))
+    }
+
+    /// Where the credits of the rules keyed by callee or global come from.
+    pub fn ledger(&self, default: StoreKind) -> Result<Ledger> {
+        Ok(match self.kind(default)? {
+            StoreKind::Memory => Ledger::Memory(MemoryLedger::new()),
+            StoreKind::Redis => Ledger::Redis(Box::new(RedisLedger::new(self.redis_config()))),
+        })
+    }
+
     /// Opens the store of an offline command, and so how its replay is
     /// driven: in memory, split by caller over the cores (the input is
     /// time-sorted); Redis in batches.
-    pub async fn open_replay(&self) -> Result<ReplayStore<AnyStore>> {
+    pub async fn open_replay(&self) -> Result<ReplayStore<Gated<AnyStore>>> {
         Ok(match self.kind(StoreKind::Memory)? {
             StoreKind::Memory => ReplayStore::Sharded(ShardedStore::per_core()),
-            StoreKind::Redis => ReplayStore::Batched(self.open(StoreKind::Redis).await?),
+            StoreKind::Redis => ReplayStore::Batched(self.open_gated(StoreKind::Redis).await?),
         })
     }
 }

@@ -41,7 +41,9 @@ pub struct ConsumeArgs {
     pub online: OnlineArgs,
     /// What to do when the window store fails: `block` (stop and retry,
     /// commit nothing: nothing is lost), `allow` or `reject` (decide
-    /// `degraded = true` and keep going).
+    /// `degraded = true` and keep going), `local` (decide on this
+    /// instance's own windows, `degraded = true`, limits shared between
+    /// instances cut to --local-share; back to Redis when it answers).
     #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
     pub on_store_error: PolicyArg,
     /// Largest batch of events per store round trip.
@@ -115,6 +117,7 @@ impl ConsumeArgs {
         config.max_in_flight = self.max_in_flight.max(1);
         config.batch_linger = std::time::Duration::from_micros(self.batch_linger_us);
         config.on_store_error = self.on_store_error.into();
+        config.local_share = self.online.fallback.share()?;
         config.max_payload_bytes = self.max_payload_bytes;
         config.decoder = self.online.event_decoder()?;
         config.max_future_skew = (self.max_future_skew_s > 0)
@@ -171,7 +174,7 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
     .await
     .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
     tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
-    let store = args.online.store.open(StoreKind::Redis).await?;
+    let store = args.online.store.open_gated(StoreKind::Redis).await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;

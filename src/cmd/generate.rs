@@ -30,6 +30,11 @@ pub struct GenerateArgs {
     /// The switch's time zone for CDR output, e.g. Europe/Madrid.
     #[arg(long, default_value = "UTC")]
     pub timezone: chrono_tz::Tz,
+    /// Add a telephony denial-of-service attack of this many calls: ~40
+    /// calls/s from 11:00 UTC to one victim number from many spoofed
+    /// callers (population `tdos`; stopped by a rule keyed by callee).
+    #[arg(long, default_value_t = 0)]
+    pub tdos: usize,
 }
 
 /// What `generate` writes.
@@ -47,7 +52,10 @@ pub enum CdrFormat {
 
 /// Runs `callguard generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let calls = generate::generate(args.rows, args.seed);
+    let mut calls = generate::generate(args.rows, args.seed);
+    if args.tdos > 0 {
+        generate::add_tdos(&mut calls, args.tdos, args.seed);
+    }
     let cdr = match args.format {
         CdrFormat::Csv => None,
         CdrFormat::Asterisk => Some(InputFormat::Asterisk),

@@ -12,6 +12,7 @@ use callguard::online::consumer;
 use callguard::online::metrics::{Health, Metrics};
 use callguard::online::serve::{self, ServeConfig, ServeTopics};
 use callguard::store::connecting::Connecting;
+use callguard::store::gated::Gated;
 
 use crate::cmd::args::{KafkaSettingsArgs, OnlineArgs, StoreKind};
 use crate::cmd::consume::PolicyArg;
@@ -139,6 +140,7 @@ impl ServeArgs {
         Ok(ServeConfig {
             decoder,
             on_store_error: self.on_store_error.into(),
+            local_share: self.online.fallback.share()?,
             reject_status: self.reject_status.map(|s| match s {
                 RejectStatus::Forbidden => StatusCode::FORBIDDEN,
                 RejectStatus::TooMany => StatusCode::TOO_MANY_REQUESTS,
@@ -186,6 +188,7 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         Err(e) => return Err(e),
     };
+    let store = Gated::new(store, args.online.store.ledger(StoreKind::Redis)?);
     let api = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

@@ -15,12 +15,14 @@
 //!   sliding-approx: `floor(p (W - r - 1) / W) + c + 1`, `p` the previous
 //!   bucket's count, `r = t - b W`. Over the limit: rejected (or flagged,
 //!   for a shadow rule), in rule order with the caller's rules.
-//! * A call whose bucket ended more than one window and grace before the
-//!   newest call the gate saw before it (`(b + 2) W + grace <= L`, in
-//!   processing order) counts 1 and is not counted: the bucket is dead,
-//!   as a caller's dead fixed bucket. A counter is dropped once no live
-//!   call can need it (`L >= (b + 3) W + grace`: it is the previous
-//!   bucket of a sliding-approx rule one window longer).
+//! * There is no dead bucket: a call counts in its bucket however late it
+//!   comes (partitions of a stream can run far apart in event time, and
+//!   the victim's calls come through all of them). A counter lives in
+//!   Redis `3 W + grace` plus the TTL slack after its last lease (wall
+//!   clock; it is also the previous bucket of a sliding-approx rule), in
+//!   [`MemoryLedger`] until the newest call is [`MEMORY_MARGIN_MS`] past
+//!   that (event time); a call after that starts its counter afresh.
+//!   Online and offline differ only for calls that late.
 //! * Credits: the count of a bucket is the credits handed out for it. An
 //!   instance takes credits from a ledger in blocks (`lua/lease.lua` in
 //!   Redis, atomically, never past the limit), admits a call only with a
@@ -48,6 +50,10 @@ use foldhash::{HashMap, HashMapExt};
 use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
+
+/// How much longer than `3 W + grace` the in-process ledger keeps a
+/// counter (event time): calls later than that start it afresh.
+pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
 /// Call ids whose results the gate keeps, so a redelivered or retried
 /// call takes no second credit.
@@ -180,7 +186,10 @@ impl MemoryLedger {
         let granted = req.want.min(self.limit(req.limit).saturating_sub(cur));
         if granted > 0 {
             if !self.counters.contains_key(&req.counter) {
-                let at = req.counter.expires_at(req.ttl_ms);
+                let at = req
+                    .counter
+                    .expires_at(req.ttl_ms)
+                    .saturating_add(MEMORY_MARGIN_MS);
                 self.expiry.push(Reverse((at, req.counter.clone())));
             }
             self.counters.insert(req.counter.clone(), cur + granted);
@@ -215,6 +224,8 @@ struct Held {
     prev: u64,
     /// Calls this instance counted in it.
     mine: u64,
+    /// Past its time with credits in hand: kept a margin longer.
+    kept_longer: bool,
 }
 
 /// Decides the rules keyed by callee or global for batches of calls, from
@@ -249,17 +260,6 @@ fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
     })
 }
 
-/// Whether a call counted in `id` comes after its bucket died: `(b + 2) W
-/// + grace <= L`, `L` the newest call seen before it.
-fn is_dead(id: &CounterId, newest_before: Option<i64>, grace_ms: i64) -> bool {
-    let end = id
-        .bucket
-        .saturating_add(2)
-        .saturating_mul(id.window_ms)
-        .saturating_add(grace_ms);
-    newest_before.is_some_and(|l| end <= l)
-}
-
 /// The rules keyed by callee or global, by index.
 fn aggregate_rules(rules: &RuleSet) -> Vec<usize> {
     (0..rules.rules.len())
@@ -287,10 +287,7 @@ impl Gate {
         self.expire(now);
         let mut needs: Vec<(usize, CounterId, u64)> = Vec::new();
         let mut at: HashMap<CounterId, usize> = HashMap::new();
-        let mut newest = self.latest;
         for ev in events {
-            let before = newest;
-            newest = Some(newest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
             if self.remembered.contains_key(&ev.call_id) {
                 continue;
             }
@@ -298,9 +295,6 @@ impl Gate {
                 let Some(id) = counter_of(rules, i, ev) else {
                     continue;
                 };
-                if is_dead(&id, before, rules.grace_ms) {
-                    continue;
-                }
                 match at.get(&id) {
                     Some(&k) => needs[k].2 += 1,
                     None => {
@@ -315,10 +309,14 @@ impl Gate {
             let rule = &rules.rules[i];
             let held = self.counters.get(&id).copied();
             let have = held.map_or(0, |h| h.held);
-            if held.is_some() && have >= need {
+            let prev_id = id.prev();
+            // (A sliding-approx counter whose previous bucket is no longer
+            // kept here asks again, for the previous bucket's count.)
+            let stale_prev =
+                rule.kind == WindowKind::SlidingApprox && !self.counters.contains_key(&prev_id);
+            if held.is_some() && have >= need && !stale_prev {
                 continue;
             }
-            let prev_id = id.prev();
             let recent = held
                 .map_or(0, |h| h.mine)
                 .max(self.counters.get(&prev_id).map_or(0, |h| h.mine));
@@ -335,7 +333,7 @@ impl Gate {
                 counter: id,
                 approx: rule.kind == WindowKind::SlidingApprox,
                 limit: rule.limit,
-                want: need - have + recent.min(block_cap(rule.limit)),
+                want: need.saturating_sub(have) + recent.min(block_cap(rule.limit)),
                 give_back,
                 ttl_ms: rule
                     .window_ms
@@ -370,22 +368,16 @@ impl Gate {
             return;
         }
         for ev in events.iter_mut() {
-            let before = self.latest;
-            self.latest = Some(before.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
+            self.latest = Some(self.latest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
             if let Some(known) = self.remembered.get(&ev.call_id) {
                 ev.aggregate = Some(known.clone());
                 continue;
             }
             let mut out = vec![Aggregated::default(); rules.rules.len()];
             for &i in &aggs {
-                out[i] = match counter_of(rules, i, ev) {
-                    None => continue,
-                    Some(id) if is_dead(&id, before, rules.grace_ms) => Aggregated {
-                        count: 1,
-                        until: None,
-                    },
-                    Some(id) => self.judge(rules, i, &id, ev.ts_ms),
-                };
+                if let Some(id) = counter_of(rules, i, ev) {
+                    out[i] = self.judge(rules, i, &id, ev.ts_ms);
+                }
             }
             let out: Box<[Aggregated]> = out.into();
             self.remember(&ev.call_id, out.clone());
@@ -402,6 +394,23 @@ impl Gate {
             self.settle(&requests, &leases);
         }
         self.decide(rules, events);
+    }
+
+    /// [`Gate::run`] on events numbered by their rows (a call log's).
+    pub fn run_rows(
+        &mut self,
+        ledger: &mut MemoryLedger,
+        rules: &RuleSet,
+        rows: &mut [(u64, CallEvent)],
+    ) {
+        if !rules.has_aggregates() {
+            return;
+        }
+        let mut events: Vec<CallEvent> = rows.iter().map(|(_, e)| e.clone()).collect();
+        self.run(ledger, rules, &mut events);
+        for ((_, row), ev) in rows.iter_mut().zip(events) {
+            row.aggregate = ev.aggregate;
+        }
     }
 
     /// Rule `i`'s result for a call at `t` counted in `id`.
@@ -455,13 +464,26 @@ impl Gate {
         self.remembered.insert(call_id.clone(), out);
     }
 
+    /// Drops counters past `3 W + grace` behind `now`; one that still
+    /// holds credits is kept [`MEMORY_MARGIN_MS`] longer (the ledger
+    /// counts them as handed out: dropped, they would count as calls).
     fn expire(&mut self, now: i64) {
         while let Some(Reverse((at, _))) = self.expiry.peek() {
             if *at >= now {
                 break;
             }
-            if let Some(Reverse((_, id))) = self.expiry.pop() {
-                self.counters.remove(&id);
+            let Some(Reverse((at, id))) = self.expiry.pop() else {
+                break;
+            };
+            match self.counters.get_mut(&id) {
+                Some(h) if h.held > 0 && !h.kept_longer => {
+                    h.kept_longer = true;
+                    self.expiry
+                        .push(Reverse((at.saturating_add(MEMORY_MARGIN_MS), id)));
+                }
+                _ => {
+                    self.counters.remove(&id);
+                }
             }
         }
     }

@@ -12,6 +12,7 @@
 //! | irsf | fraud | a hacked PBX at night (Madrid time): a few short test calls, then long calls to premium ranges ([`IRSF_RANGES`]) every 10-60 s for 1-3 h, a new number every ~10 calls |
 //! | pbx_burst | legit | a PBX dialing its queue: 10-25 calls within seconds at 09:00 Madrid time and two or three more bursts in the day, quiet in between |
 //! | harasser | fraud | one caller calling one callee again and again: 8-30 calls, 2-10 min apart, mostly unanswered |
+//! | tdos | fraud | only with `--tdos N`: N calls at ~40/s to one victim ([`TDOS_VICTIM`]) from N/8 spoofed callers, from 11:00 UTC |
 //!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
 //! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms`, `label`
@@ -47,6 +48,38 @@ pub struct GenCall {
     pub fraud: bool,
     /// Population name.
     pub population: &'static str,
+}
+
+/// The callee of the TDoS attack [`add_tdos`] writes (a hospital's
+/// switchboard, say).
+pub const TDOS_VICTIM: &str = "+34915550100";
+
+/// When the TDoS attack starts: 11:00 UTC of the generated day.
+pub const TDOS_START_MS: i64 = DAY_START_MS + 11 * HOUR_MS;
+
+/// Adds a telephony denial-of-service attack of `count` calls to `calls`
+/// (kept sorted): about 40 calls a second to [`TDOS_VICTIM`] from
+/// `count / 8` (at least 10) spoofed callers, each calling a few times,
+/// from [`TDOS_START_MS`]; labelled fraud, population `tdos`. No caller
+/// stands out: only a limit on the callee stops it.
+pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7d05);
+    let callers: Vec<String> = (0..(count / 8).max(10))
+        .map(|_| number(&mut rng, "+4420", 8))
+        .collect();
+    let mut t = TDOS_START_MS;
+    for _ in 0..count {
+        t += rng.random_range(0..50);
+        calls.push(GenCall {
+            caller: callers[rng.random_range(0..callers.len())].clone(),
+            callee: TDOS_VICTIM.into(),
+            ts_ms: t,
+            duration_ms: if rng.random_bool(0.3) { rng.random_range(1_000..20_000) } else { 0 },
+            fraud: true,
+            population: "tdos",
+        });
+    }
+    calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
 }
 
 /// Generates about `rows` calls (exactly `rows` unless `rows` is tiny), sorted by time.

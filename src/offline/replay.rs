@@ -5,6 +5,7 @@
 //! cores by default (pipelined chunk by chunk), or any [`WindowStore`]
 //! (Redis), in batches, which must produce the same records.
 
+use crate::engine::aggregate::{Gate, MemoryLedger};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -359,7 +360,11 @@ fn run_sharded(
         // Two chunks in flight: the shards decide one while the other is
         // handed on.
         let mut flight = std::collections::VecDeque::with_capacity(2);
-        for chunk in chunks {
+        // Rules keyed by callee or global: decided in processing order
+        // before the chunk is split by caller.
+        let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+        for mut chunk in chunks {
+            gate.run(&mut ledger, rules, &mut chunk.events);
             let (of, parts) = split_by_caller(chunk.events.iter().map(|e| e.caller.as_str()), n);
             let events = Arc::new(chunk.events);
             let unique = Arc::new(chunk.unique);
@@ -436,7 +441,8 @@ pub async fn run<S: WindowStore>(
     rules: &RuleSet,
     store: &mut S,
 ) -> Result<Vec<Verdict>, StoreError> {
-    let events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    let mut events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    Gate::new().run(&mut MemoryLedger::new(), rules, &mut events);
     apply_events(&events, rules, store).await
 }
 

@@ -14,6 +14,7 @@ use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
+use crate::engine::aggregate::{Gate, MemoryLedger};
 use crate::store::memory::MemoryStore;
 use crate::store::WindowStore;
 
@@ -69,11 +70,12 @@ pub struct OnStoreError {
 }
 
 impl OnStoreError {
-    /// The policy, with no local state yet.
-    pub fn new(policy: StoreErrorPolicy) -> Self {
+    /// The policy, with no local state yet; `local_share` of each limit
+    /// shared between instances is admitted locally under `local`.
+    pub fn new(policy: StoreErrorPolicy, local_share: f64) -> Self {
         OnStoreError {
             policy,
-            local: LocalFallback::default(),
+            local: LocalFallback::new(local_share),
         }
     }
 
@@ -107,14 +109,30 @@ impl OnStoreError {
 /// it: counts start afresh). Each such record is flagged `degraded`. The
 /// state is dropped once the store answers again, so the next outage
 /// starts afresh too. The store never learns of these calls: after the
-/// outage a caller's windows in Redis lack them.
-#[derive(Default)]
+/// outage a caller's windows in Redis lack them. Rules keyed by callee or
+/// global are decided on this instance's own credits, `share` of each
+/// limit (at least one call per bucket): instances cannot agree while
+/// Redis is gone, so each takes its part.
 pub struct LocalFallback {
     store: MemoryStore,
+    gate: Gate,
+    ledger: MemoryLedger,
+    share: f64,
     used: bool,
 }
 
 impl LocalFallback {
+    /// No local state yet; `share` of shared limits.
+    pub fn new(share: f64) -> Self {
+        LocalFallback {
+            store: MemoryStore::default(),
+            gate: Gate::new(),
+            ledger: MemoryLedger::with_share(share),
+            share,
+            used: false,
+        }
+    }
+
     /// The verdicts of `events`, every undecided one (`None`) decided on
     /// the local state, flagged degraded; logged with `why` the store
     /// failed, counted in `callguard_fallback_decisions_total`.
@@ -130,25 +148,34 @@ impl LocalFallback {
             warn!(error = %why, "store failed; deciding on this instance's own state");
             self.used = true;
         }
-        events
+        let mut undecided: Vec<CallEvent> = events
             .iter()
-            .zip(verdicts)
-            .map(|(e, v)| {
-                v.unwrap_or_else(|| {
+            .zip(&verdicts)
+            .filter(|(_, v)| v.is_none())
+            .map(|(e, _)| e.clone())
+            .collect();
+        self.gate.run(&mut self.ledger, rules, &mut undecided);
+        let mut local = undecided.iter();
+        verdicts
+            .into_iter()
+            .map(|v| {
+                v.or_else(|| {
+                    let e = local.next()?;
                     metrics.fallback_decisions.inc();
                     let mut v = self.store.apply(rules, e);
                     v.record.degraded = true;
-                    v
+                    Some(v)
                 })
             })
-            .collect()
+            .collect::<Option<Vec<_>>>()
+            .unwrap_or_default()
     }
 
     /// The store answered: the local state of this outage is dropped.
     pub fn store_answered(&mut self) {
         if self.used {
             tracing::info!("store answers again; local fallback state dropped");
-            *self = LocalFallback::default();
+            *self = LocalFallback::new(self.share);
         }
     }
 }

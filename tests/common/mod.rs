@@ -465,6 +465,13 @@ pub fn replay_records(
     use callguard::engine::record::{Row, Schema};
     let schema = Schema::decisions(rules);
     let mut store = callguard::store::memory::MemoryStore::new();
+    // Rules keyed by callee or global: counted in processing order first.
+    let mut events = events.to_vec();
+    callguard::engine::aggregate::Gate::new().run(
+        &mut callguard::engine::aggregate::MemoryLedger::new(),
+        rules,
+        &mut events,
+    );
     events
         .iter()
         .map(|event| {

@@ -38,19 +38,9 @@ fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
     let mut counts: StdMap<(String, i64), u64> = StdMap::new();
     let mut seen: StdMap<String, Aggregated> = StdMap::new();
     let mut out = Vec::new();
-    let mut newest: Option<i64> = None;
     for e in events {
-        let before = newest;
-        newest = Some(newest.map_or(e.ts_ms, |l| l.max(e.ts_ms)));
         if let Some(a) = seen.get(e.call_id.as_str()) {
             out.push(*a);
-            continue;
-        }
-        let dead = before.is_some_and(|l| (e.ts_ms.div_euclid(w) + 2) * w + rules.grace_ms <= l);
-        if dead {
-            let a = Aggregated { count: 1, until: None };
-            seen.insert(e.call_id.to_string(), a);
-            out.push(a);
             continue;
         }
         let key = match rule.key {

@@ -22,6 +22,7 @@
 
 mod report;
 
+use crate::engine::aggregate::{Gate, MemoryLedger};
 use std::sync::Arc;
 
 pub use report::{render_table, sweep_frame};
@@ -266,6 +267,14 @@ impl Sweeper {
         limits: &[u64],
         target: Target,
     ) -> Result<Self, RulesError> {
+        if rules.rules.get(index).is_some_and(|r| r.key.is_aggregate()) {
+            return Err(RulesError::Invalid(format!(
+                "rule `{}` is keyed by {}: tune sweeps rules keyed by caller (replay the log \
+                 at a few limits to compare)",
+                rules.rules[index].name,
+                if rules.rules[index].key == crate::engine::rules::RuleKey::Global { "global" } else { "callee" }
+            )));
+        }
         if index >= rules.rules.len() {
             return Err(RulesError::Invalid(format!(
                 "no rule #{index} in a set of {}",
@@ -537,7 +546,9 @@ pub fn sweep(
     target: Target,
 ) -> Result<Sweep, RulesError> {
     let mut sweeper = Sweeper::new(rules, index, limits, target)?;
-    sweeper.feed(&log.events);
+    let mut events = log.events.clone();
+    Gate::new().run_rows(&mut MemoryLedger::new(), rules, &mut events);
+    sweeper.feed(&events);
     Ok(sweeper.finish())
 }
 
@@ -555,9 +566,14 @@ pub fn sweep_ordered(
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
     log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let mut invalid = Vec::new();
+    // Rules keyed by callee or global count before the caller's rules
+    // and whatever they decide: one pass in processing order fills them
+    // in, the same for every N swept.
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
     let mut chunks = chunks.into_iter().map(|mut chunk: CallLog| {
         bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
         invalid.append(&mut chunk.invalid);
+        gate.run_rows(&mut ledger, rules, &mut chunk.events);
         chunk
     });
     if sweeper.replayed.is_empty() {
@@ -707,7 +723,9 @@ pub fn row_by_replay(
     let (mut fraud_calls, mut legit_calls) = (0, 0);
     let mut store = MemoryStore::new();
     let mut rejections = Rejections::default();
-    for (_, e) in &log.events {
+    let mut events = log.events.clone();
+    Gate::new().run_rows(&mut MemoryLedger::new(), &set, &mut events);
+    for (_, e) in &events {
         fraud_calls += u64::from(e.label == Some(true));
         legit_calls += u64::from(e.label == Some(false));
         if e.label == Some(true) {

@@ -69,7 +69,7 @@ impl Decider {
             // Readiness from a probe while no batch comes (a quiet topic,
             // or Redis gone while idle), as `serve` keeps it.
             let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
-            let mut on_error = OnStoreError::new(config.on_store_error);
+            let mut on_error = OnStoreError::new(config.on_store_error, config.local_share);
             while let Some(job) = idle.recv(&mut rx, &mut store, &metrics, &health).await {
                 let verdicts = decide(
                     &mut store,

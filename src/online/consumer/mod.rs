@@ -117,6 +117,9 @@ pub struct ConsumeConfig {
     pub max_in_flight: usize,
     /// Store failure policy.
     pub on_store_error: StoreErrorPolicy,
+    /// Under `local`: the share of each limit shared between instances
+    /// (rules keyed by callee or global) this instance admits alone.
+    pub local_share: f64,
     /// Largest accepted payload, bytes.
     pub max_payload_bytes: usize,
     /// Event decoder.
@@ -152,6 +155,7 @@ impl ConsumeConfig {
             batch_linger: Duration::from_micros(DEFAULT_BATCH_LINGER_US),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             on_store_error: StoreErrorPolicy::Block,
+            local_share: 1.0,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
             decoder: Decoder::default(),
             max_future_skew: Some(Duration::from_secs(DEFAULT_MAX_FUTURE_SKEW_S)),

@@ -97,7 +97,7 @@ impl<S: WindowStore> Batcher<S> {
             metrics,
             health,
             uncertain: Uncertain::default(),
-            on_error: OnStoreError::new(config.on_store_error),
+            on_error: OnStoreError::new(config.on_store_error, config.local_share),
             producer,
             config,
         }

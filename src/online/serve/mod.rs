@@ -113,6 +113,9 @@ pub struct ServeConfig {
     /// What to answer when the store fails: `block` answers 503 with a
     /// Retry-After; `allow` and `reject` answer degraded records.
     pub on_store_error: StoreErrorPolicy,
+    /// Under `local`: the share of each limit shared between instances
+    /// (rules keyed by callee or global) this instance admits alone.
+    pub local_share: f64,
     /// Status of a reject (with a `Retry-After` header); `None`: 200.
     pub reject_status: Option<StatusCode>,
     /// Largest request body; larger ones are refused (413).
@@ -140,6 +143,7 @@ impl Default for ServeConfig {
         ServeConfig {
             decoder: Decoder::default(),
             on_store_error: StoreErrorPolicy::Block,
+            local_share: 1.0,
             reject_status: None,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             limits: Limits {

@@ -1,0 +1,323 @@
+//! Rules keyed by callee across instances, against real components: two
+//! `consume` members on a 4-partition topic in tansu and one `serve`, all
+//! on one redis-server, under a TDoS (thousands of calls from hundreds of
+//! spoofed callers to one victim) mixed with a generated day of traffic.
+//! The victim's admitted calls per bucket never exceed the limit, fall
+//! short of it by no more than the documented bound, and every other call
+//! is decided as `replay` decides it. Also: the local fallback's share
+//! while Redis is down.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use callguard::engine::aggregate::block_cap;
+use callguard::engine::event::CallEvent;
+use callguard::engine::rules::RuleSet;
+use callguard::offline::generate::{add_tdos, generate, TDOS_VICTIM};
+use common::kafka::{by_call_id, read_decisions, signal, spawn_consumer, TOPICS};
+use common::{free_port, http_get, HttpConn, RedisServer, Tansu};
+use serde_json::Value;
+
+const RULES: &str = r#"
+[[rule]]
+name = "minute"
+kind = "sliding"
+window = "60s"
+limit = 20
+
+[[rule]]
+name = "tdos"
+key = "callee"
+kind = "fixed"
+window = "10s"
+limit = 50
+"#;
+
+const LIMIT: u64 = 50;
+const WINDOW_MS: i64 = 10_000;
+
+/// A generated day with a TDoS in it, in time order, call ids `c<i>`.
+fn events() -> Vec<CallEvent> {
+    let mut calls = generate(3_000, 5);
+    add_tdos(&mut calls, 2_400, 5);
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut e = common::ev(&c.caller, &format!("c{i}"), c.ts_ms);
+            e.callee = Some(c.callee.as_str().into());
+            e
+        })
+        .collect()
+}
+
+fn json(e: &CallEvent) -> String {
+    serde_json::json!({
+        "call_id": e.call_id.as_str(),
+        "caller": e.caller.as_str(),
+        "callee": e.callee.as_deref(),
+        "ts": e.ts_ms,
+    })
+    .to_string()
+}
+
+/// Callers whose calls `serve` checks (a third of them); the others go
+/// through Kafka. A caller's calls all take one path, in time order.
+fn to_serve(e: &CallEvent) -> bool {
+    e.caller.bytes().map(u64::from).sum::<u64>() % 3 == 0
+}
+
+fn spawn_serve(port: u16, redis: &str, rules: &Path, extra: &[&str]) -> Child {
+    Command::new(common::bin())
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--store", "redis", "--redis-url", redis])
+        .arg("--rules")
+        .arg(rules)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start callguard serve")
+}
+
+fn wait_ready(port: u16, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "{what} not ready on {port}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Posts each event to `serve` in order; stops after `stop_after` (the
+/// process is then killed) and returns the answers and the events left.
+fn check_all(port: u16, events: Vec<CallEvent>, stop_after: Option<usize>) -> (Vec<Value>, Vec<CallEvent>) {
+    let mut conn = HttpConn::connect(port);
+    let mut answers = Vec::new();
+    let mut left = Vec::new();
+    for (i, e) in events.into_iter().enumerate() {
+        if stop_after.is_some_and(|n| i >= n) {
+            left.push(e);
+            continue;
+        }
+        let r = conn.post("/v1/check", &json(&e));
+        assert!(
+            r.status != 503 && r.status < 500,
+            "check {}: {} {}",
+            e.call_id,
+            r.status,
+            r.body
+        );
+        answers.push(r.json());
+    }
+    (answers, left)
+}
+
+/// The three-instance run; with `kill_serve`, `serve` is SIGKILLed after
+/// half of its calls and the rest go through Kafka, as a switch would
+/// fail over. Returns the victim's admitted calls per bucket, online and
+/// offline.
+async fn three_instances(kill_serve: bool) {
+    let redis = RedisServer::start(&[]);
+    let tansu = Tansu::start();
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, if t == "calls" { 4 } else { 1 })));
+    let dir = tempfile::tempdir().unwrap();
+    let rules_path = dir.path().join("rules.toml");
+    std::fs::write(&rules_path, RULES).unwrap();
+    let rules = RuleSet::from_file(&rules_path).unwrap();
+    let all = events();
+    let (served, kafka): (Vec<CallEvent>, Vec<CallEvent>) = all.iter().cloned().partition(to_serve);
+    assert!(served.iter().any(|e| e.callee.as_deref() == Some(TDOS_VICTIM)));
+
+    let group = format!("agg-{kill_serve}");
+    let ports = [free_port(), free_port()];
+    let mut members: Vec<Child> = ports
+        .iter()
+        .map(|p| {
+            let addr = format!("127.0.0.1:{p}");
+            let extra = ["--metrics-addr", addr.as_str(), "-X", "session.timeout.ms=6000", "--batch-size", "64"];
+            spawn_consumer(&brokers, &redis.url(), &group, &rules_path, &extra)
+        })
+        .collect();
+    for p in ports {
+        wait_ready(p, "consume member");
+    }
+    let serve_port = free_port();
+    let mut serve = spawn_serve(serve_port, &redis.url(), &rules_path, &[]);
+    wait_ready(serve_port, "serve");
+
+    // Kafka and serve at once: the three instances take credits of the
+    // same buckets concurrently.
+    let producing = {
+        let (brokers, kafka) = (brokers.clone(), kafka.clone());
+        tokio::spawn(async move {
+            callguard::online::produce::produce(kafka.iter(), &brokers, &[], "calls")
+                .await
+                .unwrap()
+        })
+    };
+    let stop_after = kill_serve.then_some(served.len() / 2);
+    let checking = std::thread::spawn(move || check_all(serve_port, served, stop_after));
+    let (answers, left) = tokio::task::spawn_blocking(move || checking.join().unwrap())
+        .await
+        .unwrap();
+    if kill_serve {
+        let _ = serve.kill();
+        let _ = serve.wait();
+        // The switch fails over: the rest of serve's callers through Kafka.
+        callguard::online::produce::produce(left.iter(), &brokers, &[], "calls")
+            .await
+            .unwrap();
+    }
+    producing.await.unwrap();
+    let expected_kafka = kafka.len() + left.len();
+    let records = read_decisions(&brokers, "call-decisions", expected_kafka, Duration::from_secs(300)).await;
+    let _ = serve.kill();
+    let _ = serve.wait();
+    for m in &mut members {
+        signal(m, "TERM");
+        let _ = m.wait();
+    }
+
+    let mut online = by_call_id(&records);
+    assert_eq!(online.len(), expected_kafka, "every Kafka call decided once");
+    for a in answers {
+        online.insert(a["call_id"].as_str().unwrap().to_string(), a);
+    }
+    assert_eq!(online.len(), all.len(), "every call decided");
+
+    // The victim: never above the limit in a bucket; short of it by at most
+    // the credits the other instances can hold (a block each, after their
+    // batch), and the killed one's in-flight check.
+    let mut admitted: HashMap<i64, u64> = HashMap::new();
+    let mut rejected: HashMap<i64, u64> = HashMap::new();
+    let mut exact: HashMap<i64, u64> = HashMap::new();
+    let offline = common::replay_records(&all, &rules);
+    for e in all.iter().filter(|e| e.callee.as_deref() == Some(TDOS_VICTIM)) {
+        let b = e.ts_ms.div_euclid(WINDOW_MS);
+        let got = &online[e.call_id.as_str()];
+        if std::env::var("AGG_DEBUG").is_ok() && b == 176458680 {
+            eprintln!("{got}");
+        }
+        match got["decision"].as_str() {
+            Some("allow") => *admitted.entry(b).or_default() += 1,
+            _ => {
+                assert_eq!(got["reason"], "tdos", "{got}");
+                *rejected.entry(b).or_default() += 1
+            }
+        }
+        if offline[e.call_id.as_str()]["decision"] == "allow" {
+            *exact.entry(b).or_default() += 1;
+        }
+    }
+    let bound = 2 * block_cap(LIMIT) + u64::from(kill_serve);
+    let mut shortfall = 0;
+    for (b, &n) in &admitted {
+        assert!(n <= LIMIT, "bucket {b}: {n} calls admitted to the victim, limit {LIMIT}");
+        if rejected.get(b).copied().unwrap_or(0) > 0 {
+            assert!(
+                LIMIT - n <= bound,
+                "bucket {b}: {n} admitted with calls rejected: short by more than {bound}"
+            );
+            shortfall += LIMIT - n;
+        }
+    }
+    let (on, off): (u64, u64) = (admitted.values().sum(), exact.values().sum());
+    eprintln!(
+        "victim: {on} admitted online, {off} offline, over {} buckets; shortfall {shortfall} \
+         (bound {bound} a bucket); {} rejected",
+        exact.len(),
+        rejected.values().sum::<u64>()
+    );
+    assert!(on <= off, "online admitted more than the exact count");
+
+    // Every other call as replay decides it (its tdos count is the
+    // instance's view of its callee: left out).
+    let mut differ = 0;
+    for e in all.iter().filter(|e| e.callee.as_deref() != Some(TDOS_VICTIM)) {
+        let want = &offline[e.call_id.as_str()];
+        let got = &online[e.call_id.as_str()];
+        for (k, v) in want.as_object().unwrap() {
+            if k != "count_tdos" && got.get(k) != Some(v) {
+                if differ < 3 {
+                    eprintln!("call {}: {k} = {:?}, replay says {v}", e.call_id, got.get(k));
+                }
+                differ += 1;
+            }
+        }
+    }
+    assert_eq!(differ, 0, "{differ} fields differ from replay");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_hold_a_callee_limit_together() {
+    three_instances(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_instances_hold_a_callee_limit_with_one_killed_midway() {
+    three_instances(true).await;
+}
+
+/// `--on-store-error local --expected-instances 3`: with Redis stopped a
+/// `serve` admits a third of the callee's limit per bucket on its own,
+/// every record degraded; after Redis is back (a restart), the credits
+/// come from Redis again.
+#[test]
+fn the_local_fallback_takes_its_share_of_a_callee_limit() {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules_path = dir.path().join("rules.toml");
+    std::fs::write(&rules_path, RULES.replace("limit = 50", "limit = 30")).unwrap();
+    let port = free_port();
+    let mut serve = spawn_serve(
+        port,
+        &redis.url(),
+        &rules_path,
+        &["--on-store-error", "local", "--expected-instances", "3"],
+    );
+    wait_ready(port, "serve");
+    let mut conn = HttpConn::connect(port);
+    let t0 = 1_764_590_400_000i64;
+    let mut check = |id: &str, caller: &str, dt: i64| {
+        let body = serde_json::json!({"call_id": id, "caller": caller, "callee": TDOS_VICTIM, "ts": t0 + dt});
+        let r = conn.post("/v1/check", &body.to_string());
+        assert!(r.status != 503 && r.status < 500, "{}: {}", r.status, r.body);
+        r.json()
+    };
+    let v = check("up0", "+442000000001", 0);
+    assert_eq!((v["degraded"].as_bool(), v["count_tdos"].as_u64()), (Some(false), Some(1)));
+    let (redis_port, redis_dir) = redis.stop();
+    let mut allowed = 0;
+    for i in 0..40 {
+        let v = check(&format!("down{i}"), &format!("+4420000{:05}", 100 + i), 1 + i);
+        assert_eq!(v["degraded"], true, "{v}");
+        if v["decision"] == "allow" {
+            allowed += 1;
+        } else {
+            assert_eq!(v["reason"], "tdos", "{v}");
+            assert!(v["retry_after_ms"].as_i64().is_some_and(|r| r > 0), "{v}");
+        }
+    }
+    assert_eq!(allowed, 10, "a third of 30 while alone");
+    let _redis = RedisServer::start_in(redis_port, redis_dir, &[]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    loop {
+        n += 1;
+        let v = check(&format!("back{n}"), &format!("+4421000{n:05}"), 5_000 + n);
+        if v["degraded"] == false {
+            // Redis kept its counter (the server restarted from its dump,
+            // or started empty): the count is Redis's, not the local one.
+            assert_eq!(v["reason"], "ok", "{v}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "still local: {v}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = serve.kill();
+    let _ = serve.wait();
+}
