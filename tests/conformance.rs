@@ -269,6 +269,7 @@ async fn standalone_random_sequences_match_memory() {
 /// either mode decides like the in-memory store behind the in-process
 /// ledger (the offline path), whatever the batches.
 async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
+    let mut unblocked = 0;
     for mode in MODES {
         for seed in seeds.clone() {
             let (rules, events) = random::aggregate_case(seed, 600, 6);
@@ -285,6 +286,30 @@ async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
                 assert_eq!(g, x, "{mode:?}: seed {seed}, event #{i}, rules {rules:?}");
             }
             assert_eq!(got.len(), expected.len());
+            // A reject by the aggregate rule blocks no caller: callers no
+            // other rule rejected have no block key.
+            let by_others: std::collections::HashSet<&str> = got
+                .iter()
+                .filter(|v| v.record.retry_after_ms.is_some() && v.record.reason != "agg")
+                .map(|v| v.record.caller.as_str())
+                .collect();
+            let cfg = config(urls.clone(), &prefix);
+            let mut con = redis::Client::open(urls[0].as_str())
+                .unwrap()
+                .get_connection()
+                .unwrap();
+            for v in got.iter().filter(|v| {
+                v.record.reason == "agg" && v.record.retry_after_ms.is_some() && urls.len() == 1
+            }) {
+                if !by_others.contains(v.record.caller.as_str()) {
+                    let key: Option<String> = redis::cmd("GET")
+                        .arg(cfg.block_key(&v.record.caller))
+                        .query(&mut con)
+                        .unwrap();
+                    assert_eq!(key, None, "{mode:?} seed {seed}: {} blocked", v.record.caller);
+                    unblocked += 1;
+                }
+            }
             let k = rules.rules.iter().position(|r| r.key.is_aggregate()).unwrap();
             assert!(
                 expected.iter().any(|v| v.record.counts[k] > 1),
@@ -292,6 +317,7 @@ async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
             );
         }
     }
+    assert!(urls.len() > 1 || unblocked > 20, "{unblocked} unblocked rejects checked");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
