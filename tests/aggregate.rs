@@ -321,3 +321,66 @@ fn the_local_fallback_takes_its_share_of_a_callee_limit() {
     let _ = serve.kill();
     let _ = serve.wait();
 }
+
+/// Offline: `tune` sweeps a caller's rule beside a callee limit as
+/// `replay` decides at each N (the callee limit counts before the
+/// caller's rules, the same for every N), `features` writes its counts, and
+/// a sweep of the callee rule itself is refused with a reason.
+#[test]
+fn tune_and_features_take_callee_limits_as_replay_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("calls.csv");
+    let o = Command::new(common::bin())
+        .args(["generate", "--rows", "6000", "--tdos", "1200", "-o"])
+        .arg(&csv)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rules_at = |limit: u64| {
+        let path = dir.path().join(format!("rules-{limit}.toml"));
+        std::fs::write(&path, RULES.replace("limit = 20", &format!("limit = {limit}"))).unwrap();
+        path
+    };
+    let run = |args: &[&str], rules: &Path| {
+        let o = Command::new(common::bin()).args(args).arg("--rules").arg(rules).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        o
+    };
+    let table = dir.path().join("sweep.csv");
+    let (input, sweep_out) = (csv.to_str().unwrap(), table.to_str().unwrap());
+    run(&["tune", "-i", input, "--sweep", "minute", "--limits", "1..12", "-o", sweep_out], &rules_at(20));
+    let rejected: Vec<u64> = std::fs::read_to_string(&table)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    for n in [1u64, 3, 12] {
+        let out = dir.path().join(format!("d{n}.csv"));
+        run(&["replay", "-i", input, "-o", out.to_str().unwrap()], &rules_at(n));
+        let text = std::fs::read_to_string(&out).unwrap();
+        let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
+        let by_tdos = text.lines().filter(|l| l.contains(",reject,tdos,")).count();
+        assert!(by_tdos > 50, "N = {n}: {by_tdos} rejected by the callee limit");
+        assert_eq!(rejected[n as usize - 1], rejects, "N = {n}");
+    }
+    let features = dir.path().join("features.csv");
+    run(&["features", "-i", input, "-o", features.to_str().unwrap()], &rules_at(20));
+    let text = std::fs::read_to_string(&features).unwrap();
+    let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == "count_tdos").expect("a count_tdos column");
+    let peak = text
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok())
+        .max();
+    assert_eq!(peak, Some(LIMIT + 1), "a rejected call counts the limit plus one");
+    let o = Command::new(common::bin())
+        .args(["tune", "-i", input, "--sweep", "tdos", "--rules"])
+        .arg(rules_at(20))
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("keyed by callee"), "{err}");
+}
