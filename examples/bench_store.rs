@@ -126,6 +126,12 @@ async fn main() {
             let _ = server.wait();
             return;
         }
+        Some("aggregate") => {
+            aggregate_cost(&mut con, &url, total).await;
+            let _ = server.kill();
+            let _ = server.wait();
+            return;
+        }
         Some("ceiling") => {
             ceiling_comparison(&mut con, &url, port, total).await;
             let _ = server.kill();
@@ -505,5 +511,89 @@ async fn flood(con: &mut redis::Connection, url: &str) {
             print!(" {:.0}/s |", per as f64 / start.elapsed().as_secs_f64());
         }
         println!();
+    }
+}
+
+/// Commands Redis has run (scripts' inner calls included).
+fn redis_commands(con: &mut redis::Connection) -> f64 {
+    let info: String = redis::cmd("INFO").arg("stats").query(con).expect("INFO");
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("total_commands_processed")
+}
+
+/// `aggregate`: what a rule keyed by callee (5,000 callees called in turn,
+/// each once per batch or less: a lease per call, the worst case) or
+/// global (one hot counter) costs the default store, data/rules.toml,
+/// behind the gate as `consume` runs it; median of 3 alternated rounds.
+async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
+    use callguard::store::gated::{Gated, Ledger};
+    use callguard::store::redis::lease::RedisLedger;
+    let base = include_str!("../data/rules.toml");
+    let callee = "\n[[rule]]\nname = \"tdos\"\nkey = \"callee\"\nkind = \"fixed\"\nwindow = \"10s\"\nlimit = 50\n";
+    let global = "\n[[rule]]\nname = \"all\"\nkey = \"global\"\nkind = \"fixed\"\nwindow = \"1s\"\nlimit = 1000000\n";
+    let fourth = "\n[[rule]]\nname = \"ten\"\nkind = \"fixed\"\nwindow = \"10s\"\nlimit = 50\n";
+    let sets = [
+        (
+            "data/rules.toml (3 rules)",
+            RuleSet::from_toml(base).expect("rules"),
+        ),
+        (
+            "+ a caller rule (fixed 10 s, 50), for scale",
+            RuleSet::from_toml(&format!("{base}{fourth}")).expect("rules"),
+        ),
+        (
+            "+ a callee rule (fixed 10 s, 50)",
+            RuleSet::from_toml(&format!("{base}{callee}")).expect("rules"),
+        ),
+        (
+            "+ a global rule (fixed 1 s)",
+            RuleSet::from_toml(&format!("{base}{global}")).expect("rules"),
+        ),
+    ];
+    let mut rounds: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); sets.len()];
+    for _ in 0..3 {
+        for (k, (_, rules)) in sets.iter().enumerate() {
+            let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
+            let config = RedisConfig {
+                urls: vec![url.to_string()],
+                ..RedisConfig::default()
+            };
+            let ledger = Ledger::Redis(Box::new(RedisLedger::new(config.clone())));
+            let mut store = Gated::new(connect(config, true).await, ledger);
+            let events: Vec<CallEvent> = (0..total)
+                .map(|i| {
+                    let mut e = event(i % 100_000, i, T0 + (i as i64) * 2);
+                    e.callee = Some(format!("+3491{:07}", i % 5_000).into());
+                    e
+                })
+                .collect();
+            let commands = redis_commands(con);
+            let cpu = redis_cpu(con);
+            let start = Instant::now();
+            for chunk in events.chunks(PIPELINE) {
+                store.apply_batch(rules, chunk).await.expect("apply");
+            }
+            let rate = total as f64 / start.elapsed().as_secs_f64();
+            let per_event = (redis_commands(con) - commands) / total as f64;
+            let cpu = (redis_cpu(con) - cpu) * 1e6 / total as f64;
+            rounds[k].push((rate, per_event, cpu));
+        }
+    }
+    println!("\n## Rules keyed by callee or global, {total} events, cached store behind the gate, median of 3\n");
+    println!("| rule set | events/s | ratio | Redis commands per event | Redis CPU µs per event |");
+    println!("|---|---|---|---|---|");
+    let mut base_rate = 0.0;
+    for ((what, _), mut r) in sets.iter().zip(rounds) {
+        r.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let (rate, per_event, cpu) = r[1];
+        if base_rate == 0.0 {
+            base_rate = rate;
+        }
+        println!(
+            "| {what} | {rate:.0} | {:.2} | {per_event:.2} | {cpu:.1} |",
+            rate / base_rate
+        );
     }
 }

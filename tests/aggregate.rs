@@ -94,7 +94,11 @@ fn wait_ready(port: u16, what: &str) {
 
 /// Posts each event to `serve` in order; stops after `stop_after` (the
 /// process is then killed) and returns the answers and the events left.
-fn check_all(port: u16, events: Vec<CallEvent>, stop_after: Option<usize>) -> (Vec<Value>, Vec<CallEvent>) {
+fn check_all(
+    port: u16,
+    events: Vec<CallEvent>,
+    stop_after: Option<usize>,
+) -> (Vec<Value>, Vec<CallEvent>) {
     let mut conn = HttpConn::connect(port);
     let mut answers = Vec::new();
     let mut left = Vec::new();
@@ -130,7 +134,9 @@ async fn three_instances(kill_serve: bool) {
     let rules = RuleSet::from_file(&rules_path).unwrap();
     let all = events();
     let (served, kafka): (Vec<CallEvent>, Vec<CallEvent>) = all.iter().cloned().partition(to_serve);
-    assert!(served.iter().any(|e| e.callee.as_deref() == Some(TDOS_VICTIM)));
+    assert!(served
+        .iter()
+        .any(|e| e.callee.as_deref() == Some(TDOS_VICTIM)));
 
     let group = format!("agg-{kill_serve}");
     let ports = [free_port(), free_port()];
@@ -138,7 +144,14 @@ async fn three_instances(kill_serve: bool) {
         .iter()
         .map(|p| {
             let addr = format!("127.0.0.1:{p}");
-            let extra = ["--metrics-addr", addr.as_str(), "-X", "session.timeout.ms=6000", "--batch-size", "64"];
+            let extra = [
+                "--metrics-addr",
+                addr.as_str(),
+                "-X",
+                "session.timeout.ms=6000",
+                "--batch-size",
+                "64",
+            ];
             spawn_consumer(&brokers, &redis.url(), &group, &rules_path, &extra)
         })
         .collect();
@@ -174,7 +187,13 @@ async fn three_instances(kill_serve: bool) {
     }
     producing.await.unwrap();
     let expected_kafka = kafka.len() + left.len();
-    let records = read_decisions(&brokers, "call-decisions", expected_kafka, Duration::from_secs(300)).await;
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        expected_kafka,
+        Duration::from_secs(300),
+    )
+    .await;
     let _ = serve.kill();
     let _ = serve.wait();
     for m in &mut members {
@@ -183,7 +202,11 @@ async fn three_instances(kill_serve: bool) {
     }
 
     let mut online = by_call_id(&records);
-    assert_eq!(online.len(), expected_kafka, "every Kafka call decided once");
+    assert_eq!(
+        online.len(),
+        expected_kafka,
+        "every Kafka call decided once"
+    );
     for a in answers {
         online.insert(a["call_id"].as_str().unwrap().to_string(), a);
     }
@@ -196,12 +219,12 @@ async fn three_instances(kill_serve: bool) {
     let mut rejected: HashMap<i64, u64> = HashMap::new();
     let mut exact: HashMap<i64, u64> = HashMap::new();
     let offline = common::replay_records(&all, &rules);
-    for e in all.iter().filter(|e| e.callee.as_deref() == Some(TDOS_VICTIM)) {
+    for e in all
+        .iter()
+        .filter(|e| e.callee.as_deref() == Some(TDOS_VICTIM))
+    {
         let b = e.ts_ms.div_euclid(WINDOW_MS);
         let got = &online[e.call_id.as_str()];
-        if std::env::var("AGG_DEBUG").is_ok() && b == 176458680 {
-            eprintln!("{got}");
-        }
         match got["decision"].as_str() {
             Some("allow") => *admitted.entry(b).or_default() += 1,
             _ => {
@@ -216,7 +239,10 @@ async fn three_instances(kill_serve: bool) {
     let bound = 2 * block_cap(LIMIT) + u64::from(kill_serve);
     let mut shortfall = 0;
     for (b, &n) in &admitted {
-        assert!(n <= LIMIT, "bucket {b}: {n} calls admitted to the victim, limit {LIMIT}");
+        assert!(
+            n <= LIMIT,
+            "bucket {b}: {n} calls admitted to the victim, limit {LIMIT}"
+        );
         if rejected.get(b).copied().unwrap_or(0) > 0 {
             assert!(
                 LIMIT - n <= bound,
@@ -237,13 +263,20 @@ async fn three_instances(kill_serve: bool) {
     // Every other call as replay decides it (its tdos count is the
     // instance's view of its callee: left out).
     let mut differ = 0;
-    for e in all.iter().filter(|e| e.callee.as_deref() != Some(TDOS_VICTIM)) {
+    for e in all
+        .iter()
+        .filter(|e| e.callee.as_deref() != Some(TDOS_VICTIM))
+    {
         let want = &offline[e.call_id.as_str()];
         let got = &online[e.call_id.as_str()];
         for (k, v) in want.as_object().unwrap() {
             if k != "count_tdos" && got.get(k) != Some(v) {
                 if differ < 3 {
-                    eprintln!("call {}: {k} = {:?}, replay says {v}", e.call_id, got.get(k));
+                    eprintln!(
+                        "call {}: {k} = {:?}, replay says {v}",
+                        e.call_id,
+                        got.get(k)
+                    );
                 }
                 differ += 1;
             }
@@ -285,15 +318,27 @@ fn the_local_fallback_takes_its_share_of_a_callee_limit() {
     let mut check = |id: &str, caller: &str, dt: i64| {
         let body = serde_json::json!({"call_id": id, "caller": caller, "callee": TDOS_VICTIM, "ts": t0 + dt});
         let r = conn.post("/v1/check", &body.to_string());
-        assert!(r.status != 503 && r.status < 500, "{}: {}", r.status, r.body);
+        assert!(
+            r.status != 503 && r.status < 500,
+            "{}: {}",
+            r.status,
+            r.body
+        );
         r.json()
     };
     let v = check("up0", "+442000000001", 0);
-    assert_eq!((v["degraded"].as_bool(), v["count_tdos"].as_u64()), (Some(false), Some(1)));
+    assert_eq!(
+        (v["degraded"].as_bool(), v["count_tdos"].as_u64()),
+        (Some(false), Some(1))
+    );
     let (redis_port, redis_dir) = redis.stop();
     let mut allowed = 0;
     for i in 0..40 {
-        let v = check(&format!("down{i}"), &format!("+4420000{:05}", 100 + i), 1 + i);
+        let v = check(
+            &format!("down{i}"),
+            &format!("+4420000{:05}", 100 + i),
+            1 + i,
+        );
         assert_eq!(v["degraded"], true, "{v}");
         if v["decision"] == "allow" {
             allowed += 1;
@@ -338,17 +383,35 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let rules_at = |limit: u64| {
         let path = dir.path().join(format!("rules-{limit}.toml"));
-        std::fs::write(&path, RULES.replace("limit = 20", &format!("limit = {limit}"))).unwrap();
+        std::fs::write(
+            &path,
+            RULES.replace("limit = 20", &format!("limit = {limit}")),
+        )
+        .unwrap();
         path
     };
     let run = |args: &[&str], rules: &Path| {
-        let o = Command::new(common::bin()).args(args).arg("--rules").arg(rules).output().unwrap();
-        assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        let o = Command::new(common::bin())
+            .args(args)
+            .arg("--rules")
+            .arg(rules)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         o
     };
     let table = dir.path().join("sweep.csv");
     let (input, sweep_out) = (csv.to_str().unwrap(), table.to_str().unwrap());
-    run(&["tune", "-i", input, "--sweep", "minute", "--limits", "1..12", "-o", sweep_out], &rules_at(20));
+    run(
+        &[
+            "tune", "-i", input, "--sweep", "minute", "--limits", "1..12", "-o", sweep_out,
+        ],
+        &rules_at(20),
+    );
     let rejected: Vec<u64> = std::fs::read_to_string(&table)
         .unwrap()
         .lines()
@@ -357,24 +420,40 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
         .collect();
     for n in [1u64, 3, 12] {
         let out = dir.path().join(format!("d{n}.csv"));
-        run(&["replay", "-i", input, "-o", out.to_str().unwrap()], &rules_at(n));
+        run(
+            &["replay", "-i", input, "-o", out.to_str().unwrap()],
+            &rules_at(n),
+        );
         let text = std::fs::read_to_string(&out).unwrap();
         let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
         let by_tdos = text.lines().filter(|l| l.contains(",reject,tdos,")).count();
-        assert!(by_tdos > 50, "N = {n}: {by_tdos} rejected by the callee limit");
+        assert!(
+            by_tdos > 50,
+            "N = {n}: {by_tdos} rejected by the callee limit"
+        );
         assert_eq!(rejected[n as usize - 1], rejects, "N = {n}");
     }
     let features = dir.path().join("features.csv");
-    run(&["features", "-i", input, "-o", features.to_str().unwrap()], &rules_at(20));
+    run(
+        &["features", "-i", input, "-o", features.to_str().unwrap()],
+        &rules_at(20),
+    );
     let text = std::fs::read_to_string(&features).unwrap();
     let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
-    let col = header.iter().position(|h| *h == "count_tdos").expect("a count_tdos column");
+    let col = header
+        .iter()
+        .position(|h| *h == "count_tdos")
+        .expect("a count_tdos column");
     let peak = text
         .lines()
         .skip(1)
         .filter_map(|l| l.split(',').nth(col)?.parse::<u64>().ok())
         .max();
-    assert_eq!(peak, Some(LIMIT + 1), "a rejected call counts the limit plus one");
+    assert_eq!(
+        peak,
+        Some(LIMIT + 1),
+        "a rejected call counts the limit plus one"
+    );
     let o = Command::new(common::bin())
         .args(["tune", "-i", input, "--sweep", "tdos", "--rules"])
         .arg(rules_at(20))

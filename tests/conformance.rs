@@ -7,10 +7,10 @@ mod common;
 
 use std::time::Duration;
 
+use callguard::engine::aggregate::MemoryLedger;
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::{Decision, Verdict};
 use callguard::engine::rules::RuleSet;
-use callguard::engine::aggregate::MemoryLedger;
 use callguard::store::cached::CachedStore;
 use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
@@ -306,18 +306,29 @@ async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
                         .arg(cfg.block_key(&v.record.caller))
                         .query(&mut con)
                         .unwrap();
-                    assert_eq!(key, None, "{mode:?} seed {seed}: {} blocked", v.record.caller);
+                    assert_eq!(
+                        key, None,
+                        "{mode:?} seed {seed}: {} blocked",
+                        v.record.caller
+                    );
                     unblocked += 1;
                 }
             }
-            let k = rules.rules.iter().position(|r| r.key.is_aggregate()).unwrap();
+            let k = rules
+                .rules
+                .iter()
+                .position(|r| r.key.is_aggregate())
+                .unwrap();
             assert!(
                 expected.iter().any(|v| v.record.counts[k] > 1),
                 "seed {seed}: the aggregate rule never counted past 1"
             );
         }
     }
-    assert!(urls.len() > 1 || unblocked > 20, "{unblocked} unblocked rejects checked");
+    assert!(
+        urls.len() > 1 || unblocked > 20,
+        "{unblocked} unblocked rejects checked"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

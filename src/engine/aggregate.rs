@@ -66,6 +66,18 @@ pub fn block_cap(limit: u64) -> u64 {
     (limit / 16).max(1)
 }
 
+/// Credits taken beyond a batch's need for a key this instance counted
+/// `recent` calls of (in this bucket or the one before): as many again,
+/// up to [`block_cap`]; none for a key called once (most callees: a
+/// credit held for them would only die with the bucket).
+fn extra(recent: u64, limit: u64) -> u64 {
+    if recent < 2 {
+        0
+    } else {
+        recent.min(block_cap(limit))
+    }
+}
+
 /// One counter: a rule's window for one key in one bucket.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CounterId {
@@ -237,7 +249,7 @@ pub struct Gate {
     counters: HashMap<CounterId, Held>,
     expiry: BinaryHeap<Reverse<(i64, CounterId)>>,
     latest: Option<i64>,
-    remembered: HashMap<CompactString, Box<[Aggregated]>>,
+    remembered: HashMap<CompactString, std::sync::Arc<[Aggregated]>>,
     remembered_order: VecDeque<CompactString>,
 }
 
@@ -333,7 +345,7 @@ impl Gate {
                 counter: id,
                 approx: rule.kind == WindowKind::SlidingApprox,
                 limit: rule.limit,
-                want: need.saturating_sub(have) + recent.min(block_cap(rule.limit)),
+                want: need.saturating_sub(have) + extra(recent, rule.limit),
                 give_back,
                 ttl_ms: rule
                     .window_ms
@@ -379,7 +391,7 @@ impl Gate {
                     out[i] = self.judge(rules, i, &id, ev.ts_ms);
                 }
             }
-            let out: Box<[Aggregated]> = out.into();
+            let out: std::sync::Arc<[Aggregated]> = out.into();
             self.remember(&ev.call_id, out.clone());
             ev.aggregate = Some(out);
         }
@@ -454,7 +466,7 @@ impl Gate {
         }
     }
 
-    fn remember(&mut self, call_id: &CompactString, out: Box<[Aggregated]>) {
+    fn remember(&mut self, call_id: &CompactString, out: std::sync::Arc<[Aggregated]>) {
         if self.remembered_order.len() >= REMEMBERED_IDS {
             if let Some(old) = self.remembered_order.pop_front() {
                 self.remembered.remove(&old);

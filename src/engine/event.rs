@@ -119,7 +119,7 @@ pub struct CallEvent {
     /// entry per rule of the set (others zero), filled in by
     /// [`crate::engine::aggregate::Gate`] before the caller's rules decide;
     /// `None` when the set has no such rule.
-    pub aggregate: Option<Box<[Aggregated]>>,
+    pub aggregate: Option<std::sync::Arc<[Aggregated]>>,
 }
 
 /// One rule keyed by callee or global, for one call: its count and, when

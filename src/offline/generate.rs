@@ -74,7 +74,11 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
             caller: callers[rng.random_range(0..callers.len())].clone(),
             callee: TDOS_VICTIM.into(),
             ts_ms: t,
-            duration_ms: if rng.random_bool(0.3) { rng.random_range(1_000..20_000) } else { 0 },
+            duration_ms: if rng.random_bool(0.3) {
+                rng.random_range(1_000..20_000)
+            } else {
+                0
+            },
             fraud: true,
             population: "tdos",
         });

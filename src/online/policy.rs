@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use tracing::warn;
 
+use crate::engine::aggregate::{Gate, MemoryLedger};
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
-use crate::engine::aggregate::{Gate, MemoryLedger};
 use crate::store::memory::MemoryStore;
 use crate::store::WindowStore;
 

@@ -51,7 +51,11 @@ fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
         let r = e.ts_ms - b * w;
         let c = counts.get(&(key.clone(), b)).copied().unwrap_or(0);
         let p = counts.get(&(key.clone(), b - 1)).copied().unwrap_or(0);
-        let weighted = if approx { p * (w - r - 1).max(0) as u64 / w as u64 } else { 0 };
+        let weighted = if approx {
+            p * (w - r - 1).max(0) as u64 / w as u64
+        } else {
+            0
+        };
         let count = weighted + c + 1;
         let admitted = count <= n;
         if admitted {
@@ -77,9 +81,21 @@ fn random_events(rng: &mut StdRng, len: usize, w: i64) -> Vec<CallEvent> {
     (0..len)
         .map(|i| {
             t += rng.random_range(0..w / 4);
-            let jitter = if rng.random_range(0..30) == 0 { rng.random_range(0..8 * w) } else { rng.random_range(0..w / 2) };
-            let id = if i > 0 && rng.random_range(0..20) == 0 { rng.random_range(0..i) } else { i };
-            ev(id, t - jitter, &format!("+3491000000{}", rng.random_range(0..3)))
+            let jitter = if rng.random_range(0..30) == 0 {
+                rng.random_range(0..8 * w)
+            } else {
+                rng.random_range(0..w / 2)
+            };
+            let id = if i > 0 && rng.random_range(0..20) == 0 {
+                rng.random_range(0..i)
+            } else {
+                i
+            };
+            ev(
+                id,
+                t - jitter,
+                &format!("+3491000000{}", rng.random_range(0..3)),
+            )
         })
         .collect()
 }
@@ -88,8 +104,16 @@ fn random_events(rng: &mut StdRng, len: usize, w: i64) -> Vec<CallEvent> {
 fn one_instance_on_the_memory_ledger_is_the_contract_whatever_the_batches() {
     let mut rng = StdRng::seed_from_u64(7);
     for case in 0..300 {
-        let kind = if case % 2 == 0 { WindowKind::Fixed } else { WindowKind::SlidingApprox };
-        let key = if case % 3 == 0 { RuleKey::Global } else { RuleKey::Callee };
+        let kind = if case % 2 == 0 {
+            WindowKind::Fixed
+        } else {
+            WindowKind::SlidingApprox
+        };
+        let key = if case % 3 == 0 {
+            RuleKey::Global
+        } else {
+            RuleKey::Callee
+        };
         let w = rng.random_range(40..400);
         let n = rng.random_range(1..12);
         let set = rules(kind, key, w, n);
@@ -104,7 +128,9 @@ fn one_instance_on_the_memory_ledger_is_the_contract_whatever_the_batches() {
         }
         let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
         assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
-        assert!(events.iter().all(|e| e.aggregated(0) == Aggregated::default()));
+        assert!(events
+            .iter()
+            .all(|e| e.aggregated(0) == Aggregated::default()));
     }
 }
 
@@ -124,25 +150,39 @@ fn instances_sharing_a_ledger_never_admit_past_the_limit_and_hold_at_most_a_bloc
             let mut batch: Vec<CallEvent> = (0..rng.random_range(1..30))
                 .map(|k| {
                     t += rng.random_range(0..20);
-                    ev(round * 100 + k, t, &format!("+349100000{}", rng.random_range(0..2)))
+                    ev(
+                        round * 100 + k,
+                        t,
+                        &format!("+349100000{}", rng.random_range(0..2)),
+                    )
                 })
                 .collect();
             gates[g].run(&mut ledger, &set, &mut batch);
             for e in &batch {
                 let a = e.aggregated(1);
                 if a.count <= n {
-                    let key = (e.callee.clone().unwrap_or_default().to_string(), e.ts_ms / w);
+                    let key = (
+                        e.callee.clone().unwrap_or_default().to_string(),
+                        e.ts_ms / w,
+                    );
                     *admitted.entry(key).or_default() += 1;
                 }
             }
             for gate in &gates {
                 for h in gate.counters.values() {
-                    assert!(h.held <= block_cap(n), "case {case}: holds {} > block", h.held);
+                    assert!(
+                        h.held <= block_cap(n),
+                        "case {case}: holds {} > block",
+                        h.held
+                    );
                 }
             }
         }
         for ((key, b), a) in &admitted {
-            assert!(*a <= n, "case {case}: {a} admitted to {key} in bucket {b}, limit {n}");
+            assert!(
+                *a <= n,
+                "case {case}: {a} admitted to {key} in bucket {b}, limit {n}"
+            );
         }
     }
 }
@@ -150,13 +190,20 @@ fn instances_sharing_a_ledger_never_admit_past_the_limit_and_hold_at_most_a_bloc
 #[test]
 fn a_share_scales_the_limit_and_never_goes_to_zero() {
     let set = rules(WindowKind::Fixed, RuleKey::Global, 10_000, 9);
-    let mut events: Vec<CallEvent> = (0..20).map(|i| ev(i, 5_000 + i as i64, "+34910000001")).collect();
+    let mut events: Vec<CallEvent> = (0..20)
+        .map(|i| ev(i, 5_000 + i as i64, "+34910000001"))
+        .collect();
     Gate::new().run(&mut MemoryLedger::with_share(1.0 / 3.0), &set, &mut events);
     let admitted = events.iter().filter(|e| e.aggregated(1).count <= 9).count();
     assert_eq!(admitted, 3);
-    let mut events: Vec<CallEvent> = (0..5).map(|i| ev(i, 5_000 + i as i64, "+34910000001")).collect();
+    let mut events: Vec<CallEvent> = (0..5)
+        .map(|i| ev(i, 5_000 + i as i64, "+34910000001"))
+        .collect();
     Gate::new().run(&mut MemoryLedger::with_share(0.01), &set, &mut events);
-    assert_eq!(events.iter().filter(|e| e.aggregated(1).count <= 9).count(), 1);
+    assert_eq!(
+        events.iter().filter(|e| e.aggregated(1).count <= 9).count(),
+        1
+    );
 }
 
 #[test]
@@ -165,7 +212,11 @@ fn a_call_decided_before_takes_no_second_credit() {
     let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
     let mut first = vec![ev(1, 100, "+34910000001")];
     gate.run(&mut ledger, &set, &mut first);
-    let mut again = vec![ev(1, 100, "+34910000001"), ev(2, 101, "+34910000001"), ev(3, 102, "+34910000001")];
+    let mut again = vec![
+        ev(1, 100, "+34910000001"),
+        ev(2, 101, "+34910000001"),
+        ev(3, 102, "+34910000001"),
+    ];
     gate.run(&mut ledger, &set, &mut again);
     let counts: Vec<u64> = again.iter().map(|e| e.aggregated(1).count).collect();
     assert_eq!(counts, vec![1, 2, 3]);

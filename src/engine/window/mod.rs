@@ -390,7 +390,14 @@ fn sliding_rejects_until(log: &VecDeque<i64>, w: i64, n: u64, t: i64) -> Option<
 /// The last time a sliding-approx rule (window `w`, limit `n`) rejects, for
 /// counters `cur` and `prev` of bucket `cb` and no further calls; `expires`
 /// is when the caller's state expires (from then on every call counts 1).
-pub(crate) fn approx_rejects_until(cb: i64, cur: u64, prev: u64, w: i64, n: u64, expires: i64) -> Option<i64> {
+pub(crate) fn approx_rejects_until(
+    cb: i64,
+    cur: u64,
+    prev: u64,
+    w: i64,
+    n: u64,
+    expires: i64,
+) -> Option<i64> {
     let wu = w as u128;
     // Within a bucket the estimate is floor(x * (w - r - 1) / w) + extra,
     // over the limit while x * (w - r - 1) >= (n - extra + 1) * w, so the

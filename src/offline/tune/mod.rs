@@ -272,7 +272,11 @@ impl Sweeper {
                 "rule `{}` is keyed by {}: tune sweeps rules keyed by caller (replay the log \
                  at a few limits to compare)",
                 rules.rules[index].name,
-                if rules.rules[index].key == crate::engine::rules::RuleKey::Global { "global" } else { "callee" }
+                if rules.rules[index].key == crate::engine::rules::RuleKey::Global {
+                    "global"
+                } else {
+                    "callee"
+                }
             )));
         }
         if index >= rules.rules.len() {

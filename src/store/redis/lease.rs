@@ -2,10 +2,14 @@
 //! (`lua/lease.lua`; [`crate::engine::aggregate::MemoryLedger`] is its
 //! reference).
 //!
-//! A counter's key is `<prefix>g:{<shard>}:<rule>:<W>:<key>:<bucket>`: the
-//! shard (one of [`SHARDS`], from the key) is the hash tag, so a batch's
-//! counters go in at most [`SHARDS`] script calls on a Cluster and in one
-//! on a standalone server, whatever the number of callees.
+//! A counter is the field `<key>` (the callee; empty for a global rule)
+//! of the hash `<prefix>g:{<shard>}:<rule>:<W>:<bucket>`: the shard (one
+//! of [`SHARDS`], from the key) is the hash tag, so a batch's counters go
+//! in at most [`SHARDS`] script calls on a Cluster and in one on a
+//! standalone server, whatever the number of callees; a field costs Redis
+//! far less than a key of its own (no expiry entry; one TTL per hash).
+
+use std::collections::HashMap;
 
 use redis::Value;
 
@@ -48,10 +52,11 @@ impl RedisLedger {
         RedisLedger { config, conn: None }
     }
 
-    /// The key of a counter.
-    pub fn key(&self, rule: &str, window_ms: i64, key: &str, bucket: i64) -> String {
+    /// The hash holding the counters of a rule's bucket in one shard
+    /// (the shard from the counter's key: callee, or '' for a global rule).
+    pub fn hash_key(&self, rule: &str, window_ms: i64, key: &str, bucket: i64) -> String {
         let shard = (fnv1a(key) % SHARDS).to_string();
-        let tail = format!(":{rule}:{window_ms}:{key}:{bucket}");
+        let tail = format!(":{rule}:{window_ms}:{bucket}");
         self.config.tagged_key("g:", &shard, &tail)
     }
 
@@ -71,14 +76,14 @@ impl RedisLedger {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
+        // Per request, its hash and the previous bucket's.
         let keys: Vec<(String, String)> = requests
             .iter()
             .map(|r| {
                 let c = &r.counter;
-                let p = c.prev();
                 (
-                    self.key(&c.rule, c.window_ms, &c.key, c.bucket),
-                    self.key(&p.rule, p.window_ms, &p.key, p.bucket),
+                    self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket),
+                    self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket.saturating_sub(1)),
                 )
             })
             .collect();
@@ -92,19 +97,7 @@ impl RedisLedger {
         for attempt in 0..2 {
             let (conn, sha) = self.conn().await?;
             let calls = pending.iter().map(|group| {
-                let mut cmd = redis::cmd("EVALSHA");
-                cmd.arg(sha.as_str()).arg(group.len() * 2);
-                for &i in group {
-                    cmd.arg(&keys[i].0).arg(&keys[i].1);
-                }
-                for &i in group {
-                    let r = &requests[i];
-                    cmd.arg(r.want)
-                        .arg(r.give_back)
-                        .arg(u8::from(r.approx))
-                        .arg(r.limit)
-                        .arg(r.ttl_ms.saturating_add(slack));
-                }
+                let cmd = invocation(sha, group, requests, &keys, slack);
                 let mut pipe = redis::pipe();
                 pipe.add_command(cmd);
                 let mut conn = conn.clone();
@@ -131,8 +124,62 @@ impl RedisLedger {
             self.conn = None;
             pending = retry;
         }
-        Err(StoreError::transient("the lease script was not found twice"))
+        Err(StoreError::transient(
+            "the lease script was not found twice",
+        ))
     }
+}
+
+/// The lease script's call for one group of requests (one hash tag on a
+/// Cluster): each hash named once in KEYS.
+fn invocation(
+    sha: &str,
+    group: &[usize],
+    requests: &[LeaseRequest],
+    keys: &[(String, String)],
+    slack_ms: i64,
+) -> redis::Cmd {
+    let mut names: Vec<&str> = Vec::new();
+    let mut slots: HashMap<&str, usize> = HashMap::new();
+    let mut counters = Vec::with_capacity(group.len());
+    for &i in group {
+        let r = &requests[i];
+        let (cur, prev) = (keys[i].0.as_str(), keys[i].1.as_str());
+        let cur = *slots.entry(cur).or_insert_with(|| {
+            names.push(cur);
+            names.len()
+        });
+        let prev = if r.approx || r.give_back > 0 {
+            *slots.entry(prev).or_insert_with(|| {
+                names.push(prev);
+                names.len()
+            })
+        } else {
+            0
+        };
+        counters.push((cur, prev, r));
+    }
+    let ttl = group
+        .iter()
+        .map(|&i| requests[i].ttl_ms)
+        .max()
+        .unwrap_or(0)
+        .saturating_add(slack_ms);
+    let mut cmd = redis::cmd("EVALSHA");
+    cmd.arg(sha).arg(names.len());
+    for name in &names {
+        cmd.arg(*name);
+    }
+    cmd.arg(ttl);
+    for (cur, prev, r) in counters {
+        cmd.arg(cur)
+            .arg(prev)
+            .arg(r.counter.key.as_str())
+            .arg(r.want)
+            .arg(r.give_back)
+            .arg(r.limit);
+    }
+    cmd
 }
 
 /// One group's reply: three integers per counter.

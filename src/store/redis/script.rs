@@ -135,20 +135,24 @@ impl RedisStore {
             .arg(rules.rules.len());
         for rule in &rules.rules {
             // Rules keyed by callee or global were decided before: kind 5.
-            cmd.arg(if rule.key.is_aggregate() { 5 } else { rule.kind.code() })
-                .arg(rule.window_ms)
-                .arg(rule.limit)
-                .arg(&rule.name)
-                .arg(
-                    u8::from(rule.shadow)
-                        + 2 * u8::from(rule.own_log())
-                        + 4 * u8::from(rule.key == RuleKey::CallerCallee),
-                )
-                .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
-                .arg(
-                    rule.rate
-                        .map_or_else(String::new, |r| format!("{}/{}", r.calls, r.per_ms)),
-                );
+            cmd.arg(if rule.key.is_aggregate() {
+                5
+            } else {
+                rule.kind.code()
+            })
+            .arg(rule.window_ms)
+            .arg(rule.limit)
+            .arg(&rule.name)
+            .arg(
+                u8::from(rule.shadow)
+                    + 2 * u8::from(rule.own_log())
+                    + 4 * u8::from(rule.key == RuleKey::CallerCallee),
+            )
+            .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
+            .arg(
+                rule.rate
+                    .map_or_else(String::new, |r| format!("{}/{}", r.calls, r.per_ms)),
+            );
         }
         for ev in events {
             let listed = match rules.listed(ev.number_for_lists()) {
