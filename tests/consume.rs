@@ -769,6 +769,43 @@ async fn local_policy_decides_on_the_instances_own_windows() {
     );
 }
 
+/// The same with a limit across callers: the consumer alone admits its
+/// `local_share` of it (half of 6), the rest rejected by that rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_policy_takes_its_share_of_a_global_limit() {
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 1)));
+    let mut cfg = config(&brokers, "g-local-share");
+    cfg.on_store_error = StoreErrorPolicy::Local;
+    cfg.local_share = 0.5;
+    let rules = RuleSet::from_toml(
+        "[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 100\n\
+         [[rule]]\nname = \"all\"\nkey = \"global\"\nkind = \"fixed\"\nwindow = \"1m\"\nlimit = 6\n",
+    )
+    .unwrap();
+    let (by_id, _) = five_calls_with_redis_gone(cfg, redis, rules, "s").await;
+    let decided: Vec<(&str, &str)> = (0..5)
+        .map(|i| {
+            let r = &by_id[&format!("s{i}")];
+            assert_eq!(r["degraded"], true, "{r}");
+            (
+                r["decision"].as_str().unwrap(),
+                r["reason"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        decided,
+        [
+            ("allow", "ok"),
+            ("allow", "ok"),
+            ("allow", "ok"),
+            ("reject", "all"),
+            ("reject", "all")
+        ]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn process_serves_metrics_and_reloads_rules_on_sighup() {
     let redis = RedisServer::start(&[]);

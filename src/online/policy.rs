@@ -13,6 +13,7 @@ use crate::engine::aggregate::{Gate, MemoryLedger};
 use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::memory::MemoryStore;
@@ -82,6 +83,8 @@ impl OnStoreError {
     /// Decides the calls the store left undecided (`None`) under the
     /// policy; gives the verdicts back unchanged under `block` (the calls
     /// wait, or are answered 503).
+    /// `cached` is the store's in-process state of a caller, where the
+    /// local fallback starts it from.
     pub fn settle(
         &mut self,
         events: &[CallEvent],
@@ -89,11 +92,14 @@ impl OnStoreError {
         rules: &RuleSet,
         why: &str,
         metrics: &Metrics,
+        cached: &dyn Fn(&str) -> Option<CallerState>,
     ) -> Result<Vec<Verdict>, Vec<Option<Verdict>>> {
         match self.policy.fallback() {
             Fallback::Wait => Err(verdicts),
             Fallback::Fixed(d) => Ok(degrade(events, verdicts, rules, d, why)),
-            Fallback::Local => Ok(self.local.decide(events, verdicts, rules, why, metrics)),
+            Fallback::Local => Ok(self
+                .local
+                .decide(events, verdicts, rules, why, metrics, cached)),
         }
     }
 
@@ -105,8 +111,9 @@ impl OnStoreError {
 
 /// `--on-store-error local`: while the store fails, calls are decided by
 /// the reference algorithm on window state this instance keeps in memory,
-/// from the first call it decided so (calls before the outage are not in
-/// it: counts start afresh). Each such record is flagged `degraded`. The
+/// from the state the store held of the caller in process (the cached
+/// store's cache: the caller as this instance last saw it), else from the
+/// first call it decided so (counts start afresh). Each such record is flagged `degraded`. The
 /// state is dropped once the store answers again, so the next outage
 /// starts afresh too. The store never learns of these calls: after the
 /// outage a caller's windows in Redis lack them. Rules keyed by callee or
@@ -143,6 +150,7 @@ impl LocalFallback {
         rules: &RuleSet,
         why: &str,
         metrics: &Metrics,
+        cached: &dyn Fn(&str) -> Option<CallerState>,
     ) -> Vec<Verdict> {
         if !self.used {
             warn!(error = %why, "store failed; deciding on this instance's own state");
@@ -156,14 +164,25 @@ impl LocalFallback {
             .collect();
         self.gate.run(&mut self.ledger, rules, &mut undecided);
         let mut local = undecided.iter();
+        let mut seeded = foldhash::HashSet::default();
         verdicts
             .into_iter()
             .map(|v| {
                 v.or_else(|| {
                     let e = local.next()?;
                     metrics.fallback_decisions.inc();
+                    if !self.store.holds(&e.caller) {
+                        if let Some(state) = cached(&e.caller) {
+                            self.store.seed(&e.caller, state);
+                            seeded.insert(e.caller.clone());
+                        }
+                    }
                     let mut v = self.store.apply(rules, e);
                     v.record.degraded = true;
+                    // A state kept from the failed batch already holds its
+                    // calls, decided as the store decided them before its
+                    // write failed: this is their first answer.
+                    v.duplicate &= !seeded.contains(&e.caller);
                     Some(v)
                 })
             })

@@ -5,6 +5,7 @@
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::{cached, redis, AnyStore, StoreStats, WindowStore};
 
@@ -62,6 +63,10 @@ impl WindowStore for Connecting {
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
         self.store().await?.apply_batch_partial(rules, events).await
+    }
+
+    fn cached_state(&self, caller: &str) -> Option<CallerState> {
+        self.store.as_ref()?.cached_state(caller)
     }
 
     fn stats(&self) -> StoreStats {

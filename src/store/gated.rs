@@ -7,6 +7,7 @@ use crate::engine::aggregate::{Gate, Lease, LeaseRequest, MemoryLedger};
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::RedisLedger;
 use crate::store::{StoreStats, WindowStore};
@@ -98,6 +99,10 @@ impl<S: WindowStore> WindowStore for Gated<S> {
 
     fn stats(&self) -> StoreStats {
         self.inner.stats()
+    }
+
+    fn cached_state(&self, caller: &str) -> Option<CallerState> {
+        self.inner.cached_state(caller)
     }
 
     async fn probe(&mut self) -> Result<(), StoreError> {

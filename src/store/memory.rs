@@ -48,6 +48,18 @@ impl MemoryStore {
         }
     }
 
+    /// Starts `caller` from `state` unless it already has one here.
+    pub fn seed(&mut self, caller: &str, state: CallerState) {
+        self.callers
+            .entry(caller.into())
+            .or_insert_with(|| Box::new(state));
+    }
+
+    /// Whether `caller` has state here.
+    pub fn holds(&self, caller: &str) -> bool {
+        self.callers.contains_key(caller)
+    }
+
     /// Applies one event.
     pub fn apply(&mut self, rules: &RuleSet, ev: &CallEvent) -> Verdict {
         self.apply_unique(rules, ev, false)

@@ -26,6 +26,7 @@ use std::future::Future;
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
+use crate::engine::window::CallerState;
 use crate::error::StoreError;
 
 /// What a store counts of its own work, since it connected.
@@ -69,6 +70,13 @@ pub trait WindowStore: Send {
             let verdicts = self.apply_batch(rules, events).await?;
             Ok(verdicts.into_iter().map(Some).collect())
         }
+    }
+
+    /// The window state of `caller` this store holds in process, if any
+    /// (the cached store's cache): where a local fallback starts from while
+    /// the store fails. `None` by default.
+    fn cached_state(&self, _caller: &str) -> Option<CallerState> {
+        None
     }
 
     /// What the store has counted of its own work since it connected
@@ -137,6 +145,13 @@ impl WindowStore for AnyStore {
             AnyStore::Cached(s) => s.apply_batch_partial(rules, events).await,
             AnyStore::Memory(s) => s.apply_batch_partial(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch_partial(rules, events).await,
+        }
+    }
+
+    fn cached_state(&self, caller: &str) -> Option<CallerState> {
+        match self {
+            AnyStore::Cached(s) => s.cached_state(caller),
+            AnyStore::Redis(_) | AnyStore::Memory(_) => None,
         }
     }
 

@@ -162,7 +162,11 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
             }
             Err(err) => chain(&err),
         };
-        match on_error.settle(events, verdicts, rules, &why, metrics) {
+        let settled = {
+            let cached = |c: &str| store.cached_state(c);
+            on_error.settle(events, verdicts, rules, &why, metrics, &cached)
+        };
+        match settled {
             Ok(decided) => return Some(Ok(decided)),
             Err(undecided) => verdicts = undecided,
         }

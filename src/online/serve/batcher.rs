@@ -183,10 +183,13 @@ impl<S: WindowStore> Batcher<S> {
             self.on_error.store_answered();
             return Decided { verdicts, why };
         };
-        let verdicts = match self
-            .on_error
-            .settle(events, verdicts, rules, reason, &self.metrics)
-        {
+        let settled = {
+            let store = &self.store;
+            let cached = |c: &str| store.cached_state(c);
+            self.on_error
+                .settle(events, verdicts, rules, reason, &self.metrics, &cached)
+        };
+        let verdicts = match settled {
             Ok(decided) => decided.into_iter().map(Some).collect(),
             Err(verdicts) => {
                 let failed = verdicts.iter().filter(|v| v.is_none()).count();

@@ -148,6 +148,11 @@ impl Cache {
         self.clock += 1;
     }
 
+    /// The state held of `caller`, if any (not a use).
+    pub(super) fn peek(&self, caller: &str) -> Option<&CallerState> {
+        self.map.get(caller).map(|c| &c.state)
+    }
+
     /// Takes `caller` out (a new, empty entry if it is not held).
     pub(super) fn take(&mut self, caller: &str) -> Box<Cached> {
         let c = self.map.remove(caller).unwrap_or_default();

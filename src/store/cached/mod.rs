@@ -130,6 +130,9 @@ pub struct CachedStore {
     sha: String,
     config: RedisConfig,
     cache: Cache,
+    /// The callers of the last batch Redis failed, as decided in it (see
+    /// [`WindowStore::cached_state`]).
+    seeds: foldhash::HashMap<compact_str::CompactString, crate::engine::window::CallerState>,
     /// Newest event time seen: callers idle past the idempotency horizon
     /// leave the cache first.
     watermark: i64,
@@ -176,6 +179,7 @@ impl CachedStore {
             sha,
             config,
             cache: Cache::new(max_callers, DEFAULT_CACHED_BYTES),
+            seeds: foldhash::HashMap::default(),
             watermark: i64::MIN,
             conflicts: 0,
             misses: 0,
@@ -487,11 +491,23 @@ impl CachedStore {
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
+        self.seeds.clear();
         for _ in 0..self.max_rounds {
-            let outcomes = self
+            let outcomes = match self
                 .round(rules, events, &mut pending, &todo, &mut verdicts, ttl)
                 .await
-                .map_err(classify)?;
+            {
+                Ok(outcomes) => outcomes,
+                Err(e) => {
+                    // Redis failed: the callers taken out are kept apart
+                    // (not cached: their next call reads Redis again) for
+                    // a local fallback to start from.
+                    for p in pending {
+                        self.seeds.insert(p.caller.into(), p.cached.state);
+                    }
+                    return Err(classify(e));
+                }
+            };
             let mut next = Vec::new();
             for Committed { writes, refused } in outcomes {
                 let mut refused_set = vec![false; writes.len()];
@@ -586,6 +602,13 @@ impl CachedStore {
 }
 
 impl WindowStore for CachedStore {
+    fn cached_state(&self, caller: &str) -> Option<crate::engine::window::CallerState> {
+        self.cache
+            .peek(caller)
+            .or_else(|| self.seeds.get(caller))
+            .cloned()
+    }
+
     fn stats(&self) -> StoreStats {
         StoreStats {
             conflicts: self.conflicts,
