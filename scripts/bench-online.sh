@@ -26,7 +26,8 @@
 #   script": "default" passes no --redis-mode, so it measures what a
 #   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to section 3's consume
 #   (e.g. "--batch-linger-us 1000"). SKIP_STORE=1 leaves section 1 out
-#   (an A/B of two builds of `consume` through CALLGUARD_BIN).
+#   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
+#   runs section 2 again with a rule keyed by callee added.
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -85,21 +86,22 @@ now() { date +%s.%N; }
 "$bin" generate --rows "$events" --seed 11 --output "$work/calls.csv" >/dev/null
 "$bin" produce -i "$work/calls.csv" --brokers "$brokers" --topic calls > /dev/null
 
-# e2e MODE: the store (replay --store redis) and consume end to end, in MODE.
+# e2e MODE [RULES TAG]: the store (replay --store redis) and consume end to
+# end, in MODE, on RULES (default data/rules.toml).
 e2e() {
-  local mode="$1"
+  local mode="$1" rules="${2:-data/rules.toml}" tag="${3:-}"
   echo
-  echo "# 2. End to end, $events events, data/rules.toml, --redis-mode $mode"
+  echo "# 2. End to end, $events events, $rules, --redis-mode $mode"
   redis-cli -p "$rport" flushall > /dev/null
   local t0 t1 n n0 store_rate e2e_rate
   t0=$(now)
-  "$bin" replay -i "$work/calls.csv" --rules data/rules.toml --store redis --redis-url "$redis" \
+  "$bin" replay -i "$work/calls.csv" --rules "$rules" --store redis --redis-url "$redis" \
     $(mode_flag "$mode") -o "$work/replay-$mode.csv" > /dev/null
   t1=$(now)
   store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
   redis-cli -p "$rport" flushall > /dev/null
-  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml \
-    $(mode_flag "$mode") --group "callguard-e2e-$mode" \
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$rules" \
+    $(mode_flag "$mode") --group "callguard-e2e-$mode$tag" \
     --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
     --metrics-addr "127.0.0.1:$mport" > "$work/consume-$mode.log" 2>&1 &
   local cpid=$!
@@ -122,6 +124,13 @@ e2e() {
   wait "$cpid" 2>/dev/null || true
 }
 for mode in $modes; do e2e "$mode"; done
+# AGGREGATE=1: section 2 again with a rule keyed by callee added (issue #30).
+if [ "${AGGREGATE:-0}" = 1 ]; then
+  cp data/rules.toml "$work/rules-callee.toml"
+  printf '\n[[rule]]\nname = "tdos"\nkey = "callee"\nkind = "fixed"\nwindow = "10s"\nlimit = 50\n' \
+    >> "$work/rules-callee.toml"
+  for mode in $modes; do e2e "$mode" "$work/rules-callee.toml" "-callee"; done
+fi
 
 # latency RATE TOPIC GROUP: loadgen offers RATE events/s for $seconds s to
 # TOPIC while a fresh consume (group GROUP, the defaults) decides them; then

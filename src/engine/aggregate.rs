@@ -241,9 +241,10 @@ struct Held {
 }
 
 /// Decides the rules keyed by callee or global for batches of calls, from
-/// credits a [`Ledger`]-like source leases to it: [`Gate::plan`] says what
-/// to ask for, [`Gate::settle`] takes the answers, [`Gate::decide`] fills
-/// in each call's [`Aggregated`] entries, in order.
+/// credits a ledger (Redis's lease script, or [`MemoryLedger`]) leases to
+/// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
+/// answers, [`Gate::decide`] fills in each call's [`Aggregated`] entries,
+/// in order.
 #[derive(Debug, Default)]
 pub struct Gate {
     counters: HashMap<CounterId, Held>,
