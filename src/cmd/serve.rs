@@ -42,7 +42,10 @@ pub struct ServeArgs {
     pub online: OnlineArgs,
     /// What to answer when the window store fails: `block` (503 with a
     /// Retry-After: the switch applies its own fallback), `allow` or
-    /// `reject` (a record flagged `degraded = true`).
+    /// `reject` (a record flagged `degraded = true`), `local` (a real
+    /// decision on this instance's own windows, flagged `degraded = true`;
+    /// limits shared between instances cut to --local-share; back to Redis
+    /// when it answers).
     #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
     pub on_store_error: PolicyArg,
     /// Largest request body, bytes (larger: 413).
