@@ -370,7 +370,7 @@ fn the_local_fallback_takes_its_share_of_a_callee_limit() {
 /// Offline: `tune` sweeps a caller's rule beside a callee limit as
 /// `replay` decides at each N (the callee limit counts before the
 /// caller's rules, the same for every N), `features` writes its counts, and
-/// a sweep of the callee rule itself is refused with a reason.
+/// a sweep of the callee rule itself equals `replay` at each N too.
 #[test]
 fn tune_and_features_take_callee_limits_as_replay_does() {
     let dir = tempfile::tempdir().unwrap();
@@ -454,12 +454,41 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
         Some(LIMIT + 1),
         "a rejected call counts the limit plus one"
     );
-    let o = Command::new(common::bin())
-        .args(["tune", "-i", input, "--sweep", "tdos", "--rules"])
-        .arg(rules_at(20))
-        .output()
+    // The callee rule itself: every N replayed with its own gate.
+    let tdos_at = |limit: u64| {
+        let path = dir.path().join(format!("tdos-{limit}.toml"));
+        std::fs::write(
+            &path,
+            RULES.replace("limit = 50", &format!("limit = {limit}")),
+        )
         .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("keyed by callee"), "{err}");
+        path
+    };
+    run(
+        &[
+            "tune", "-i", input, "--sweep", "tdos", "--limits", "20..60", "-o", sweep_out,
+        ],
+        &tdos_at(50),
+    );
+    let rejected: Vec<u64> = std::fs::read_to_string(&table)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(rejected.len(), 41);
+    for n in [20u64, 50, 60] {
+        let out = dir.path().join(format!("t{n}.csv"));
+        run(
+            &["replay", "-i", input, "-o", out.to_str().unwrap()],
+            &tdos_at(n),
+        );
+        let text = std::fs::read_to_string(&out).unwrap();
+        let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
+        assert_eq!(rejected[n as usize - 20], rejects, "tdos N = {n}");
+    }
+    assert!(
+        rejected[0] > rejected[40],
+        "a higher callee limit rejects less"
+    );
 }

@@ -107,11 +107,15 @@ struct CallerTally {
     peak: u64,
 }
 
-/// One replay with one limit (the `admitted` path).
+/// One replay with one limit (the `admitted` path, and a swept rule keyed
+/// by callee or global: its own counts depend on N, so each N runs its
+/// own gate).
 struct Replayed {
     rules: RuleSet,
     index: usize,
     store: MemoryStore,
+    gate: Gate,
+    ledger: MemoryLedger,
     rejections: Rejections,
 }
 
@@ -127,6 +131,15 @@ fn swept_reject(rules: &RuleSet, index: usize, v: &crate::engine::record::Verdic
 
 impl Replayed {
     fn feed(&mut self, events: &[(u64, CallEvent)], unique: &[bool]) {
+        let mut gated;
+        let events = if self.rules.rules[self.index].key.is_aggregate() {
+            gated = events.to_vec();
+            self.gate
+                .run_rows(&mut self.ledger, &self.rules, &mut gated);
+            &gated[..]
+        } else {
+            events
+        };
         for (i, (_, e)) in events.iter().enumerate() {
             let unique = unique.get(i).copied().unwrap_or(false);
             let v = self.store.apply_unique(&self.rules, e, unique);
@@ -267,18 +280,6 @@ impl Sweeper {
         limits: &[u64],
         target: Target,
     ) -> Result<Self, RulesError> {
-        if rules.rules.get(index).is_some_and(|r| r.key.is_aggregate()) {
-            return Err(RulesError::Invalid(format!(
-                "rule `{}` is keyed by {}: tune sweeps rules keyed by caller (replay the log \
-                 at a few limits to compare)",
-                rules.rules[index].name,
-                if rules.rules[index].key == crate::engine::rules::RuleKey::Global {
-                    "global"
-                } else {
-                    "callee"
-                }
-            )));
-        }
         if index >= rules.rules.len() {
             return Err(RulesError::Invalid(format!(
                 "no rule #{index} in a set of {}",
@@ -297,7 +298,10 @@ impl Sweeper {
             .collect::<Result<Vec<_>, RulesError>>()?
             .into_iter()
             .any(|r| r != rules.retention_ms());
-        let replayed = if rules.count == CountPolicy::Admitted || retention_varies {
+        // A rule keyed by callee or global counts only what it admits, so
+        // its counts depend on N: every N is replayed, its gate and all.
+        let aggregate = rules.rules[index].key.is_aggregate();
+        let replayed = if rules.count == CountPolicy::Admitted || retention_varies || aggregate {
             limits
                 .iter()
                 .map(|&n| {
@@ -305,6 +309,8 @@ impl Sweeper {
                         rules: rules.with_limit(index, n)?,
                         index,
                         store: MemoryStore::new(),
+                        gate: Gate::new(),
+                        ledger: MemoryLedger::new(),
                         rejections: Rejections::default(),
                     })
                 })
