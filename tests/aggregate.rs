@@ -492,3 +492,44 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
         "a higher callee limit rejects less"
     );
 }
+
+/// Under `--redis-wait-replicas`, credits wait for the replicas like the
+/// windows do: a server without the replicas asked for fails the lease
+/// (transient: the batch is tried again), one asked for none grants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_wait_for_replicas_when_asked() {
+    use callguard::engine::aggregate::{CounterId, LeaseRequest};
+    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::RedisConfig;
+    let redis = RedisServer::start(&[]);
+    let request = LeaseRequest {
+        counter: CounterId {
+            rule: "tdos".into(),
+            window_ms: WINDOW_MS,
+            key: TDOS_VICTIM.into(),
+            bucket: 1,
+        },
+        approx: false,
+        limit: LIMIT,
+        want: 1,
+        give_back: 0,
+        ttl_ms: 3 * WINDOW_MS,
+        now_ms: 0,
+    };
+    let config = |n: u32| RedisConfig {
+        urls: vec![redis.url()],
+        wait_replicas: n,
+        timeout: Duration::from_millis(400),
+        ..RedisConfig::default()
+    };
+    let granted = RedisLedger::new(config(0))
+        .lease(std::slice::from_ref(&request))
+        .await
+        .unwrap();
+    assert_eq!((granted[0].granted, granted[0].total), (1, 1));
+    let err = RedisLedger::new(config(1))
+        .lease(std::slice::from_ref(&request))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), "transient", "{err}");
+}

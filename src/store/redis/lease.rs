@@ -117,6 +117,12 @@ impl RedisLedger {
                 }
             }
             if retry.is_empty() {
+                // Credits count like windows: under --redis-wait-replicas
+                // they are on the replicas before a call is admitted.
+                let (n, wait) = (self.config.wait_replicas, self.config.timeout);
+                if let Some((conn, _)) = self.conn.as_mut() {
+                    conn.wait_replicas(n, wait).await?;
+                }
                 return Ok(leases);
             }
             // A restarted or flushed server: load the script and ask again
