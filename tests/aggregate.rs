@@ -381,13 +381,12 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rules_at = |limit: u64| {
-        let path = dir.path().join(format!("rules-{limit}.toml"));
-        std::fs::write(
-            &path,
-            RULES.replace("limit = 20", &format!("limit = {limit}")),
-        )
-        .unwrap();
+    // The example rules with one rule's limit changed (`from` is its line).
+    let rules_with = |from: &str, limit: u64| {
+        let path = dir
+            .path()
+            .join(format!("rules-{}-{limit}.toml", from.len()));
+        std::fs::write(&path, RULES.replace(from, &format!("limit = {limit}"))).unwrap();
         path
     };
     let run = |args: &[&str], rules: &Path| {
@@ -402,41 +401,43 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
             "{args:?}: {}",
             String::from_utf8_lossy(&o.stderr)
         );
-        o
     };
     let table = dir.path().join("sweep.csv");
     let (input, sweep_out) = (csv.to_str().unwrap(), table.to_str().unwrap());
-    run(
-        &[
-            "tune", "-i", input, "--sweep", "minute", "--limits", "1..12", "-o", sweep_out,
-        ],
-        &rules_at(20),
-    );
-    let rejected: Vec<u64> = std::fs::read_to_string(&table)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
-        .collect();
+    // `tune`'s rejected calls per N, from its table.
+    let sweep = |rule: &str, limits: &str, rules: &Path| -> Vec<u64> {
+        let args = [
+            "tune", "-i", input, "--sweep", rule, "--limits", limits, "-o", sweep_out,
+        ];
+        run(&args, rules);
+        std::fs::read_to_string(&table)
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+            .collect()
+    };
+    // `replay`'s decisions with `rules`, as text.
+    let replay = |rules: &Path, name: &str| -> String {
+        let out = dir.path().join(name);
+        run(&["replay", "-i", input, "-o", out.to_str().unwrap()], rules);
+        std::fs::read_to_string(&out).unwrap()
+    };
+    let rejects = |text: &str| text.lines().filter(|l| l.contains(",reject,")).count() as u64;
+    let rejected = sweep("minute", "1..12", &rules_with("limit = 20", 20));
     for n in [1u64, 3, 12] {
-        let out = dir.path().join(format!("d{n}.csv"));
-        run(
-            &["replay", "-i", input, "-o", out.to_str().unwrap()],
-            &rules_at(n),
-        );
-        let text = std::fs::read_to_string(&out).unwrap();
-        let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
+        let text = replay(&rules_with("limit = 20", n), &format!("d{n}.csv"));
         let by_tdos = text.lines().filter(|l| l.contains(",reject,tdos,")).count();
         assert!(
             by_tdos > 50,
             "N = {n}: {by_tdos} rejected by the callee limit"
         );
-        assert_eq!(rejected[n as usize - 1], rejects, "N = {n}");
+        assert_eq!(rejected[n as usize - 1], rejects(&text), "N = {n}");
     }
     let features = dir.path().join("features.csv");
     run(
         &["features", "-i", input, "-o", features.to_str().unwrap()],
-        &rules_at(20),
+        &rules_with("limit = 20", 20),
     );
     let text = std::fs::read_to_string(&features).unwrap();
     let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
@@ -455,37 +456,11 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
         "a rejected call counts the limit plus one"
     );
     // The callee rule itself: every N replayed with its own gate.
-    let tdos_at = |limit: u64| {
-        let path = dir.path().join(format!("tdos-{limit}.toml"));
-        std::fs::write(
-            &path,
-            RULES.replace("limit = 50", &format!("limit = {limit}")),
-        )
-        .unwrap();
-        path
-    };
-    run(
-        &[
-            "tune", "-i", input, "--sweep", "tdos", "--limits", "20..60", "-o", sweep_out,
-        ],
-        &tdos_at(50),
-    );
-    let rejected: Vec<u64> = std::fs::read_to_string(&table)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
-        .collect();
+    let rejected = sweep("tdos", "20..60", &rules_with("limit = 50", 50));
     assert_eq!(rejected.len(), 41);
     for n in [20u64, 50, 60] {
-        let out = dir.path().join(format!("t{n}.csv"));
-        run(
-            &["replay", "-i", input, "-o", out.to_str().unwrap()],
-            &tdos_at(n),
-        );
-        let text = std::fs::read_to_string(&out).unwrap();
-        let rejects = text.lines().filter(|l| l.contains(",reject,")).count() as u64;
-        assert_eq!(rejected[n as usize - 20], rejects, "tdos N = {n}");
+        let text = replay(&rules_with("limit = 50", n), &format!("t{n}.csv"));
+        assert_eq!(rejected[n as usize - 20], rejects(&text), "tdos N = {n}");
     }
     assert!(
         rejected[0] > rejected[40],

@@ -118,12 +118,12 @@ pub(super) fn decide<'a>(
             if idem {
                 made.push((ev.call_id.clone(), v.to_reply()));
             }
-            // (A rule keyed by callee or global blocks no caller.)
-            let by_aggregate = rules
-                .rule_index(&v.record.reason)
-                .is_some_and(|r| rules.rules[r].key.is_aggregate());
-            if plan.block_keys && v.record.decision == Decision::Reject && !by_aggregate {
-                if let Some(ms) = v.record.retry_after_ms {
+            if plan.block_keys && v.record.decision == Decision::Reject {
+                // (A rule keyed by callee or global blocks no caller.)
+                let by_aggregate = rules
+                    .rule_index(&v.record.reason)
+                    .is_some_and(|r| rules.rules[r].key.is_aggregate());
+                if let Some(ms) = v.record.retry_after_ms.filter(|_| !by_aggregate) {
                     block = Some((v.record.reason.clone(), ms));
                 }
             }
