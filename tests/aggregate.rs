@@ -490,6 +490,7 @@ async fn leases_wait_for_replicas_when_asked() {
         give_back: 0,
         ttl_ms: 3 * WINDOW_MS,
         now_ms: 0,
+        cold: false,
     };
     let config = |n: u32| RedisConfig {
         urls: vec![redis.url()],
@@ -507,4 +508,96 @@ async fn leases_wait_for_replicas_when_asked() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), "transient", "{err}");
+}
+
+/// Counters this instance holds nothing of are leased by plain increments
+/// (not the script). Four ledgers leasing the same counters at once, each
+/// asking for 1 to 4 credits a time, are never granted more than the limit
+/// between them; what an increment took past the limit is taken back (the
+/// count in Redis ends equal to the credits granted); the hashes have a
+/// TTL and are kept as hash tables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn plain_increments_never_grant_past_the_limit() {
+    use callguard::engine::aggregate::{CounterId, LeaseRequest};
+    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::RedisConfig;
+    const KEYS: usize = 24;
+    const LIMIT_HERE: u64 = 10;
+    let redis = RedisServer::start(&[]);
+    let config = RedisConfig {
+        urls: vec![redis.url()],
+        ..RedisConfig::default()
+    };
+    let request = |key: usize, want: u64, approx: bool| LeaseRequest {
+        counter: CounterId {
+            rule: "tdos".into(),
+            window_ms: WINDOW_MS,
+            key: format!("+3491{key:07}").into(),
+            bucket: 7,
+        },
+        approx,
+        limit: LIMIT_HERE,
+        want,
+        give_back: 0,
+        ttl_ms: 3 * WINDOW_MS,
+        now_ms: 0,
+        cold: true,
+    };
+    let tasks = (0..4u64).map(|t| {
+        let mut ledger = RedisLedger::new(config.clone());
+        tokio::spawn(async move {
+            let mut granted = vec![0u64; KEYS];
+            for round in 0..20u64 {
+                let requests: Vec<LeaseRequest> = (0..KEYS)
+                    .map(|k| request(k, 1 + (t + round + k as u64) % 4, k % 3 == 0))
+                    .collect();
+                let leases = ledger.lease(&requests).await.unwrap();
+                for (k, lease) in leases.iter().enumerate() {
+                    assert!(lease.granted <= requests[k].want);
+                    assert!(lease.total <= LIMIT_HERE, "{lease:?}");
+                    granted[k] += lease.granted;
+                }
+            }
+            granted
+        })
+    });
+    let mut total = [0u64; KEYS];
+    for task in futures::future::join_all(tasks).await {
+        for (k, g) in task.unwrap().into_iter().enumerate() {
+            total[k] += g;
+        }
+    }
+    let mut con = redis::Client::open(redis.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let ledger = RedisLedger::new(config.clone());
+    for (k, &granted) in total.iter().enumerate() {
+        // 4 ledgers x 20 rounds x at least one credit: far past the limit.
+        assert_eq!(granted, LIMIT_HERE, "key {k}: granted {granted}");
+        let hash = ledger.hash_key("tdos", WINDOW_MS, &format!("+3491{k:07}"), 7);
+        let count: u64 = redis::cmd("HGET")
+            .arg(&hash)
+            .arg(format!("+3491{k:07}"))
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(count, granted, "key {k}: Redis counts {count}");
+        let ttl: i64 = redis::cmd("PTTL").arg(&hash).query(&mut con).unwrap();
+        assert!(
+            ttl > 0 && ttl <= 3 * WINDOW_MS + 60_000,
+            "{hash}: PTTL {ttl}"
+        );
+        let encoding: String = redis::cmd("OBJECT")
+            .arg("ENCODING")
+            .arg(&hash)
+            .query(&mut con)
+            .unwrap();
+        assert_eq!(encoding, "hashtable", "{hash}");
+    }
+    // A sliding-approx lease reads the previous bucket's count.
+    let mut one = RedisLedger::new(config);
+    let mut next = request(0, 1, true);
+    next.counter.bucket = 8;
+    let lease = one.lease(&[next]).await.unwrap();
+    assert_eq!((lease[0].granted, lease[0].prev), (1, LIMIT_HERE));
 }

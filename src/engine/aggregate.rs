@@ -128,6 +128,10 @@ pub struct LeaseRequest {
     /// The newest event time the gate saw before the batch (an in-memory
     /// ledger drops counters by it).
     pub now_ms: i64,
+    /// The instance holds nothing of the counter yet: most often a key
+    /// called once, far from its limit (Redis answers these by a plain
+    /// increment rather than the script).
+    pub cold: bool,
 }
 
 /// What a ledger answered to a [`LeaseRequest`].
@@ -353,6 +357,7 @@ impl Gate {
                     .saturating_mul(3)
                     .saturating_add(rules.grace_ms),
                 now_ms: now,
+                cold: held.is_none(),
             });
         }
         requests

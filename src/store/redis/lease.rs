@@ -8,6 +8,21 @@
 //! in at most [`SHARDS`] script calls on a Cluster and in one on a
 //! standalone server, whatever the number of callees; a field costs Redis
 //! far less than a key of its own (no expiry entry; one TTL per hash).
+//!
+//! Two ways to the same counters, chosen per request:
+//!
+//! * a counter the instance holds nothing of (most often a callee called
+//!   once: most callees) is answered by plain increments in one `MULTI`
+//!   per hash slot ([`increment`]): `HINCRBY` by the credits wanted, and
+//!   what passed the limit taken back at once. About a seventh of the
+//!   script's Redis time per counter (measured: 1.1 against 7.3 µs);
+//! * the others (credits held, or given back) by `lua/lease.lua`, which
+//!   never lets a counter pass the limit.
+//!
+//! Both hand out at most the limit per counter: an increment past it is
+//! answered with what was left under it. While it is taken back, other
+//! leases see less room (fewer credits, never more), and counts read are
+//! capped at the limit.
 
 use std::collections::HashMap;
 
@@ -71,7 +86,9 @@ impl RedisLedger {
             .ok_or_else(|| StoreError::transient("not connected to Redis"))
     }
 
-    /// Answers `requests`: one script call per hash slot, concurrently.
+    /// Answers `requests`: the counters this instance holds nothing of
+    /// (cold, no give-back) by plain increments ([`increment`]), the others
+    /// by the script, one call per hash slot, all at once.
     pub async fn lease(&mut self, requests: &[LeaseRequest]) -> Result<Vec<Lease>, StoreError> {
         if requests.is_empty() {
             return Ok(Vec::new());
@@ -87,17 +104,90 @@ impl RedisLedger {
                 )
             })
             .collect();
-        let slack = self.config.ttl_slack.as_millis() as i64;
+        let (plain, scripted): (Vec<usize>, Vec<usize>) =
+            (0..requests.len()).partition(|&i| is_plain(&requests[i]));
+        let ttl = self.ttl_ms(requests);
         let timeout = self.config.timeout * 2;
         let mut leases = vec![Lease::default(); requests.len()];
-        let mut pending = {
+        let conn = self.conn().await?.0.clone();
+        let increments = async {
+            let groups = conn.groups(plain.len(), |k| keys[plain[k]].0.as_bytes().to_vec());
+            let calls = groups.into_iter().map(|g| {
+                let group: Vec<usize> = g.into_iter().map(|k| plain[k]).collect();
+                let conn = conn.clone();
+                let keys = &keys;
+                async move {
+                    let got = increment(conn, &group, requests, keys, ttl, timeout).await;
+                    got.map(|leases| (group, leases))
+                }
+            });
+            futures::future::join_all(calls).await
+        };
+        let (scripts, increments) =
+            futures::join!(self.run_script(&scripted, requests, &keys), increments);
+        for outcome in increments {
+            match outcome {
+                Ok((group, got)) => {
+                    for (i, lease) in group.into_iter().zip(got) {
+                        leases[i] = lease;
+                    }
+                }
+                Err(e) => {
+                    self.conn = None;
+                    return Err(e);
+                }
+            }
+        }
+        for (i, lease) in scripts? {
+            leases[i] = lease;
+        }
+        // Credits count like windows: under --redis-wait-replicas they are
+        // on the replicas before a call is admitted.
+        let (n, wait) = (self.config.wait_replicas, self.config.timeout);
+        if let Some((conn, _)) = self.conn.as_mut() {
+            conn.wait_replicas(n, wait).await?;
+        }
+        Ok(leases)
+    }
+
+    /// The TTL of the hashes a call writes: the longest a request asks
+    /// for, plus the slack.
+    fn ttl_ms(&self, requests: &[LeaseRequest]) -> i64 {
+        let slack = self.config.ttl_slack.as_millis() as i64;
+        requests
+            .iter()
+            .map(|r| r.ttl_ms)
+            .max()
+            .unwrap_or(0)
+            .saturating_add(slack)
+    }
+
+    /// Answers the requests `which` through the lease script: one call per
+    /// hash slot, concurrently; once more for calls a restarted or flushed
+    /// server answered `NOSCRIPT` (they ran nothing).
+    async fn run_script(
+        &mut self,
+        which: &[usize],
+        requests: &[LeaseRequest],
+        keys: &[(String, String)],
+    ) -> Result<Vec<(usize, Lease)>, StoreError> {
+        let mut out = Vec::with_capacity(which.len());
+        if which.is_empty() {
+            return Ok(out);
+        }
+        let ttl = self.ttl_ms(requests);
+        let timeout = self.config.timeout * 2;
+        let mut pending: Vec<Vec<usize>> = {
             let (conn, _) = self.conn().await?;
-            conn.groups(requests.len(), |i| keys[i].0.as_bytes().to_vec())
+            conn.groups(which.len(), |k| keys[which[k]].0.as_bytes().to_vec())
+                .into_iter()
+                .map(|g| g.into_iter().map(|k| which[k]).collect())
+                .collect()
         };
         for attempt in 0..2 {
             let (conn, sha) = self.conn().await?;
             let calls = pending.iter().map(|group| {
-                let cmd = invocation(sha, group, requests, &keys, slack);
+                let cmd = invocation(sha, group, requests, keys, ttl);
                 let mut pipe = redis::pipe();
                 pipe.add_command(cmd);
                 let mut conn = conn.clone();
@@ -107,7 +197,7 @@ impl RedisLedger {
             let mut retry = Vec::new();
             for (group, outcome) in pending.into_iter().zip(outcomes) {
                 match outcome {
-                    Ok(values) => read_reply(values, &group, &mut leases)?,
+                    Ok(values) => read_reply(values, &group, requests, &mut out)?,
                     // One call per group: NOSCRIPT means it ran nothing.
                     Err(e) if is_noscript(&e) && attempt == 0 => retry.push(group),
                     Err(e) => {
@@ -117,16 +207,8 @@ impl RedisLedger {
                 }
             }
             if retry.is_empty() {
-                // Credits count like windows: under --redis-wait-replicas
-                // they are on the replicas before a call is admitted.
-                let (n, wait) = (self.config.wait_replicas, self.config.timeout);
-                if let Some((conn, _)) = self.conn.as_mut() {
-                    conn.wait_replicas(n, wait).await?;
-                }
-                return Ok(leases);
+                return Ok(out);
             }
-            // A restarted or flushed server: load the script and ask again
-            // for the groups that ran nothing.
             self.conn = None;
             pending = retry;
         }
@@ -136,6 +218,130 @@ impl RedisLedger {
     }
 }
 
+/// A request Redis answers by a plain increment: the instance holds
+/// nothing of the counter (so it is most likely far from its limit) and
+/// gives nothing back.
+fn is_plain(r: &LeaseRequest) -> bool {
+    r.cold && r.give_back == 0
+}
+
+/// A field no counter has (no callee is this long, or has these
+/// characters). Set in every hash the plain increments write, it makes
+/// Redis keep the hash as a hash table from the start (a field longer than
+/// `hash-max-listpack-value`, 64 bytes by default): an increment of a
+/// field then costs about a sixth of one in a packed hash of up to 128
+/// fields, which Redis searches field by field.
+pub const TABLE_MARKER: &str =
+    "~callguard: a field longer than hash-max-listpack-value keeps this hash a hash table";
+
+/// Answers `group` (one hash slot) by plain increments, in one `MULTI`:
+/// `HINCRBY` of each counter by the credits wanted (and `HGET` of the
+/// previous bucket's for sliding-approx), the marker and the TTL on each
+/// hash. An increment that passes the limit is answered with what was
+/// left under it, and the rest taken back at once with a second call.
+/// Meanwhile another instance's lease sees the counter over its limit
+/// and is granted less (never more): no call is admitted past the limit.
+async fn increment(
+    mut conn: Conn,
+    group: &[usize],
+    requests: &[LeaseRequest],
+    keys: &[(String, String)],
+    ttl_ms: i64,
+    timeout: std::time::Duration,
+) -> Result<Vec<Lease>, StoreError> {
+    let mut hashes: Vec<&str> = Vec::new();
+    for &i in group {
+        if !hashes.contains(&keys[i].0.as_str()) {
+            hashes.push(&keys[i].0);
+        }
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic();
+    for h in &hashes {
+        pipe.cmd("HSETNX").arg(*h).arg(TABLE_MARKER).arg(1).ignore();
+    }
+    for &i in group {
+        let r = &requests[i];
+        let field = r.counter.key.as_str();
+        pipe.cmd("HINCRBY").arg(&keys[i].0).arg(field).arg(r.want);
+        if r.approx {
+            pipe.cmd("HGET").arg(&keys[i].1).arg(field);
+        }
+    }
+    for h in &hashes {
+        pipe.cmd("PEXPIRE").arg(*h).arg(ttl_ms).ignore();
+    }
+    let values = conn.query(&pipe, timeout).await.map_err(classify)?;
+    let (leases, over) = read_increments(&values, group, requests)?;
+    if !over.is_empty() {
+        let mut back = redis::pipe();
+        for (i, excess) in over {
+            let field = requests[i].counter.key.as_str();
+            back.cmd("HINCRBY")
+                .arg(&keys[i].0)
+                .arg(field)
+                .arg(-excess)
+                .ignore();
+        }
+        conn.query(&back, timeout).await.map_err(classify)?;
+    }
+    Ok(leases)
+}
+
+/// Credits to take back from a counter an increment passed over its
+/// limit: the request's index, and how many.
+type TakeBack = (usize, i64);
+
+/// The leases from the increments' replies, and per counter passed over
+/// its limit, the credits to take back.
+fn read_increments(
+    values: &[Value],
+    group: &[usize],
+    requests: &[LeaseRequest],
+) -> Result<(Vec<Lease>, Vec<TakeBack>), StoreError> {
+    let bad = || StoreError::fatal("unexpected reply to the lease increments");
+    let mut it = values.iter();
+    let mut leases = Vec::with_capacity(group.len());
+    let mut over = Vec::new();
+    for &i in group {
+        let r = &requests[i];
+        let after = match it.next() {
+            Some(Value::Int(n)) => *n,
+            _ => return Err(bad()),
+        };
+        let prev = if r.approx {
+            match it.next() {
+                Some(Value::Nil) => 0,
+                Some(v) => redis::from_redis_value::<i64>(v.clone())
+                    .map_err(|_| bad())?
+                    .max(0) as u64,
+                None => return Err(bad()),
+            }
+        } else {
+            0
+        };
+        let want = i64::try_from(r.want).unwrap_or(i64::MAX);
+        let before = after.saturating_sub(want);
+        let room = i64::try_from(r.limit)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(before)
+            .max(0);
+        let granted = want.min(room);
+        if granted < want {
+            over.push((i, want - granted));
+        }
+        // (Other instances' increments past the limit are not credits:
+        // the count is never more than the limit.)
+        let limit = i64::try_from(r.limit).unwrap_or(i64::MAX);
+        leases.push(Lease {
+            granted: granted as u64,
+            total: before.min(limit).saturating_add(granted).max(0) as u64,
+            prev: prev.min(r.limit),
+        });
+    }
+    Ok((leases, over))
+}
+
 /// The lease script's call for one group of requests (one hash tag on a
 /// Cluster): each hash named once in KEYS.
 fn invocation(
@@ -143,7 +349,7 @@ fn invocation(
     group: &[usize],
     requests: &[LeaseRequest],
     keys: &[(String, String)],
-    slack_ms: i64,
+    ttl: i64,
 ) -> redis::Cmd {
     let mut names: Vec<&str> = Vec::new();
     let mut slots: HashMap<&str, usize> = HashMap::new();
@@ -165,12 +371,6 @@ fn invocation(
         };
         counters.push((cur, prev, r));
     }
-    let ttl = group
-        .iter()
-        .map(|&i| requests[i].ttl_ms)
-        .max()
-        .unwrap_or(0)
-        .saturating_add(slack_ms);
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(sha).arg(names.len());
     for name in &names {
@@ -189,7 +389,12 @@ fn invocation(
 }
 
 /// One group's reply: three integers per counter.
-fn read_reply(values: Vec<Value>, group: &[usize], leases: &mut [Lease]) -> Result<(), StoreError> {
+fn read_reply(
+    values: Vec<Value>,
+    group: &[usize],
+    requests: &[LeaseRequest],
+    leases: &mut Vec<(usize, Lease)>,
+) -> Result<(), StoreError> {
     let bad = || StoreError::fatal("unexpected reply from the lease script");
     let Some(Value::Array(items)) = values.into_iter().next() else {
         return Err(bad());
@@ -202,11 +407,15 @@ fn read_reply(values: Vec<Value>, group: &[usize], leases: &mut [Lease]) -> Resu
         _ => Err(bad()),
     };
     for (k, &i) in group.iter().enumerate() {
-        leases[i] = Lease {
+        // (A plain increment of another instance can pass the limit for
+        // a moment: not credits.)
+        let limit = requests[i].limit;
+        let lease = Lease {
             granted: int(&items[3 * k])?,
-            total: int(&items[3 * k + 1])?,
-            prev: int(&items[3 * k + 2])?,
+            total: int(&items[3 * k + 1])?.min(limit),
+            prev: int(&items[3 * k + 2])?.min(limit),
         };
+        leases.push((i, lease));
     }
     Ok(())
 }
