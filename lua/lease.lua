@@ -2,7 +2,11 @@
 -- MemoryLedger there is this script's reference). One counter per rule,
 -- key and bucket, kept as a field of a hash per (shard, rule, window,
 -- bucket): its value is the credits handed out for the bucket, never more
--- than the limit. Event times never reach this script.
+-- than the limit. Event times never reach this script. Counters an instance
+-- holds nothing of are leased without it, by plain HINCRBY
+-- (src/store/redis/lease.rs): such an increment can pass the limit for a
+-- moment before it is taken back, so a value here may be over the limit
+-- (no room: nothing granted).
 --
 -- KEYS: the hashes the call touches (all of one hash tag:
 --   <prefix>g:{<shard>}:<rule>:<W>:<bucket>).

@@ -515,13 +515,13 @@ async fn leases_wait_for_replicas_when_asked() {
 /// asking for 1 to 4 credits a time, are never granted more than the limit
 /// between them; what an increment took past the limit is taken back (the
 /// count in Redis ends equal to the credits granted); the hashes have a
-/// TTL and are kept as hash tables.
+/// TTL, and those with many counters in a call are kept as hash tables.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn plain_increments_never_grant_past_the_limit() {
     use callguard::engine::aggregate::{CounterId, LeaseRequest};
-    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::lease::{RedisLedger, MARK_FROM};
     use callguard::store::redis::RedisConfig;
-    const KEYS: usize = 24;
+    const KEYS: usize = 400;
     const LIMIT_HERE: u64 = 10;
     let redis = RedisServer::start(&[]);
     let config = RedisConfig {
@@ -572,10 +572,15 @@ async fn plain_increments_never_grant_past_the_limit() {
         .get_connection()
         .unwrap();
     let ledger = RedisLedger::new(config.clone());
+    let hash_of = |k: usize| ledger.hash_key("tdos", WINDOW_MS, &format!("+3491{k:07}"), 7);
+    let mut per_hash: HashMap<String, usize> = HashMap::new();
+    for k in 0..KEYS {
+        *per_hash.entry(hash_of(k)).or_default() += 1;
+    }
     for (k, &granted) in total.iter().enumerate() {
         // 4 ledgers x 20 rounds x at least one credit: far past the limit.
         assert_eq!(granted, LIMIT_HERE, "key {k}: granted {granted}");
-        let hash = ledger.hash_key("tdos", WINDOW_MS, &format!("+3491{k:07}"), 7);
+        let hash = hash_of(k);
         let count: u64 = redis::cmd("HGET")
             .arg(&hash)
             .arg(format!("+3491{k:07}"))
@@ -592,7 +597,9 @@ async fn plain_increments_never_grant_past_the_limit() {
             .arg(&hash)
             .query(&mut con)
             .unwrap();
-        assert_eq!(encoding, "hashtable", "{hash}");
+        let many = per_hash[&hash] >= MARK_FROM;
+        let want = if many { "hashtable" } else { "listpack" };
+        assert_eq!(encoding, want, "{hash}: {} counters", per_hash[&hash]);
     }
     // A sliding-approx lease reads the previous bucket's count.
     let mut one = RedisLedger::new(config);
@@ -600,4 +607,12 @@ async fn plain_increments_never_grant_past_the_limit() {
     next.counter.bucket = 8;
     let lease = one.lease(&[next]).await.unwrap();
     assert_eq!((lease[0].granted, lease[0].prev), (1, LIMIT_HERE));
+    // A hash with one counter in the call is left packed.
+    let sparse = one.hash_key("tdos", WINDOW_MS, "+34910000000", 8);
+    let encoding: String = redis::cmd("OBJECT")
+        .arg("ENCODING")
+        .arg(&sparse)
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(encoding, "listpack", "{sparse}");
 }

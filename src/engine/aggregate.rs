@@ -24,8 +24,8 @@
 //!   that (event time); a call after that starts its counter afresh.
 //!   Online and offline differ only for calls that late.
 //! * Credits: the count of a bucket is the credits handed out for it. An
-//!   instance takes credits from a ledger in blocks (`lua/lease.lua` in
-//!   Redis, atomically, never past the limit), admits a call only with a
+//!   instance takes credits from a ledger in blocks (in Redis
+//!   `src/store/redis/lease.rs`, never past the limit), admits a call only with a
 //!   credit in hand, and gives back what it still holds of a bucket when
 //!   it first asks for the next one (unless the batch still needs them).
 //!   Admitted calls per bucket across all instances therefore never
@@ -145,9 +145,9 @@ pub struct Lease {
     pub prev: u64,
 }
 
-/// Credits in process: the reference of `lua/lease.lua`, and the ledger
-/// of offline work (one instance, so counts are exact) and of the local
-/// fallback (limits scaled by a share).
+/// Credits in process: the reference of Redis's lease (for one instance,
+/// the same answers), the ledger of offline work (one instance, so counts
+/// are exact) and of the local fallback (limits scaled by a share).
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
     counters: HashMap<CounterId, u64>,

@@ -226,13 +226,19 @@ fn is_plain(r: &LeaseRequest) -> bool {
 }
 
 /// A field no counter has (no callee is this long, or has these
-/// characters). Set in every hash the plain increments write, it makes
-/// Redis keep the hash as a hash table from the start (a field longer than
-/// `hash-max-listpack-value`, 64 bytes by default): an increment of a
+/// characters). Set in a hash the plain increments write [`MARK_FROM`]
+/// counters of at once (a bucket with many callees: it will grow), it
+/// makes Redis keep the hash as a hash table from then on (a field longer
+/// than `hash-max-listpack-value`, 64 bytes by default): an increment of a
 /// field then costs about a sixth of one in a packed hash of up to 128
-/// fields, which Redis searches field by field.
+/// fields, which Redis searches field by field. Sparse buckets (a few
+/// callees per hash: a quiet hour, or a replay of a thin log) stay packed,
+/// and are spared the command.
 pub const TABLE_MARKER: &str =
     "~callguard: a field longer than hash-max-listpack-value keeps this hash a hash table";
+
+/// Counters of one hash in one call from which it is given [`TABLE_MARKER`].
+pub const MARK_FROM: usize = 16;
 
 /// Answers `group` (one hash slot) by plain increments, in one `MULTI`:
 /// `HINCRBY` of each counter by the credits wanted (and `HGET` of the
@@ -249,16 +255,25 @@ async fn increment(
     ttl_ms: i64,
     timeout: std::time::Duration,
 ) -> Result<Vec<Lease>, StoreError> {
-    let mut hashes: Vec<&str> = Vec::new();
+    // The hashes in order of first use, with their counters in this call.
+    let mut hashes: Vec<(&str, usize)> = Vec::new();
+    let mut at: HashMap<&str, usize> = HashMap::new();
     for &i in group {
-        if !hashes.contains(&keys[i].0.as_str()) {
-            hashes.push(&keys[i].0);
+        let h = keys[i].0.as_str();
+        match at.get(h) {
+            Some(&k) => hashes[k].1 += 1,
+            None => {
+                at.insert(h, hashes.len());
+                hashes.push((h, 1));
+            }
         }
     }
     let mut pipe = redis::pipe();
     pipe.atomic();
-    for h in &hashes {
-        pipe.cmd("HSETNX").arg(*h).arg(TABLE_MARKER).arg(1).ignore();
+    for &(h, counters) in &hashes {
+        if counters >= MARK_FROM {
+            pipe.cmd("HSETNX").arg(h).arg(TABLE_MARKER).arg(1).ignore();
+        }
     }
     for &i in group {
         let r = &requests[i];
@@ -268,8 +283,8 @@ async fn increment(
             pipe.cmd("HGET").arg(&keys[i].1).arg(field);
         }
     }
-    for h in &hashes {
-        pipe.cmd("PEXPIRE").arg(*h).arg(ttl_ms).ignore();
+    for &(h, _) in &hashes {
+        pipe.cmd("PEXPIRE").arg(h).arg(ttl_ms).ignore();
     }
     let values = conn.query(&pipe, timeout).await.map_err(classify)?;
     let (leases, over) = read_increments(&values, group, requests)?;
