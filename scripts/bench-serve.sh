@@ -7,12 +7,14 @@
 #   * checks at 5,000/s (target: p99 under 2 ms), with the ratio to the floor;
 #   * a ramp of rates, and the highest whose p99 stays under 10 ms.
 # Client, server and Redis share the machine's cores, as on an SBC host.
-# Runs once per --redis-mode in MODES (default "script cached").
+# Runs once per --redis-mode in MODES (default "script cached"). RULES
+# names another rule file (e.g. with a rule keyed by callee added).
 #
 #   scripts/bench-serve.sh [SECONDS per step, default 15]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-15}"
+rules="${RULES:-data/rules.toml}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release --quiet --bin callguard --example bench_serve
 # CALLGUARD_BIN: another build to measure (an A/B against this one).
@@ -31,12 +33,12 @@ hport="$(free_port)"
 # Record Redis's own stalls of 1 ms or more (printed at the end).
 redis-cli -p "$rport" config set latency-monitor-threshold 1 >/dev/null
 "$bin" serve --listen "127.0.0.1:$hport" --redis-url "redis://127.0.0.1:$rport" \
-  --redis-mode "$mode" --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve-$mode.log" &
+  --redis-mode "$mode" --rules "$rules" --max-future-skew-s 0 2>"$work/serve-$mode.log" &
 spid=$!
 track $spid
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$hport/readyz" >/dev/null && break; sleep 0.1; done
 
-echo "== --redis-mode $mode: redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"
+echo "== --redis-mode $mode, rules $rules: redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, ${secs}s per step"
 "$load" "$hport" 5000 "$secs" 64 20000 >/dev/null   # warm-up: callers and keys created, steady state
 floor="$("$load" "$hport" 5000 "$secs" 64 20000 healthz)"
 echo "healthz 5000/s: $floor"

@@ -194,6 +194,34 @@ async fn three_instances(kill_serve: bool) {
         Duration::from_secs(300),
     )
     .await;
+    // What the members leased, from their metrics: a credit for every
+    // call the tdos rule admitted (most by increments: callees called
+    // once), and credits refused at the victim's limit.
+    let mut leased: HashMap<String, f64> = HashMap::new();
+    for p in ports {
+        let text = http_get(p, "/metrics").unwrap();
+        for line in text.lines().filter(|l| l.starts_with("callguard_lease_")) {
+            let (name, value) = line.rsplit_once(' ').unwrap();
+            *leased.entry(name.to_string()).or_default() += value.parse::<f64>().unwrap();
+        }
+    }
+    eprintln!("consume members leased: {leased:?}");
+    let got = |k: &str| leased.get(k).copied().unwrap_or(0.0);
+    assert!(got("callguard_lease_calls_total") > 0.0, "{leased:?}");
+    let admitted_by_tdos = records.iter().filter(|r| r["reason"] != "tdos").count() as f64;
+    assert!(
+        got("callguard_lease_credits_total{kind=\"granted\"}") >= admitted_by_tdos,
+        "{admitted_by_tdos} calls admitted by the tdos rule: {leased:?}"
+    );
+    assert!(
+        got("callguard_lease_counters_total{kind=\"increment\"}") > 0.0,
+        "{leased:?}"
+    );
+    assert!(
+        got("callguard_lease_credits_total{kind=\"short\"}") > 0.0,
+        "{leased:?}"
+    );
+    assert!(got("callguard_lease_seconds_total") > 0.0, "{leased:?}");
     let _ = serve.kill();
     let _ = serve.wait();
     for m in &mut members {

@@ -2,12 +2,12 @@
 //! and the status page (`/`, `/v1/stats`, see [`crate::online::status`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
-use crate::store::StoreStats;
+use crate::store::{LeaseStats, StoreStats};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Json};
@@ -85,6 +85,16 @@ pub struct Metrics {
     /// caller since it was read (each was decided again on the current
     /// state). A steady rise means two instances decide the same callers.
     pub store_conflicts: Counter,
+    /// Lease calls for the rules keyed by callee or global (batches that
+    /// needed credits not held).
+    pub lease_calls: Counter,
+    /// Counters leased, by way (`increment`, `script`, `in_process`).
+    pub lease_counters: Family<KindLabel, Counter>,
+    /// Credits by outcome (`granted`; `short`: wanted, not granted, the
+    /// counter at its limit).
+    pub lease_credits: Family<KindLabel, Counter>,
+    /// Time in lease calls, seconds (part of the store's latency).
+    pub lease_seconds: Counter<f64, AtomicU64>,
     /// Events per batch.
     pub batch_size: Histogram,
     /// Batches produced but not yet acknowledged by the broker.
@@ -142,6 +152,10 @@ impl Metrics {
             store_latency: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             store_errors: Family::default(),
             store_conflicts: Counter::default(),
+            lease_calls: Counter::default(),
+            lease_counters: Family::default(),
+            lease_credits: Family::default(),
+            lease_seconds: Counter::default(),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             in_flight: Gauge::default(),
             lag: Family::default(),
@@ -230,6 +244,26 @@ impl Metrics {
             "Times Redis was found to have lost every key of the prefix",
             self.store_data_lost.clone(),
         );
+        r.register(
+            "lease_calls",
+            "Lease calls for the rules keyed by callee or global (batches needing credits not held)",
+            self.lease_calls.clone(),
+        );
+        r.register(
+            "lease_counters",
+            "Counters leased, by way (increment: Redis HINCRBY; script: the lease script; in_process)",
+            self.lease_counters.clone(),
+        );
+        r.register(
+            "lease_credits",
+            "Credits by outcome (granted; short: wanted, not granted, the counter at its limit)",
+            self.lease_credits.clone(),
+        );
+        r.register(
+            "lease_seconds",
+            "Time in lease calls (part of the store latency)",
+            self.lease_seconds.clone(),
+        );
     }
 
     /// Batches, Kafka, rules and connections.
@@ -315,6 +349,7 @@ impl Metrics {
         if conflicts > 0 {
             self.store_conflicts.inc_by(conflicts);
         }
+        self.count_leases(&now.lease, &before.lease);
         let n = now.data_losses.saturating_sub(before.data_losses);
         if n > 0 {
             self.store_data_lost.inc_by(n);
@@ -325,6 +360,44 @@ impl Metrics {
                      (callguard_store_data_lost_total)"
                 );
             }
+        }
+    }
+
+    /// Counts what the gate leased between two snapshots.
+    fn count_leases(&self, now: &LeaseStats, before: &LeaseStats) {
+        let by = |family: &Family<KindLabel, Counter>, kind: &str, n: u64, b: u64| {
+            if n > b {
+                family
+                    .get_or_create(&KindLabel { kind: kind.into() })
+                    .inc_by(n - b);
+            }
+        };
+        if now.calls > before.calls {
+            self.lease_calls.inc_by(now.calls - before.calls);
+        }
+        by(
+            &self.lease_counters,
+            "increment",
+            now.increments,
+            before.increments,
+        );
+        by(
+            &self.lease_counters,
+            "script",
+            now.scripted,
+            before.scripted,
+        );
+        by(
+            &self.lease_counters,
+            "in_process",
+            now.in_process,
+            before.in_process,
+        );
+        by(&self.lease_credits, "granted", now.granted, before.granted);
+        by(&self.lease_credits, "short", now.short, before.short);
+        if now.micros > before.micros {
+            self.lease_seconds
+                .inc_by((now.micros - before.micros) as f64 / 1e6);
         }
     }
 

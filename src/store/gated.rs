@@ -9,8 +9,8 @@ use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
-use crate::store::redis::lease::RedisLedger;
-use crate::store::{StoreStats, WindowStore};
+use crate::store::redis::lease::{is_plain, RedisLedger};
+use crate::store::{LeaseStats, StoreStats, WindowStore};
 
 /// Where credits come from.
 #[derive(Debug)]
@@ -28,6 +28,19 @@ impl Ledger {
             Ledger::Redis(r) => r.lease(requests).await,
         }
     }
+
+    /// Counts a lease call's counters by the way they went.
+    fn count(&self, requests: &[LeaseRequest], stats: &mut LeaseStats) {
+        let n = requests.len() as u64;
+        match self {
+            Ledger::Memory(_) => stats.in_process += n,
+            Ledger::Redis(_) => {
+                let plain = requests.iter().filter(|r| is_plain(r)).count() as u64;
+                stats.increments += plain;
+                stats.scripted += n - plain;
+            }
+        }
+    }
 }
 
 /// `S` behind the gate.
@@ -36,6 +49,7 @@ pub struct Gated<S> {
     inner: S,
     gate: Gate,
     ledger: Ledger,
+    leased: LeaseStats,
 }
 
 impl<S: WindowStore> Gated<S> {
@@ -45,6 +59,7 @@ impl<S: WindowStore> Gated<S> {
             inner,
             gate: Gate::new(),
             ledger,
+            leased: LeaseStats::default(),
         }
     }
 
@@ -66,11 +81,28 @@ impl<S: WindowStore> Gated<S> {
         let mut events = events.to_vec();
         let requests = self.gate.plan(rules, &events);
         if !requests.is_empty() {
-            let leases = self.ledger.lease(&requests).await?;
+            let start = std::time::Instant::now();
+            let leases = self.ledger.lease(&requests).await;
+            self.leased.micros += start.elapsed().as_micros() as u64;
+            let leases = leases?;
+            self.count(&requests, &leases);
             self.gate.settle(&requests, &leases);
         }
         self.gate.decide(rules, &mut events);
         Ok(Some(events))
+    }
+}
+
+impl<S> Gated<S> {
+    /// Counts a lease call that was answered.
+    fn count(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
+        let s = &mut self.leased;
+        s.calls += 1;
+        self.ledger.count(requests, s);
+        for (r, l) in requests.iter().zip(leases) {
+            s.granted += l.granted;
+            s.short += r.want.saturating_sub(l.granted);
+        }
     }
 }
 
@@ -98,7 +130,10 @@ impl<S: WindowStore> WindowStore for Gated<S> {
     }
 
     fn stats(&self) -> StoreStats {
-        self.inner.stats()
+        StoreStats {
+            lease: self.leased,
+            ..self.inner.stats()
+        }
     }
 
     fn cached_state(&self, caller: &str) -> Option<CallerState> {

@@ -39,6 +39,29 @@ pub struct StoreStats {
     /// mode claim gone: a restart without persistence, a flush, a failover
     /// to a replica that had not received them).
     pub data_losses: u64,
+    /// Credits of the rules keyed by callee or global (a store behind the
+    /// gate; zeros otherwise).
+    pub lease: LeaseStats,
+}
+
+/// What the gate leased for the rules keyed by callee or global, since
+/// the store opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Lease calls: batches that needed credits not held.
+    pub calls: u64,
+    /// Counters asked of Redis by plain increments (held nothing of).
+    pub increments: u64,
+    /// Counters asked of Redis through the lease script.
+    pub scripted: u64,
+    /// Counters asked of an in-process ledger.
+    pub in_process: u64,
+    /// Credits granted.
+    pub granted: u64,
+    /// Credits wanted and not granted: the counter was at its limit.
+    pub short: u64,
+    /// Time in lease calls, microseconds.
+    pub micros: u64,
 }
 
 /// A place that keeps window state and decides calls atomically.

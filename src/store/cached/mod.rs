@@ -613,6 +613,7 @@ impl WindowStore for CachedStore {
         StoreStats {
             conflicts: self.conflicts,
             data_losses: self.claim.lost,
+            ..StoreStats::default()
         }
     }
 

@@ -221,7 +221,7 @@ impl RedisLedger {
 /// A request Redis answers by a plain increment: the instance holds
 /// nothing of the counter (so it is most likely far from its limit) and
 /// gives nothing back.
-fn is_plain(r: &LeaseRequest) -> bool {
+pub fn is_plain(r: &LeaseRequest) -> bool {
     r.cold && r.give_back == 0
 }
 

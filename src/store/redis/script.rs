@@ -250,8 +250,8 @@ impl WindowStore for RedisStore {
 
     fn stats(&self) -> StoreStats {
         StoreStats {
-            conflicts: 0,
             data_losses: self.claim.lost,
+            ..StoreStats::default()
         }
     }
 
