@@ -526,16 +526,25 @@ async fn leases_wait_for_replicas_when_asked() {
         timeout: Duration::from_millis(400),
         ..RedisConfig::default()
     };
-    let granted = RedisLedger::new(config(0))
-        .lease(std::slice::from_ref(&request))
-        .await
-        .unwrap();
-    assert_eq!((granted[0].granted, granted[0].total), (1, 1));
-    let err = RedisLedger::new(config(1))
-        .lease(std::slice::from_ref(&request))
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind(), "transient", "{err}");
+    // Through the script (credits held before) and by plain increments
+    // (a counter held nothing of). A lease failed by `WAIT` took its credit
+    // in Redis all the same (lost: fewer calls admitted, never more).
+    for (cold, total) in [(false, 1), (true, 3)] {
+        let request = LeaseRequest {
+            cold,
+            ..request.clone()
+        };
+        let granted = RedisLedger::new(config(0))
+            .lease(std::slice::from_ref(&request))
+            .await
+            .unwrap();
+        assert_eq!((granted[0].granted, granted[0].total), (1, total));
+        let err = RedisLedger::new(config(1))
+            .lease(std::slice::from_ref(&request))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), "transient", "cold {cold}: {err}");
+    }
 }
 
 /// Counters this instance holds nothing of are leased by plain increments

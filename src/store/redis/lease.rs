@@ -109,7 +109,7 @@ impl RedisLedger {
         let ttl = self.ttl_ms(requests);
         let timeout = self.config.timeout * 2;
         let mut leases = vec![Lease::default(); requests.len()];
-        let conn = self.conn().await?.0.clone();
+        let mut conn = self.conn().await?.0.clone();
         let increments = async {
             let groups = conn.groups(plain.len(), |k| keys[plain[k]].0.as_bytes().to_vec());
             let calls = groups.into_iter().map(|g| {
@@ -142,9 +142,14 @@ impl RedisLedger {
             leases[i] = lease;
         }
         // Credits count like windows: under --redis-wait-replicas they are
-        // on the replicas before a call is admitted.
+        // on the replicas before a call is admitted. (`WAIT` covers the
+        // writes of its own connection: the increments' too, should the
+        // script's retry have connected again.)
         let (n, wait) = (self.config.wait_replicas, self.config.timeout);
-        if let Some((conn, _)) = self.conn.as_mut() {
+        if let Some((script_conn, _)) = self.conn.as_mut() {
+            script_conn.wait_replicas(n, wait).await?;
+        }
+        if !plain.is_empty() {
             conn.wait_replicas(n, wait).await?;
         }
         Ok(leases)
