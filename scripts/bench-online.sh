@@ -24,8 +24,8 @@
 #
 #   Sections 2 and 3 run once per mode in MODES (default "default
 #   script": "default" passes no --redis-mode, so it measures what a
-#   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to section 3's consume
-#   (e.g. "--batch-linger-us 1000"). SKIP_STORE=1 leaves section 1 out
+#   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to the consume of
+#   sections 2 and 3 (e.g. "--batch-size 100"). SKIP_STORE=1 leaves section 1 out
 #   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
 #   runs section 2 again with a rule keyed by callee added; SKIP_LATENCY=1
 #   leaves section 3 out.
@@ -104,7 +104,7 @@ e2e() {
   "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$rules" \
     $(mode_flag "$mode") --group "callguard-e2e-$mode$tag" \
     --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
-    --metrics-addr "127.0.0.1:$mport" > "$work/consume-$mode.log" 2>&1 &
+    --metrics-addr "127.0.0.1:$mport" ${CONSUME_ARGS:-} > "$work/consume-$mode.log" 2>&1 &
   local cpid=$!
   track "$cpid"
   t0=""

@@ -46,7 +46,10 @@ pub struct ConsumeArgs {
     /// instances cut to --local-share; back to Redis when it answers).
     #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
     pub on_store_error: PolicyArg,
-    /// Largest batch of events per store round trip.
+    /// Largest batch of events per store round trip. Batches start at a
+    /// fifth of it, so a burst the broker delivers at once is decided in
+    /// parts (its first events do not wait for its last), and double while
+    /// they come back full (a backlog), up to this.
     #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = consumer::DEFAULT_BATCH_SIZE)]
     pub batch_size: usize,
     /// Longest wait, in microseconds, for a batch to fill once its first

@@ -94,8 +94,55 @@ impl Read {
     }
 }
 
+/// The largest batch to collect next: small while the consumer keeps up,
+/// so a burst the broker delivers at once is split and its first events
+/// are decided without waiting for the store to take its last; doubled
+/// after two full batches in a row (a backlog: fewer, fuller store calls),
+/// up to `--batch-size`; back to the start after a batch cut short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct BatchCap {
+    now: usize,
+    full_in_a_row: usize,
+    max: usize,
+}
+
+impl BatchCap {
+    /// Starts at a fifth of `max` (at least one event).
+    pub(super) fn new(max: usize) -> Self {
+        let max = max.max(1);
+        BatchCap {
+            now: Self::start(max),
+            full_in_a_row: 0,
+            max,
+        }
+    }
+
+    fn start(max: usize) -> usize {
+        (max / 5).max(1)
+    }
+
+    /// The cap for the next batch.
+    pub(super) fn get(&self) -> usize {
+        self.now
+    }
+
+    /// Notes a batch of `len` events collected under the cap.
+    pub(super) fn note(&mut self, len: usize) {
+        if len >= self.now {
+            self.full_in_a_row += 1;
+            if self.full_in_a_row >= 2 {
+                self.now = (self.now * 2).min(self.max);
+                self.full_in_a_row = 0;
+            }
+        } else {
+            self.now = Self::start(self.max);
+            self.full_in_a_row = 0;
+        }
+    }
+}
+
 /// Collects the next batch: waits for a first message, then up to the
-/// linger time or the batch size. When the verdicts of the batch being
+/// linger time or `cap` events ([`BatchCap`]). When the verdicts of the batch being
 /// decided arrive it stops lingering: it returns at once if it has nothing,
 /// else after taking the messages already received. `None` when shutdown is
 /// requested. While idle it stores the offsets of acknowledged batches now
@@ -106,6 +153,7 @@ pub(super) async fn next_batch<F: Future<Output = ()> + Unpin>(
     shutdown: &mut F,
     held: Read,
     mut deciding: Option<&mut Deciding>,
+    cap: usize,
 ) -> Result<Option<Read>, KafkaError> {
     // Held messages (see `checkpoint_due` in `run`) come first, topped up to
     // a batch; while a checkpoint waits, at least one more message is read
@@ -113,7 +161,7 @@ pub(super) async fn next_batch<F: Future<Output = ()> + Unpin>(
     let limit = if held.len() >= MAX_HELD {
         held.len() // hold no more: wait for the commit without reading
     } else {
-        config.batch_size.max(held.len() + 1)
+        cap.max(held.len() + 1)
     };
     let mut batch = held;
     batch.drop_revoked(&clients.shared);
@@ -227,5 +275,35 @@ pub(super) fn sort_read(
         events,
         spans,
         offsets,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BatchCap;
+
+    #[test]
+    fn the_cap_starts_small_doubles_under_a_backlog_and_resets() {
+        let mut cap = BatchCap::new(500);
+        assert_eq!(cap.get(), 100);
+        // A burst of 230 events: 100, 100, 30; the cap stays small but
+        // for one doubling, then resets.
+        cap.note(100);
+        assert_eq!(cap.get(), 100);
+        cap.note(100);
+        assert_eq!(cap.get(), 200);
+        cap.note(30);
+        assert_eq!(cap.get(), 100);
+        // A backlog: every batch full, up to --batch-size and no further.
+        for _ in 0..10 {
+            let n = cap.get();
+            cap.note(n);
+        }
+        assert_eq!(cap.get(), 500);
+        cap.note(499);
+        assert_eq!(cap.get(), 100);
+        // Small settings still give at least one event.
+        assert_eq!(BatchCap::new(3).get(), 1);
+        assert_eq!(BatchCap::new(0).get(), 1);
     }
 }

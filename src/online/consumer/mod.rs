@@ -79,7 +79,8 @@ pub const DEFAULT_FETCH_WAIT_MS: &str = "10";
 
 /// Default longest wait for a batch to fill, microseconds.
 pub const DEFAULT_BATCH_LINGER_US: u64 = 5_000;
-/// Default largest batch of events per store call.
+/// Default largest batch of events per store call (batches start at a
+/// fifth of it: `batch::BatchCap`).
 pub const DEFAULT_BATCH_SIZE: usize = 500;
 /// Default number of batches that may await acknowledgement at once.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 4;

@@ -17,7 +17,7 @@ use crate::error::ConsumeError;
 use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 
-use super::batch::{next_batch, sort_read, Read, Sorted};
+use super::batch::{next_batch, sort_read, BatchCap, Read, Sorted};
 use super::checkpoint::{self, Early, Uncommitted};
 use super::clients::{
     commit_now, connect, drain, produce_batch, wait_for_room, warm_producer, Clients,
@@ -80,6 +80,8 @@ pub(super) struct Processor {
     held: Read,
     /// The batch being decided while the next one is collected.
     deciding: Option<Deciding>,
+    /// The largest batch to collect next.
+    cap: BatchCap,
 }
 
 impl Processor {
@@ -112,6 +114,7 @@ impl Processor {
                 checkpoint::span_limit(current.dedup_ms()),
             )
         };
+        let cap = BatchCap::new(config.batch_size);
         Ok(Processor {
             clients,
             config,
@@ -128,6 +131,7 @@ impl Processor {
             checkpoint_due: false,
             held: Read::default(),
             deciding: None,
+            cap,
         })
     }
 
@@ -141,13 +145,17 @@ impl Processor {
             &mut self.shutdown,
             held,
             self.deciding.as_mut(),
+            self.cap.get(),
         )
         .await?;
         // Store what was acknowledged meanwhile; a wanted background commit
         // may start.
         self.settle()?;
         let batch = match next {
-            Some(b) if !b.is_empty() => b,
+            Some(b) if !b.is_empty() => {
+                self.cap.note(b.len());
+                b
+            }
             // Nothing new (the batch being decided is back, or all of it
             // came from partitions revoked meanwhile): finish that one.
             Some(_) => return self.finish(false).await,
