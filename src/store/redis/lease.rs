@@ -111,9 +111,7 @@ impl RedisLedger {
         let mut leases = vec![Lease::default(); requests.len()];
         let mut conn = self.conn().await?.0.clone();
         let increments = async {
-            let groups = conn.groups(plain.len(), |k| keys[plain[k]].0.as_bytes().to_vec());
-            let calls = groups.into_iter().map(|g| {
-                let group: Vec<usize> = g.into_iter().map(|k| plain[k]).collect();
+            let calls = by_slot(&conn, &plain, &keys).into_iter().map(|group| {
                 let conn = conn.clone();
                 let keys = &keys;
                 async move {
@@ -124,7 +122,7 @@ impl RedisLedger {
             futures::future::join_all(calls).await
         };
         let (scripts, increments) =
-            futures::join!(self.run_script(&scripted, requests, &keys), increments);
+            futures::join!(self.run_script(&scripted, requests, &keys, ttl), increments);
         for outcome in increments {
             match outcome {
                 Ok((group, got)) => {
@@ -175,20 +173,14 @@ impl RedisLedger {
         which: &[usize],
         requests: &[LeaseRequest],
         keys: &[(String, String)],
+        ttl: i64,
     ) -> Result<Vec<(usize, Lease)>, StoreError> {
         let mut out = Vec::with_capacity(which.len());
         if which.is_empty() {
             return Ok(out);
         }
-        let ttl = self.ttl_ms(requests);
         let timeout = self.config.timeout * 2;
-        let mut pending: Vec<Vec<usize>> = {
-            let (conn, _) = self.conn().await?;
-            conn.groups(which.len(), |k| keys[which[k]].0.as_bytes().to_vec())
-                .into_iter()
-                .map(|g| g.into_iter().map(|k| which[k]).collect())
-                .collect()
-        };
+        let mut pending = by_slot(&self.conn().await?.0, which, keys);
         for attempt in 0..2 {
             let (conn, sha) = self.conn().await?;
             let calls = pending.iter().map(|group| {
@@ -221,6 +213,15 @@ impl RedisLedger {
             "the lease script was not found twice",
         ))
     }
+}
+
+/// The requests `which`, grouped by the hash slot of their counter's hash
+/// (one group on a standalone server).
+fn by_slot(conn: &Conn, which: &[usize], keys: &[(String, String)]) -> Vec<Vec<usize>> {
+    conn.groups(which.len(), |k| keys[which[k]].0.as_bytes().to_vec())
+        .into_iter()
+        .map(|g| g.into_iter().map(|k| which[k]).collect())
+        .collect()
 }
 
 /// A request Redis answers by a plain increment: the instance holds
