@@ -35,14 +35,15 @@
 //!   exceeded. A call is rejected while other instances hold unused
 //!   credits: at most the sum over the others of what they hold, each at
 //!   most one block beyond its batch's need ([`block_cap`]) for a fixed
-//!   rule.
+//!   rule. (The batch may be the one queued behind the batch being
+//!   committed: `consume` leases for it meanwhile; a counter asked for
+//!   since the last batch was decided is not asked for again.)
 //! * The count an instance writes is its view: the credits handed out as
 //!   of its last lease less those it holds, plus its own calls. With one
 //!   instance (and offline, where [`MemoryLedger`] plays Redis) that is
 //!   the exact count above, whatever the batches.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use compact_str::CompactString;
 use foldhash::{HashMap, HashMapExt};
@@ -75,6 +76,26 @@ fn extra(recent: u64, limit: u64) -> u64 {
         0
     } else {
         recent.min(block_cap(limit))
+    }
+}
+
+/// Counters by the event time they are dropped at (a bucket's counters
+/// share it: one entry for all of them, found without comparing ids).
+#[derive(Debug, Default)]
+struct Expiry(BTreeMap<i64, Vec<CounterId>>);
+
+impl Expiry {
+    fn push(&mut self, at: i64, id: CounterId) {
+        self.0.entry(at).or_default().push(id);
+    }
+
+    /// The earliest group of counters due before `now`, if any.
+    fn pop_due(&mut self, now: i64) -> Option<(i64, Vec<CounterId>)> {
+        let first = self.0.first_entry()?;
+        if *first.key() >= now {
+            return None;
+        }
+        Some(first.remove_entry())
     }
 }
 
@@ -151,7 +172,7 @@ pub struct Lease {
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
     counters: HashMap<CounterId, u64>,
-    expiry: BinaryHeap<Reverse<(i64, CounterId)>>,
+    expiry: Expiry,
     /// Limits are scaled by this (the local fallback's share).
     share: Option<f64>,
 }
@@ -206,7 +227,7 @@ impl MemoryLedger {
                     .counter
                     .expires_at(req.ttl_ms)
                     .saturating_add(MEMORY_MARGIN_MS);
-                self.expiry.push(Reverse((at, req.counter.clone())));
+                self.expiry.push(at, req.counter.clone());
             }
             self.counters.insert(req.counter.clone(), cur + granted);
         }
@@ -218,11 +239,8 @@ impl MemoryLedger {
     }
 
     fn expire(&mut self, now: i64) {
-        while let Some(Reverse((at, _))) = self.expiry.peek() {
-            if *at >= now {
-                break;
-            }
-            if let Some(Reverse((_, id))) = self.expiry.pop() {
+        while let Some((_, ids)) = self.expiry.pop_due(now) {
+            for id in ids {
                 self.counters.remove(&id);
             }
         }
@@ -242,6 +260,8 @@ struct Held {
     mine: u64,
     /// Past its time with credits in hand: kept a margin longer.
     kept_longer: bool,
+    /// [`Gate::decided`] at its last lease.
+    leased_at: u64,
 }
 
 /// Decides the rules keyed by callee or global for batches of calls, from
@@ -252,8 +272,10 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct Gate {
     counters: HashMap<CounterId, Held>,
-    expiry: BinaryHeap<Reverse<(i64, CounterId)>>,
+    expiry: Expiry,
     latest: Option<i64>,
+    /// Batches decided so far.
+    decided: u64,
     remembered: HashMap<CompactString, std::sync::Arc<[Aggregated]>>,
     remembered_order: VecDeque<CompactString>,
 }
@@ -331,7 +353,11 @@ impl Gate {
             // kept here asks again, for the previous bucket's count.)
             let stale_prev =
                 rule.kind == WindowKind::SlidingApprox && !self.counters.contains_key(&prev_id);
-            if held.is_some() && have >= need && !stale_prev {
+            // (Asked already since the last batch was decided: a lease
+            // ahead, answered in full or short. Asking again would be
+            // answered the same, as far as this instance can tell.)
+            let fresh = held.is_some_and(|h| h.leased_at == self.decided);
+            if held.is_some() && (fresh || have >= need && !stale_prev) {
                 continue;
             }
             let recent = held
@@ -368,13 +394,13 @@ impl Gate {
         for (req, lease) in requests.iter().zip(leases) {
             let id = &req.counter;
             if !self.counters.contains_key(id) {
-                self.expiry
-                    .push(Reverse((id.expires_at(req.ttl_ms), id.clone())));
+                self.expiry.push(id.expires_at(req.ttl_ms), id.clone());
             }
             let h = self.counters.entry(id.clone()).or_default();
             h.held += lease.granted;
             h.total = lease.total.max(h.held);
             h.prev = lease.prev;
+            h.leased_at = self.decided;
         }
     }
 
@@ -385,6 +411,7 @@ impl Gate {
         if aggs.is_empty() {
             return;
         }
+        self.decided += 1;
         for ev in events.iter_mut() {
             self.latest = Some(self.latest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
             if let Some(known) = self.remembered.get(&ev.call_id) {
@@ -486,21 +513,16 @@ impl Gate {
     /// holds credits is kept [`MEMORY_MARGIN_MS`] longer (the ledger
     /// counts them as handed out: dropped, they would count as calls).
     fn expire(&mut self, now: i64) {
-        while let Some(Reverse((at, _))) = self.expiry.peek() {
-            if *at >= now {
-                break;
-            }
-            let Some(Reverse((at, id))) = self.expiry.pop() else {
-                break;
-            };
-            match self.counters.get_mut(&id) {
-                Some(h) if h.held > 0 && !h.kept_longer => {
-                    h.kept_longer = true;
-                    self.expiry
-                        .push(Reverse((at.saturating_add(MEMORY_MARGIN_MS), id)));
-                }
-                _ => {
-                    self.counters.remove(&id);
+        while let Some((at, ids)) = self.expiry.pop_due(now) {
+            for id in ids {
+                match self.counters.get_mut(&id) {
+                    Some(h) if h.held > 0 && !h.kept_longer => {
+                        h.kept_longer = true;
+                        self.expiry.push(at.saturating_add(MEMORY_MARGIN_MS), id);
+                    }
+                    _ => {
+                        self.counters.remove(&id);
+                    }
                 }
             }
         }

@@ -17,7 +17,7 @@ use crate::engine::window::CallerState;
 use crate::error::{chain, EventError, StoreError};
 use crate::online::metrics::{Health, Metrics};
 use crate::store::memory::MemoryStore;
-use crate::store::WindowStore;
+use crate::store::{Upcoming, WindowStore};
 
 /// How often an idle `serve` or `consume` probes the store for `/readyz`.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);
@@ -240,19 +240,21 @@ pub fn check_future_skew(
 }
 
 /// Decides `events` through `store` ([`WindowStore::apply_batch_partial`]:
-/// `None` for a call left undecided by contention) and records the call:
+/// `None` for a call left undecided by contention; `next` tells it the
+/// batch after, if that has come, to prepare for it) and records the call:
 /// store latency, conflicts, `store_errors{kind}` (`contended` when calls
 /// were left undecided), and the store's health and detail on a failure.
 pub async fn apply_observed<S: WindowStore>(
     store: &mut S,
     rules: &RuleSet,
     events: &[CallEvent],
+    next: &mut dyn Upcoming,
     metrics: &Metrics,
     health: &Health,
 ) -> Result<Vec<Option<Verdict>>, StoreError> {
     let start = Instant::now();
     let before = store.stats();
-    let result = store.apply_batch_partial(rules, events).await;
+    let result = store.apply_batch_partial_ahead(rules, events, next).await;
     let took = start.elapsed().as_secs_f64();
     metrics.store_latency.observe(took);
     metrics.status.store_latency(took);

@@ -10,7 +10,8 @@ use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::{is_plain, RedisLedger};
-use crate::store::{LeaseStats, StoreStats, WindowStore};
+use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
+use tracing::debug;
 
 /// Where credits come from.
 #[derive(Debug)]
@@ -81,16 +82,59 @@ impl<S: WindowStore> Gated<S> {
         let mut events = events.to_vec();
         let requests = self.gate.plan(rules, &events);
         if !requests.is_empty() {
-            let start = std::time::Instant::now();
-            let leases = self.ledger.lease(&requests).await;
-            self.leased.micros += start.elapsed().as_micros() as u64;
-            let leases = leases?;
-            self.count(&requests, &leases);
-            self.gate.settle(&requests, &leases);
+            let (leases, micros) = timed(self.ledger.lease(&requests)).await;
+            self.leased.micros += micros;
+            self.settle(&requests, &leases?);
         }
         self.gate.decide(rules, &mut events);
         Ok(Some(events))
     }
+
+    /// Decides `events` (gated) in the store while leasing the credits
+    /// the next batch, if it has come, will need beyond those held, as [`Gate::plan`] would ask for
+    /// them once `events` are decided (which they are: the gate decides
+    /// before the store commits). A failed lease ahead is let go: `next`
+    /// asks again when it comes, and meets the error then.
+    async fn apply_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        next: &mut dyn Upcoming,
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        let gated = self.gate(rules, events).await?;
+        let batch = gated.as_deref().unwrap_or(events);
+        let requests = match next.peek() {
+            Some(n) if n.rules.has_aggregates() => self.gate.plan(n.rules, n.events),
+            _ => Vec::new(),
+        };
+        if requests.is_empty() {
+            return self.inner.apply_batch_partial(rules, batch).await;
+        }
+        let (inner, ledger) = (&mut self.inner, &mut self.ledger);
+        let (verdicts, (leases, micros)) = futures::join!(
+            inner.apply_batch_partial(rules, batch),
+            timed(ledger.lease(&requests))
+        );
+        self.leased.micros += micros;
+        match leases {
+            Ok(leases) => self.settle(&requests, &leases),
+            Err(e) => debug!(error = %e, "leasing ahead failed; the next batch asks again"),
+        }
+        verdicts
+    }
+
+    /// Takes a lease call's answers into the gate and the counts.
+    fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
+        self.count(requests, leases);
+        self.gate.settle(requests, leases);
+    }
+}
+
+/// `work`'s output and how long it took, µs.
+async fn timed<T>(work: impl std::future::Future<Output = T>) -> (T, u64) {
+    let start = std::time::Instant::now();
+    let out = work.await;
+    (out, start.elapsed().as_micros() as u64)
 }
 
 impl<S> Gated<S> {
@@ -123,10 +167,16 @@ impl<S: WindowStore> WindowStore for Gated<S> {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
-        match self.gate(rules, events).await? {
-            Some(gated) => self.inner.apply_batch_partial(rules, &gated).await,
-            None => self.inner.apply_batch_partial(rules, events).await,
-        }
+        self.apply_ahead(rules, events, &mut ()).await
+    }
+
+    async fn apply_batch_partial_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        next: &mut dyn Upcoming,
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        self.apply_ahead(rules, events, next).await
     }
 
     fn stats(&self) -> StoreStats {
@@ -142,5 +192,82 @@ impl<S: WindowStore> WindowStore for Gated<S> {
 
     async fn probe(&mut self) -> Result<(), StoreError> {
         self.inner.probe().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::rules::{Rule, RuleKey, RuleSpec, WindowKind};
+    use crate::store::memory::MemoryStore;
+    use crate::store::Next;
+
+    /// Batches of calls to a few callees (some over the limit) from
+    /// many callers, with retransmissions.
+    fn batches() -> Vec<Vec<CallEvent>> {
+        let call = |i: usize| CallEvent {
+            call_id: format!("c{}", if i.is_multiple_of(11) { i / 2 } else { i }).into(),
+            caller: format!("+346000{:05}", i % 97).into(),
+            ts_ms: 1_000_000 + i as i64 * 37,
+            callee: Some(format!("+3491000{:04}", (i * 7) % 13).into()),
+            duration_ms: None,
+            label: None,
+            list_number: None,
+            filter_callee: None,
+            aggregate: None,
+        };
+        (0..12)
+            .map(|b| (b * 50..(b + 1) * 50).map(call).collect())
+            .collect()
+    }
+
+    fn rules(kind: WindowKind) -> RuleSet {
+        let mut callee = Rule::new("tdos", kind, 2_000, 4);
+        callee.key = RuleKey::Callee;
+        let caller = Rule::new("caller", WindowKind::Fixed, 1_000, 3);
+        RuleSet::build(RuleSpec::new(vec![caller, callee])).expect("rules")
+    }
+
+    fn gated() -> Gated<MemoryStore> {
+        Gated::new(MemoryStore::new(), Ledger::Memory(MemoryLedger::new()))
+    }
+
+    /// Leasing the next batch's credits while this one is committed
+    /// changes no record, and the next batch then needs no lease call.
+    #[tokio::test]
+    async fn leasing_ahead_changes_nothing_but_the_time() {
+        for kind in [WindowKind::Fixed, WindowKind::SlidingApprox] {
+            let rules = rules(kind);
+            let batches = batches();
+            let (mut plain, mut ahead) = (gated(), gated());
+            let last = batches.len() - 1;
+            for (k, batch) in batches.iter().enumerate() {
+                let want = plain
+                    .apply_batch_partial(&rules, batch)
+                    .await
+                    .expect("plain");
+                let before = ahead.stats().lease.calls;
+                let mut next = batches.get(k + 1).map(|events| Next {
+                    rules: &rules,
+                    events,
+                });
+                let got = ahead
+                    .apply_batch_partial_ahead(&rules, batch, &mut next)
+                    .await
+                    .expect("ahead");
+                assert_eq!(got, want, "{kind:?}, batch {k}");
+                // Batch k was leased for while k - 1 was committed: the
+                // only call now is the one ahead, for k + 1.
+                let calls = ahead.stats().lease.calls - before;
+                let expected = if k == last { 0 } else { 1 };
+                if k > 0 {
+                    assert!(calls <= expected, "{kind:?}, batch {k}: {calls} calls");
+                }
+            }
+            let (p, a) = (plain.stats().lease, ahead.stats().lease);
+            assert!(p.short > 0, "{kind:?}: the limit was reached");
+            assert!(p.calls >= last as u64, "{kind:?}: every batch leased");
+            assert_eq!((a.granted, a.short), (p.granted, p.short), "{kind:?}");
+        }
     }
 }

@@ -64,6 +64,35 @@ pub struct LeaseStats {
     pub micros: u64,
 }
 
+/// The batch a store will be asked to decide next, with its rules.
+#[derive(Debug, Clone, Copy)]
+pub struct Next<'a> {
+    pub rules: &'a RuleSet,
+    pub events: &'a [CallEvent],
+}
+
+/// Where a store deciding a batch learns the batch after it, if that has
+/// come yet ([`WindowStore::apply_batch_partial_ahead`]).
+pub trait Upcoming: Send {
+    /// The next batch, if already known. Asked once the current batch is
+    /// decided, just before it is committed.
+    fn peek(&mut self) -> Option<Next<'_>>;
+}
+
+/// No batch after this one (or none worth waiting for).
+impl Upcoming for () {
+    fn peek(&mut self) -> Option<Next<'_>> {
+        None
+    }
+}
+
+/// A batch known from the start.
+impl Upcoming for Option<Next<'_>> {
+    fn peek(&mut self) -> Option<Next<'_>> {
+        *self
+    }
+}
+
 /// A place that keeps window state and decides calls atomically.
 pub trait WindowStore: Send {
     /// Applies `events` in order (per caller, the order given) and returns one
@@ -93,6 +122,22 @@ pub trait WindowStore: Send {
             let verdicts = self.apply_batch(rules, events).await?;
             Ok(verdicts.into_iter().map(Some).collect())
         }
+    }
+
+    /// [`WindowStore::apply_batch_partial`] of this batch, with a way to
+    /// learn the batch after it (`next`): a store may prepare for that one
+    /// while it commits this one. The gate ([`gated::Gated`]) leases the
+    /// next batch's credits then, so that round trip to Redis overlaps the
+    /// commit's instead of following it. The results are
+    /// `apply_batch_partial`'s: only the time differs.
+    fn apply_batch_partial_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        next: &mut dyn Upcoming,
+    ) -> impl Future<Output = Result<Vec<Option<Verdict>>, StoreError>> + Send {
+        let _ = next;
+        self.apply_batch_partial(rules, events)
     }
 
     /// The window state of `caller` this store holds in process, if any

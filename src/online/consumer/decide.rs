@@ -19,7 +19,7 @@ use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
 use crate::online::policy::{apply_observed, IdleProbe, OnStoreError};
 use crate::store::cached::CONTENDED;
-use crate::store::WindowStore;
+use crate::store::{Next, Upcoming, WindowStore};
 
 /// Longest wait between retries of a blocked store.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -70,11 +70,25 @@ impl Decider {
             // or Redis gone while idle), as `serve` keeps it.
             let mut idle = IdleProbe::start(&mut store, &metrics, &health).await;
             let mut on_error = OnStoreError::new(config.on_store_error, config.local_share);
-            while let Some(job) = idle.recv(&mut rx, &mut store, &metrics, &health).await {
+            // The batch queued behind the one being decided, once the store
+            // has looked for it (to prepare for it meanwhile).
+            let mut queued: Option<Job> = None;
+            loop {
+                let job = match queued.take() {
+                    Some(job) => job,
+                    None => match idle.recv(&mut rx, &mut store, &metrics, &health).await {
+                        Some(job) => job,
+                        None => break,
+                    },
+                };
+                let mut next = Queued {
+                    rx: &mut rx,
+                    job: &mut queued,
+                };
                 let verdicts = decide(
                     &mut store,
-                    &job.rules,
-                    &job.events,
+                    &job,
+                    &mut next,
                     &mut on_error,
                     &metrics,
                     &health,
@@ -110,24 +124,46 @@ impl Decider {
     }
 }
 
+/// The decider's queue seen from the store: the batch queued behind the
+/// one being decided, taken from the queue when the store asks for it.
+struct Queued<'a> {
+    rx: &'a mut mpsc::Receiver<Job>,
+    job: &'a mut Option<Job>,
+}
+
+impl Upcoming for Queued<'_> {
+    fn peek(&mut self) -> Option<Next<'_>> {
+        if self.job.is_none() {
+            *self.job = self.rx.try_recv().ok();
+        }
+        self.job.as_ref().map(|j| Next {
+            rules: &j.rules,
+            events: &j.events,
+        })
+    }
+}
+
 /// Decides a batch under the failure policy; `None` if shutdown came while
 /// blocked. Calls the store left undecided (their caller kept changing
 /// under it: another writer) are tried again alone under `block`, or
 /// decided degraded under `allow`, `reject` and `local`; the others' verdicts
 /// stand.
-pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
+async fn decide<S: WindowStore, F: Future<Output = ()>>(
     store: &mut S,
-    rules: &RuleSet,
-    events: &[CallEvent],
+    job: &Job,
+    next: &mut dyn Upcoming,
     on_error: &mut OnStoreError,
     metrics: &Metrics,
     health: &Health,
     shutdown: &mut Pin<&mut F>,
 ) -> Option<Result<Vec<Verdict>, ConsumeError>> {
+    let (rules, events) = (&job.rules, job.events.as_slice());
     let mut backoff = Duration::from_millis(50);
     let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
     // The calls still undecided, when not the whole batch.
     let mut left: Option<Vec<usize>> = None;
+    // Only the first try looks ahead.
+    let mut next = Some(next);
     loop {
         let retried: Vec<CallEvent>;
         let batch = match &left {
@@ -137,7 +173,16 @@ pub(super) async fn decide<S: WindowStore, F: Future<Output = ()>>(
                 &retried
             }
         };
-        let why = match apply_observed(store, rules, batch, metrics, health).await {
+        let why = match apply_observed(
+            store,
+            rules,
+            batch,
+            next.take().unwrap_or(&mut ()),
+            metrics,
+            health,
+        )
+        .await
+        {
             Ok(got) => {
                 match &left {
                     None => verdicts = got,

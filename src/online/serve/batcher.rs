@@ -168,17 +168,24 @@ impl<S: WindowStore> Batcher<S> {
     /// so under `block` (answered 503), or are decided degraded.
     async fn decide(&mut self, events: &[CallEvent]) -> Decided {
         let rules = &self.current;
-        let (verdicts, why) =
-            match apply_observed(&mut self.store, rules, events, &self.metrics, &self.health).await
-            {
-                // Calls of a caller another writer kept changing: only they
-                // are left undecided, and nothing of them written.
-                Ok(v) => {
-                    let why = v.iter().any(Option::is_none).then(|| CONTENDED.to_string());
-                    (v, why)
-                }
-                Err(e) => (vec![None; events.len()], Some(chain(&e))),
-            };
+        let (verdicts, why) = match apply_observed(
+            &mut self.store,
+            rules,
+            events,
+            &mut (),
+            &self.metrics,
+            &self.health,
+        )
+        .await
+        {
+            // Calls of a caller another writer kept changing: only they
+            // are left undecided, and nothing of them written.
+            Ok(v) => {
+                let why = v.iter().any(Option::is_none).then(|| CONTENDED.to_string());
+                (v, why)
+            }
+            Err(e) => (vec![None; events.len()], Some(chain(&e))),
+        };
         let Some(reason) = &why else {
             self.on_error.store_answered();
             return Decided { verdicts, why };

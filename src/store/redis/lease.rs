@@ -93,15 +93,18 @@ impl RedisLedger {
         if requests.is_empty() {
             return Ok(Vec::new());
         }
-        // Per request, its hash and the previous bucket's.
+        // Per request, its hash and the previous bucket's (empty when not
+        // read: no sliding-approx estimate, nothing given back).
         let keys: Vec<(String, String)> = requests
             .iter()
             .map(|r| {
                 let c = &r.counter;
-                (
-                    self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket),
-                    self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket.saturating_sub(1)),
-                )
+                let prev = if r.approx || r.give_back > 0 {
+                    self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket.saturating_sub(1))
+                } else {
+                    String::new()
+                };
+                (self.hash_key(&c.rule, c.window_ms, &c.key, c.bucket), prev)
             })
             .collect();
         let (plain, scripted): (Vec<usize>, Vec<usize>) =
