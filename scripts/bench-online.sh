@@ -27,7 +27,8 @@
 #   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to the consume of
 #   sections 2 and 3 (e.g. "--batch-size 100"). SKIP_STORE=1 leaves section 1 out
 #   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
-#   runs section 2 again with a rule keyed by callee added; SKIP_LATENCY=1
+#   runs section 2 again with a rule keyed by callee added, and with a
+#   global rule added; SKIP_LATENCY=1
 #   leaves section 3 out.
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
@@ -125,12 +126,19 @@ e2e() {
   wait "$cpid" 2>/dev/null || true
 }
 for mode in $modes; do e2e "$mode"; done
-# AGGREGATE=1: section 2 again with a rule keyed by callee added (issue #30).
+# AGGREGATE=1: section 2 again with a rule keyed by callee added, then with
+# a global rule over every call added instead (issue #30).
 if [ "${AGGREGATE:-0}" = 1 ]; then
   cp data/rules.toml "$work/rules-callee.toml"
   printf '\n[[rule]]\nname = "tdos"\nkey = "callee"\nkind = "fixed"\nwindow = "10s"\nlimit = 50\n' \
     >> "$work/rules-callee.toml"
-  for mode in $modes; do e2e "$mode" "$work/rules-callee.toml" "-callee"; done
+  cp data/rules.toml "$work/rules-global.toml"
+  printf '\n[[rule]]\nname = "all"\nkey = "global"\nkind = "fixed"\nwindow = "1s"\nlimit = 1000000\n' \
+    >> "$work/rules-global.toml"
+  for mode in $modes; do
+    e2e "$mode" "$work/rules-callee.toml" "-callee"
+    e2e "$mode" "$work/rules-global.toml" "-global"
+  done
 fi
 
 # latency RATE TOPIC GROUP: loadgen offers RATE events/s for $seconds s to

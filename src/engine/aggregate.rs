@@ -43,6 +43,7 @@
 //!   instance (and offline, where [`MemoryLedger`] plays Redis) that is
 //!   the exact count above, whatever the batches.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
 
 use compact_str::CompactString;
@@ -208,32 +209,38 @@ impl MemoryLedger {
 
     fn lease_one(&mut self, req: &LeaseRequest) -> Lease {
         self.expire(req.now_ms);
-        let prev_id = req.counter.prev();
-        if req.give_back > 0 {
-            if let Some(p) = self.counters.get_mut(&prev_id) {
+        let mut prev = 0;
+        if req.give_back > 0 || req.approx {
+            if let Some(p) = self.counters.get_mut(&req.counter.prev()) {
                 *p = p.saturating_sub(req.give_back);
+                if req.approx {
+                    prev = *p;
+                }
             }
         }
-        let prev = if req.approx {
-            self.counters.get(&prev_id).copied().unwrap_or(0)
-        } else {
-            0
+        let limit = self.limit(req.limit);
+        let (granted, total) = match self.counters.get_mut(&req.counter) {
+            Some(cur) => {
+                let granted = req.want.min(limit.saturating_sub(*cur));
+                *cur += granted;
+                (granted, *cur)
+            }
+            None => {
+                let granted = req.want.min(limit);
+                if granted > 0 {
+                    let at = req
+                        .counter
+                        .expires_at(req.ttl_ms)
+                        .saturating_add(MEMORY_MARGIN_MS);
+                    self.expiry.push(at, req.counter.clone());
+                    self.counters.insert(req.counter.clone(), granted);
+                }
+                (granted, granted)
+            }
         };
-        let cur = self.counters.get(&req.counter).copied().unwrap_or(0);
-        let granted = req.want.min(self.limit(req.limit).saturating_sub(cur));
-        if granted > 0 {
-            if !self.counters.contains_key(&req.counter) {
-                let at = req
-                    .counter
-                    .expires_at(req.ttl_ms)
-                    .saturating_add(MEMORY_MARGIN_MS);
-                self.expiry.push(at, req.counter.clone());
-            }
-            self.counters.insert(req.counter.clone(), cur + granted);
-        }
         Lease {
             granted,
-            total: cur + granted,
+            total,
             prev,
         }
     }
@@ -334,11 +341,11 @@ impl Gate {
                 let Some(id) = counter_of(rules, i, ev) else {
                     continue;
                 };
-                match at.get(&id) {
-                    Some(&k) => needs[k].2 += 1,
-                    None => {
-                        at.insert(id.clone(), needs.len());
-                        needs.push((i, id, 1));
+                match at.entry(id) {
+                    Entry::Occupied(k) => needs[*k.get()].2 += 1,
+                    Entry::Vacant(v) => {
+                        needs.push((i, v.key().clone(), 1));
+                        v.insert(needs.len() - 1);
                     }
                 }
             }
@@ -346,35 +353,37 @@ impl Gate {
         let mut requests = Vec::new();
         for (i, id, need) in needs {
             let rule = &rules.rules[i];
+            let approx = rule.kind == WindowKind::SlidingApprox;
             let held = self.counters.get(&id).copied();
             let have = held.map_or(0, |h| h.held);
-            let prev_id = id.prev();
-            // (A sliding-approx counter whose previous bucket is no longer
-            // kept here asks again, for the previous bucket's count.)
-            let stale_prev =
-                rule.kind == WindowKind::SlidingApprox && !self.counters.contains_key(&prev_id);
-            // (Asked already since the last batch was decided: a lease
-            // ahead, answered in full or short. Asking again would be
-            // answered the same, as far as this instance can tell.)
-            let fresh = held.is_some_and(|h| h.leased_at == self.decided);
-            if held.is_some() && (fresh || have >= need && !stale_prev) {
-                continue;
+            if let Some(h) = held {
+                // (Asked already since the last batch was decided: a lease
+                // ahead, answered in full or short. Asking again would be
+                // answered the same, as far as this instance can tell.)
+                let fresh = h.leased_at == self.decided;
+                // (A sliding-approx counter whose previous bucket is no
+                // longer kept here asks again, for that bucket's count.)
+                let stale_prev = approx && !self.counters.contains_key(&id.prev());
+                if fresh || have >= need && !stale_prev {
+                    continue;
+                }
             }
-            let recent = held
-                .map_or(0, |h| h.mine)
-                .max(self.counters.get(&prev_id).map_or(0, |h| h.mine));
-            let give_back = match (held, self.counters.get_mut(&prev_id)) {
-                (None, Some(p)) if !at.contains_key(&prev_id) => {
+            let prev_id = id.prev();
+            let gives_back = held.is_none() && !at.contains_key(&prev_id);
+            let (prev_mine, give_back) = match self.counters.get_mut(&prev_id) {
+                Some(p) if gives_back => {
                     let g = p.held;
                     p.held = 0;
                     p.total -= g;
-                    g
+                    (p.mine, g)
                 }
-                _ => 0,
+                Some(p) => (p.mine, 0),
+                None => (0, 0),
             };
+            let recent = held.map_or(0, |h| h.mine).max(prev_mine);
             requests.push(LeaseRequest {
                 counter: id,
-                approx: rule.kind == WindowKind::SlidingApprox,
+                approx,
                 limit: rule.limit,
                 want: need.saturating_sub(have) + extra(recent, rule.limit),
                 give_back,
@@ -393,10 +402,13 @@ impl Gate {
     pub fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
         for (req, lease) in requests.iter().zip(leases) {
             let id = &req.counter;
-            if !self.counters.contains_key(id) {
-                self.expiry.push(id.expires_at(req.ttl_ms), id.clone());
-            }
-            let h = self.counters.entry(id.clone()).or_default();
+            let h = match self.counters.entry(id.clone()) {
+                Entry::Occupied(h) => h.into_mut(),
+                Entry::Vacant(v) => {
+                    self.expiry.push(id.expires_at(req.ttl_ms), id.clone());
+                    v.insert(Held::default())
+                }
+            };
             h.held += lease.granted;
             h.total = lease.total.max(h.held);
             h.prev = lease.prev;
@@ -407,8 +419,7 @@ impl Gate {
     /// Fills in `events`' [`CallEvent::aggregate`], in order, taking a
     /// credit for each call a rule admits.
     pub fn decide(&mut self, rules: &RuleSet, events: &mut [CallEvent]) {
-        let aggs = aggregate_rules(rules);
-        if aggs.is_empty() {
+        if !rules.has_aggregates() {
             return;
         }
         self.decided += 1;
@@ -418,13 +429,13 @@ impl Gate {
                 ev.aggregate = Some(known.clone());
                 continue;
             }
-            let mut out = vec![Aggregated::default(); rules.rules.len()];
-            for &i in &aggs {
-                if let Some(id) = counter_of(rules, i, ev) {
-                    out[i] = self.judge(rules, i, &id, ev.ts_ms);
-                }
-            }
-            let out: std::sync::Arc<[Aggregated]> = out.into();
+            // (In rule order, as the caller's rules are judged.)
+            let out: std::sync::Arc<[Aggregated]> = (0..rules.rules.len())
+                .map(|i| match counter_of(rules, i, ev) {
+                    Some(id) => self.judge(rules, i, &id, ev.ts_ms),
+                    None => Aggregated::default(),
+                })
+                .collect();
             self.remember(&ev.call_id, out.clone());
             ev.aggregate = Some(out);
         }
