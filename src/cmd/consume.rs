@@ -53,9 +53,11 @@ pub struct ConsumeArgs {
     #[arg(long, env = "CALLGUARD_BATCH_SIZE", default_value_t = consumer::DEFAULT_BATCH_SIZE)]
     pub batch_size: usize,
     /// Longest wait, in microseconds, for a batch to fill once its first
-    /// event is in, while no batch is with the store (one that is keeps
-    /// the next one filling anyway). Lower: less latency at low rates;
-    /// higher: fuller batches, fewer store round trips.
+    /// event is in (the verdicts of the batch with the store end it
+    /// sooner). 0: a batch takes what has arrived and goes; the broker
+    /// delivers in bursts, and while the store works on one batch the
+    /// next fills anyway. Higher: fuller batches at low rates, at the
+    /// cost of that wait in every decision's latency.
     #[arg(long, env = "CALLGUARD_BATCH_LINGER_US", default_value_t = consumer::DEFAULT_BATCH_LINGER_US)]
     pub batch_linger_us: u64,
     /// Batches that may await broker acknowledgement at once.
@@ -237,10 +239,10 @@ mod tests {
     }
 
     #[test]
-    fn batch_linger_defaults_to_five_ms_and_is_set_in_microseconds() {
+    fn batch_linger_defaults_to_none_and_is_set_in_microseconds() {
         use std::time::Duration;
         let linger = |args: &[&str]| consume(args).config("127.0.0.1:1").unwrap().batch_linger;
-        assert_eq!(linger(&[]), Duration::from_millis(5));
+        assert_eq!(linger(&[]), Duration::ZERO);
         assert_eq!(
             linger(&["--batch-linger-us", "250"]),
             Duration::from_micros(250)

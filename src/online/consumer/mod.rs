@@ -77,8 +77,9 @@ pub const DEFAULT_GROUP: &str = "callguard";
 /// longest a broker may hold a fetch when no new data has arrived.
 pub const DEFAULT_FETCH_WAIT_MS: &str = "10";
 
-/// Default longest wait for a batch to fill, microseconds.
-pub const DEFAULT_BATCH_LINGER_US: u64 = 5_000;
+/// Default longest wait for a batch to fill, microseconds: none, a batch
+/// takes what has arrived (the broker delivers in bursts anyway).
+pub const DEFAULT_BATCH_LINGER_US: u64 = 0;
 /// Default largest batch of events per store call (batches start at a
 /// fifth of it: `batch::BatchCap`).
 pub const DEFAULT_BATCH_SIZE: usize = 500;
