@@ -25,7 +25,8 @@
 //!    mode, per stretch of the flood, as the caller's state grows
 //!    (`bench_store EVENTS flood` runs only this section).
 //!
-//! `bench_store EVENTS ceiling` runs only section 3.
+//! `bench_store EVENTS ceiling` runs only section 3; `BENCH_BATCH=N` sets
+//! its store's batch size (default 256).
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -45,6 +46,17 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const T0: i64 = 1_764_547_200_000;
 const PIPELINE: usize = 256;
+
+/// Events per batch in section 3: `BENCH_BATCH` (default [`PIPELINE`],
+/// the seeds' script's pipeline depth; `consume` decides batches of up to
+/// 500 by default).
+fn ceiling_batch() -> usize {
+    std::env::var("BENCH_BATCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(PIPELINE)
+}
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -391,7 +403,7 @@ async fn store_round(
     let cpu = redis_cpu(con);
     let own = thread_cpu_ns();
     let start = Instant::now();
-    for chunk in events.chunks(PIPELINE) {
+    for chunk in events.chunks(ceiling_batch()) {
         store.apply_batch(rules, chunk).await.expect("apply");
     }
     let rate = total as f64 / start.elapsed().as_secs_f64();
@@ -449,7 +461,8 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
     }
     let (seeds, c1, c3) = (median(seeds), median(c1), median(c3));
     println!(
-        "\n## Against the seeds' one-key sliding script, {total} events, median of 3 rounds\n"
+        "\n## Against the seeds' one-key sliding script, {total} events, store batches of {}, median of 3 rounds\n",
+        ceiling_batch()
     );
     println!(
         "| what | events/s | ratio to the seeds' script | Redis CPU µs/event | callguard CPU µs/event |"

@@ -10,7 +10,8 @@
 #      until every call is decided, beside `callguard replay --store redis`
 #      on the same log and a fresh Redis (the store through the same batch
 #      path): events/s and the ratio, and consume's batches and store
-#      time per batch (as in section 3);
+#      time per batch (as in section 3), and the CPU µs per event of
+#      each (callguard's process and Redis; the broker's left out);
 #   3. latency: `examples/loadgen.rs` offering RATE events/s (default 20000),
 #      then LOW events/s (default 5000), for SECONDS (default 10) each while
 #      consume runs with its default settings; the time from each
@@ -28,7 +29,7 @@
 #   sections 2 and 3 (e.g. "--batch-size 100"). SKIP_STORE=1 leaves section 1 out
 #   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
 #   runs section 2 again with a rule keyed by callee added, and with a
-#   global rule added; SKIP_LATENCY=1
+#   global rule added (a 1-s window, then a 1-min one); SKIP_LATENCY=1
 #   leaves section 3 out.
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
@@ -84,6 +85,14 @@ batches() {
       printf "%d batches of %.0f events on average; store time per batch mean %.2f ms, p99 <= %s ms\n", bn, bs / bn, ls / ln * 1000, p99 }'
 }
 now() { date +%s.%N; }
+# Redis's CPU seconds so far (user + system).
+redis_cpu() { redis-cli -p "$rport" info cpu | tr -d '\r' | awk -F: '/^used_cpu_(sys|user):/ {s += $2} END {printf "%.3f", s}'; }
+# The CPU seconds (user + system) of a running process.
+proc_cpu() { awk -v hz="$(getconf CLK_TCK)" '{printf "%.3f", ($14 + $15) / hz}' "/proc/$1/stat"; }
+# The CPU seconds of `times`' children line ("0m1.5s 0m0.2s").
+times_cpu() { tail -1 | awk '{n = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/); n += a[1] * 60 + a[2] } printf "%.3f", n}'; }
+# "callguard A, Redis B, together C" CPU µs per event from CPU seconds.
+per_event() { echo "$1 $2" | awk -v n="$events" '{printf "callguard %.1f, Redis %.1f, together %.1f", $1 * 1e6 / n, $2 * 1e6 / n, ($1 + $2) * 1e6 / n}'; }
 
 "$bin" generate --rows "$events" --seed 11 --output "$work/calls.csv" >/dev/null
 "$bin" produce -i "$work/calls.csv" --brokers "$brokers" --topic calls > /dev/null
@@ -96,12 +105,16 @@ e2e() {
   echo "# 2. End to end, $events events, $rules, --redis-mode $mode"
   redis-cli -p "$rport" flushall > /dev/null
   local t0 t1 n n0 store_rate e2e_rate
+  local r0 store_cpu store_redis consume_cpu consume_redis
+  r0=$(redis_cpu)
   t0=$(now)
-  "$bin" replay -i "$work/calls.csv" --rules "$rules" --store redis --redis-url "$redis" \
-    $(mode_flag "$mode") -o "$work/replay-$mode.csv" > /dev/null
+  store_cpu=$( ( "$bin" replay -i "$work/calls.csv" --rules "$rules" --store redis --redis-url "$redis" \
+    $(mode_flag "$mode") -o "$work/replay-$mode.csv" > /dev/null; times ) | times_cpu)
   t1=$(now)
+  store_redis=$(echo "$(redis_cpu) - $r0" | bc -l)
   store_rate=$(echo "$events / ($t1 - $t0)" | bc -l)
   redis-cli -p "$rport" flushall > /dev/null
+  r0=$(redis_cpu)
   "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$rules" \
     $(mode_flag "$mode") --group "callguard-e2e-$mode$tag" \
     --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
@@ -116,12 +129,17 @@ e2e() {
     sleep 0.05
   done
   t1=$(now)
+  consume_cpu=$(proc_cpu "$cpid")
+  consume_redis=$(echo "$(redis_cpu) - $r0" | bc -l)
   e2e_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
   printf '| what | events/s |\n|---|---|\n'
   printf '| replay --store redis --redis-mode %s (the store) | %.0f |\n' "$mode" "$store_rate"
   printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
   printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
   echo "consume: $(batches), over $(printf '%.2f' "$(echo "$t1 - $t0" | bc -l)") s"
+  # CPU per event: steadier than events/s on a machine whose speed moves
+  # (the broker's own CPU is not counted).
+  echo "CPU µs per event: store $(per_event "$store_cpu" "$store_redis"); consume $(per_event "$consume_cpu" "$consume_redis")"
   kill "$cpid" 2>/dev/null || true
   wait "$cpid" 2>/dev/null || true
 }
@@ -132,12 +150,18 @@ if [ "${AGGREGATE:-0}" = 1 ]; then
   cp data/rules.toml "$work/rules-callee.toml"
   printf '\n[[rule]]\nname = "tdos"\nkey = "callee"\nkind = "fixed"\nwindow = "10s"\nlimit = 50\n' \
     >> "$work/rules-callee.toml"
-  cp data/rules.toml "$work/rules-global.toml"
-  printf '\n[[rule]]\nname = "all"\nkey = "global"\nkind = "fixed"\nwindow = "1s"\nlimit = 1000000\n' \
-    >> "$work/rules-global.toml"
+  # The global rule twice: per second (the generated day is thin, a few
+  # calls per 1-s bucket: nearly every call meets a new counter) and per
+  # minute (hundreds of calls per bucket, as a live stream's seconds hold).
+  for w in 1s 1m; do
+    cp data/rules.toml "$work/rules-global-$w.toml"
+    printf '\n[[rule]]\nname = "all"\nkey = "global"\nkind = "fixed"\nwindow = "%s"\nlimit = 1000000\n' \
+      "$w" >> "$work/rules-global-$w.toml"
+  done
   for mode in $modes; do
     e2e "$mode" "$work/rules-callee.toml" "-callee"
-    e2e "$mode" "$work/rules-global.toml" "-global"
+    e2e "$mode" "$work/rules-global-1s.toml" "-global-1s"
+    e2e "$mode" "$work/rules-global-1m.toml" "-global-1m"
   done
 fi
 
