@@ -629,3 +629,40 @@ fn monitor_args(line: &str) -> Vec<String> {
     }
     out
 }
+
+/// Instances starting at once on a fresh prefix, each writing as soon as
+/// it is connected: none takes another's first writes for an older
+/// callguard's state (which it refuses) because it looked for the mode key
+/// before the other recorded it and for window state after the other
+/// wrote some. Every round, every instance connects and writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_starting_at_once_on_a_fresh_prefix_all_start() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["f:fixed:1h:1000000".into()]).unwrap();
+    const ROUNDS: usize = 100;
+    const INSTANCES: usize = 6;
+    for round in 0..ROUNDS {
+        let prefix = format!("start{round}:");
+        let tasks: Vec<_> = (0..INSTANCES)
+            .map(|w| {
+                let (url, rules, prefix) = (server.url(), rules.clone(), prefix.clone());
+                tokio::spawn(async move {
+                    let mut store = CachedStore::connect(config(vec![url], &prefix, true), 100)
+                        .await
+                        .map_err(|e| format!("instance {w} did not start: {e}"))?;
+                    let call = ev(&format!("+3495{w}000000"), &format!("s{w}"), T0 + 1);
+                    store
+                        .apply_batch(&rules, &[call])
+                        .await
+                        .map_err(|e| format!("instance {w} did not write: {e}"))?;
+                    Ok::<(), String>(())
+                })
+            })
+            .collect();
+        for task in tasks {
+            if let Err(e) = task.await.unwrap() {
+                panic!("round {round}: {e}");
+            }
+        }
+    }
+}

@@ -252,12 +252,22 @@ impl Conn {
     /// A prefix without the key but with window state (found by a bounded
     /// `SCAN`) was written by a callguard that did not record its mode
     /// (the window script's layout): refused, rather than every caller
-    /// starting afresh.
+    /// starting afresh. Keys found while the mode key appeared meanwhile
+    /// are another instance's, started at the same time: not refused.
     pub(crate) async fn claim_mode(&mut self, prefix: &str, mode: &str) -> Result<(), StoreError> {
         let key = format!("{prefix}mode");
         let recorded: Option<String> = self.run(redis::cmd("GET").arg(&key)).await?;
         if recorded.is_none() {
-            if let Some(found) = self.any_key(prefix, &key).await? {
+            let found = self.any_key(prefix, &key).await?;
+            // A callguard records the mode before it writes anything, so
+            // keys found with the mode recorded by now were written by an
+            // instance that claimed the prefix after our first look (two
+            // starting at once), not by one that never records it.
+            let recorded: Option<String> = match found {
+                Some(_) => self.run(redis::cmd("GET").arg(&key)).await?,
+                None => None,
+            };
+            if let (Some(found), None) = (found, recorded) {
                 return Err(StoreError::fatal(format!(
                     "the key prefix {prefix:?} holds window state (e.g. {found}) but no {key}: \
                      it was written by a callguard that did not record its mode, in the window \
