@@ -91,10 +91,11 @@ impl<S: WindowStore> Gated<S> {
     }
 
     /// Decides `events` (gated) in the store while leasing the credits
-    /// the next batch, if it has come, will need beyond those held, as [`Gate::plan`] would ask for
-    /// them once `events` are decided (which they are: the gate decides
-    /// before the store commits). A failed lease ahead is let go: `next`
-    /// asks again when it comes, and meets the error then.
+    /// the next batch, if it has come, will need beyond those held, as
+    /// [`Gate::plan`] would ask for them once `events` are decided (which
+    /// they are: the gate decides before the store commits). A failed
+    /// lease ahead is let go: `next` asks again when it comes, and meets
+    /// the error then.
     async fn apply_ahead(
         &mut self,
         rules: &RuleSet,

@@ -144,9 +144,9 @@ impl BatchCap {
 /// Collects the next batch: waits for a first message, then up to the
 /// linger time or `cap` events ([`BatchCap`]). When the verdicts of the
 /// batch being decided arrive it stops lingering: it returns at once if it
-/// has nothing, else after taking the messages already received. `None` when shutdown is
-/// requested. While idle it stores the offsets of acknowledged batches now
-/// and then.
+/// has nothing, else after taking the messages already received. `None`
+/// when shutdown is requested. While idle it stores the offsets of
+/// acknowledged batches now and then.
 pub(super) async fn next_batch<F: Future<Output = ()> + Unpin>(
     clients: &Clients,
     config: &ConsumeConfig,
