@@ -53,6 +53,9 @@ use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
 
+mod reserve;
+pub use reserve::{reserve_of, shared_limit, Reserves, Span};
+
 /// How much longer than `3 W + grace` the in-process ledger keeps a
 /// counter (event time): calls later than that start it afresh.
 pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
@@ -267,8 +270,19 @@ struct Held {
     mine: u64,
     /// Past its time with credits in hand: kept a margin longer.
     kept_longer: bool,
-    /// [`Gate::decided`] at its last lease.
+    /// [`Gate::decided`] at its last lease (`u64::MAX`: never leased).
     leased_at: u64,
+    /// Credits of this instance's reserve taken for it (in `total`).
+    reserve: u64,
+    /// Of those, still unused (in `held`; spent first, never given back).
+    reserve_left: u64,
+}
+
+impl Held {
+    /// Credits held that came from the ledger (those it may get back).
+    fn shared_held(&self) -> u64 {
+        self.held - self.reserve_left
+    }
 }
 
 /// Decides the rules keyed by callee or global for batches of calls, from
@@ -285,6 +299,11 @@ pub struct Gate {
     decided: u64,
     remembered: HashMap<CompactString, std::sync::Arc<[Aggregated]>>,
     remembered_order: VecDeque<CompactString>,
+    /// The reserve slots and this instance's span ([`reserve`]).
+    reserves: Reserves,
+    /// No reserve is taken for a bucket starting below this: a counter
+    /// that had one was dropped, and might come again.
+    reserve_floor: Option<i64>,
 }
 
 /// The counter rule `i` counts `ev` in, if it sees it.
@@ -314,9 +333,29 @@ fn aggregate_rules(rules: &RuleSet) -> Vec<usize> {
 }
 
 impl Gate {
-    /// An empty gate.
+    /// An empty gate, without reserves (the whole limit leased) until
+    /// [`Gate::set_reserves`].
     pub fn new() -> Self {
         Gate::default()
+    }
+
+    /// Sets the slots sharing each limit and this instance's span (see
+    /// [`reserve`]); used from the next [`Gate::plan`] on.
+    pub fn set_reserves(&mut self, reserves: Reserves) {
+        self.reserves = reserves;
+    }
+
+    /// This instance's reserve of a counter of rule `limit` first seen in
+    /// this batch: its credits, if its bucket is in the span.
+    fn reserve_for(&self, id: &CounterId, limit: u64) -> u64 {
+        let Some(span) = self.reserves.span else {
+            return 0;
+        };
+        let start = id.bucket.saturating_mul(id.window_ms);
+        if self.reserve_floor.is_some_and(|f| start < f) || !span.holds(start) {
+            return 0;
+        }
+        reserve_of(limit, self.reserves.slots)
     }
 
     /// The credits `events` need beyond those held: one request per
@@ -354,9 +393,40 @@ impl Gate {
         for (i, id, need) in needs {
             let rule = &rules.rules[i];
             let approx = rule.kind == WindowKind::SlidingApprox;
-            let held = self.counters.get(&id).copied();
+            let mut held = self.counters.get(&id).copied();
+            let ttl_ms = rule
+                .window_ms
+                .saturating_mul(3)
+                .saturating_add(rules.grace_ms);
+            let reserve = if held.is_none() {
+                self.reserve_for(&id, rule.limit)
+            } else {
+                0
+            };
+            if reserve > 0 {
+                // Spent here without asking: the ledger is asked only for
+                // what the batch needs beyond it.
+                let h = Held {
+                    total: reserve,
+                    held: reserve,
+                    reserve,
+                    reserve_left: reserve,
+                    leased_at: u64::MAX,
+                    ..Held::default()
+                };
+                self.expiry.push(id.expires_at(ttl_ms), id.clone());
+                self.counters.insert(id.clone(), h);
+                if reserve >= need {
+                    continue;
+                }
+            }
+            // (First asked of the ledger: no credits of it held.)
+            let first = held.is_none();
+            if reserve > 0 {
+                held = self.counters.get(&id).copied();
+            }
             let have = held.map_or(0, |h| h.held);
-            if let Some(h) = held {
+            if let Some(h) = held.filter(|_| !first) {
                 // (Asked already since the last batch was decided: a lease
                 // ahead, answered in full or short. Asking again would be
                 // answered the same, as far as this instance can tell.)
@@ -369,11 +439,12 @@ impl Gate {
                 }
             }
             let prev_id = id.prev();
-            let gives_back = held.is_none() && !at.contains_key(&prev_id);
+            let gives_back = first && !at.contains_key(&prev_id);
             let (prev_mine, give_back) = match self.counters.get_mut(&prev_id) {
                 Some(p) if gives_back => {
-                    let g = p.held;
-                    p.held = 0;
+                    // (The reserve is the slot's own: never given back.)
+                    let g = p.shared_held();
+                    p.held -= g;
                     p.total -= g;
                     (p.mine, g)
                 }
@@ -384,15 +455,12 @@ impl Gate {
             requests.push(LeaseRequest {
                 counter: id,
                 approx,
-                limit: rule.limit,
+                limit: shared_limit(rule.limit, self.reserves.slots),
                 want: need.saturating_sub(have) + extra(recent, rule.limit),
                 give_back,
-                ttl_ms: rule
-                    .window_ms
-                    .saturating_mul(3)
-                    .saturating_add(rules.grace_ms),
+                ttl_ms,
                 now_ms: now,
-                cold: held.is_none(),
+                cold: first,
             });
         }
         requests
@@ -410,7 +478,7 @@ impl Gate {
                 }
             };
             h.held += lease.granted;
-            h.total = lease.total.max(h.held);
+            h.total = lease.total.saturating_add(h.reserve).max(h.held);
             h.prev = lease.prev;
             h.leased_at = self.decided;
         }
@@ -483,6 +551,7 @@ impl Gate {
         let admitted = h.held > 0 && count <= n;
         if admitted {
             h.held -= 1;
+            h.reserve_left = h.reserve_left.saturating_sub(1);
             h.mine += 1;
         } else {
             // No credit in hand: over the limit as this instance sees it.
@@ -527,12 +596,18 @@ impl Gate {
         while let Some((at, ids)) = self.expiry.pop_due(now) {
             for id in ids {
                 match self.counters.get_mut(&id) {
-                    Some(h) if h.held > 0 && !h.kept_longer => {
+                    Some(h) if h.shared_held() > 0 && !h.kept_longer => {
                         h.kept_longer = true;
                         self.expiry.push(at.saturating_add(MEMORY_MARGIN_MS), id);
                     }
                     _ => {
-                        self.counters.remove(&id);
+                        let had_reserve = self.counters.remove(&id).is_some_and(|h| h.reserve > 0);
+                        if had_reserve {
+                            // (Forgotten: its reserve must not be taken again.)
+                            let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
+                            self.reserve_floor =
+                                Some(self.reserve_floor.map_or(end, |f| f.max(end)));
+                        }
                     }
                 }
             }

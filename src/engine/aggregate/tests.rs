@@ -77,12 +77,17 @@ fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
 /// Calls in rough time order (never more than a window behind), to a few
 /// callees, some call ids repeated.
 fn random_events(rng: &mut StdRng, len: usize, w: i64) -> Vec<CallEvent> {
+    random_events_within(rng, len, w, 8 * w)
+}
+
+/// [`random_events`], none more than `late` behind the newest before it.
+fn random_events_within(rng: &mut StdRng, len: usize, w: i64, late: i64) -> Vec<CallEvent> {
     let mut t = 1_000_000i64;
     (0..len)
         .map(|i| {
             t += rng.random_range(0..w / 4);
             let jitter = if rng.random_range(0..30) == 0 {
-                rng.random_range(0..8 * w)
+                rng.random_range(0..late)
             } else {
                 rng.random_range(0..w / 2)
             };
@@ -221,4 +226,165 @@ fn a_call_decided_before_takes_no_second_credit() {
     let counts: Vec<u64> = again.iter().map(|e| e.aggregated(1).count).collect();
     assert_eq!(counts, vec![1, 2, 3]);
     assert_eq!(again[2].aggregated(1).until, Some(9_999));
+}
+
+/// One instance holding the only slot, whose span covers every bucket:
+/// the contract exactly, its reserves and the ledger's shared part
+/// together making up each limit (for calls within `3 W + grace` of the
+/// newest: a later one finds its counter dropped, and the reserve spent
+/// in it is not in the ledger).
+#[test]
+fn one_instance_with_the_only_reserve_slot_is_the_contract() {
+    let mut rng = StdRng::seed_from_u64(17);
+    let mut reserved = 0;
+    for case in 0..300 {
+        let kind = if case % 2 == 0 {
+            WindowKind::Fixed
+        } else {
+            WindowKind::SlidingApprox
+        };
+        let key = if case % 3 == 0 {
+            RuleKey::Global
+        } else {
+            RuleKey::Callee
+        };
+        let w = rng.random_range(40..400);
+        let n = rng.random_range(1..60);
+        let set = rules(kind, key, w, n);
+        let mut events = random_events_within(&mut rng, 200, w, 2 * w);
+        let expected = naive(&set, &events);
+        let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+        gate.set_reserves(Reserves {
+            slots: 1,
+            span: Some(Span::ALL),
+        });
+        let mut at = 0;
+        while at < events.len() {
+            let size = rng.random_range(1..40).min(events.len() - at);
+            gate.run(&mut ledger, &set, &mut events[at..at + size]);
+            at += size;
+        }
+        reserved += gate.counters.values().filter(|h| h.reserve > 0).count();
+        let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
+        assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
+    }
+    assert!(reserved > 100, "reserves were taken: {reserved}");
+}
+
+/// Calls of a round to two callees, in time order from `t`.
+fn round_of(rng: &mut StdRng, round: usize, t: &mut i64) -> Vec<CallEvent> {
+    (0..rng.random_range(1..30))
+        .map(|k| {
+            *t += rng.random_range(0..20);
+            ev(
+                round * 100 + k,
+                *t,
+                &format!("+349100000{}", rng.random_range(0..2)),
+            )
+        })
+        .collect()
+}
+
+/// Three instances, each holding a slot, share a ledger. The first's span
+/// grows with its calls, as the store raises it in Redis; midway it is
+/// replaced by a new holder of its slot, whose span starts where the old
+/// one's ended, and calls go back into buckets the old holder spent its
+/// reserve in (below the new span: leased). Never more than the limit
+/// admitted in a bucket. (With the new holder given every bucket instead,
+/// this fails: the old holder's reserve is spent twice.)
+#[test]
+fn reserve_slots_and_a_new_holder_never_admit_past_the_limit() {
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut from_reserves = 0;
+    for case in 0..200 {
+        let w = 1_000;
+        let n = rng.random_range(1..80);
+        let set = rules(WindowKind::Fixed, RuleKey::Callee, w, n);
+        let mut ledger = MemoryLedger::new();
+        let spanned = |span| {
+            let mut g = Gate::new();
+            g.set_reserves(Reserves {
+                slots: 3,
+                span: Some(span),
+            });
+            g
+        };
+        let mut span = Span {
+            from: i64::MIN,
+            until: 0,
+        };
+        let mut gates: Vec<Gate> = vec![spanned(span), spanned(Span::ALL), spanned(Span::ALL)];
+        let mut admitted: StdMap<(String, i64), u64> = StdMap::new();
+        let mut t = 0i64;
+        for round in 0..60 {
+            if round == 30 {
+                span = Span {
+                    from: span.until,
+                    until: span.until,
+                };
+                gates[0] = spanned(span);
+                t -= (2 * w).min(t);
+            }
+            let g = rng.random_range(0..gates.len());
+            let mut batch = round_of(&mut rng, round, &mut t);
+            if g == 0 {
+                // The store raises the span before the batch is planned.
+                let newest = batch.iter().map(|e| e.ts_ms).max().unwrap_or(0);
+                span.until = span.until.max(newest + 1);
+                gates[0].set_reserves(Reserves {
+                    slots: 3,
+                    span: Some(span),
+                });
+            }
+            gates[g].run(&mut ledger, &set, &mut batch);
+            for e in &batch {
+                if e.aggregated(1).count <= n {
+                    let key = (
+                        e.callee.clone().unwrap_or_default().to_string(),
+                        e.ts_ms / w,
+                    );
+                    *admitted.entry(key).or_default() += 1;
+                }
+            }
+            for gate in &gates {
+                from_reserves += gate.counters.values().map(|h| h.reserve).sum::<u64>();
+            }
+        }
+        for ((key, b), a) in &admitted {
+            assert!(
+                *a <= n,
+                "case {case}: {a} admitted to {key} in bucket {b}, limit {n}"
+            );
+        }
+    }
+    assert!(from_reserves > 0);
+}
+
+/// A counter the gate dropped (its time past) gets no second reserve when
+/// a late call comes for it: it is asked of the ledger.
+#[test]
+fn a_forgotten_counter_takes_no_second_reserve() {
+    let set = rules(WindowKind::Fixed, RuleKey::Callee, 1_000, 32);
+    let mut gate = Gate::new();
+    gate.set_reserves(Reserves {
+        slots: 1,
+        span: Some(Span::ALL),
+    });
+    let mut ledger = MemoryLedger::new();
+    let mut first = vec![ev(1, 100, "+34910000001")];
+    assert!(gate.plan(&set, &first).is_empty(), "the reserve covers it");
+    gate.run(&mut ledger, &set, &mut first);
+    // Far later: the counter of bucket 0 is dropped.
+    let mut later = vec![ev(2, 10_000_000, "+34910000002")];
+    gate.run(&mut ledger, &set, &mut later);
+    let late = vec![ev(3, 200, "+34910000001")];
+    let asked = gate.plan(&set, &late);
+    assert_eq!(asked.len(), 1, "asked of the ledger: {asked:?}");
+    assert_eq!(asked[0].limit, shared_limit(32, 1));
+    // Another callee in the same old bucket: no reserve either.
+    let other = vec![ev(4, 300, "+34910000003")];
+    assert_eq!(gate.plan(&set, &other).len(), 1);
+    // A new bucket: reserved again.
+    let new = vec![ev(5, 10_000_100, "+34910000003")];
+    assert!(gate.plan(&set, &new).is_empty());
 }
