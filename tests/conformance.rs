@@ -266,10 +266,12 @@ async fn standalone_random_sequences_match_memory() {
 }
 
 /// Rules keyed by callee or global: one instance leasing from Redis in
-/// either mode decides like the in-memory store behind the in-process
-/// ledger (the offline path), whatever the batches.
+/// either mode, holding the only reserve slot (most callees' credits from
+/// its reserve, the rest leased), decides like the in-memory store behind
+/// the in-process ledger (the offline path), whatever the batches.
 async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
     let mut unblocked = 0;
+    let mut reserved = 0;
     for mode in MODES {
         for seed in seeds.clone() {
             let (rules, events) = random::aggregate_case(seed, 600, 6);
@@ -286,6 +288,7 @@ async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
                 assert_eq!(g, x, "{mode:?}: seed {seed}, event #{i}, rules {rules:?}");
             }
             assert_eq!(got.len(), expected.len());
+            reserved += redis.stats().lease.reserved;
             // A reject by the aggregate rule blocks no caller: callers no
             // other rule rejected have no block key.
             let by_others: std::collections::HashSet<&str> = got
@@ -325,6 +328,7 @@ async fn aggregate_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
             );
         }
     }
+    assert!(reserved > 100, "{reserved} counters taken from reserves");
     assert!(
         urls.len() > 1 || unblocked > 20,
         "{unblocked} unblocked rejects checked"

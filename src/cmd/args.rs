@@ -20,6 +20,7 @@ use callguard::store::cached;
 use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::lease::RedisLedger;
+use callguard::store::redis::slot::Slots;
 use callguard::store::redis::{self, RedisConfig};
 use callguard::store::sharded::ShardedStore;
 use callguard::store::AnyStore;
@@ -228,19 +229,25 @@ pub struct OnlineArgs {
     /// Pseudonymised numbers.
     #[command(flatten)]
     pub privacy: PrivacyArgs,
-    /// The local fallback's share of limits shared between instances.
+    /// Limits shared between instances: reserve slots, and the local
+    /// fallback's share.
     #[command(flatten)]
     pub fallback: FallbackArgs,
 }
 
-/// How much of a limit shared between instances (rules keyed by callee or
-/// global) one instance may admit alone under `--on-store-error local`.
+/// Limits shared between instances (rules keyed by callee or global): how
+/// many instances share them, and how much one may admit alone under
+/// `--on-store-error local`.
 #[derive(Debug, Clone, Args)]
 pub struct FallbackArgs {
     /// Instances deciding the same calls (consume members and serve
-    /// processes together): while Redis fails, each admits at most
-    /// limit / this of a rule keyed by callee or global, at least one call
-    /// per bucket (`--on-store-error local`).
+    /// processes together). As many reserve slots: each instance holding
+    /// one spends floor(limit / (16 x this)) calls of each counter of a rule
+    /// keyed by callee or global without asking Redis (the first call to a
+    /// callee costs no Redis write); the first instance records the number
+    /// in Redis and every instance follows the recorded one. While Redis
+    /// fails, each admits at most limit / this of such a rule, at least one
+    /// call per bucket (`--on-store-error local`).
     #[arg(long, env = "CALLGUARD_EXPECTED_INSTANCES", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub expected_instances: u32,
     /// The share of such a limit one instance admits alone while Redis
@@ -608,16 +615,20 @@ impl StoreArgs {
     /// Opens the store of an online command behind the gate of the rules
     /// keyed by callee or global, whose credits come from the same place
     /// as the windows: Redis, or this process.
-    pub async fn open_gated(&self, default: StoreKind) -> Result<Gated<AnyStore>> {
+    pub async fn open_gated(&self, default: StoreKind, slots: u32) -> Result<Gated<AnyStore>> {
         let store = self.open(default).await?;
-        Ok(Gated::new(store, self.ledger(default)?))
+        Ok(Gated::new(store, self.ledger(default, slots)?))
     }
 
-    /// Where the credits of the rules keyed by callee or global come from.
-    pub fn ledger(&self, default: StoreKind) -> Result<Ledger> {
+    /// Where the credits of the rules keyed by callee or global come from;
+    /// with Redis, `slots` reserve slots unless Redis has a count recorded.
+    pub fn ledger(&self, default: StoreKind, slots: u32) -> Result<Ledger> {
         Ok(match self.kind(default)? {
             StoreKind::Memory => Ledger::Memory(MemoryLedger::new()),
-            StoreKind::Redis => Ledger::Redis(Box::new(RedisLedger::new(self.redis_config()))),
+            StoreKind::Redis => Ledger::Redis(Box::new(RedisLedger::with_slots(
+                self.redis_config(),
+                Slots::new(slots),
+            ))),
         })
     }
 
@@ -627,7 +638,7 @@ impl StoreArgs {
     pub async fn open_replay(&self) -> Result<ReplayStore<Gated<AnyStore>>> {
         Ok(match self.kind(StoreKind::Memory)? {
             StoreKind::Memory => ReplayStore::Sharded(ShardedStore::per_core()),
-            StoreKind::Redis => ReplayStore::Batched(self.open_gated(StoreKind::Redis).await?),
+            StoreKind::Redis => ReplayStore::Batched(self.open_gated(StoreKind::Redis, 1).await?),
         })
     }
 }

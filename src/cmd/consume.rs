@@ -179,7 +179,11 @@ pub async fn run(args: ConsumeArgs) -> Result<()> {
     .await
     .with_context(|| format!("serving metrics on {}", args.metrics_addr))?;
     tracing::info!(addr = %bound, "metrics on /metrics, health on /healthz and /readyz");
-    let store = args.online.store.open_gated(StoreKind::Redis).await?;
+    let store = args
+        .online
+        .store
+        .open_gated(StoreKind::Redis, args.online.fallback.expected_instances)
+        .await?;
     let stats = consumer::run(config, store, rules_rx, metrics, health, shutdown_signal()).await;
     let _ = stop_tx.send(true);
     let stats = stats?;

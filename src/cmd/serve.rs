@@ -191,7 +191,12 @@ pub async fn run(args: ServeArgs) -> Result<()> {
         }
         Err(e) => return Err(e),
     };
-    let store = Gated::new(store, args.online.store.ledger(StoreKind::Redis)?);
+    let store = Gated::new(
+        store,
+        args.online
+            .store
+            .ledger(StoreKind::Redis, args.online.fallback.expected_instances)?,
+    );
     let api = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listening on {}", args.listen))?;

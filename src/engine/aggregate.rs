@@ -60,6 +60,12 @@ pub use reserve::{reserve_of, shared_limit, Reserves, Span};
 /// counter (event time): calls later than that start it afresh.
 pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
+/// Counters whose reserve was spent that the gate remembers after their
+/// time (for calls up to [`MEMORY_MARGIN_MS`] late, whose count includes
+/// the reserve spent); past this many the oldest are forgotten, and no
+/// reserve is taken again below their buckets' end.
+pub const SPENT_KEPT: usize = 1 << 20;
+
 /// Call ids whose results the gate keeps, so a redelivered or retried
 /// call takes no second credit.
 pub const REMEMBERED_IDS: usize = 1 << 18;
@@ -276,6 +282,8 @@ struct Held {
     reserve: u64,
     /// Of those, still unused (in `held`; spent first, never given back).
     reserve_left: u64,
+    /// A reserve was taken for it (none is taken again).
+    reserved: bool,
 }
 
 impl Held {
@@ -301,8 +309,13 @@ pub struct Gate {
     remembered_order: VecDeque<CompactString>,
     /// The reserve slots and this instance's span ([`reserve`]).
     reserves: Reserves,
+    /// Counters given a reserve so far.
+    reserved_counters: u64,
+    /// Reserve spent of counters past their time, kept for late calls.
+    spent: HashMap<CounterId, u64>,
+    spent_expiry: Expiry,
     /// No reserve is taken for a bucket starting below this: a counter
-    /// that had one was dropped, and might come again.
+    /// that had one was forgotten, and might come again.
     reserve_floor: Option<i64>,
 }
 
@@ -343,6 +356,27 @@ impl Gate {
     /// [`reserve`]); used from the next [`Gate::plan`] on.
     pub fn set_reserves(&mut self, reserves: Reserves) {
         self.reserves = reserves;
+    }
+
+    /// A counter past its time whose reserve was spent, back (its spent
+    /// reserve in its count, no credit in hand) for a late call.
+    fn revive(&mut self, id: &CounterId, ttl_ms: i64) -> Option<Held> {
+        let spent = self.spent.remove(id)?;
+        let h = Held {
+            total: spent,
+            reserve: spent,
+            reserved: true,
+            leased_at: u64::MAX,
+            ..Held::default()
+        };
+        self.expiry.push(id.expires_at(ttl_ms), id.clone());
+        self.counters.insert(id.clone(), h);
+        Some(h)
+    }
+
+    /// Counters given credits from this instance's reserve so far.
+    pub fn reserved_counters(&self) -> u64 {
+        self.reserved_counters
     }
 
     /// This instance's reserve of a counter of rule `limit` first seen in
@@ -394,6 +428,14 @@ impl Gate {
             let rule = &rules.rules[i];
             let approx = rule.kind == WindowKind::SlidingApprox;
             let mut held = self.counters.get(&id).copied();
+            if held.is_none() {
+                held = self.revive(
+                    &id,
+                    rule.window_ms
+                        .saturating_mul(3)
+                        .saturating_add(rules.grace_ms),
+                );
+            }
             let ttl_ms = rule
                 .window_ms
                 .saturating_mul(3)
@@ -411,12 +453,19 @@ impl Gate {
                     held: reserve,
                     reserve,
                     reserve_left: reserve,
+                    reserved: true,
                     leased_at: u64::MAX,
                     ..Held::default()
                 };
                 self.expiry.push(id.expires_at(ttl_ms), id.clone());
                 self.counters.insert(id.clone(), h);
-                if reserve >= need {
+                self.reserved_counters += 1;
+                // (A sliding-approx counter whose previous bucket may have
+                // been dropped here asks the ledger for that bucket's count.)
+                let prev = id.prev();
+                let prev_lost =
+                    approx && !self.counters.contains_key(&prev) && prev.expires_at(ttl_ms) < now;
+                if reserve >= need && !prev_lost {
                     continue;
                 }
             }
@@ -575,7 +624,8 @@ impl Gate {
         let snapshot = self.counters.get(id).map_or(0, |h| h.prev);
         match self.counters.get(&id.prev()) {
             Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
-            None => snapshot,
+            // (The ledger's count has no reserve in it.)
+            None => snapshot + self.spent.get(&id.prev()).copied().unwrap_or(0),
         }
     }
 
@@ -601,15 +651,36 @@ impl Gate {
                         self.expiry.push(at.saturating_add(MEMORY_MARGIN_MS), id);
                     }
                     _ => {
-                        let had_reserve = self.counters.remove(&id).is_some_and(|h| h.reserve > 0);
-                        if had_reserve {
-                            // (Forgotten: its reserve must not be taken again.)
-                            let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
-                            self.reserve_floor =
-                                Some(self.reserve_floor.map_or(end, |f| f.max(end)));
+                        if let Some(h) = self.counters.remove(&id).filter(|h| h.reserved) {
+                            // (Kept for late calls: its count has the
+                            // reserve spent in it, and no reserve is taken
+                            // for it again.)
+                            self.spent.insert(id.clone(), h.reserve - h.reserve_left);
+                            self.spent_expiry
+                                .push(at.saturating_add(MEMORY_MARGIN_MS), id);
                         }
                     }
                 }
+            }
+        }
+        while let Some((_, ids)) = self.spent_expiry.pop_due(now) {
+            self.forget_spent(ids);
+        }
+        while self.spent.len() > SPENT_KEPT {
+            match self.spent_expiry.pop_due(i64::MAX) {
+                Some((_, ids)) => self.forget_spent(ids),
+                None => break,
+            }
+        }
+    }
+
+    /// Forgets counters whose reserve was spent: no reserve is taken again
+    /// below the end of their buckets.
+    fn forget_spent(&mut self, ids: Vec<CounterId>) {
+        for id in ids {
+            if self.spent.remove(&id).is_some() {
+                let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
+                self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
             }
         }
     }

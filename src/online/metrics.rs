@@ -88,7 +88,8 @@ pub struct Metrics {
     /// Lease calls for the rules keyed by callee or global (batches that
     /// needed credits not held).
     pub lease_calls: Counter,
-    /// Counters leased, by way (`increment`, `script`, `in_process`).
+    /// Counters leased, by way (`increment`, `script`, `in_process`,
+    /// `reserve`).
     pub lease_counters: Family<KindLabel, Counter>,
     /// Credits by outcome (`granted`; `short`: wanted, not granted, the
     /// counter at its limit).
@@ -251,7 +252,7 @@ impl Metrics {
         );
         r.register(
             "lease_counters",
-            "Counters leased, by way (increment: Redis HINCRBY; script: the lease script; in_process)",
+            "Counters leased, by way (increment: Redis HINCRBY; script: the lease script; in_process; reserve: from the instance's reserve slot, no Redis call)",
             self.lease_counters.clone(),
         );
         r.register(
@@ -392,6 +393,12 @@ impl Metrics {
             "in_process",
             now.in_process,
             before.in_process,
+        );
+        by(
+            &self.lease_counters,
+            "reserve",
+            now.reserved,
+            before.reserved,
         );
         by(&self.lease_credits, "granted", now.granted, before.granted);
         by(&self.lease_credits, "short", now.short, before.short);

@@ -80,6 +80,11 @@ impl<S: WindowStore> Gated<S> {
             return Ok(None);
         }
         let mut events = events.to_vec();
+        if let Ledger::Redis(ledger) = &mut self.ledger {
+            let newest = events.iter().map(|e| e.ts_ms).max().unwrap_or(i64::MIN);
+            let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
+            self.gate.set_reserves(reserves);
+        }
         let requests = self.gate.plan(rules, &events);
         if !requests.is_empty() {
             let (leases, micros) = timed(self.ledger.lease(&requests)).await;
@@ -129,6 +134,21 @@ impl<S: WindowStore> Gated<S> {
         self.count(requests, leases);
         self.gate.settle(requests, leases);
     }
+}
+
+/// How long a reserve slot's keys outlive the last call: the longest
+/// life of a counter (`3 W + grace`) and an hour, as the in-process ledger
+/// keeps counters (a slot's horizon forgotten while buckets below it still
+/// count could let a new holder spend a reserve there twice).
+fn keep_ms(rules: &RuleSet) -> i64 {
+    rules
+        .rules
+        .iter()
+        .filter(|r| r.key.is_aggregate())
+        .map(|r| r.window_ms.saturating_mul(3).saturating_add(rules.grace_ms))
+        .max()
+        .unwrap_or(0)
+        .saturating_add(crate::engine::aggregate::MEMORY_MARGIN_MS)
 }
 
 /// `work`'s output and how long it took, µs.
@@ -182,7 +202,10 @@ impl<S: WindowStore> WindowStore for Gated<S> {
 
     fn stats(&self) -> StoreStats {
         StoreStats {
-            lease: self.leased,
+            lease: LeaseStats {
+                reserved: self.gate.reserved_counters(),
+                ..self.leased
+            },
             ..self.inner.stats()
         }
     }

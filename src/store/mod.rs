@@ -56,6 +56,8 @@ pub struct LeaseStats {
     pub scripted: u64,
     /// Counters asked of an in-process ledger.
     pub in_process: u64,
+    /// Counters given credits from this instance's reserve slot (no call).
+    pub reserved: u64,
     /// Credits granted.
     pub granted: u64,
     /// Credits wanted and not granted: the counter was at its limit.

@@ -230,9 +230,8 @@ fn a_call_decided_before_takes_no_second_credit() {
 
 /// One instance holding the only slot, whose span covers every bucket:
 /// the contract exactly, its reserves and the ledger's shared part
-/// together making up each limit (for calls within `3 W + grace` of the
-/// newest: a later one finds its counter dropped, and the reserve spent
-/// in it is not in the ledger).
+/// together making up each limit (a call later than its counter's time
+/// finds the reserve spent in it remembered).
 #[test]
 fn one_instance_with_the_only_reserve_slot_is_the_contract() {
     let mut rng = StdRng::seed_from_u64(17);
@@ -251,7 +250,7 @@ fn one_instance_with_the_only_reserve_slot_is_the_contract() {
         let w = rng.random_range(40..400);
         let n = rng.random_range(1..60);
         let set = rules(kind, key, w, n);
-        let mut events = random_events_within(&mut rng, 200, w, 2 * w);
+        let mut events = random_events(&mut rng, 200, w);
         let expected = naive(&set, &events);
         let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
         gate.set_reserves(Reserves {
@@ -361,9 +360,11 @@ fn reserve_slots_and_a_new_holder_never_admit_past_the_limit() {
 }
 
 /// A counter the gate dropped (its time past) gets no second reserve when
-/// a late call comes for it: it is asked of the ledger.
+/// a late call comes for it: it is asked of the ledger, its count with
+/// the reserve spent in it. Once forgotten (an hour later), no reserve is
+/// taken in its bucket at all.
 #[test]
-fn a_forgotten_counter_takes_no_second_reserve() {
+fn a_dropped_counter_takes_no_second_reserve() {
     let set = rules(WindowKind::Fixed, RuleKey::Callee, 1_000, 32);
     let mut gate = Gate::new();
     gate.set_reserves(Reserves {
@@ -374,17 +375,23 @@ fn a_forgotten_counter_takes_no_second_reserve() {
     let mut first = vec![ev(1, 100, "+34910000001")];
     assert!(gate.plan(&set, &first).is_empty(), "the reserve covers it");
     gate.run(&mut ledger, &set, &mut first);
-    // Far later: the counter of bucket 0 is dropped.
-    let mut later = vec![ev(2, 10_000_000, "+34910000002")];
+    // Later: the counter of bucket 0 is dropped.
+    let mut later = vec![ev(2, 100_000, "+34910000002")];
     gate.run(&mut ledger, &set, &mut later);
-    let late = vec![ev(3, 200, "+34910000001")];
+    let mut late = vec![ev(3, 200, "+34910000001")];
     let asked = gate.plan(&set, &late);
     assert_eq!(asked.len(), 1, "asked of the ledger: {asked:?}");
     assert_eq!(asked[0].limit, shared_limit(32, 1));
-    // Another callee in the same old bucket: no reserve either.
+    gate.run(&mut ledger, &set, &mut late);
+    assert_eq!(late[0].aggregated(1).count, 2, "the reserve spent counts");
+    // Another callee in that bucket, never seen: its reserve is untouched.
     let other = vec![ev(4, 300, "+34910000003")];
-    assert_eq!(gate.plan(&set, &other).len(), 1);
-    // A new bucket: reserved again.
-    let new = vec![ev(5, 10_000_100, "+34910000003")];
-    assert!(gate.plan(&set, &new).is_empty());
+    assert!(gate.plan(&set, &other).is_empty());
+    // Past the in-process margin: forgotten, and no reserve below it.
+    let mut much_later = vec![ev(5, 2 * MEMORY_MARGIN_MS, "+34910000004")];
+    gate.run(&mut ledger, &set, &mut much_later);
+    let very_late = vec![ev(6, 400, "+34910000001")];
+    assert_eq!(gate.plan(&set, &very_late).len(), 1);
+    let new = vec![ev(7, 2 * MEMORY_MARGIN_MS + 5_000, "+34910000005")];
+    assert!(gate.plan(&set, &new).is_empty(), "a new bucket: reserved");
 }

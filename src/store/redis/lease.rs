@@ -28,9 +28,10 @@ use std::collections::HashMap;
 
 use redis::Value;
 
-use crate::engine::aggregate::{Lease, LeaseRequest};
+use crate::engine::aggregate::{Lease, LeaseRequest, Reserves};
 use crate::error::StoreError;
 use crate::store::redis::conn::{classify, is_noscript, Conn};
+use crate::store::redis::slot::{Slots, SLOT_LUA};
 use crate::store::redis::RedisConfig;
 
 /// The lease script.
@@ -43,7 +44,9 @@ pub const SHARDS: u64 = 16;
 /// connect, on the next).
 pub struct RedisLedger {
     config: RedisConfig,
-    conn: Option<(Conn, String)>,
+    /// The connection, the lease script's SHA and the slot script's.
+    conn: Option<(Conn, String, String)>,
+    slots: Slots,
 }
 
 impl std::fmt::Debug for RedisLedger {
@@ -62,9 +65,35 @@ fn fnv1a(s: &str) -> u64 {
 }
 
 impl RedisLedger {
-    /// A ledger on the Redis `config` names (not connected yet).
+    /// A ledger on the Redis `config` names (not connected yet), with one
+    /// reserve slot unless Redis has a count recorded.
     pub fn new(config: RedisConfig) -> Self {
-        RedisLedger { config, conn: None }
+        Self::with_slots(config, Slots::new(1))
+    }
+
+    /// A ledger taking its reserves through `slots`.
+    pub fn with_slots(config: RedisConfig, slots: Slots) -> Self {
+        RedisLedger {
+            config,
+            conn: None,
+            slots,
+        }
+    }
+
+    /// The reserves for a batch whose newest call is at `newest`; the
+    /// slot's keys outlive the last call by `keep_ms` plus the TTL slack.
+    pub async fn reserves(&mut self, newest: i64, keep_ms: i64) -> Result<Reserves, StoreError> {
+        let (conn, _, sha) = self.conn().await?;
+        let (mut conn, sha) = (conn.clone(), sha.clone());
+        let keep_ms = keep_ms.saturating_add(self.config.ttl_slack.as_millis() as i64);
+        let got = self
+            .slots
+            .reserves(&mut conn, &sha, &self.config, newest, keep_ms)
+            .await;
+        if got.is_err() {
+            self.conn = None;
+        }
+        got
     }
 
     /// The hash holding the counters of a rule's bucket in one shard
@@ -75,11 +104,12 @@ impl RedisLedger {
         self.config.tagged_key("g:", &shard, &tail)
     }
 
-    async fn conn(&mut self) -> Result<&mut (Conn, String), StoreError> {
+    async fn conn(&mut self) -> Result<&mut (Conn, String, String), StoreError> {
         if self.conn.is_none() {
             let mut conn = Conn::open(&self.config).await?;
             let sha = conn.load_script(LEASE_LUA).await?;
-            self.conn = Some((conn, sha));
+            let slot_sha = conn.load_script(SLOT_LUA).await?;
+            self.conn = Some((conn, sha, slot_sha));
         }
         self.conn
             .as_mut()
@@ -147,7 +177,7 @@ impl RedisLedger {
         // writes of its own connection: the increments' too, should the
         // script's retry have connected again.)
         let (n, wait) = (self.config.wait_replicas, self.config.timeout);
-        if let Some((script_conn, _)) = self.conn.as_mut() {
+        if let Some((script_conn, _, _)) = self.conn.as_mut() {
             script_conn.wait_replicas(n, wait).await?;
         }
         if !plain.is_empty() {
@@ -185,7 +215,7 @@ impl RedisLedger {
         let timeout = self.config.timeout * 2;
         let mut pending = by_slot(&self.conn().await?.0, which, keys);
         for attempt in 0..2 {
-            let (conn, sha) = self.conn().await?;
+            let (conn, sha, _) = self.conn().await?;
             let calls = pending.iter().map(|group| {
                 let cmd = invocation(sha, group, requests, keys, ttl);
                 let mut pipe = redis::pipe();

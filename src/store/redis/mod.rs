@@ -8,6 +8,8 @@
 //!   followed across failovers.
 //! - [`lease`]: credits of the rules keyed by callee or global
 //!   (`lua/lease.lua`).
+//! - [`slot`]: reserve slots, the credits of those rules an instance may
+//!   spend without asking, fenced per slot (`lua/slot.lua`).
 //! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
 //!   atomic Lua calls (`lua/window.lua`).
 //!
@@ -19,6 +21,7 @@ pub mod conn;
 pub mod lease;
 pub mod script;
 pub mod sentinel;
+pub mod slot;
 
 pub use config::{
     redact, RedisConfig, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT_MS, DEFAULT_TTL_SLACK_S, DEFAULT_URL,
