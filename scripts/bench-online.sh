@@ -137,6 +137,12 @@ e2e() {
   printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
   printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
   echo "consume: $(batches), over $(printf '%.2f' "$(echo "$t1 - $t0" | bc -l)") s"
+  if [ -n "$tag" ]; then
+    # How the aggregate rule's counters got their credits (no Redis call
+    # for kind="reserve").
+    echo "consume: counters by way: $(curl -s "http://127.0.0.1:$mport/metrics" \
+      | awk -F'[{}"]' '/^callguard_lease_counters_total/ {printf "%s %s; ", $3, $5}')"
+  fi
   # CPU per event: steadier than events/s on a machine whose speed moves
   # (the broker's own CPU is not counted).
   echo "CPU µs per event: store $(per_event "$store_cpu" "$store_redis"); consume $(per_event "$consume_cpu" "$consume_redis")"

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use callguard::engine::aggregate::block_cap;
+use callguard::engine::aggregate::{block_cap, reserve_of};
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::RuleSet;
 use callguard::offline::generate::{add_tdos, generate, TDOS_VICTIM};
@@ -39,6 +39,9 @@ limit = 50
 
 const LIMIT: u64 = 50;
 const WINDOW_MS: i64 = 10_000;
+/// Every instance is started with `--expected-instances 3`: each holds a
+/// reserve slot.
+const INSTANCES: u32 = 3;
 
 /// A generated day with a TDoS in it, in time order, call ids `c<i>`.
 fn events() -> Vec<CallEvent> {
@@ -144,6 +147,7 @@ async fn three_instances(kill_serve: bool) {
         .iter()
         .map(|p| {
             let addr = format!("127.0.0.1:{p}");
+            let instances = INSTANCES.to_string();
             let extra = [
                 "--metrics-addr",
                 addr.as_str(),
@@ -151,6 +155,8 @@ async fn three_instances(kill_serve: bool) {
                 "session.timeout.ms=6000",
                 "--batch-size",
                 "64",
+                "--expected-instances",
+                instances.as_str(),
             ];
             spawn_consumer(&brokers, &redis.url(), &group, &rules_path, &extra)
         })
@@ -159,7 +165,12 @@ async fn three_instances(kill_serve: bool) {
         wait_ready(p, "consume member");
     }
     let serve_port = free_port();
-    let mut serve = spawn_serve(serve_port, &redis.url(), &rules_path, &[]);
+    let mut serve = spawn_serve(
+        serve_port,
+        &redis.url(),
+        &rules_path,
+        &["--expected-instances", &INSTANCES.to_string()],
+    );
     wait_ready(serve_port, "serve");
 
     // Kafka and serve at once: the three instances take credits of the
@@ -195,8 +206,9 @@ async fn three_instances(kill_serve: bool) {
     )
     .await;
     // What the members leased, from their metrics: a credit for every
-    // call the tdos rule admitted (most by increments: callees called
-    // once), and credits refused at the victim's limit.
+    // call the tdos rule admitted (from their reserve slots, most callees
+    // being called once, or from Redis), and credits refused at the
+    // victim's limit.
     let mut leased: HashMap<String, f64> = HashMap::new();
     for p in ports {
         let text = http_get(p, "/metrics").unwrap();
@@ -209,12 +221,20 @@ async fn three_instances(kill_serve: bool) {
     let got = |k: &str| leased.get(k).copied().unwrap_or(0.0);
     assert!(got("callguard_lease_calls_total") > 0.0, "{leased:?}");
     let admitted_by_tdos = records.iter().filter(|r| r["reason"] != "tdos").count() as f64;
+    let reserve = reserve_of(LIMIT, INSTANCES) as f64;
+    let reserved = got("callguard_lease_counters_total{kind=\"reserve\"}") * reserve;
     assert!(
-        got("callguard_lease_credits_total{kind=\"granted\"}") >= admitted_by_tdos,
+        got("callguard_lease_credits_total{kind=\"granted\"}") + reserved >= admitted_by_tdos,
         "{admitted_by_tdos} calls admitted by the tdos rule: {leased:?}"
     );
     assert!(
         got("callguard_lease_counters_total{kind=\"increment\"}") > 0.0,
+        "{leased:?}"
+    );
+    // Most callees are called once: their credit came from the member's
+    // reserve slot, without a Redis call.
+    assert!(
+        got("callguard_lease_counters_total{kind=\"reserve\"}") > 100.0,
         "{leased:?}"
     );
     assert!(
@@ -242,7 +262,7 @@ async fn three_instances(kill_serve: bool) {
 
     // The victim: never above the limit in a bucket; short of it by at most
     // the credits the other instances can hold (a block each, after their
-    // batch), and the killed one's in-flight check.
+    // batch), every slot's reserve, and the killed one's in-flight check.
     let mut admitted: HashMap<i64, u64> = HashMap::new();
     let mut rejected: HashMap<i64, u64> = HashMap::new();
     let mut exact: HashMap<i64, u64> = HashMap::new();
@@ -264,7 +284,9 @@ async fn three_instances(kill_serve: bool) {
             *exact.entry(b).or_default() += 1;
         }
     }
-    let bound = 2 * block_cap(LIMIT) + u64::from(kill_serve);
+    let bound = 2 * block_cap(LIMIT)
+        + u64::from(INSTANCES) * reserve_of(LIMIT, INSTANCES)
+        + u64::from(kill_serve);
     let mut shortfall = 0;
     for (b, &n) in &admitted {
         assert!(
@@ -652,4 +674,97 @@ async fn plain_increments_never_grant_past_the_limit() {
         .query(&mut con)
         .unwrap();
     assert_eq!(encoding, "listpack", "{sparse}");
+}
+
+/// Reserve slots on a real redis-server, three instances' ledgers (two
+/// slots): A and B hold the slots and spend their reserves of the victim's
+/// bucket; A crashes (dropped, its lease left to run out); C then takes
+/// A's slot, and its span starts at A's horizon, so it spends no reserve
+/// in that bucket (a later one it does). Never more than the limit in the
+/// bucket; C admits nothing there once A and B took it all. The count of
+/// slots is the first instance's: D, started with 5, follows 2 and finds
+/// both slots held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_holder_of_a_reserve_slot_spends_nothing_its_predecessor_could_have() {
+    use callguard::engine::record::Decision;
+    use callguard::store::gated::{Gated, Ledger};
+    use callguard::store::memory::MemoryStore;
+    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::slot::{Slots, AHEAD_MS};
+    use callguard::store::redis::RedisConfig;
+    use callguard::store::WindowStore;
+    const LIMIT_HERE: u64 = 64;
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_toml(&format!(
+        "[[rule]]\nname = \"tdos\"\nkey = \"callee\"\nkind = \"fixed\"\nwindow = \"10s\"\nlimit = {LIMIT_HERE}\n"
+    ))
+    .unwrap();
+    let config = RedisConfig {
+        urls: vec![redis.url()],
+        key_prefix: "slots:".into(),
+        ..RedisConfig::default()
+    };
+    let lease = Duration::from_millis(400);
+    let instance = |expected: u32| {
+        let slots = Slots::new(expected).with_lease(lease);
+        Gated::new(
+            MemoryStore::new(),
+            Ledger::Redis(Box::new(RedisLedger::with_slots(config.clone(), slots))),
+        )
+    };
+    let t0 = 1_764_547_200_000i64;
+    let calls = |from: usize, n: usize, t: i64| -> Vec<CallEvent> {
+        (from..from + n)
+            .map(|i| {
+                let mut e = common::ev(
+                    &format!("+3460{i:07}"),
+                    &format!("c{i}"),
+                    t + i as i64 % 900,
+                );
+                e.callee = Some(TDOS_VICTIM.into());
+                e
+            })
+            .collect()
+    };
+    let admitted = |v: &[callguard::engine::record::Verdict]| {
+        v.iter()
+            .filter(|v| v.record.decision == Decision::Allow)
+            .count() as u64
+    };
+    let (mut a, mut b) = (instance(2), instance(2));
+    let mut total = 0;
+    for round in 0..4 {
+        let batch = calls(round * 100, 20, t0);
+        total += admitted(&a.apply_batch(&rules, &batch).await.unwrap());
+        let batch = calls(round * 100 + 50, 20, t0);
+        total += admitted(&b.apply_batch(&rules, &batch).await.unwrap());
+    }
+    assert_eq!(
+        total, LIMIT_HERE,
+        "A and B between them take the whole limit"
+    );
+    let reserve = reserve_of(LIMIT_HERE, 2);
+    assert_eq!(
+        a.stats().lease.reserved,
+        1,
+        "A spent its reserve of the victim"
+    );
+    assert_eq!(b.stats().lease.reserved, 1);
+    drop(a);
+    // D follows the recorded count, and finds no free slot while A's lease
+    // runs.
+    let mut d = RedisLedger::with_slots(config.clone(), Slots::new(5).with_lease(lease));
+    let r = d.reserves(t0, 60_000).await.unwrap();
+    assert_eq!((r.slots, r.span), (2, None));
+    tokio::time::sleep(lease * 2).await;
+    let mut c = instance(2);
+    let late = calls(1_000, 30, t0);
+    let got = c.apply_batch(&rules, &late).await.unwrap();
+    assert_eq!(admitted(&got), 0, "C spends no reserve in A's buckets");
+    assert_eq!(c.stats().lease.reserved, 0);
+    // Past A's horizon (its newest call plus AHEAD_MS): C's own reserve.
+    let fresh = calls(2_000, 1, t0 + AHEAD_MS + 60_000);
+    let got = c.apply_batch(&rules, &fresh).await.unwrap();
+    assert_eq!(admitted(&got), 1);
+    assert_eq!(c.stats().lease.reserved, 1, "reserve {reserve}");
 }

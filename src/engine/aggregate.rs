@@ -38,10 +38,19 @@
 //!   rule. (The batch may be the one queued behind the batch being
 //!   committed: `consume` leases for it meanwhile; a counter asked for
 //!   since the last batch was decided is not asked for again.)
+//! * Reserves ([`reserve`]): with `E` reserve slots, each slot owns
+//!   [`reserve_of`] credits of every counter and the ledger hands out
+//!   [`shared_limit`]; the holder of a slot spends its reserve of a counter
+//!   it first sees without asking, in the buckets of its [`Span`]. Still
+//!   never past the limit; a call is also rejected while other slots'
+//!   reserves are unspent (at most `E r` more).
 //! * The count an instance writes is its view: the credits handed out as
-//!   of its last lease less those it holds, plus its own calls. With one
-//!   instance (and offline, where [`MemoryLedger`] plays Redis) that is
-//!   the exact count above, whatever the batches.
+//!   of its last lease less those it holds, plus its own calls and the
+//!   reserve it spent. With one instance (and offline, where
+//!   [`MemoryLedger`] plays Redis) that is the exact count above, whatever
+//!   the batches (with the only slot: the reserve spent in a counter is
+//!   remembered past its time, for late calls, up to [`SPENT_KEPT`]
+//!   counters).
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
@@ -61,9 +70,9 @@ pub use reserve::{reserve_of, shared_limit, Reserves, Span};
 pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
 /// Counters whose reserve was spent that the gate remembers after their
-/// time (for calls up to [`MEMORY_MARGIN_MS`] late, whose count includes
-/// the reserve spent); past this many the oldest are forgotten, and no
-/// reserve is taken again below their buckets' end.
+/// time, for late calls (their count includes the reserve spent; none is
+/// taken for them again): about 40 bytes each. Past this many the oldest
+/// are forgotten, and no reserve is taken below their buckets' end.
 pub const SPENT_KEPT: usize = 1 << 20;
 
 /// Call ids whose results the gate keeps, so a redelivered or retried
@@ -293,6 +302,14 @@ impl Held {
     }
 }
 
+/// A reserve taken for a counter past its time: how much, and how much of
+/// it was left unspent.
+#[derive(Debug, Clone, Copy)]
+struct Spent {
+    reserve: u64,
+    left: u64,
+}
+
 /// Decides the rules keyed by callee or global for batches of calls, from
 /// credits a ledger (Redis's lease script, or [`MemoryLedger`]) leases to
 /// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
@@ -311,11 +328,13 @@ pub struct Gate {
     reserves: Reserves,
     /// Counters given a reserve so far.
     reserved_counters: u64,
-    /// Reserve spent of counters past their time, kept for late calls.
-    spent: HashMap<CounterId, u64>,
-    spent_expiry: Expiry,
-    /// No reserve is taken for a bucket starting below this: a counter
-    /// that had one was forgotten, and might come again.
+    /// Reserve spent of counters past their time, by the counter's hash
+    /// ([`Gate::spent_key`]; a collision only costs a reserve not taken or
+    /// a late call's count), oldest first in `spent_order` with their
+    /// buckets' end.
+    spent: HashMap<u64, Spent>,
+    spent_order: VecDeque<(u64, i64)>,
+    /// No reserve is taken for a bucket starting below this.
     reserve_floor: Option<i64>,
 }
 
@@ -358,19 +377,47 @@ impl Gate {
         self.reserves = reserves;
     }
 
-    /// A counter past its time whose reserve was spent, back (its spent
-    /// reserve in its count, no credit in hand) for a late call.
+    /// A counter past its time that had a reserve, back for a late call:
+    /// the reserve spent in its count, what was left of it in hand.
     fn revive(&mut self, id: &CounterId, ttl_ms: i64) -> Option<Held> {
-        let spent = self.spent.remove(id)?;
+        if self.spent.is_empty() {
+            return None;
+        }
+        let spent = self.spent.remove(&self.spent_key(id))?;
         let h = Held {
-            total: spent,
-            reserve: spent,
+            total: spent.reserve,
+            held: spent.left,
+            reserve: spent.reserve,
+            reserve_left: spent.left,
             reserved: true,
             leased_at: u64::MAX,
             ..Held::default()
         };
         self.expiry.push(id.expires_at(ttl_ms), id.clone());
         self.counters.insert(id.clone(), h);
+        Some(h)
+    }
+
+    /// A counter first seen, on this instance's reserve if it has one for
+    /// it: spent without asking, the ledger asked only for what the batch
+    /// needs beyond it.
+    fn take_reserve(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<Held> {
+        let reserve = self.reserve_for(id, limit);
+        if reserve == 0 {
+            return None;
+        }
+        let h = Held {
+            total: reserve,
+            held: reserve,
+            reserve,
+            reserve_left: reserve,
+            reserved: true,
+            leased_at: u64::MAX,
+            ..Held::default()
+        };
+        self.expiry.push(id.expires_at(ttl_ms), id.clone());
+        self.counters.insert(id.clone(), h);
+        self.reserved_counters += 1;
         Some(h)
     }
 
@@ -427,63 +474,34 @@ impl Gate {
         for (i, id, need) in needs {
             let rule = &rules.rules[i];
             let approx = rule.kind == WindowKind::SlidingApprox;
-            let mut held = self.counters.get(&id).copied();
-            if held.is_none() {
-                held = self.revive(
-                    &id,
-                    rule.window_ms
-                        .saturating_mul(3)
-                        .saturating_add(rules.grace_ms),
-                );
-            }
             let ttl_ms = rule
                 .window_ms
                 .saturating_mul(3)
                 .saturating_add(rules.grace_ms);
-            let reserve = if held.is_none() {
-                self.reserve_for(&id, rule.limit)
-            } else {
-                0
-            };
-            if reserve > 0 {
-                // Spent here without asking: the ledger is asked only for
-                // what the batch needs beyond it.
-                let h = Held {
-                    total: reserve,
-                    held: reserve,
-                    reserve,
-                    reserve_left: reserve,
-                    reserved: true,
-                    leased_at: u64::MAX,
-                    ..Held::default()
-                };
-                self.expiry.push(id.expires_at(ttl_ms), id.clone());
-                self.counters.insert(id.clone(), h);
-                self.reserved_counters += 1;
-                // (A sliding-approx counter whose previous bucket may have
-                // been dropped here asks the ledger for that bucket's count.)
-                let prev = id.prev();
-                let prev_lost =
-                    approx && !self.counters.contains_key(&prev) && prev.expires_at(ttl_ms) < now;
-                if reserve >= need && !prev_lost {
-                    continue;
-                }
+            let mut held = self.counters.get(&id).copied();
+            if held.is_none() {
+                held = self.revive(&id, ttl_ms);
             }
-            // (First asked of the ledger: no credits of it held.)
-            let first = held.is_none();
-            if reserve > 0 {
-                held = self.counters.get(&id).copied();
+            if held.is_none() {
+                held = self.take_reserve(&id, rule.limit, ttl_ms);
             }
+            // (Never leased in this life: held nothing of the ledger's.
+            // A counter first seen, maybe on a reserve.)
+            let first = held.is_none_or(|h| h.leased_at == u64::MAX);
             let have = held.map_or(0, |h| h.held);
-            if let Some(h) = held.filter(|_| !first) {
+            if let Some(h) = held {
                 // (Asked already since the last batch was decided: a lease
                 // ahead, answered in full or short. Asking again would be
                 // answered the same, as far as this instance can tell.)
                 let fresh = h.leased_at == self.decided;
-                // (A sliding-approx counter whose previous bucket is no
-                // longer kept here asks again, for that bucket's count.)
-                let stale_prev = approx && !self.counters.contains_key(&id.prev());
-                if fresh || have >= need && !stale_prev {
+                // (A sliding-approx counter whose previous bucket is not
+                // kept here asks for that bucket's count: one leased before,
+                // or one whose previous bucket may have been dropped.)
+                let prev = id.prev();
+                let prev_unknown = approx
+                    && !self.counters.contains_key(&prev)
+                    && (!first || prev.expires_at(ttl_ms) < now);
+                if fresh || have >= need && !prev_unknown {
                     continue;
                 }
             }
@@ -625,7 +643,10 @@ impl Gate {
         match self.counters.get(&id.prev()) {
             Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
             // (The ledger's count has no reserve in it.)
-            None => snapshot + self.spent.get(&id.prev()).copied().unwrap_or(0),
+            None => {
+                let spent = self.spent.get(&self.spent_key(&id.prev()));
+                snapshot + spent.map_or(0, |s| s.reserve - s.left)
+            }
         }
     }
 
@@ -655,31 +676,36 @@ impl Gate {
                             // (Kept for late calls: its count has the
                             // reserve spent in it, and no reserve is taken
                             // for it again.)
-                            self.spent.insert(id.clone(), h.reserve - h.reserve_left);
-                            self.spent_expiry
-                                .push(at.saturating_add(MEMORY_MARGIN_MS), id);
+                            let key = self.spent_key(&id);
+                            let spent = Spent {
+                                reserve: h.reserve,
+                                left: h.reserve_left,
+                            };
+                            self.spent.insert(key, spent);
+                            let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
+                            self.spent_order.push_back((key, end));
                         }
                     }
                 }
             }
         }
-        while let Some((_, ids)) = self.spent_expiry.pop_due(now) {
-            self.forget_spent(ids);
-        }
-        while self.spent.len() > SPENT_KEPT {
-            match self.spent_expiry.pop_due(i64::MAX) {
-                Some((_, ids)) => self.forget_spent(ids),
-                None => break,
-            }
+        while self.spent_order.len() > SPENT_KEPT {
+            self.forget_oldest_spent();
         }
     }
 
-    /// Forgets counters whose reserve was spent: no reserve is taken again
-    /// below the end of their buckets.
-    fn forget_spent(&mut self, ids: Vec<CounterId>) {
-        for id in ids {
-            if self.spent.remove(&id).is_some() {
-                let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
+    /// The key of a counter in [`Gate::spent`].
+    fn spent_key(&self, id: &CounterId) -> u64 {
+        use std::hash::BuildHasher;
+        self.spent.hasher().hash_one(id)
+    }
+
+    /// Forgets the oldest counter whose reserve was spent: no reserve is
+    /// taken again below the end of its bucket. (An entry revived since
+    /// raises nothing: it is back among the counters.)
+    fn forget_oldest_spent(&mut self) {
+        if let Some((key, end)) = self.spent_order.pop_front() {
+            if self.spent.remove(&key).is_some() {
                 self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
             }
         }

@@ -71,17 +71,21 @@ impl<S: WindowStore> Gated<S> {
 
     /// `events` with the rules keyed by callee or global filled in; `None`
     /// when the set has none (the events go to the store as they are).
+    /// The reserve slot's span is raised to cover `events` and, if it has
+    /// come, the batch after them (`newest_next`: its newest call), whose
+    /// credits are planned while this one commits.
     async fn gate(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
+        newest_next: Option<i64>,
     ) -> Result<Option<Vec<CallEvent>>, StoreError> {
         if !rules.has_aggregates() {
             return Ok(None);
         }
         let mut events = events.to_vec();
         if let Ledger::Redis(ledger) = &mut self.ledger {
-            let newest = events.iter().map(|e| e.ts_ms).max().unwrap_or(i64::MIN);
+            let newest = newest_of(&events).max(newest_next.unwrap_or(i64::MIN));
             let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
             self.gate.set_reserves(reserves);
         }
@@ -107,7 +111,11 @@ impl<S: WindowStore> Gated<S> {
         events: &[CallEvent],
         next: &mut dyn Upcoming,
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
-        let gated = self.gate(rules, events).await?;
+        let newest_next = next
+            .peek()
+            .filter(|n| n.rules.has_aggregates())
+            .map(|n| newest_of(n.events));
+        let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let requests = match next.peek() {
             Some(n) if n.rules.has_aggregates() => self.gate.plan(n.rules, n.events),
@@ -134,6 +142,11 @@ impl<S: WindowStore> Gated<S> {
         self.count(requests, leases);
         self.gate.settle(requests, leases);
     }
+}
+
+/// The newest call's time (`i64::MIN` for none).
+fn newest_of(events: &[CallEvent]) -> i64 {
+    events.iter().map(|e| e.ts_ms).max().unwrap_or(i64::MIN)
 }
 
 /// How long a reserve slot's keys outlive the last call: the longest
@@ -177,7 +190,7 @@ impl<S: WindowStore> WindowStore for Gated<S> {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
-        match self.gate(rules, events).await? {
+        match self.gate(rules, events, None).await? {
             Some(gated) => self.inner.apply_batch(rules, &gated).await,
             None => self.inner.apply_batch(rules, events).await,
         }

@@ -360,12 +360,14 @@ fn reserve_slots_and_a_new_holder_never_admit_past_the_limit() {
 }
 
 /// A counter the gate dropped (its time past) gets no second reserve when
-/// a late call comes for it: it is asked of the ledger, its count with
-/// the reserve spent in it. Once forgotten (an hour later), no reserve is
-/// taken in its bucket at all.
+/// a late call comes for it: what was left of its reserve is spent, then
+/// the ledger is asked, the count with the reserve spent in it. Once
+/// forgotten (the oldest past [`SPENT_KEPT`]), no reserve is taken below
+/// its bucket's end.
 #[test]
 fn a_dropped_counter_takes_no_second_reserve() {
     let set = rules(WindowKind::Fixed, RuleKey::Callee, 1_000, 32);
+    assert_eq!(reserve_of(32, 1), 2);
     let mut gate = Gate::new();
     gate.set_reserves(Reserves {
         slots: 1,
@@ -379,19 +381,29 @@ fn a_dropped_counter_takes_no_second_reserve() {
     let mut later = vec![ev(2, 100_000, "+34910000002")];
     gate.run(&mut ledger, &set, &mut later);
     let mut late = vec![ev(3, 200, "+34910000001")];
-    let asked = gate.plan(&set, &late);
+    assert!(gate.plan(&set, &late).is_empty(), "the reserve left");
+    gate.run(&mut ledger, &set, &mut late);
+    assert_eq!(late[0].aggregated(1).count, 2);
+    // Dropped again, then a third call: nothing left, asked of the ledger.
+    let mut later = vec![ev(4, 200_000, "+34910000002")];
+    gate.run(&mut ledger, &set, &mut later);
+    let mut third = vec![ev(5, 300, "+34910000001")];
+    let asked = gate.plan(&set, &third);
     assert_eq!(asked.len(), 1, "asked of the ledger: {asked:?}");
     assert_eq!(asked[0].limit, shared_limit(32, 1));
-    gate.run(&mut ledger, &set, &mut late);
-    assert_eq!(late[0].aggregated(1).count, 2, "the reserve spent counts");
+    gate.run(&mut ledger, &set, &mut third);
+    assert_eq!(third[0].aggregated(1).count, 3, "the reserve spent counts");
     // Another callee in that bucket, never seen: its reserve is untouched.
-    let other = vec![ev(4, 300, "+34910000003")];
+    let other = vec![ev(6, 400, "+34910000003")];
     assert!(gate.plan(&set, &other).is_empty());
-    // Past the in-process margin: forgotten, and no reserve below it.
-    let mut much_later = vec![ev(5, 2 * MEMORY_MARGIN_MS, "+34910000004")];
+    // Forgotten: no reserve at or below its bucket, even for a new callee.
+    let mut much_later = vec![ev(7, 2 * MEMORY_MARGIN_MS, "+34910000004")];
     gate.run(&mut ledger, &set, &mut much_later);
-    let very_late = vec![ev(6, 400, "+34910000001")];
-    assert_eq!(gate.plan(&set, &very_late).len(), 1);
-    let new = vec![ev(7, 2 * MEMORY_MARGIN_MS + 5_000, "+34910000005")];
+    while !gate.spent_order.is_empty() {
+        gate.forget_oldest_spent();
+    }
+    let below = vec![ev(8, 500, "+34910000009")];
+    assert_eq!(gate.plan(&set, &below).len(), 1);
+    let new = vec![ev(9, 2 * MEMORY_MARGIN_MS + 5_000, "+34910000005")];
     assert!(gate.plan(&set, &new).is_empty(), "a new bucket: reserved");
 }
