@@ -479,7 +479,8 @@ impl Gate {
                 .saturating_mul(3)
                 .saturating_add(rules.grace_ms);
             let mut held = self.counters.get(&id).copied();
-            if held.is_none() {
+            // (Only a counter past its time can have been dropped.)
+            if held.is_none() && id.expires_at(ttl_ms) < now {
                 held = self.revive(&id, ttl_ms);
             }
             if held.is_none() {
