@@ -105,32 +105,50 @@ fn random_events_within(rng: &mut StdRng, len: usize, w: i64, late: i64) -> Vec<
         .collect()
 }
 
+/// A case's window kind (fixed or sliding-approx, in turn) and key
+/// (global every third case, else callee).
+fn kind_and_key(case: usize) -> (WindowKind, RuleKey) {
+    let kind = if case % 2 == 0 {
+        WindowKind::Fixed
+    } else {
+        WindowKind::SlidingApprox
+    };
+    let key = if case % 3 == 0 {
+        RuleKey::Global
+    } else {
+        RuleKey::Callee
+    };
+    (kind, key)
+}
+
+/// Runs `events` through `gate` in batches of 1 to 39.
+fn run_in_random_batches(
+    rng: &mut StdRng,
+    gate: &mut Gate,
+    ledger: &mut MemoryLedger,
+    set: &RuleSet,
+    events: &mut [CallEvent],
+) {
+    let mut at = 0;
+    while at < events.len() {
+        let size = rng.random_range(1..40).min(events.len() - at);
+        gate.run(ledger, set, &mut events[at..at + size]);
+        at += size;
+    }
+}
+
 #[test]
 fn one_instance_on_the_memory_ledger_is_the_contract_whatever_the_batches() {
     let mut rng = StdRng::seed_from_u64(7);
     for case in 0..300 {
-        let kind = if case % 2 == 0 {
-            WindowKind::Fixed
-        } else {
-            WindowKind::SlidingApprox
-        };
-        let key = if case % 3 == 0 {
-            RuleKey::Global
-        } else {
-            RuleKey::Callee
-        };
+        let (kind, key) = kind_and_key(case);
         let w = rng.random_range(40..400);
         let n = rng.random_range(1..12);
         let set = rules(kind, key, w, n);
         let mut events = random_events(&mut rng, 200, w);
         let expected = naive(&set, &events);
         let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
-        let mut at = 0;
-        while at < events.len() {
-            let size = rng.random_range(1..40).min(events.len() - at);
-            gate.run(&mut ledger, &set, &mut events[at..at + size]);
-            at += size;
-        }
+        run_in_random_batches(&mut rng, &mut gate, &mut ledger, &set, &mut events);
         let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
         assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
         assert!(events
@@ -237,16 +255,7 @@ fn one_instance_with_the_only_reserve_slot_is_the_contract() {
     let mut rng = StdRng::seed_from_u64(17);
     let mut reserved = 0;
     for case in 0..300 {
-        let kind = if case % 2 == 0 {
-            WindowKind::Fixed
-        } else {
-            WindowKind::SlidingApprox
-        };
-        let key = if case % 3 == 0 {
-            RuleKey::Global
-        } else {
-            RuleKey::Callee
-        };
+        let (kind, key) = kind_and_key(case);
         let w = rng.random_range(40..400);
         let n = rng.random_range(1..60);
         let set = rules(kind, key, w, n);
@@ -257,12 +266,7 @@ fn one_instance_with_the_only_reserve_slot_is_the_contract() {
             slots: 1,
             span: Some(Span::ALL),
         });
-        let mut at = 0;
-        while at < events.len() {
-            let size = rng.random_range(1..40).min(events.len() - at);
-            gate.run(&mut ledger, &set, &mut events[at..at + size]);
-            at += size;
-        }
+        run_in_random_batches(&mut rng, &mut gate, &mut ledger, &set, &mut events);
         reserved += gate.counters.values().filter(|h| h.reserve > 0).count();
         let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
         assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
