@@ -302,8 +302,8 @@ impl Held {
     }
 }
 
-/// A reserve taken for a counter past its time: how much, and how much of
-/// it was left unspent.
+/// A reserve taken for a counter: how much, and how much of it is left
+/// unspent (kept so for a counter past its time).
 #[derive(Debug, Clone, Copy)]
 struct Spent {
     reserve: u64,
@@ -384,6 +384,11 @@ impl Gate {
             return None;
         }
         let spent = self.spent.remove(&self.spent_key(id))?;
+        Some(self.hold_reserve(id, spent, ttl_ms))
+    }
+
+    /// Holds `id` on a reserve, `spent.left` of it in hand (never leased).
+    fn hold_reserve(&mut self, id: &CounterId, spent: Spent, ttl_ms: i64) -> Held {
         let h = Held {
             total: spent.reserve,
             held: spent.left,
@@ -395,7 +400,7 @@ impl Gate {
         };
         self.expiry.push(id.expires_at(ttl_ms), id.clone());
         self.counters.insert(id.clone(), h);
-        Some(h)
+        h
     }
 
     /// A counter first seen, on this instance's reserve if it has one for
@@ -406,19 +411,12 @@ impl Gate {
         if reserve == 0 {
             return None;
         }
-        let h = Held {
-            total: reserve,
-            held: reserve,
-            reserve,
-            reserve_left: reserve,
-            reserved: true,
-            leased_at: u64::MAX,
-            ..Held::default()
-        };
-        self.expiry.push(id.expires_at(ttl_ms), id.clone());
-        self.counters.insert(id.clone(), h);
         self.reserved_counters += 1;
-        Some(h)
+        let fresh = Spent {
+            reserve,
+            left: reserve,
+        };
+        Some(self.hold_reserve(id, fresh, ttl_ms))
     }
 
     /// Counters given credits from this instance's reserve so far.

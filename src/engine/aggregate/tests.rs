@@ -108,12 +108,12 @@ fn random_events_within(rng: &mut StdRng, len: usize, w: i64, late: i64) -> Vec<
 /// A case's window kind (fixed or sliding-approx, in turn) and key
 /// (global every third case, else callee).
 fn kind_and_key(case: usize) -> (WindowKind, RuleKey) {
-    let kind = if case % 2 == 0 {
+    let kind = if case.is_multiple_of(2) {
         WindowKind::Fixed
     } else {
         WindowKind::SlidingApprox
     };
-    let key = if case % 3 == 0 {
+    let key = if case.is_multiple_of(3) {
         RuleKey::Global
     } else {
         RuleKey::Callee

@@ -83,12 +83,14 @@ impl RedisLedger {
     /// The reserves for a batch whose newest call is at `newest`; the
     /// slot's keys outlive the last call by `keep_ms` plus the TTL slack.
     pub async fn reserves(&mut self, newest: i64, keep_ms: i64) -> Result<Reserves, StoreError> {
-        let (conn, _, sha) = self.conn().await?;
-        let (mut conn, sha) = (conn.clone(), sha.clone());
+        self.conn().await?;
+        let Some((conn, _, sha)) = self.conn.as_mut() else {
+            return Err(StoreError::transient("not connected to Redis"));
+        };
         let keep_ms = keep_ms.saturating_add(self.config.ttl_slack.as_millis() as i64);
         let got = self
             .slots
-            .reserves(&mut conn, &sha, &self.config, newest, keep_ms)
+            .reserves(conn, sha, &self.config, newest, keep_ms)
             .await;
         if got.is_err() {
             self.conn = None;
