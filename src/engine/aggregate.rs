@@ -53,7 +53,8 @@
 //!   counters).
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use compact_str::CompactString;
 use foldhash::{HashMap, HashMapExt};
@@ -62,7 +63,9 @@ use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
 
+mod recent;
 mod reserve;
+use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
 
 /// How much longer than `3 W + grace` the in-process ledger keeps a
@@ -303,11 +306,12 @@ impl Held {
 }
 
 /// A reserve taken for a counter: how much, and how much of it is left
-/// unspent (kept so for a counter past its time).
+/// unspent (kept so for a counter past its time, with its bucket's end).
 #[derive(Debug, Clone, Copy)]
 struct Spent {
     reserve: u64,
     left: u64,
+    end: i64,
 }
 
 /// Decides the rules keyed by callee or global for batches of calls, from
@@ -315,27 +319,41 @@ struct Spent {
 /// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
 /// answers, [`Gate::decide`] fills in each call's [`Aggregated`] entries,
 /// in order.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Gate {
     counters: HashMap<CounterId, Held>,
     expiry: Expiry,
     latest: Option<i64>,
     /// Batches decided so far.
     decided: u64,
-    remembered: HashMap<CompactString, std::sync::Arc<[Aggregated]>>,
-    remembered_order: VecDeque<CompactString>,
+    /// The results of the last [`REMEMBERED_IDS`] call ids decided.
+    remembered: Recent<CompactString, Arc<[Aggregated]>>,
     /// The reserve slots and this instance's span ([`reserve`]).
     reserves: Reserves,
     /// Counters given a reserve so far.
     reserved_counters: u64,
-    /// Reserve spent of counters past their time, by the counter's hash
-    /// ([`Gate::spent_key`]; a collision only costs a reserve not taken or
-    /// a late call's count), oldest first in `spent_order` with their
-    /// buckets' end.
-    spent: HashMap<u64, Spent>,
-    spent_order: VecDeque<(u64, i64)>,
+    /// Reserve spent of the last [`SPENT_KEPT`] counters past their time,
+    /// by the counter's hash ([`Gate::spent_key`]; a collision only costs
+    /// a reserve not taken or a late call's count).
+    spent: Recent<u64, Spent>,
     /// No reserve is taken for a bucket starting below this.
     reserve_floor: Option<i64>,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate {
+            counters: HashMap::new(),
+            expiry: Expiry::default(),
+            latest: None,
+            decided: 0,
+            remembered: Recent::new(REMEMBERED_IDS),
+            reserves: Reserves::default(),
+            reserved_counters: 0,
+            spent: Recent::new(SPENT_KEPT),
+            reserve_floor: None,
+        }
+    }
 }
 
 /// The counter rule `i` counts `ev` in, if it sees it.
@@ -415,8 +433,14 @@ impl Gate {
         let fresh = Spent {
             reserve,
             left: reserve,
+            end: 0,
         };
         Some(self.hold_reserve(id, fresh, ttl_ms))
+    }
+
+    /// Batches decided so far.
+    pub fn decided(&self) -> u64 {
+        self.decided
     }
 
     /// Counters given credits from this instance's reserve so far.
@@ -449,10 +473,13 @@ impl Gate {
         }
         let now = self.latest.unwrap_or(i64::MIN);
         self.expire(now);
-        let mut needs: Vec<(usize, CounterId, u64)> = Vec::new();
-        let mut at: HashMap<CounterId, usize> = HashMap::new();
+        // (Sized for a counter per call and rule: growing them was a
+        // tenth of the gate's time.)
+        let most = events.len().saturating_mul(aggs.len());
+        let mut needs: Vec<(usize, CounterId, u64)> = Vec::with_capacity(most);
+        let mut at: HashMap<CounterId, usize> = HashMap::with_capacity(most);
         for ev in events {
-            if self.remembered.contains_key(&ev.call_id) {
+            if self.remembered.get(&ev.call_id).is_some() {
                 continue;
             }
             for &i in &aggs {
@@ -564,7 +591,7 @@ impl Gate {
                 continue;
             }
             // (In rule order, as the caller's rules are judged.)
-            let out: std::sync::Arc<[Aggregated]> = (0..rules.rules.len())
+            let out: Arc<[Aggregated]> = (0..rules.rules.len())
                 .map(|i| match counter_of(rules, i, ev) {
                     Some(id) => self.judge(rules, i, &id, ev.ts_ms),
                     None => Aggregated::default(),
@@ -649,14 +676,8 @@ impl Gate {
         }
     }
 
-    fn remember(&mut self, call_id: &CompactString, out: std::sync::Arc<[Aggregated]>) {
-        if self.remembered_order.len() >= REMEMBERED_IDS {
-            if let Some(old) = self.remembered_order.pop_front() {
-                self.remembered.remove(&old);
-            }
-        }
-        self.remembered_order.push_back(call_id.clone());
-        self.remembered.insert(call_id.clone(), out);
+    fn remember(&mut self, call_id: &CompactString, out: Arc<[Aggregated]>) {
+        self.remembered.put(call_id.clone(), out);
     }
 
     /// Drops counters past `3 W + grace` behind `now`; one that still
@@ -679,34 +700,36 @@ impl Gate {
                             let spent = Spent {
                                 reserve: h.reserve,
                                 left: h.reserve_left,
+                                end: id.bucket.saturating_add(1).saturating_mul(id.window_ms),
                             };
-                            self.spent.insert(key, spent);
-                            let end = id.bucket.saturating_add(1).saturating_mul(id.window_ms);
-                            self.spent_order.push_back((key, end));
+                            if let Some((_, old)) = self.spent.put(key, spent) {
+                                self.raise_floor(old);
+                            }
                         }
                     }
                 }
             }
         }
-        while self.spent_order.len() > SPENT_KEPT {
-            self.forget_oldest_spent();
-        }
     }
 
     /// The key of a counter in [`Gate::spent`].
     fn spent_key(&self, id: &CounterId) -> u64 {
-        use std::hash::BuildHasher;
-        self.spent.hasher().hash_one(id)
+        self.spent.hash_of(id)
     }
 
-    /// Forgets the oldest counter whose reserve was spent: no reserve is
-    /// taken again below the end of its bucket. (An entry revived since
-    /// raises nothing: it is back among the counters.)
+    /// A counter whose reserve was spent is forgotten: no reserve is taken
+    /// again below the end of its bucket. (One revived since is not
+    /// forgotten: it is back among the counters.)
+    fn raise_floor(&mut self, forgotten: Spent) {
+        let end = forgotten.end;
+        self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
+    }
+
+    /// Forgets the oldest counter whose reserve was spent.
+    #[cfg(test)]
     fn forget_oldest_spent(&mut self) {
-        if let Some((key, end)) = self.spent_order.pop_front() {
-            if self.spent.remove(&key).is_some() {
-                self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
-            }
+        if let Some((_, old)) = self.spent.forget_oldest() {
+            self.raise_floor(old);
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::{is_plain, RedisLedger};
 use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
+use compact_str::CompactString;
 use tracing::debug;
 
 /// Where credits come from.
@@ -51,6 +52,36 @@ pub struct Gated<S> {
     gate: Gate,
     ledger: Ledger,
     leased: LeaseStats,
+    /// The batch queued behind, planned for (and its credits leased)
+    /// while the one before it was committed.
+    ahead: Option<Planned>,
+}
+
+/// A batch [`Gate::plan`] was run for, as it stood then: while the gate
+/// has decided nothing since, planning the same batch again would ask for
+/// nothing (each counter it needs is held, or was just asked for), so it
+/// is not planned again.
+#[derive(Debug, PartialEq, Eq)]
+struct Planned {
+    /// The events' address and length, and first and last call ids.
+    at: usize,
+    len: usize,
+    first: Option<CompactString>,
+    last: Option<CompactString>,
+    /// [`Gate::decided`] then.
+    decided: u64,
+}
+
+impl Planned {
+    fn new(events: &[CallEvent], gate: &Gate) -> Self {
+        Planned {
+            at: events.as_ptr() as usize,
+            len: events.len(),
+            first: events.first().map(|e| e.call_id.clone()),
+            last: events.last().map(|e| e.call_id.clone()),
+            decided: gate.decided(),
+        }
+    }
 }
 
 impl<S: WindowStore> Gated<S> {
@@ -61,6 +92,7 @@ impl<S: WindowStore> Gated<S> {
             gate: Gate::new(),
             ledger,
             leased: LeaseStats::default(),
+            ahead: None,
         }
     }
 
@@ -83,13 +115,20 @@ impl<S: WindowStore> Gated<S> {
         if !rules.has_aggregates() {
             return Ok(None);
         }
-        let mut events = events.to_vec();
+        let planned = self.ahead.take() == Some(Planned::new(events, &self.gate));
         if let Ledger::Redis(ledger) = &mut self.ledger {
-            let newest = newest_of(&events).max(newest_next.unwrap_or(i64::MIN));
+            let newest = newest_of(events).max(newest_next.unwrap_or(i64::MIN));
             let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
             self.gate.set_reserves(reserves);
         }
-        let requests = self.gate.plan(rules, &events);
+        let mut events = events.to_vec();
+        let requests = if planned {
+            // (Side-effect free when it holds: every counter is held.)
+            debug_assert!(self.gate.plan(rules, &events).is_empty(), "planned ahead");
+            Vec::new()
+        } else {
+            self.gate.plan(rules, &events)
+        };
         if !requests.is_empty() {
             let (leases, micros) = timed(self.ledger.lease(&requests)).await;
             self.leased.micros += micros;
@@ -118,7 +157,11 @@ impl<S: WindowStore> Gated<S> {
         let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let requests = match next.peek() {
-            Some(n) if n.rules.has_aggregates() => self.gate.plan(n.rules, n.events),
+            Some(n) if n.rules.has_aggregates() => {
+                let requests = self.gate.plan(n.rules, n.events);
+                self.ahead = Some(Planned::new(n.events, &self.gate));
+                requests
+            }
             _ => Vec::new(),
         };
         if requests.is_empty() {
@@ -132,7 +175,10 @@ impl<S: WindowStore> Gated<S> {
         self.leased.micros += micros;
         match leases {
             Ok(leases) => self.settle(&requests, &leases),
-            Err(e) => debug!(error = %e, "leasing ahead failed; the next batch asks again"),
+            Err(e) => {
+                self.ahead = None;
+                debug!(error = %e, "leasing ahead failed; the next batch asks again");
+            }
         }
         verdicts
     }

@@ -403,7 +403,7 @@ fn a_dropped_counter_takes_no_second_reserve() {
     // Forgotten: no reserve at or below its bucket, even for a new callee.
     let mut much_later = vec![ev(7, 2 * MEMORY_MARGIN_MS, "+34910000004")];
     gate.run(&mut ledger, &set, &mut much_later);
-    while !gate.spent_order.is_empty() {
+    while !gate.spent.is_empty() {
         gate.forget_oldest_spent();
     }
     let below = vec![ev(8, 500, "+34910000009")];
