@@ -63,8 +63,10 @@ use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
 
+mod checked;
 mod recent;
 mod reserve;
+use checked::{Checked, Remembered};
 use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
 
@@ -327,7 +329,9 @@ pub struct Gate {
     /// Batches decided so far.
     decided: u64,
     /// The results of the last [`REMEMBERED_IDS`] call ids decided.
-    remembered: Recent<CompactString, Arc<[Aggregated]>>,
+    remembered: Remembered,
+    /// The last batch planned, its ids checked (for its decide).
+    checked: Option<Checked>,
     /// The reserve slots and this instance's span ([`reserve`]).
     reserves: Reserves,
     /// Counters given a reserve so far.
@@ -348,6 +352,7 @@ impl Default for Gate {
             latest: None,
             decided: 0,
             remembered: Recent::new(REMEMBERED_IDS),
+            checked: None,
             reserves: Reserves::default(),
             reserved_counters: 0,
             spent: Recent::new(SPENT_KEPT),
@@ -438,6 +443,17 @@ impl Gate {
         Some(self.hold_reserve(id, fresh, ttl_ms))
     }
 
+    /// Every counter `events` count in is held (they were planned for, and
+    /// nothing was decided or dropped since).
+    pub fn holds(&self, rules: &RuleSet, events: &[CallEvent]) -> bool {
+        let aggs = aggregate_rules(rules);
+        events
+            .iter()
+            .filter(|ev| self.remembered.get(&ev.call_id).is_none())
+            .flat_map(|ev| aggs.iter().filter_map(|&i| counter_of(rules, i, ev)))
+            .all(|id| self.counters.contains_key(&id))
+    }
+
     /// Batches decided so far.
     pub fn decided(&self) -> u64 {
         self.decided
@@ -478,8 +494,9 @@ impl Gate {
         let most = events.len().saturating_mul(aggs.len());
         let mut needs: Vec<(usize, CounterId, u64)> = Vec::with_capacity(most);
         let mut at: HashMap<CounterId, usize> = HashMap::with_capacity(most);
-        for ev in events {
-            if self.remembered.get(&ev.call_id).is_some() {
+        let checked = Checked::new(events, &self.remembered);
+        for (j, ev) in events.iter().enumerate() {
+            if checked.known(j) {
                 continue;
             }
             for &i in &aggs {
@@ -556,6 +573,7 @@ impl Gate {
                 cold: first,
             });
         }
+        self.checked = Some(checked);
         requests
     }
 
@@ -584,9 +602,20 @@ impl Gate {
             return;
         }
         self.decided += 1;
-        for ev in events.iter_mut() {
+        // (As planned, when this batch was: an id found new then is not
+        // looked up again.)
+        let checked = self.checked.take().filter(|c| c.fits(events));
+        for (j, ev) in events.iter_mut().enumerate() {
             self.latest = Some(self.latest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
-            if let Some(known) = self.remembered.get(&ev.call_id) {
+            let (hash, look) = match &checked {
+                Some(c) => c.for_decide(j),
+                None => (self.remembered.hash_of(&ev.call_id), true),
+            };
+            debug_assert!(look || self.remembered.get(&ev.call_id).is_none());
+            if let Some(known) = look
+                .then(|| self.remembered.get_hashed(hash, &ev.call_id))
+                .flatten()
+            {
                 ev.aggregate = Some(known.clone());
                 continue;
             }
@@ -597,7 +626,8 @@ impl Gate {
                     None => Aggregated::default(),
                 })
                 .collect();
-            self.remember(&ev.call_id, out.clone());
+            self.remembered
+                .put_hashed(hash, ev.call_id.clone(), out.clone());
             ev.aggregate = Some(out);
         }
     }
@@ -674,10 +704,6 @@ impl Gate {
                 snapshot + spent.map_or(0, |s| s.reserve - s.left)
             }
         }
-    }
-
-    fn remember(&mut self, call_id: &CompactString, out: Arc<[Aggregated]>) {
-        self.remembered.put(call_id.clone(), out);
     }
 
     /// Drops counters past `3 W + grace` behind `now`; one that still

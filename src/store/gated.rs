@@ -58,9 +58,11 @@ pub struct Gated<S> {
 }
 
 /// A batch [`Gate::plan`] was run for, as it stood then: while the gate
-/// has decided nothing since, planning the same batch again would ask for
-/// nothing (each counter it needs is held, or was just asked for), so it
-/// is not planned again.
+/// has decided nothing since, it is decided on what was planned and leased
+/// for it then (each counter it needs is held, or was just asked for), as
+/// a batch planned when it comes is (plan, lease, decide), and not planned
+/// again. (Planned again, a late call's counter past its time leased ahead
+/// would be dropped and asked for a second time.)
 #[derive(Debug, PartialEq, Eq)]
 struct Planned {
     /// The events' address and length, and first and last call ids.
@@ -123,8 +125,7 @@ impl<S: WindowStore> Gated<S> {
         }
         let mut events = events.to_vec();
         let requests = if planned {
-            // (Side-effect free when it holds: every counter is held.)
-            debug_assert!(self.gate.plan(rules, &events).is_empty(), "planned ahead");
+            debug_assert!(self.gate.holds(rules, &events), "planned ahead");
             Vec::new()
         } else {
             self.gate.plan(rules, &events)

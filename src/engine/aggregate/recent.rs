@@ -84,10 +84,19 @@ impl<K: Hash + Eq, V> Recent<K, V> {
         K: std::borrow::Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
+        self.get_hashed(self.hash_of(key), key)
+    }
+
+    /// [`Recent::get`] with the key's [`Recent::hash_of`] known.
+    pub fn get_hashed<Q>(&self, hash: u64, key: &Q) -> Option<&V>
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: Eq + ?Sized,
+    {
         if self.live == 0 {
             return None;
         }
-        let i = self.position(self.hash_of(key), key)?;
+        let i = self.position(hash, key)?;
         self.ring[i].entry.as_ref().map(|(_, v)| v)
     }
 
@@ -115,8 +124,13 @@ impl<K: Hash + Eq, V> Recent<K, V> {
     /// caller looked), forgetting the oldest entry when `cap` are held;
     /// returns the entry forgotten.
     pub fn put(&mut self, key: K, value: V) -> Option<(K, V)> {
+        self.put_hashed(self.hash_of(&key), key, value)
+    }
+
+    /// [`Recent::put`] with the key's [`Recent::hash_of`] known.
+    pub fn put_hashed(&mut self, hash: u64, key: K, value: V) -> Option<(K, V)> {
+        debug_assert_eq!(hash, self.hash_of(&key), "the key's hash");
         debug_assert!(self.get(&key).is_none(), "put twice");
-        let hash = self.hash_of(&key);
         let place = Place {
             hash,
             entry: Some((key, value)),
