@@ -92,7 +92,7 @@ impl std::fmt::Debug for NumberHasher {
 }
 
 /// One call attempt, decoded and normalised.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallEvent {
     /// Unique id of the call attempt (the idempotency key); inline up to 24
     /// bytes (an Asterisk `uniqueid`, a short id), allocated beyond.

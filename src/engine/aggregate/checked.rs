@@ -110,13 +110,7 @@ mod tests {
         CallEvent {
             call_id: id.into(),
             caller: "+34600000001".into(),
-            ts_ms: 0,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..CallEvent::default()
         }
     }
 
