@@ -76,7 +76,7 @@ pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
 /// Counters whose reserve was spent that the gate remembers after their
 /// time, for late calls (their count includes the reserve spent; none is
-/// taken for them again): about 40 bytes each. Past this many the oldest
+/// taken for them again): about 55 bytes each. Past this many the oldest
 /// are forgotten, and no reserve is taken below their buckets' end.
 pub const SPENT_KEPT: usize = 1 << 20;
 
