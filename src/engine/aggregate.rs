@@ -307,8 +307,8 @@ impl Held {
     }
 }
 
-/// A reserve taken for a counter: how much, and how much of it is left
-/// unspent (kept so for a counter past its time, with its bucket's end).
+/// The reserve of a counter past its time: how much was taken, how much
+/// of it is left unspent, and its bucket's end.
 #[derive(Debug, Clone, Copy)]
 struct Spent {
     reserve: u64,
@@ -407,16 +407,17 @@ impl Gate {
             return None;
         }
         let spent = self.spent.remove(&self.spent_key(id))?;
-        Some(self.hold_reserve(id, spent, ttl_ms))
+        Some(self.hold_reserve(id, spent.reserve, spent.left, ttl_ms))
     }
 
-    /// Holds `id` on a reserve, `spent.left` of it in hand (never leased).
-    fn hold_reserve(&mut self, id: &CounterId, spent: Spent, ttl_ms: i64) -> Held {
+    /// Holds `id` on a reserve of `reserve`, `left` of it in hand (never
+    /// leased).
+    fn hold_reserve(&mut self, id: &CounterId, reserve: u64, left: u64, ttl_ms: i64) -> Held {
         let h = Held {
-            total: spent.reserve,
-            held: spent.left,
-            reserve: spent.reserve,
-            reserve_left: spent.left,
+            total: reserve,
+            held: left,
+            reserve,
+            reserve_left: left,
             reserved: true,
             leased_at: u64::MAX,
             ..Held::default()
@@ -435,12 +436,24 @@ impl Gate {
             return None;
         }
         self.reserved_counters += 1;
-        let fresh = Spent {
-            reserve,
-            left: reserve,
-            end: 0,
-        };
-        Some(self.hold_reserve(id, fresh, ttl_ms))
+        Some(self.hold_reserve(id, reserve, reserve, ttl_ms))
+    }
+
+    /// `events` are the batch planned last, and nothing was decided since:
+    /// once what that plan asked for is settled, they are decided on it,
+    /// as a batch planned when it comes is (plan, lease, decide), without
+    /// planning them again. (Planned again, a late call's counter past its
+    /// time, leased for already, would be dropped and asked for again.)
+    pub fn planned(&self, events: &[CallEvent]) -> bool {
+        self.checked
+            .as_ref()
+            .is_some_and(|c| c.decided == self.decided && c.fits(events))
+    }
+
+    /// Forgets the last plan (its lease failed: the batch is planned
+    /// again when it comes).
+    pub fn forget_plan(&mut self) {
+        self.checked = None;
     }
 
     /// Every counter `events` count in is held (they were planned for, and
@@ -452,11 +465,6 @@ impl Gate {
             .filter(|ev| self.remembered.get(&ev.call_id).is_none())
             .flat_map(|ev| aggs.iter().filter_map(|&i| counter_of(rules, i, ev)))
             .all(|id| self.counters.contains_key(&id))
-    }
-
-    /// Batches decided so far.
-    pub fn decided(&self) -> u64 {
-        self.decided
     }
 
     /// Counters given credits from this instance's reserve so far.
@@ -494,7 +502,7 @@ impl Gate {
         let most = events.len().saturating_mul(aggs.len());
         let mut needs: Vec<(usize, CounterId, u64)> = Vec::with_capacity(most);
         let mut at: HashMap<CounterId, usize> = HashMap::with_capacity(most);
-        let checked = Checked::new(events, &self.remembered);
+        let checked = Checked::new(events, &self.remembered, self.decided);
         for (j, ev) in events.iter().enumerate() {
             if checked.known(j) {
                 continue;

@@ -11,7 +11,6 @@ use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::{is_plain, RedisLedger};
 use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
-use compact_str::CompactString;
 use tracing::debug;
 
 /// Where credits come from.
@@ -52,38 +51,6 @@ pub struct Gated<S> {
     gate: Gate,
     ledger: Ledger,
     leased: LeaseStats,
-    /// The batch queued behind, planned for (and its credits leased)
-    /// while the one before it was committed.
-    ahead: Option<Planned>,
-}
-
-/// A batch [`Gate::plan`] was run for, as it stood then: while the gate
-/// has decided nothing since, it is decided on what was planned and leased
-/// for it then (each counter it needs is held, or was just asked for), as
-/// a batch planned when it comes is (plan, lease, decide), and not planned
-/// again. (Planned again, a late call's counter past its time leased ahead
-/// would be dropped and asked for a second time.)
-#[derive(Debug, PartialEq, Eq)]
-struct Planned {
-    /// The events' address and length, and first and last call ids.
-    at: usize,
-    len: usize,
-    first: Option<CompactString>,
-    last: Option<CompactString>,
-    /// [`Gate::decided`] then.
-    decided: u64,
-}
-
-impl Planned {
-    fn new(events: &[CallEvent], gate: &Gate) -> Self {
-        Planned {
-            at: events.as_ptr() as usize,
-            len: events.len(),
-            first: events.first().map(|e| e.call_id.clone()),
-            last: events.last().map(|e| e.call_id.clone()),
-            decided: gate.decided(),
-        }
-    }
 }
 
 impl<S: WindowStore> Gated<S> {
@@ -94,7 +61,6 @@ impl<S: WindowStore> Gated<S> {
             gate: Gate::new(),
             ledger,
             leased: LeaseStats::default(),
-            ahead: None,
         }
     }
 
@@ -117,7 +83,9 @@ impl<S: WindowStore> Gated<S> {
         if !rules.has_aggregates() {
             return Ok(None);
         }
-        let planned = self.ahead.take() == Some(Planned::new(events, &self.gate));
+        // (The batch queued behind, planned and leased for while the one
+        // before was committed: see [`Gate::planned`].)
+        let planned = self.gate.planned(events);
         if let Ledger::Redis(ledger) = &mut self.ledger {
             let newest = newest_of(events).max(newest_next.unwrap_or(i64::MIN));
             let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
@@ -133,7 +101,8 @@ impl<S: WindowStore> Gated<S> {
         if !requests.is_empty() {
             let (leases, micros) = timed(self.ledger.lease(&requests)).await;
             self.leased.micros += micros;
-            self.settle(&requests, &leases?);
+            let leases = leases.inspect_err(|_| self.gate.forget_plan())?;
+            self.settle(&requests, &leases);
         }
         self.gate.decide(rules, &mut events);
         Ok(Some(events))
@@ -158,11 +127,7 @@ impl<S: WindowStore> Gated<S> {
         let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let requests = match next.peek() {
-            Some(n) if n.rules.has_aggregates() => {
-                let requests = self.gate.plan(n.rules, n.events);
-                self.ahead = Some(Planned::new(n.events, &self.gate));
-                requests
-            }
+            Some(n) if n.rules.has_aggregates() => self.gate.plan(n.rules, n.events),
             _ => Vec::new(),
         };
         if requests.is_empty() {
@@ -177,7 +142,7 @@ impl<S: WindowStore> Gated<S> {
         match leases {
             Ok(leases) => self.settle(&requests, &leases),
             Err(e) => {
-                self.ahead = None;
+                self.gate.forget_plan();
                 debug!(error = %e, "leasing ahead failed; the next batch asks again");
             }
         }

@@ -41,11 +41,14 @@ pub(super) struct Checked {
     seen: Vec<Seen>,
     hashes: Vec<u64>,
     kept: bool,
+    /// The gate's batches decided when it was planned.
+    pub decided: u64,
 }
 
 impl Checked {
-    /// Checks `events`' ids against `remembered`.
-    pub fn new(events: &[CallEvent], remembered: &Remembered) -> Self {
+    /// Checks `events`' ids against `remembered`, with `decided` batches
+    /// decided so far.
+    pub fn new(events: &[CallEvent], remembered: &Remembered, decided: u64) -> Self {
         let kept = events.len() <= KEPT_MOST;
         let room = if kept { events.len() } else { 0 };
         let mut seen = Vec::with_capacity(events.len());
@@ -79,6 +82,7 @@ impl Checked {
             seen,
             hashes,
             kept,
+            decided,
         }
     }
 
@@ -122,7 +126,7 @@ mod tests {
             .into_iter()
             .map(call)
             .collect();
-        let c = Checked::new(&batch, &remembered);
+        let c = Checked::new(&batch, &remembered, 0);
         let seen: Vec<Seen> = (0..batch.len()).map(|j| c.seen[j]).collect();
         use Seen::*;
         assert_eq!(seen, [New, Known, New, Again, Known]);

@@ -411,3 +411,48 @@ fn a_dropped_counter_takes_no_second_reserve() {
     let new = vec![ev(9, 2 * MEMORY_MARGIN_MS + 5_000, "+34910000005")];
     assert!(gate.plan(&set, &new).is_empty(), "a new bucket: reserved");
 }
+
+/// The batch planned last counts as planned until it is decided, another
+/// batch is decided, or its plan is forgotten (its lease failed); and
+/// deciding it on that plan, without planning it again, gives the counts
+/// of planning it when it comes.
+#[test]
+fn a_batch_is_planned_until_decided_or_forgotten() {
+    let set = rules(WindowKind::Fixed, RuleKey::Callee, 1_000, 3);
+    let batch = |from: usize| -> Vec<CallEvent> {
+        (from..from + 5)
+            .map(|i| ev(i, 100 + i as i64, "+34910000001"))
+            .collect()
+    };
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+    let mut first = batch(0);
+    let requests = gate.plan(&set, &first);
+    assert!(gate.planned(&first));
+    assert!(!gate.planned(&batch(5)), "another batch");
+    let leases = ledger.lease(&requests);
+    gate.settle(&requests, &leases);
+    gate.decide(&set, &mut first);
+    assert!(!gate.planned(&first), "decided since");
+    let second = batch(5);
+    gate.plan(&set, &second);
+    gate.forget_plan();
+    assert!(!gate.planned(&second), "forgotten");
+    // Planned and leased, then decided with no second plan: the counts of
+    // one run over both batches.
+    let (mut once, mut whole) = ((Gate::new(), MemoryLedger::new()), batch(0));
+    whole.extend(batch(5));
+    once.0.run(&mut once.1, &set, &mut whole);
+    let mut second = batch(5);
+    let requests = gate.plan(&set, &second);
+    let leases = ledger.lease(&requests);
+    gate.settle(&requests, &leases);
+    assert!(gate.planned(&second));
+    gate.decide(&set, &mut second);
+    let got: Vec<Aggregated> = first
+        .iter()
+        .chain(&second)
+        .map(|e| e.aggregated(1))
+        .collect();
+    let want: Vec<Aggregated> = whole.iter().map(|e| e.aggregated(1)).collect();
+    assert_eq!(got, want);
+}
