@@ -26,7 +26,9 @@
 //!    (`bench_store EVENTS flood` runs only this section).
 //!
 //! `bench_store EVENTS ceiling` runs only section 3; `BENCH_BATCH=N` sets
-//! its store's batch size (default 256).
+//! its store's batch size (default 256). `bench_store EVENTS aggregate`
+//! measures rules keyed by callee or global against data/rules.toml
+//! alone; `BENCH_AGG_SETS=0,2` runs only those of its rule sets.
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};
@@ -562,7 +564,9 @@ fn redis_commands(con: &mut redis::Connection) -> f64 {
 /// each once per batch or less: a lease per call, the worst case) or
 /// global (one hot counter) costs the default store, data/rules.toml,
 /// behind the gate as `consume` runs it (each batch's credits leased while
-/// the batch before commits); median of 3 alternated rounds.
+/// the batch before commits). The median of `BENCH_ROUNDS` rounds
+/// (default 5), each taking the sets in turn from a different one (the
+/// set run first after a flush runs at another speed).
 async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
     use callguard::store::gated::{Gated, Ledger};
     use callguard::store::redis::lease::RedisLedger;
@@ -589,9 +593,23 @@ async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
             RuleSet::from_toml(&format!("{base}{global}")).expect("rules"),
         ),
     ];
-    let mut rounds: Vec<Vec<(f64, f64, f64)>> = vec![Vec::new(); sets.len()];
-    for _ in 0..3 {
-        for (k, (_, rules)) in sets.iter().enumerate() {
+    // (`BENCH_AGG_SETS=0,2`: only those sets, e.g. under a profiler.)
+    let only: Option<Vec<usize>> = std::env::var("BENCH_AGG_SETS")
+        .ok()
+        .map(|v| v.split(',').filter_map(|k| k.trim().parse().ok()).collect());
+    let mut rounds: Vec<Vec<(f64, f64, f64, f64)>> = vec![Vec::new(); sets.len()];
+    let count: usize = std::env::var("BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(5);
+    for round in 0..count {
+        for j in 0..sets.len() {
+            let k = (round + j) % sets.len();
+            let rules = &sets[k].1;
+            if only.as_ref().is_some_and(|o| !o.contains(&k)) {
+                continue;
+            }
             let _: () = redis::cmd("FLUSHALL").query(con).expect("flush");
             let config = RedisConfig {
                 urls: vec![url.to_string()],
@@ -608,6 +626,7 @@ async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
                 .collect();
             let commands = redis_commands(con);
             let cpu = redis_cpu(con);
+            let own = thread_cpu_ns().unwrap_or(0.0);
             let start = Instant::now();
             let chunks: Vec<&[CallEvent]> = events.chunks(PIPELINE).collect();
             for (k, chunk) in chunks.iter().enumerate() {
@@ -619,24 +638,37 @@ async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
                     .expect("apply");
             }
             let rate = total as f64 / start.elapsed().as_secs_f64();
+            let own = (thread_cpu_ns().unwrap_or(0.0) - own) / 1e3 / total as f64;
             let per_event = (redis_commands(con) - commands) / total as f64;
             let cpu = (redis_cpu(con) - cpu) * 1e6 / total as f64;
-            rounds[k].push((rate, per_event, cpu));
+            rounds[k].push((rate, per_event, cpu, own));
         }
     }
-    println!("\n## Rules keyed by callee or global, {total} events, cached store behind the gate, median of 3\n");
-    println!("| rule set | events/s | ratio | Redis commands per event | Redis CPU µs per event |");
-    println!("|---|---|---|---|---|");
-    let mut base_rate = 0.0;
-    for ((what, _), mut r) in sets.iter().zip(rounds) {
-        r.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let (rate, per_event, cpu) = r[1];
-        if base_rate == 0.0 {
-            base_rate = rate;
+    println!("\n## Rules keyed by callee or global, {total} events, cached store behind the gate, median of {count} rounds\n");
+    println!("| rule set | events/s | ratio | Redis commands per event | Redis CPU µs per event | store thread CPU µs per event |");
+    println!("|---|---|---|---|---|---|");
+    // (The ratio is the median of each round's ratio to the first set in
+    // that round: rounds run at different speeds.)
+    let base: Vec<f64> = rounds[0].iter().map(|r| r.0).collect();
+    for ((what, _), r) in sets.iter().zip(&rounds) {
+        if r.is_empty() {
+            continue;
         }
-        println!(
-            "| {what} | {rate:.0} | {:.2} | {per_event:.2} | {cpu:.1} |",
-            rate / base_rate
-        );
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let rate = median(r.iter().map(|x| x.0).collect());
+        let per_event = median(r.iter().map(|x| x.1).collect());
+        let cpu = median(r.iter().map(|x| x.2).collect());
+        let own = median(r.iter().map(|x| x.3).collect());
+        let ratio = match base.len() == r.len() {
+            true => format!(
+                "{:.2}",
+                median(r.iter().zip(&base).map(|(x, b)| x.0 / b).collect())
+            ),
+            false => "-".to_string(),
+        };
+        println!("| {what} | {rate:.0} | {ratio} | {per_event:.2} | {cpu:.1} | {own:.1} |");
     }
 }

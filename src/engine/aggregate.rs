@@ -53,7 +53,6 @@
 //!   counters).
 
 use std::collections::hash_map::Entry;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use compact_str::CompactString;
@@ -63,9 +62,11 @@ use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
 
+mod buckets;
 mod checked;
 mod recent;
 mod reserve;
+use buckets::{Buckets, Spent, SpentBuckets};
 use checked::{Checked, Remembered};
 use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
@@ -76,8 +77,9 @@ pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
 /// Counters whose reserve was spent that the gate remembers after their
 /// time, for late calls (their count includes the reserve spent; none is
-/// taken for them again): about 55 bytes each. Past this many the oldest
-/// are forgotten, and no reserve is taken below their buckets' end.
+/// taken for them again): about 65 bytes each, kept by bucket. Past this
+/// many the oldest buckets are forgotten whole, and no reserve is taken
+/// below their end.
 pub const SPENT_KEPT: usize = 1 << 20;
 
 /// Call ids whose results the gate keeps, so a redelivered or retried
@@ -100,26 +102,6 @@ fn extra(recent: u64, limit: u64) -> u64 {
         0
     } else {
         recent.min(block_cap(limit))
-    }
-}
-
-/// Counters by the event time they are dropped at (a bucket's counters
-/// share it: one entry for all of them, found without comparing ids).
-#[derive(Debug, Default)]
-struct Expiry(BTreeMap<i64, Vec<CounterId>>);
-
-impl Expiry {
-    fn push(&mut self, at: i64, id: CounterId) {
-        self.0.entry(at).or_default().push(id);
-    }
-
-    /// The earliest group of counters due before `now`, if any.
-    fn pop_due(&mut self, now: i64) -> Option<(i64, Vec<CounterId>)> {
-        let first = self.0.first_entry()?;
-        if *first.key() >= now {
-            return None;
-        }
-        Some(first.remove_entry())
     }
 }
 
@@ -195,8 +177,7 @@ pub struct Lease {
 /// are exact) and of the local fallback (limits scaled by a share).
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
-    counters: HashMap<CounterId, u64>,
-    expiry: Expiry,
+    counters: Buckets<u64>,
     /// Limits are scaled by this (the local fallback's share).
     share: Option<f64>,
 }
@@ -255,8 +236,7 @@ impl MemoryLedger {
                         .counter
                         .expires_at(req.ttl_ms)
                         .saturating_add(MEMORY_MARGIN_MS);
-                    self.expiry.push(at, req.counter.clone());
-                    self.counters.insert(req.counter.clone(), granted);
+                    self.counters.insert(&req.counter, at, granted);
                 }
                 (granted, granted)
             }
@@ -269,11 +249,7 @@ impl MemoryLedger {
     }
 
     fn expire(&mut self, now: i64) {
-        while let Some((_, ids)) = self.expiry.pop_due(now) {
-            for id in ids {
-                self.counters.remove(&id);
-            }
-        }
+        while self.counters.pop_due(now).is_some() {}
     }
 }
 
@@ -288,8 +264,6 @@ struct Held {
     prev: u64,
     /// Calls this instance counted in it.
     mine: u64,
-    /// Past its time with credits in hand: kept a margin longer.
-    kept_longer: bool,
     /// [`Gate::decided`] at its last lease (`u64::MAX`: never leased).
     leased_at: u64,
     /// Credits of this instance's reserve taken for it (in `total`).
@@ -307,15 +281,6 @@ impl Held {
     }
 }
 
-/// The reserve of a counter past its time: how much was taken, how much
-/// of it is left unspent, and its bucket's end.
-#[derive(Debug, Clone, Copy)]
-struct Spent {
-    reserve: u64,
-    left: u64,
-    end: i64,
-}
-
 /// Decides the rules keyed by callee or global for batches of calls, from
 /// credits a ledger (Redis's lease script, or [`MemoryLedger`]) leases to
 /// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
@@ -323,8 +288,7 @@ struct Spent {
 /// in order.
 #[derive(Debug)]
 pub struct Gate {
-    counters: HashMap<CounterId, Held>,
-    expiry: Expiry,
+    counters: Buckets<Held>,
     latest: Option<i64>,
     /// Batches decided so far.
     decided: u64,
@@ -336,10 +300,9 @@ pub struct Gate {
     reserves: Reserves,
     /// Counters given a reserve so far.
     reserved_counters: u64,
-    /// Reserve spent of the last [`SPENT_KEPT`] counters past their time,
-    /// by the counter's hash ([`Gate::spent_key`]; a collision only costs
-    /// a reserve not taken or a late call's count).
-    spent: Recent<u64, Spent>,
+    /// Reserve spent of the last [`SPENT_KEPT`] counters (or a few
+    /// fewer: whole buckets are forgotten) past their time.
+    spent: SpentBuckets,
     /// No reserve is taken for a bucket starting below this.
     reserve_floor: Option<i64>,
 }
@@ -347,15 +310,14 @@ pub struct Gate {
 impl Default for Gate {
     fn default() -> Self {
         Gate {
-            counters: HashMap::new(),
-            expiry: Expiry::default(),
+            counters: Buckets::default(),
             latest: None,
             decided: 0,
             remembered: Recent::new(REMEMBERED_IDS),
             checked: None,
             reserves: Reserves::default(),
             reserved_counters: 0,
-            spent: Recent::new(SPENT_KEPT),
+            spent: SpentBuckets::new(SPENT_KEPT),
             reserve_floor: None,
         }
     }
@@ -378,6 +340,15 @@ fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
         key: key.into(),
         bucket: bucket_of(ev.ts_ms, rule.window_ms),
     })
+}
+
+/// How long rule `i`'s counters live from their bucket's start, ms:
+/// `3 W + grace` ([`LeaseRequest::ttl_ms`]).
+fn ttl_of(rules: &RuleSet, i: usize) -> i64 {
+    rules.rules[i]
+        .window_ms
+        .saturating_mul(3)
+        .saturating_add(rules.grace_ms)
 }
 
 /// The rules keyed by callee or global, by index.
@@ -406,7 +377,7 @@ impl Gate {
         if self.spent.is_empty() {
             return None;
         }
-        let spent = self.spent.remove(&self.spent_key(id))?;
+        let spent = self.spent.remove(id)?;
         Some(self.hold_reserve(id, spent.reserve, spent.left, ttl_ms))
     }
 
@@ -422,8 +393,7 @@ impl Gate {
             leased_at: u64::MAX,
             ..Held::default()
         };
-        self.expiry.push(id.expires_at(ttl_ms), id.clone());
-        self.counters.insert(id.clone(), h);
+        self.counters.insert(id, id.expires_at(ttl_ms), h);
         h
     }
 
@@ -464,7 +434,7 @@ impl Gate {
             .iter()
             .filter(|ev| self.remembered.get(&ev.call_id).is_none())
             .flat_map(|ev| aggs.iter().filter_map(|&i| counter_of(rules, i, ev)))
-            .all(|id| self.counters.contains_key(&id))
+            .all(|id| self.counters.contains(&id))
     }
 
     /// Counters given credits from this instance's reserve so far.
@@ -524,10 +494,7 @@ impl Gate {
         for (i, id, need) in needs {
             let rule = &rules.rules[i];
             let approx = rule.kind == WindowKind::SlidingApprox;
-            let ttl_ms = rule
-                .window_ms
-                .saturating_mul(3)
-                .saturating_add(rules.grace_ms);
+            let ttl_ms = ttl_of(rules, i);
             let mut held = self.counters.get(&id).copied();
             // (Only a counter past its time can have been dropped.)
             if held.is_none() && id.expires_at(ttl_ms) < now {
@@ -550,7 +517,7 @@ impl Gate {
                 // or one whose previous bucket may have been dropped.)
                 let prev = id.prev();
                 let prev_unknown = approx
-                    && !self.counters.contains_key(&prev)
+                    && !self.counters.contains(&prev)
                     && (!first || prev.expires_at(ttl_ms) < now);
                 if fresh || have >= need && !prev_unknown {
                     continue;
@@ -589,13 +556,8 @@ impl Gate {
     pub fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
         for (req, lease) in requests.iter().zip(leases) {
             let id = &req.counter;
-            let h = match self.counters.entry(id.clone()) {
-                Entry::Occupied(h) => h.into_mut(),
-                Entry::Vacant(v) => {
-                    self.expiry.push(id.expires_at(req.ttl_ms), id.clone());
-                    v.insert(Held::default())
-                }
-            };
+            let due = id.expires_at(req.ttl_ms);
+            let h = self.counters.get_or_insert_with(id, due, Held::default);
             h.held += lease.granted;
             h.total = lease.total.saturating_add(h.reserve).max(h.held);
             h.prev = lease.prev;
@@ -676,7 +638,8 @@ impl Gate {
         let approx = rule.kind == WindowKind::SlidingApprox;
         let prev = if approx { self.prev_view(id) } else { 0 };
         let weighted = approx_estimate(prev, 0, w, r) - 1;
-        let h = self.counters.entry(id.clone()).or_default();
+        let due = id.expires_at(ttl_of(rules, i));
+        let h = self.counters.get_or_insert_with(id, due, Held::default);
         let used = h.total - h.held;
         let mut count = weighted + used + 1;
         let admitted = h.held > 0 && count <= n;
@@ -708,62 +671,64 @@ impl Gate {
             Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
             // (The ledger's count has no reserve in it.)
             None => {
-                let spent = self.spent.get(&self.spent_key(&id.prev()));
+                let spent = self.spent.get(&id.prev());
                 snapshot + spent.map_or(0, |s| s.reserve - s.left)
             }
         }
     }
 
-    /// Drops counters past `3 W + grace` behind `now`; one that still
-    /// holds credits is kept [`MEMORY_MARGIN_MS`] longer (the ledger
-    /// counts them as handed out: dropped, they would count as calls).
+    /// Drops counters past `3 W + grace` behind `now`, a bucket at a
+    /// time; those that still hold credits are kept [`MEMORY_MARGIN_MS`]
+    /// longer (the ledger counts them as handed out: dropped, they would
+    /// count as calls). A counter dropped that had a reserve is kept for
+    /// late calls: its count has the reserve spent in it, and no reserve
+    /// is taken for it again.
     fn expire(&mut self, now: i64) {
-        while let Some((at, ids)) = self.expiry.pop_due(now) {
-            for id in ids {
-                match self.counters.get_mut(&id) {
-                    Some(h) if h.shared_held() > 0 && !h.kept_longer => {
-                        h.kept_longer = true;
-                        self.expiry.push(at.saturating_add(MEMORY_MARGIN_MS), id);
-                    }
-                    _ => {
-                        if let Some(h) = self.counters.remove(&id).filter(|h| h.reserved) {
-                            // (Kept for late calls: its count has the
-                            // reserve spent in it, and no reserve is taken
-                            // for it again.)
-                            let key = self.spent_key(&id);
-                            let spent = Spent {
-                                reserve: h.reserve,
-                                left: h.reserve_left,
-                                end: id.bucket.saturating_add(1).saturating_mul(id.window_ms),
-                            };
-                            if let Some((_, old)) = self.spent.put(key, spent) {
-                                self.raise_floor(old);
-                            }
-                        }
-                    }
+        while let Some(mut due) = self.counters.pop_due(now) {
+            let mut spent = Vec::new();
+            let mut drop = |key, h: Held| {
+                if h.reserved {
+                    let left = h.reserve_left;
+                    spent.push((
+                        key,
+                        Spent {
+                            reserve: h.reserve,
+                            left,
+                        },
+                    ));
+                }
+            };
+            if due.kept {
+                due.counters.drain().for_each(|(key, h)| drop(key, h));
+            } else {
+                due.counters
+                    .extract_if(|_, h| h.shared_held() == 0)
+                    .for_each(|(key, h)| drop(key, h));
+            }
+            if !spent.is_empty() {
+                if let Some(end) = self.spent.keep(due.id.clone(), spent) {
+                    self.raise_floor(end);
                 }
             }
+            if !due.kept && !due.counters.is_empty() {
+                let at = due.at.saturating_add(MEMORY_MARGIN_MS);
+                self.counters.keep_longer(due.id, due.counters, at);
+            }
         }
-    }
-
-    /// The key of a counter in [`Gate::spent`].
-    fn spent_key(&self, id: &CounterId) -> u64 {
-        self.spent.hash_of(id)
     }
 
     /// A counter whose reserve was spent is forgotten: no reserve is taken
     /// again below the end of its bucket. (One revived since is not
     /// forgotten: it is back among the counters.)
-    fn raise_floor(&mut self, forgotten: Spent) {
-        let end = forgotten.end;
+    fn raise_floor(&mut self, end: i64) {
         self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
     }
 
     /// Forgets the oldest counter whose reserve was spent.
     #[cfg(test)]
     fn forget_oldest_spent(&mut self) {
-        if let Some((_, old)) = self.spent.forget_oldest() {
-            self.raise_floor(old);
+        if let Some(end) = self.spent.forget_oldest() {
+            self.raise_floor(end);
         }
     }
 }
