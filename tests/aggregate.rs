@@ -255,11 +255,30 @@ async fn three_instances(kill_serve: bool) {
     }
 
     let mut online = by_call_id(&records);
-    assert_eq!(
-        online.len(),
-        expected_kafka,
-        "every Kafka call decided once"
-    );
+    if online.len() != expected_kafka {
+        // Which side lost them: the broker (not in `calls`), or the
+        // members (read past them)?
+        let sent: Vec<&CallEvent> = kafka.iter().chain(&left).collect();
+        let in_topic = by_call_id(
+            &read_decisions(&brokers, "calls", sent.len(), Duration::from_secs(30)).await,
+        );
+        let missing: Vec<&str> = sent
+            .iter()
+            .map(|e| e.call_id.as_str())
+            .filter(|id| !online.contains_key(*id))
+            .collect();
+        let not_in_topic = missing
+            .iter()
+            .filter(|id| !in_topic.contains_key(**id))
+            .count();
+        panic!(
+            "every Kafka call decided once: {} of {expected_kafka} decided; of the {} missing \
+             ({:?}...), {not_in_topic} are not in the calls topic either",
+            online.len(),
+            missing.len(),
+            &missing[..missing.len().min(5)]
+        );
+    }
     for a in answers {
         online.insert(a["call_id"].as_str().unwrap().to_string(), a);
     }
