@@ -70,15 +70,24 @@ fn main() {
         .unwrap_or(1_000_000);
     let warm = events(0, warm_up());
     let events = events(warm.len(), total);
+    let rule = |name: &str, kind: &str, window: &str, limit: u64, key: &str| {
+        let toml = format!(
+            "[[rule]]\nname = \"{name}\"\nkind = \"{kind}\"\nwindow = \"{window}\"\nlimit = {limit}\nkey = \"{key}\"\n"
+        );
+        RuleSet::from_toml(&toml).expect("rules")
+    };
     let sets = [
-        ("callee, fixed 10 s, 50", "tdos:fixed:10s:50:callee"),
+        (
+            "callee, fixed 10 s, 50",
+            rule("tdos", "fixed", "10s", 50, "callee"),
+        ),
         (
             "global, fixed 1 s, 1,000,000",
-            "all:fixed:1s:1000000:global",
+            rule("all", "fixed", "1s", 1_000_000, "global"),
         ),
         (
             "callee, sliding-approx 60 s, 500",
-            "min:sliding-approx:60s:500:callee",
+            rule("min", "sliding-approx", "60s", 500, "callee"),
         ),
     ];
     println!("| rule | ns per call (median of 5) |");
@@ -87,11 +96,10 @@ fn main() {
     let only: Option<Vec<usize>> = std::env::var("BENCH_GATE_SETS")
         .ok()
         .map(|v| v.split(',').filter_map(|k| k.trim().parse().ok()).collect());
-    for (k, (what, rule)) in sets.into_iter().enumerate() {
+    for (k, (what, rules)) in sets.into_iter().enumerate() {
         if only.as_ref().is_some_and(|o| !o.contains(&k)) {
             continue;
         }
-        let rules = rule_set(rule);
         let mut ns: Vec<f64> = (0..5).map(|_| round(&rules, &warm, &events)).collect();
         ns.sort_by(f64::total_cmp);
         println!("| {what} | {:.0} |", ns[2]);
@@ -105,14 +113,4 @@ fn warm_up() -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
-}
-
-/// One rule `name:kind:window:limit:key`.
-fn rule_set(spec: &str) -> RuleSet {
-    let p: Vec<&str> = spec.split(':').collect();
-    let toml = format!(
-        "[[rule]]\nname = \"{}\"\nkind = \"{}\"\nwindow = \"{}\"\nlimit = {}\nkey = \"{}\"\n",
-        p[0], p[1], p[2], p[3], p[4]
-    );
-    RuleSet::from_toml(&toml).expect("rules")
 }

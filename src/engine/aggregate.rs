@@ -686,7 +686,7 @@ impl Gate {
     fn expire(&mut self, now: i64) {
         while let Some(mut due) = self.counters.pop_due(now) {
             let mut spent = Vec::new();
-            let mut drop = |key, h: Held| {
+            let mut note_spent = |key, h: Held| {
                 if h.reserved {
                     let left = h.reserve_left;
                     spent.push((
@@ -699,11 +699,11 @@ impl Gate {
                 }
             };
             if due.kept {
-                due.counters.drain().for_each(|(key, h)| drop(key, h));
+                due.counters.drain().for_each(|(key, h)| note_spent(key, h));
             } else {
                 due.counters
                     .extract_if(|_, h| h.shared_held() == 0)
-                    .for_each(|(key, h)| drop(key, h));
+                    .for_each(|(key, h)| note_spent(key, h));
             }
             if !spent.is_empty() {
                 if let Some(end) = self.spent.keep(due.id.clone(), spent) {
