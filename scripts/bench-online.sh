@@ -21,7 +21,10 @@
 #      consumer of the input topic (same fetch setting), measured in the
 #      same run; and, from consume's metrics, its batches' mean size and
 #      the store's time per batch (mean, and the histogram bucket holding
-#      p99).
+#      p99); and consume's own time per call, from reading its message to
+#      producing its records (`callguard_decision_delay_seconds`, no
+#      broker in it), split into the batch's wait for the store
+#      (`callguard_batch_wait_seconds`) and the store's time per batch.
 #
 #   Sections 2 and 3 run once per mode in MODES (default "default
 #   script": "default" passes no --redis-mode, so it measures what a
@@ -83,6 +86,25 @@ batches() {
       for (i = 1; i <= n; i++) if (cum[i] >= 0.99 * ln) { p99 = les[i]; break }
       if (p99 != "+Inf") p99 = sprintf("%.1f", p99 * 1000)
       printf "%d batches of %.0f events on average; store time per batch mean %.2f ms, p99 <= %s ms\n", bn, bs / bn, ls / ln * 1000, p99 }'
+}
+# p50/p90/p99 in ms of consume's histogram NAME (interpolated inside its
+# buckets, as Prometheus's histogram_quantile does).
+quantiles() {
+  { curl -s "127.0.0.1:$mport/metrics" || true; } | awk -v name="callguard_$1" '
+    index($1, name "_bucket{") == 1 {
+      le = $1; sub(/.*le="/, "", le); sub(/".*/, "", le); n++; les[n] = le; cum[n] = $NF }
+    END {
+      if (n == 0 || cum[n] == 0) { print "none"; exit }
+      split("0.5 0.9 0.99", qs, " ")
+      for (k = 1; k <= 3; k++) {
+        want = qs[k] * cum[n]; lo = 0; below = 0; v = "+Inf"
+        for (i = 1; i <= n; i++) {
+          if (cum[i] >= want) {
+            if (les[i] == "+Inf") break
+            v = sprintf("%.1f", (lo + (les[i] - lo) * (want - below) / (cum[i] - below)) * 1000); break }
+          lo = les[i]; below = cum[i] }
+        printf "%sp%s %s", (k > 1 ? " / " : ""), qs[k] * 100, v }
+      printf " ms (%d observed)\n", cum[n] }'
 }
 now() { date +%s.%N; }
 # Redis's CPU seconds so far (user + system).
@@ -196,6 +218,8 @@ latency() {
   sleep 3
   echo "consume decided $(decided) events"
   echo "consume: $(batches)"
+  echo "consume's own time per call (read -> records produced): $(quantiles decision_delay_seconds)"
+  echo "  of which a batch's wait (first read -> store): $(quantiles batch_wait_seconds); store per batch: $(quantiles store_latency_seconds)"
   "$ex/decision_latency" "$brokers" "$topic-decisions" "$((r * seconds))" 20
   wait "$apid" 2>/dev/null || true
   echo "floor, the events' arrival at a plain consumer: $(cat "$work/arrival-$topic.log")"

@@ -901,12 +901,29 @@ async fn process_serves_metrics_and_reloads_rules_on_sighup() {
         "callguard_store_latency_seconds_bucket",
         "callguard_batch_size_bucket",
         "callguard_rebalances_total{kind=\"assign\"} 1",
+        // Each call's own time in consume, and each batch's wait (one
+        // call a batch here).
+        "callguard_decision_delay_seconds_count 4",
+        "callguard_batch_wait_seconds_count 4",
     ] {
         assert!(
             metrics.contains(needle),
             "metrics lack {needle}:\n{metrics}"
         );
     }
+    let value = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name)).unwrap();
+        line.rsplit_once(' ').unwrap().1.parse().unwrap()
+    };
+    // Read, decided and produced in more than nothing and well under the
+    // seconds between the calls.
+    let delay = value("callguard_decision_delay_seconds_sum");
+    assert!(delay > 0.0 && delay < 4.0, "decision delay sum {delay}");
+    let wait = value("callguard_batch_wait_seconds_sum");
+    assert!(
+        wait >= 0.0 && wait <= delay,
+        "batch wait sum {wait}, delay {delay}"
+    );
 }
 
 /// `callguard produce` loads a file in the replay's processing order, keyed

@@ -98,6 +98,12 @@ pub struct Metrics {
     pub lease_seconds: Counter<f64, AtomicU64>,
     /// Events per batch.
     pub batch_size: Histogram,
+    /// consume: per call, from reading its message to handing its records
+    /// to the producer (callguard's own share of a decision's latency).
+    pub decision_delay: Histogram,
+    /// consume: per batch, from reading its first message to handing the
+    /// batch to the store (collecting it and waiting for the batch before).
+    pub batch_wait: Histogram,
     /// Batches produced but not yet acknowledged by the broker.
     pub in_flight: Gauge,
     /// Consumer lag per partition (from librdkafka statistics).
@@ -133,6 +139,12 @@ impl Default for Metrics {
     }
 }
 
+/// Buckets for a call's time inside `consume`: 0.25 ms to about 2 s,
+/// each 1.5 times the last (a p99 read from them is within that step).
+fn delay_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.00025, 1.5, 23)
+}
+
 impl Metrics {
     /// Registers every metric.
     pub fn new() -> Self {
@@ -158,6 +170,8 @@ impl Metrics {
             lease_credits: Family::default(),
             lease_seconds: Counter::default(),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
+            decision_delay: Histogram::new(delay_buckets()),
+            batch_wait: Histogram::new(delay_buckets()),
             in_flight: Gauge::default(),
             lag: Family::default(),
             rebalances: Family::default(),
@@ -271,6 +285,16 @@ impl Metrics {
     fn register_pipeline(&mut self) {
         let r = &mut self.registry;
         r.register("batch_size", "Events per batch", self.batch_size.clone());
+        r.register(
+            "decision_delay_seconds",
+            "consume: per call, from reading its message to producing its records (the broker's time not included)",
+            self.decision_delay.clone(),
+        );
+        r.register(
+            "batch_wait_seconds",
+            "consume: per batch, from reading its first message to handing it to the store",
+            self.batch_wait.clone(),
+        );
         r.register(
             "in_flight_batches",
             "Batches awaiting broker acknowledgement",

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::message::Message;
 use tokio::sync::oneshot;
@@ -35,6 +35,8 @@ pub(super) struct Item {
     pub(super) topic: Arc<str>,
     pub(super) partition: i32,
     pub(super) offset: i64,
+    /// When it was read.
+    pub(super) read_at: Instant,
     /// The event, or the error's kind and the dead letter.
     pub(super) event: Result<CallEvent, (&'static str, Box<OutRecord>)>,
 }
@@ -56,6 +58,7 @@ impl Read {
     }
 
     pub(super) fn push(&mut self, m: &impl Message, clients: &Clients, config: &ConsumeConfig) {
+        let read_at = Instant::now();
         let topic = if m.topic() == &*clients.input_topic {
             clients.input_topic.clone()
         } else {
@@ -69,6 +72,7 @@ impl Read {
             topic,
             partition: m.partition(),
             offset: m.offset(),
+            read_at,
             event,
         });
     }
@@ -242,6 +246,8 @@ pub(super) struct Sorted {
     pub(super) spans: Spans,
     /// The last offset per partition of every message of the batch.
     pub(super) offsets: Offsets,
+    /// When each message was read, in order (the first the oldest).
+    pub(super) read_at: Vec<Instant>,
 }
 
 /// Sorts a batch read: events to decide, and dead letters (into `out`) for
@@ -255,7 +261,9 @@ pub(super) fn sort_read(
     let mut events = Vec::with_capacity(items.len());
     let mut spans = Spans::default();
     let mut offsets = Offsets::default();
+    let mut read_at = Vec::with_capacity(items.len());
     for m in items {
+        read_at.push(m.read_at);
         offsets.note(&m.topic, m.partition, m.offset, |last| {
             *last = (*last).max(m.offset)
         });
@@ -275,6 +283,7 @@ pub(super) fn sort_read(
         events,
         spans,
         offsets,
+        read_at,
     }
 }
 

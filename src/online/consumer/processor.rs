@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::future::Shared as SharedFuture;
 use futures::FutureExt;
@@ -40,6 +41,8 @@ pub(super) struct Deciding {
     offsets: Offsets,
     /// Its dead letters, to which the records are added.
     out: Vec<OutRecord>,
+    /// When each of its messages was read.
+    read_at: Vec<Instant>,
     /// The verdicts, on their way.
     pub(super) reply: oneshot::Receiver<Decided>,
     /// The verdicts, when they arrived while the next batch was collected
@@ -239,7 +242,13 @@ impl Processor {
             events,
             spans,
             offsets,
+            read_at,
         } = sort_read(batch.items, &self.metrics, &mut self.stats, &mut out);
+        if let Some(first) = read_at.first() {
+            self.metrics
+                .batch_wait
+                .observe(first.elapsed().as_secs_f64());
+        }
         self.seq += 1;
         self.uncommitted.push(self.seq, spans);
         let reply = self.decider.submit(rules, events).await?;
@@ -247,6 +256,7 @@ impl Processor {
             seq: self.seq,
             offsets,
             out,
+            read_at,
             reply,
             ready: None,
         });
@@ -291,6 +301,11 @@ impl Processor {
         self.encoder.encode(&decided.events, &verdicts, &mut d.out);
         self.stats.batches += 1;
         produce_batch(&self.clients, d.seq, d.offsets, &d.out).await;
+        let produced = Instant::now();
+        for t in &d.read_at {
+            let delay = produced.saturating_duration_since(*t);
+            self.metrics.decision_delay.observe(delay.as_secs_f64());
+        }
         wait_for_room(&self.clients, self.config.max_in_flight).await?;
         if cut || self.uncommitted.due(self.span_limit / 4) {
             // A quarter of the allowance used, or the next batch cut:
