@@ -98,8 +98,9 @@ pub struct Metrics {
     pub lease_seconds: Counter<f64, AtomicU64>,
     /// Events per batch.
     pub batch_size: Histogram,
-    /// consume: per call, from reading its message to handing its records
-    /// to the producer (callguard's own share of a decision's latency).
+    /// consume: per message, from reading it to handing its records (or
+    /// its dead letter) to the producer: callguard's own share of a
+    /// decision's latency.
     pub decision_delay: Histogram,
     /// consume: per batch, from reading its first message to handing the
     /// batch to the store (collecting it and waiting for the batch before).
@@ -287,7 +288,7 @@ impl Metrics {
         r.register("batch_size", "Events per batch", self.batch_size.clone());
         r.register(
             "decision_delay_seconds",
-            "consume: per call, from reading its message to producing its records (the broker's time not included)",
+            "consume: per message, from reading it to producing its records (a call's decision and features, or a dead letter); the broker's time not included",
             self.decision_delay.clone(),
         );
         r.register(
