@@ -275,6 +275,20 @@ struct Held {
 }
 
 impl Held {
+    /// A counter on a reserve of `reserve`, `left` of it in hand (never
+    /// leased).
+    fn on_reserve(reserve: u64, left: u64) -> Self {
+        Held {
+            total: reserve,
+            held: left,
+            reserve,
+            reserve_left: left,
+            reserved: true,
+            leased_at: u64::MAX,
+            ..Held::default()
+        }
+    }
+
     /// Credits held that came from the ledger (those it may get back).
     fn shared_held(&self) -> u64 {
         self.held - self.reserve_left
@@ -384,17 +398,28 @@ impl Gate {
     /// Holds `id` on a reserve of `reserve`, `left` of it in hand (never
     /// leased).
     fn hold_reserve(&mut self, id: &CounterId, reserve: u64, left: u64, ttl_ms: i64) -> Held {
-        let h = Held {
-            total: reserve,
-            held: left,
-            reserve,
-            reserve_left: left,
-            reserved: true,
-            leased_at: u64::MAX,
-            ..Held::default()
-        };
+        let h = Held::on_reserve(reserve, left);
         self.counters.insert(id, id.expires_at(ttl_ms), h);
         h
+    }
+
+    /// What is held of `id`, a counter not past its time; if it is not
+    /// here, this instance's reserve for it, taken as
+    /// [`Gate::take_reserve`] does (one lookup either way).
+    fn held_or_reserved(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<Held> {
+        let reserve = self.reserve_for(id, limit);
+        let mut taken = false;
+        let held = self
+            .counters
+            .get_or_try_insert(id, id.expires_at(ttl_ms), || {
+                taken = reserve > 0;
+                taken.then(|| Held::on_reserve(reserve, reserve))
+            })
+            .copied();
+        if taken {
+            self.reserved_counters += 1;
+        }
+        held
     }
 
     /// A counter first seen, on this instance's reserve if it has one for
@@ -495,14 +520,18 @@ impl Gate {
             let rule = &rules.rules[i];
             let approx = rule.kind == WindowKind::SlidingApprox;
             let ttl_ms = ttl_of(rules, i);
-            let mut held = self.counters.get(&id).copied();
             // (Only a counter past its time can have been dropped.)
-            if held.is_none() && id.expires_at(ttl_ms) < now {
-                held = self.revive(&id, ttl_ms);
-            }
-            if held.is_none() {
-                held = self.take_reserve(&id, rule.limit, ttl_ms);
-            }
+            let held = if id.expires_at(ttl_ms) < now {
+                match self.counters.get(&id).copied() {
+                    Some(h) => Some(h),
+                    None => match self.revive(&id, ttl_ms) {
+                        Some(h) => Some(h),
+                        None => self.take_reserve(&id, rule.limit, ttl_ms),
+                    },
+                }
+            } else {
+                self.held_or_reserved(&id, rule.limit, ttl_ms)
+            };
             // (Never leased in this life: held nothing of the ledger's.
             // A counter first seen, maybe on a reserve.)
             let first = held.is_none_or(|h| h.leased_at == u64::MAX);

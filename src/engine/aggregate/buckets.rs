@@ -104,6 +104,9 @@ pub(super) struct Buckets<V> {
     live: Map<BucketId, Bucket<V>>,
     /// Buckets by the event time they are due at.
     due: BTreeMap<i64, Vec<BucketId>>,
+    /// How many counters each rule's (name, window) last bucket taken out
+    /// held: a new bucket of the rule is made that size.
+    sizes: Map<(CompactString, i64), usize>,
 }
 
 impl<V> Default for Buckets<V> {
@@ -111,6 +114,7 @@ impl<V> Default for Buckets<V> {
         Buckets {
             live: Map::default(),
             due: BTreeMap::new(),
+            sizes: Map::default(),
         }
     }
 }
@@ -135,21 +139,19 @@ impl<V> Buckets<V> {
     }
 
     /// The counters of `id`'s bucket; a bucket new here is due at `due_at`
-    /// (and sized as the bucket before it, which a rule's next bucket most
-    /// often resembles).
+    /// and sized as the rule's last bucket taken out (a rule's buckets
+    /// most often resemble each other). One lookup.
     fn bucket_mut(&mut self, id: &CounterId, due_at: i64) -> &mut Counters<V> {
-        let size = match self.live.contains_key(&BucketOf(id)) {
-            true => 0,
-            false => self
-                .live
-                .get(&BucketOf(&id.prev()))
-                .map_or(0, |b| b.counters.len()),
-        };
         let bucket = match self.live.entry_ref(&BucketOf(id)) {
             EntryRef::Occupied(o) => o.into_mut(),
             EntryRef::Vacant(v) => {
                 let bucket = BucketId::of(id);
                 self.due.entry(due_at).or_default().push(bucket.clone());
+                let size = self
+                    .sizes
+                    .get(&(bucket.rule.clone(), bucket.window_ms))
+                    .copied()
+                    .unwrap_or(0);
                 let counters = Counters::with_capacity_and_hasher(size, Default::default());
                 v.insert_with_key(
                     bucket,
@@ -178,6 +180,22 @@ impl<V> Buckets<V> {
         }
     }
 
+    /// The counter `id`, or the one `make` gives when it is not here (none:
+    /// nothing is put in). A bucket new here is due at `due_at` (and made
+    /// even when `make` gives none).
+    pub(super) fn get_or_try_insert(
+        &mut self,
+        id: &CounterId,
+        due_at: i64,
+        make: impl FnOnce() -> Option<V>,
+    ) -> Option<&mut V> {
+        let key = id.key.as_str();
+        match self.bucket_mut(id, due_at).entry_ref(key) {
+            EntryRef::Occupied(o) => Some(o.into_mut()),
+            EntryRef::Vacant(v) => Some(v.insert_with_key(key.into(), make()?)),
+        }
+    }
+
     /// Puts the counter `id` in (over any it replaces; a bucket new here
     /// is due at `due_at`).
     pub(super) fn insert(&mut self, id: &CounterId, due_at: i64, value: V) {
@@ -200,6 +218,10 @@ impl<V> Buckets<V> {
                 first.remove();
             }
             if let Some(b) = self.live.remove(&id) {
+                if !b.kept {
+                    self.sizes
+                        .insert((id.rule.clone(), id.window_ms), b.counters.len());
+                }
                 return Some(Due {
                     at,
                     id,
@@ -379,6 +401,37 @@ mod tests {
         let d = b.pop_due(i64::MAX).expect("kept");
         assert!(d.kept && d.at == 6_000);
         assert!(b.pop_due(i64::MAX).is_none());
+    }
+
+    #[test]
+    fn a_counter_is_made_only_when_absent_and_only_if_make_gives_one() {
+        let mut b: Buckets<u64> = Buckets::default();
+        assert_eq!(b.get_or_try_insert(&id("r", "a", 1), 4_000, || None), None);
+        assert!(!b.contains(&id("r", "a", 1)), "none given: nothing put");
+        assert_eq!(
+            b.get_or_try_insert(&id("r", "a", 1), 4_000, || Some(7)),
+            Some(&mut 7)
+        );
+        let mut called = false;
+        *b.get_or_try_insert(&id("r", "a", 1), 4_000, || {
+            called = true;
+            Some(0)
+        })
+        .unwrap() += 1;
+        assert!(!called, "a counter here is not made again");
+        assert_eq!(b.get(&id("r", "a", 1)), Some(&8));
+        // A bucket of the rule after one taken out is made its size.
+        for k in 0..100 {
+            b.insert(&id("r", &format!("k{k}"), 1), 4_000, k);
+        }
+        assert_eq!(b.pop_due(4_001).map(|d| d.counters.len()), Some(101));
+        b.insert(&id("r", "a", 5), 9_000, 1);
+        let made = b.live.get(&BucketOf(&id("r", "a", 5))).unwrap();
+        assert!(
+            made.counters.capacity() >= 101,
+            "{}",
+            made.counters.capacity()
+        );
     }
 
     #[test]
