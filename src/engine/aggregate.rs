@@ -385,27 +385,20 @@ impl Gate {
         self.reserves = reserves;
     }
 
-    /// A counter past its time that had a reserve, back for a late call:
-    /// the reserve spent in its count, what was left of it in hand.
-    fn revive(&mut self, id: &CounterId, ttl_ms: i64) -> Option<Held> {
-        if self.spent.is_empty() {
-            return None;
+    /// A counter past its time that had a reserve, back for a late call
+    /// (if it had one): the reserve spent in its count, what was left of
+    /// it in hand.
+    fn revive(&mut self, id: &CounterId, ttl_ms: i64) {
+        if let Some(spent) = self.spent.remove(id) {
+            let h = Held::on_reserve(spent.reserve, spent.left);
+            self.counters.insert(id, id.expires_at(ttl_ms), h);
         }
-        let spent = self.spent.remove(id)?;
-        Some(self.hold_reserve(id, spent.reserve, spent.left, ttl_ms))
     }
 
-    /// Holds `id` on a reserve of `reserve`, `left` of it in hand (never
-    /// leased).
-    fn hold_reserve(&mut self, id: &CounterId, reserve: u64, left: u64, ttl_ms: i64) -> Held {
-        let h = Held::on_reserve(reserve, left);
-        self.counters.insert(id, id.expires_at(ttl_ms), h);
-        h
-    }
-
-    /// What is held of `id`, a counter not past its time; if it is not
-    /// here, this instance's reserve for it, taken as
-    /// [`Gate::take_reserve`] does (one lookup either way).
+    /// What is held of `id`; if it is not here, a counter first seen, on
+    /// this instance's reserve if it has one for it: spent without asking,
+    /// the ledger asked only for what the batch needs beyond it (one
+    /// lookup either way).
     fn held_or_reserved(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<Held> {
         let reserve = self.reserve_for(id, limit);
         let mut taken = false;
@@ -420,18 +413,6 @@ impl Gate {
             self.reserved_counters += 1;
         }
         held
-    }
-
-    /// A counter first seen, on this instance's reserve if it has one for
-    /// it: spent without asking, the ledger asked only for what the batch
-    /// needs beyond it.
-    fn take_reserve(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<Held> {
-        let reserve = self.reserve_for(id, limit);
-        if reserve == 0 {
-            return None;
-        }
-        self.reserved_counters += 1;
-        Some(self.hold_reserve(id, reserve, reserve, ttl_ms))
     }
 
     /// `events` are the batch planned last, and nothing was decided since:
@@ -521,17 +502,10 @@ impl Gate {
             let approx = rule.kind == WindowKind::SlidingApprox;
             let ttl_ms = ttl_of(rules, i);
             // (Only a counter past its time can have been dropped.)
-            let held = if id.expires_at(ttl_ms) < now {
-                match self.counters.get(&id).copied() {
-                    Some(h) => Some(h),
-                    None => match self.revive(&id, ttl_ms) {
-                        Some(h) => Some(h),
-                        None => self.take_reserve(&id, rule.limit, ttl_ms),
-                    },
-                }
-            } else {
-                self.held_or_reserved(&id, rule.limit, ttl_ms)
-            };
+            if id.expires_at(ttl_ms) < now && !self.counters.contains(&id) {
+                self.revive(&id, ttl_ms);
+            }
+            let held = self.held_or_reserved(&id, rule.limit, ttl_ms);
             // (Never leased in this life: held nothing of the ledger's.
             // A counter first seen, maybe on a reserve.)
             let first = held.is_none_or(|h| h.leased_at == u64::MAX);

@@ -283,6 +283,7 @@ impl SpentBuckets {
     }
 
     /// Nothing held.
+    #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
         self.len == 0
     }
