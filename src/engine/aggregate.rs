@@ -52,11 +52,9 @@
 //!   remembered past its time, for late calls, up to [`SPENT_KEPT`]
 //!   counters).
 
-use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use compact_str::CompactString;
-use foldhash::{HashMap, HashMapExt};
 
 use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
@@ -64,10 +62,14 @@ use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
 
 mod buckets;
 mod checked;
+mod held;
+mod planned;
 mod recent;
 mod reserve;
 use buckets::{Buckets, Spent, SpentBuckets};
 use checked::{Checked, Remembered};
+use held::{Held, Slab};
+use planned::Planned;
 use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
 
@@ -253,48 +255,6 @@ impl MemoryLedger {
     }
 }
 
-/// What an instance holds of one counter.
-#[derive(Debug, Clone, Copy, Default)]
-struct Held {
-    /// Credits handed out for it (all instances) as of the last lease.
-    total: u64,
-    /// Credits this instance holds, unused.
-    held: u64,
-    /// The previous bucket's credits as of the last lease.
-    prev: u64,
-    /// Calls this instance counted in it.
-    mine: u64,
-    /// [`Gate::decided`] at its last lease (`u64::MAX`: never leased).
-    leased_at: u64,
-    /// Credits of this instance's reserve taken for it (in `total`).
-    reserve: u64,
-    /// Of those, still unused (in `held`; spent first, never given back).
-    reserve_left: u64,
-    /// A reserve was taken for it (none is taken again).
-    reserved: bool,
-}
-
-impl Held {
-    /// A counter on a reserve of `reserve`, `left` of it in hand (never
-    /// leased).
-    fn on_reserve(reserve: u64, left: u64) -> Self {
-        Held {
-            total: reserve,
-            held: left,
-            reserve,
-            reserve_left: left,
-            reserved: true,
-            leased_at: u64::MAX,
-            ..Held::default()
-        }
-    }
-
-    /// Credits held that came from the ledger (those it may get back).
-    fn shared_held(&self) -> u64 {
-        self.held - self.reserve_left
-    }
-}
-
 /// Decides the rules keyed by callee or global for batches of calls, from
 /// credits a ledger (Redis's lease script, or [`MemoryLedger`]) leases to
 /// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
@@ -302,14 +262,16 @@ impl Held {
 /// in order.
 #[derive(Debug)]
 pub struct Gate {
-    counters: Buckets<Held>,
+    /// The counters' places in `held`.
+    counters: Buckets<usize>,
+    held: Slab,
     latest: Option<i64>,
     /// Batches decided so far.
     decided: u64,
     /// The results of the last [`REMEMBERED_IDS`] call ids decided.
     remembered: Remembered,
-    /// The last batch planned, its ids checked (for its decide).
-    checked: Option<Checked>,
+    /// The last batch planned (for its decide).
+    checked: Option<Planned>,
     /// The reserve slots and this instance's span ([`reserve`]).
     reserves: Reserves,
     /// Counters given a reserve so far.
@@ -325,6 +287,7 @@ impl Default for Gate {
     fn default() -> Self {
         Gate {
             counters: Buckets::default(),
+            held: Slab::default(),
             latest: None,
             decided: 0,
             remembered: Recent::new(REMEMBERED_IDS),
@@ -337,21 +300,24 @@ impl Default for Gate {
     }
 }
 
-/// The counter rule `i` counts `ev` in, if it sees it.
-fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
-    let rule = &rules.rules[i];
-    let key = match rule.key {
+/// The key of the counter rule `i` counts `ev` in (the callee, or empty
+/// for a global rule), if it sees it.
+fn key_of<'a>(rules: &RuleSet, i: usize, ev: &'a CallEvent) -> Option<&'a str> {
+    let key = match rules.rules[i].key {
         RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
         RuleKey::Global => "",
         RuleKey::Caller | RuleKey::CallerCallee => return None,
     };
-    if !rules.sees(i, ev) {
-        return None;
-    }
+    rules.sees(i, ev).then_some(key)
+}
+
+/// The counter rule `i` counts `ev` in, if it sees it.
+fn counter_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<CounterId> {
+    let rule = &rules.rules[i];
     Some(CounterId {
+        key: key_of(rules, i, ev)?.into(),
         rule: rule.name.as_str().into(),
         window_ms: rule.window_ms,
-        key: key.into(),
         bucket: bucket_of(ev.ts_ms, rule.window_ms),
     })
 }
@@ -390,29 +356,43 @@ impl Gate {
     /// it in hand.
     fn revive(&mut self, id: &CounterId, ttl_ms: i64) {
         if let Some(spent) = self.spent.remove(id) {
-            let h = Held::on_reserve(spent.reserve, spent.left);
-            self.counters.insert(id, id.expires_at(ttl_ms), h);
+            let at = self.held.put(Held::on_reserve(spent.reserve, spent.left));
+            self.counters.insert(id, id.expires_at(ttl_ms), at);
         }
     }
 
-    /// What is held of `id`; if it is not here, a counter first seen, on
+    /// Where `id` is held; if it is not here, a counter first seen, on
     /// this instance's reserve if it has one for it: spent without asking,
     /// the ledger asked only for what the batch needs beyond it (one
     /// lookup either way).
-    fn held_or_reserved(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<Held> {
+    fn held_or_reserved(&mut self, id: &CounterId, limit: u64, ttl_ms: i64) -> Option<usize> {
         let reserve = self.reserve_for(id, limit);
+        let (counters, held) = (&mut self.counters, &mut self.held);
         let mut taken = false;
-        let held = self
-            .counters
+        let at = counters
             .get_or_try_insert(id, id.expires_at(ttl_ms), || {
                 taken = reserve > 0;
-                taken.then(|| Held::on_reserve(reserve, reserve))
+                taken.then(|| held.put(Held::on_reserve(reserve, reserve)))
             })
             .copied();
         if taken {
             self.reserved_counters += 1;
         }
-        held
+        at
+    }
+
+    /// The counter `id` (if held).
+    fn held_of(&self, id: &CounterId) -> Option<&Held> {
+        self.counters.get(id).map(|&at| self.held.get(at))
+    }
+
+    /// Where `id` is held, a counter holding nothing put in if it is not
+    /// (a bucket new here due at `due`).
+    fn place_of(&mut self, id: &CounterId, due: i64) -> usize {
+        let held = &mut self.held;
+        *self
+            .counters
+            .get_or_insert_with(id, due, || held.put(Held::default()))
     }
 
     /// `events` are the batch planned last, and nothing was decided since:
@@ -423,7 +403,7 @@ impl Gate {
     pub fn planned(&self, events: &[CallEvent]) -> bool {
         self.checked
             .as_ref()
-            .is_some_and(|c| c.decided == self.decided && c.fits(events))
+            .is_some_and(|p| p.checked.decided == self.decided && p.checked.fits(events))
     }
 
     /// Forgets the last plan (its lease failed: the batch is planned
@@ -473,94 +453,116 @@ impl Gate {
         }
         let now = self.latest.unwrap_or(i64::MIN);
         self.expire(now);
-        // (Sized for a counter per call and rule: growing them was a
-        // tenth of the gate's time.)
-        let most = events.len().saturating_mul(aggs.len());
-        let mut needs: Vec<(usize, CounterId, u64)> = Vec::with_capacity(most);
-        let mut at: HashMap<CounterId, usize> = HashMap::with_capacity(most);
         let checked = Checked::new(events, &self.remembered, self.decided);
+        // (Sized for a counter per call and rule: growing it was a tenth
+        // of the gate's time.)
+        let most = events.len().saturating_mul(aggs.len());
+        let mut planned = Planned::new(checked, events.len(), rules.rules.len(), most);
+        planned.version = rules.version().into();
         for (j, ev) in events.iter().enumerate() {
-            if checked.known(j) {
+            if planned.checked.known(j) {
                 continue;
             }
             for &i in &aggs {
-                let Some(id) = counter_of(rules, i, ev) else {
+                let Some(key) = key_of(rules, i, ev) else {
                     continue;
                 };
-                match at.entry(id) {
-                    Entry::Occupied(k) => needs[*k.get()].2 += 1,
-                    Entry::Vacant(v) => {
-                        needs.push((i, v.key().clone(), 1));
-                        v.insert(needs.len() - 1);
-                    }
-                }
+                let rule = &rules.rules[i];
+                let bucket = bucket_of(ev.ts_ms, rule.window_ms);
+                let k = planned.count(i, key, bucket, || CounterId {
+                    rule: rule.name.as_str().into(),
+                    window_ms: rule.window_ms,
+                    key: key.into(),
+                    bucket,
+                });
+                planned.note(j, i, k);
             }
         }
         let mut requests = Vec::new();
-        for (i, id, need) in needs {
-            let rule = &rules.rules[i];
-            let approx = rule.kind == WindowKind::SlidingApprox;
-            let ttl_ms = ttl_of(rules, i);
-            // (Only a counter past its time can have been dropped.)
-            if id.expires_at(ttl_ms) < now && !self.counters.contains(&id) {
-                self.revive(&id, ttl_ms);
-            }
-            let held = self.held_or_reserved(&id, rule.limit, ttl_ms);
-            // (Never leased in this life: held nothing of the ledger's.
-            // A counter first seen, maybe on a reserve.)
-            let first = held.is_none_or(|h| h.leased_at == u64::MAX);
-            let have = held.map_or(0, |h| h.held);
-            if let Some(h) = held {
-                // (Asked already since the last batch was decided: a lease
-                // ahead, answered in full or short. Asking again would be
-                // answered the same, as far as this instance can tell.)
-                let fresh = h.leased_at == self.decided;
-                // (A sliding-approx counter whose previous bucket is not
-                // kept here asks for that bucket's count: one leased before,
-                // or one whose previous bucket may have been dropped.)
-                let prev = id.prev();
-                let prev_unknown = approx
-                    && !self.counters.contains(&prev)
-                    && (!first || prev.expires_at(ttl_ms) < now);
-                if fresh || have >= need && !prev_unknown {
-                    continue;
-                }
-            }
-            let prev_id = id.prev();
-            let gives_back = first && !at.contains_key(&prev_id);
-            let (prev_mine, give_back) = match self.counters.get_mut(&prev_id) {
-                Some(p) if gives_back => {
-                    // (The reserve is the slot's own: never given back.)
-                    let g = p.shared_held();
-                    p.held -= g;
-                    p.total -= g;
-                    (p.mine, g)
-                }
-                Some(p) => (p.mine, 0),
-                None => (0, 0),
-            };
-            let recent = held.map_or(0, |h| h.mine).max(prev_mine);
-            requests.push(LeaseRequest {
-                counter: id,
-                approx,
-                limit: shared_limit(rule.limit, self.reserves.slots),
-                want: need.saturating_sub(have) + extra(recent, rule.limit),
-                give_back,
-                ttl_ms,
-                now_ms: now,
-                cold: first,
-            });
+        for k in 0..planned.needs.len() {
+            let (place, request) = self.request_for(rules, &planned, k, now);
+            planned.needs[k].place = place;
+            requests.extend(request);
         }
-        self.checked = Some(checked);
+        self.checked = Some(planned);
         requests
+    }
+
+    /// Where need `k` of `planned` is held (if it is, or is now on a
+    /// reserve), and the request for the credits it needs beyond those
+    /// held, if any ([`Gate::plan`]).
+    fn request_for(
+        &mut self,
+        rules: &RuleSet,
+        planned: &Planned,
+        k: usize,
+        now: i64,
+    ) -> (Option<usize>, Option<LeaseRequest>) {
+        let n = &planned.needs[k];
+        let (i, id, need) = (n.rule, &n.id, n.calls);
+        let rule = &rules.rules[i];
+        let approx = rule.kind == WindowKind::SlidingApprox;
+        let ttl_ms = ttl_of(rules, i);
+        // (Only a counter past its time can have been dropped.)
+        if id.expires_at(ttl_ms) < now && !self.counters.contains(id) {
+            self.revive(id, ttl_ms);
+        }
+        let place = self.held_or_reserved(id, rule.limit, ttl_ms);
+        let held = place.map(|at| *self.held.get(at));
+        // (Never leased in this life: held nothing of the ledger's. A
+        // counter first seen, maybe on a reserve.)
+        let first = held.is_none_or(|h| h.leased_at == u64::MAX);
+        let have = held.map_or(0, |h| h.held);
+        if let Some(h) = held {
+            // (Asked already since the last batch was decided: a lease
+            // ahead, answered in full or short. Asking again would be
+            // answered the same, as far as this instance can tell.)
+            let fresh = h.leased_at == self.decided;
+            // (A sliding-approx counter whose previous bucket is not kept
+            // here asks for that bucket's count: one leased before, or one
+            // whose previous bucket may have been dropped.)
+            let prev_unknown = approx && {
+                let prev = id.prev();
+                !self.counters.contains(&prev) && (!first || prev.expires_at(ttl_ms) < now)
+            };
+            if fresh || have >= need && !prev_unknown {
+                return (place, None);
+            }
+        }
+        let prev_id = id.prev();
+        let gives_back = first && !planned.has(i, &id.key, prev_id.bucket);
+        let prev_at = self.counters.get(&prev_id).copied();
+        let (prev_mine, give_back) = match prev_at.map(|at| self.held.get_mut(at)) {
+            Some(p) if gives_back => {
+                // (The reserve is the slot's own: never given back.)
+                let g = p.shared_held();
+                p.held -= g;
+                p.total -= g;
+                (p.mine, g)
+            }
+            Some(p) => (p.mine, 0),
+            None => (0, 0),
+        };
+        let recent = held.map_or(0, |h| h.mine).max(prev_mine);
+        let request = LeaseRequest {
+            counter: id.clone(),
+            approx,
+            limit: shared_limit(rule.limit, self.reserves.slots),
+            want: need.saturating_sub(have) + extra(recent, rule.limit),
+            give_back,
+            ttl_ms,
+            now_ms: now,
+            cold: first,
+        };
+        (place, Some(request))
     }
 
     /// Takes the ledger's answers to [`Gate::plan`]'s requests.
     pub fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
         for (req, lease) in requests.iter().zip(leases) {
             let id = &req.counter;
-            let due = id.expires_at(req.ttl_ms);
-            let h = self.counters.get_or_insert_with(id, due, Held::default);
+            let at = self.place_of(id, id.expires_at(req.ttl_ms));
+            let h = self.held.get_mut(at);
             h.held += lease.granted;
             h.total = lease.total.saturating_add(h.reserve).max(h.held);
             h.prev = lease.prev;
@@ -574,14 +576,20 @@ impl Gate {
         if !rules.has_aggregates() {
             return;
         }
-        self.decided += 1;
         // (As planned, when this batch was: an id found new then is not
-        // looked up again.)
-        let checked = self.checked.take().filter(|c| c.fits(events));
+        // looked up again, and a call's counters are where plan found
+        // them.)
+        let (count, version) = (rules.rules.len(), rules.version());
+        let mut planned = self
+            .checked
+            .take()
+            .filter(|p| p.fits(events, count, version, self.decided));
+        self.decided += 1;
         for (j, ev) in events.iter_mut().enumerate() {
-            self.latest = Some(self.latest.map_or(ev.ts_ms, |l| l.max(ev.ts_ms)));
-            let (hash, look) = match &checked {
-                Some(c) => c.for_decide(j),
+            let t = ev.ts_ms;
+            self.latest = Some(self.latest.map_or(t, |l| l.max(t)));
+            let (hash, look) = match &planned {
+                Some(p) => p.checked.for_decide(j),
                 None => (self.remembered.hash_of(&ev.call_id), true),
             };
             debug_assert!(look || self.remembered.get(&ev.call_id).is_none());
@@ -592,17 +600,56 @@ impl Gate {
                 ev.aggregate = Some(known.clone());
                 continue;
             }
-            // (In rule order, as the caller's rules are judged.)
-            let out: Arc<[Aggregated]> = (0..rules.rules.len())
-                .map(|i| match counter_of(rules, i, ev) {
-                    Some(id) => self.judge(rules, i, &id, ev.ts_ms),
-                    None => Aggregated::default(),
-                })
-                .collect();
+            // (A call remembered when planned has no counters in the plan:
+            // one forgotten since is decided as without a plan.)
+            let out = match planned.as_mut().filter(|p| !p.checked.known(j)) {
+                Some(p) => self.judge_planned(rules, p, j, t),
+                None => self.judge_call(rules, ev),
+            };
             self.remembered
                 .put_hashed(hash, ev.call_id.clone(), out.clone());
             ev.aggregate = Some(out);
         }
+    }
+
+    /// Call `j` of a planned batch, at `t`, judged by each rule in order
+    /// (as the caller's rules are), on the counters the plan found.
+    fn judge_planned(
+        &mut self,
+        rules: &RuleSet,
+        p: &mut Planned,
+        j: usize,
+        t: i64,
+    ) -> Arc<[Aggregated]> {
+        (0..rules.rules.len())
+            .map(|i| match p.need_of(j, i) {
+                Some(k) => {
+                    let need = &mut p.needs[k];
+                    let at = match need.place {
+                        Some(at) => at,
+                        None => {
+                            let due = need.id.expires_at(ttl_of(rules, i));
+                            *need.place.insert(self.place_of(&need.id, due))
+                        }
+                    };
+                    self.judge(rules, i, &need.id, at, t)
+                }
+                None => Aggregated::default(),
+            })
+            .collect()
+    }
+
+    /// `ev` judged by each rule in order, its counters looked up.
+    fn judge_call(&mut self, rules: &RuleSet, ev: &CallEvent) -> Arc<[Aggregated]> {
+        (0..rules.rules.len())
+            .map(|i| match counter_of(rules, i, ev) {
+                Some(id) => {
+                    let at = self.place_of(&id, id.expires_at(ttl_of(rules, i)));
+                    self.judge(rules, i, &id, at, ev.ts_ms)
+                }
+                None => Aggregated::default(),
+            })
+            .collect()
     }
 
     /// Plans, leases from `ledger` and decides: the whole gate on an
@@ -633,16 +680,22 @@ impl Gate {
         }
     }
 
-    /// Rule `i`'s result for a call at `t` counted in `id`.
-    fn judge(&mut self, rules: &RuleSet, i: usize, id: &CounterId, t: i64) -> Aggregated {
+    /// Rule `i`'s result for a call at `t` counted in `id`, held at `at`.
+    fn judge(
+        &mut self,
+        rules: &RuleSet,
+        i: usize,
+        id: &CounterId,
+        at: usize,
+        t: i64,
+    ) -> Aggregated {
         let rule = &rules.rules[i];
         let (w, n, b) = (rule.window_ms, rule.limit, id.bucket);
         let r = t - b.saturating_mul(w);
         let approx = rule.kind == WindowKind::SlidingApprox;
         let prev = if approx { self.prev_view(id) } else { 0 };
         let weighted = approx_estimate(prev, 0, w, r) - 1;
-        let due = id.expires_at(ttl_of(rules, i));
-        let h = self.counters.get_or_insert_with(id, due, Held::default);
+        let h = self.held.get_mut(at);
         let used = h.total - h.held;
         let mut count = weighted + used + 1;
         let admitted = h.held > 0 && count <= n;
@@ -669,8 +722,8 @@ impl Gate {
     /// when it leased this bucket (less what it still holds there), the
     /// larger. With one instance, exactly the calls counted there.
     fn prev_view(&self, id: &CounterId) -> u64 {
-        let snapshot = self.counters.get(id).map_or(0, |h| h.prev);
-        match self.counters.get(&id.prev()) {
+        let snapshot = self.held_of(id).map_or(0, |h| h.prev);
+        match self.held_of(&id.prev()) {
             Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
             // (The ledger's count has no reserve in it.)
             None => {
@@ -688,26 +741,27 @@ impl Gate {
     /// is taken for it again.
     fn expire(&mut self, now: i64) {
         while let Some(mut due) = self.counters.pop_due(now) {
-            let mut spent = Vec::new();
-            let mut note_spent = |key, h: Held| {
+            // (Read first, freed after: the places are looked at while the
+            // bucket's table is walked.)
+            let mut spent = Vec::with_capacity(due.counters.len());
+            let mut freed = Vec::with_capacity(due.counters.len());
+            let held = &self.held;
+            let mut note = |key, at: usize| {
+                let h = held.get(at);
                 if h.reserved {
-                    let left = h.reserve_left;
-                    spent.push((
-                        key,
-                        Spent {
-                            reserve: h.reserve,
-                            left,
-                        },
-                    ));
+                    let (reserve, left) = (h.reserve, h.reserve_left);
+                    spent.push((key, Spent { reserve, left }));
                 }
+                freed.push(at);
             };
             if due.kept {
-                due.counters.drain().for_each(|(key, h)| note_spent(key, h));
+                due.counters.drain().for_each(|(key, at)| note(key, at));
             } else {
                 due.counters
-                    .extract_if(|_, h| h.shared_held() == 0)
-                    .for_each(|(key, h)| note_spent(key, h));
+                    .extract_if(|_, &mut at| held.get(at).shared_held() == 0)
+                    .for_each(|(key, at)| note(key, at));
             }
+            freed.into_iter().for_each(|at| self.held.free(at));
             if !spent.is_empty() {
                 if let Some(end) = self.spent.keep(due.id.clone(), spent) {
                     self.raise_floor(end);
@@ -725,6 +779,12 @@ impl Gate {
     /// forgotten: it is back among the counters.)
     fn raise_floor(&mut self, end: i64) {
         self.reserve_floor = Some(self.reserve_floor.map_or(end, |f| f.max(end)));
+    }
+
+    /// Every counter held.
+    #[cfg(test)]
+    fn held_values(&self) -> impl Iterator<Item = &Held> {
+        self.counters.values().map(|&at| self.held.get(at))
     }
 
     /// Forgets the oldest counter whose reserve was spent.

@@ -91,6 +91,11 @@ impl Checked {
         self.seen[j] == Seen::Known
     }
 
+    /// Kept for decide (the batch is not too large).
+    pub fn kept(&self) -> bool {
+        self.kept
+    }
+
     /// Kept for decide, and checked for `events`.
     pub fn fits(&self, events: &[CallEvent]) -> bool {
         self.kept

@@ -192,7 +192,7 @@ fn instances_sharing_a_ledger_never_admit_past_the_limit_and_hold_at_most_a_bloc
                 }
             }
             for gate in &gates {
-                for h in gate.counters.values() {
+                for h in gate.held_values() {
                     assert!(
                         h.held <= block_cap(n),
                         "case {case}: holds {} > block",
@@ -267,7 +267,7 @@ fn one_instance_with_the_only_reserve_slot_is_the_contract() {
             span: Some(Span::ALL),
         });
         run_in_random_batches(&mut rng, &mut gate, &mut ledger, &set, &mut events);
-        reserved += gate.counters.values().filter(|h| h.reserve > 0).count();
+        reserved += gate.held_values().filter(|h| h.reserve > 0).count();
         let got: Vec<Aggregated> = events.iter().map(|e| e.aggregated(1)).collect();
         assert_eq!(got, expected, "case {case}: {kind:?} {key:?} W={w} N={n}");
     }
@@ -350,7 +350,7 @@ fn reserve_slots_and_a_new_holder_never_admit_past_the_limit() {
                 }
             }
             for gate in &gates {
-                from_reserves += gate.counters.values().map(|h| h.reserve).sum::<u64>();
+                from_reserves += gate.held_values().map(|h| h.reserve).sum::<u64>();
             }
         }
         for ((key, b), a) in &admitted {
@@ -455,4 +455,60 @@ fn a_batch_is_planned_until_decided_or_forgotten() {
         .collect();
     let want: Vec<Aggregated> = whole.iter().map(|e| e.aggregated(1)).collect();
     assert_eq!(got, want);
+}
+
+/// Two rules keyed by callee and global, between rules keyed by caller.
+fn two_aggregate_rules(kind: WindowKind, w: i64, n: u64) -> RuleSet {
+    let mut callee = Rule::new("callee", kind, w, n);
+    callee.key = RuleKey::Callee;
+    let mut global = Rule::new("global", kind, 2 * w, 3 * n);
+    global.key = RuleKey::Global;
+    let caller = |name| Rule::new(name, WindowKind::Fixed, 1_000, 1_000);
+    let mut spec = RuleSpec::new(vec![caller("a"), callee, caller("b"), global]);
+    spec.grace_ms = w / 3;
+    RuleSet::build(spec).expect("valid rules")
+}
+
+#[test]
+fn a_batch_decided_on_its_plan_equals_one_decided_looking_each_call_up() {
+    let mut rng = StdRng::seed_from_u64(17);
+    for case in 0..120 {
+        let (kind, _) = kind_and_key(case);
+        let w = rng.random_range(40..400);
+        let n = rng.random_range(1..12);
+        let set = two_aggregate_rules(kind, w, n);
+        let mut planned = random_events(&mut rng, 300, w);
+        let mut looked_up = planned.clone();
+        let gates = || {
+            let mut gate = Gate::new();
+            if case % 4 < 2 {
+                gate.set_reserves(Reserves {
+                    slots: 1,
+                    span: Some(Span::ALL),
+                });
+            }
+            (gate, MemoryLedger::new())
+        };
+        let ((mut a, mut la), (mut b, mut lb)) = (gates(), gates());
+        let mut at = 0;
+        while at < planned.len() {
+            let size = rng.random_range(1..40).min(planned.len() - at);
+            a.run(&mut la, &set, &mut planned[at..at + size]);
+            let batch = &mut looked_up[at..at + size];
+            let requests = b.plan(&set, batch);
+            let leases = lb.lease(&requests);
+            b.settle(&requests, &leases);
+            b.forget_plan();
+            b.decide(&set, batch);
+            at += size;
+        }
+        for (p, l) in planned.iter().zip(&looked_up) {
+            assert_eq!(p.aggregate, l.aggregate, "case {case}: {}", p.call_id);
+        }
+        // (Both rules counted something, in a case where they can.)
+        let counted = |i| planned.iter().filter(|e| e.aggregated(i).count > 0).count();
+        assert_eq!((counted(1), counted(3)), (planned.len(), planned.len()));
+        assert_eq!(a.held_values().count(), b.held_values().count());
+        assert_eq!(a.held.len(), a.counters.values().count(), "no place lost");
+    }
 }
