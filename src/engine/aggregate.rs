@@ -66,7 +66,7 @@ mod held;
 mod planned;
 mod recent;
 mod reserve;
-use buckets::{Buckets, Spent, SpentBuckets};
+use buckets::{Buckets, Counters, Spent, SpentBuckets};
 use checked::{Checked, Remembered};
 use held::{Held, Slab};
 use planned::Planned;
@@ -741,35 +741,37 @@ impl Gate {
     /// is taken for it again.
     fn expire(&mut self, now: i64) {
         while let Some(mut due) = self.counters.pop_due(now) {
-            // (Read first, freed after: the places are looked at while the
-            // bucket's table is walked.)
-            let mut spent = Vec::with_capacity(due.counters.len());
-            let mut freed = Vec::with_capacity(due.counters.len());
-            let held = &self.held;
-            let mut note = |key, at: usize| {
-                let h = held.get(at);
-                if h.reserved {
-                    let (reserve, left) = (h.reserve, h.reserve_left);
-                    spent.push((key, Spent { reserve, left }));
-                }
-                freed.push(at);
+            let held = &mut self.held;
+            // (Most go, and whole: the table becomes the bucket's memory
+            // of spent reserves, its keys not hashed again.)
+            let stay: Counters<usize> = match due.kept {
+                true => Counters::default(),
+                false => due
+                    .counters
+                    .extract_if(|_, &mut at| held.get(at).shared_held() > 0)
+                    .collect(),
             };
-            if due.kept {
-                due.counters.drain().for_each(|(key, at)| note(key, at));
-            } else {
-                due.counters
-                    .extract_if(|_, &mut at| held.get(at).shared_held() == 0)
-                    .for_each(|(key, at)| note(key, at));
-            }
-            freed.into_iter().for_each(|at| self.held.free(at));
-            if !spent.is_empty() {
-                if let Some(end) = self.spent.keep(due.id.clone(), spent) {
+            due.counters.retain(|_, &mut at| {
+                let reserved = held.get(at).reserved;
+                if !reserved {
+                    held.free(at);
+                }
+                reserved
+            });
+            if !due.counters.is_empty() {
+                let spent = |at| {
+                    let h = held.get(at);
+                    let (reserve, left) = (h.reserve, h.reserve_left);
+                    held.free(at);
+                    Spent { reserve, left }
+                };
+                if let Some(end) = self.spent.keep(due.id.clone(), due.counters, spent) {
                     self.raise_floor(end);
                 }
             }
-            if !due.kept && !due.counters.is_empty() {
+            if !stay.is_empty() {
                 let at = due.at.saturating_add(MEMORY_MARGIN_MS);
-                self.counters.keep_longer(due.id, due.counters, at);
+                self.counters.keep_longer(due.id, stay, at);
             }
         }
     }

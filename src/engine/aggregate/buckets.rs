@@ -261,10 +261,14 @@ pub(super) struct Spent {
 }
 
 /// The reserves spent in counters past their time, by bucket: at most
-/// `cap` counters, the oldest buckets forgotten first, whole.
+/// `cap` counters, the oldest buckets forgotten first, whole. A bucket's
+/// table is the live counters' table, moved (its keys are not hashed
+/// again), its values places in `places`.
 #[derive(Debug)]
 pub(super) struct SpentBuckets {
-    buckets: Map<BucketId, Counters<Spent>>,
+    buckets: Map<BucketId, Counters<usize>>,
+    places: Vec<Spent>,
+    free: Vec<usize>,
     /// In the order they came.
     order: VecDeque<BucketId>,
     len: usize,
@@ -276,6 +280,8 @@ impl SpentBuckets {
     pub(super) fn new(cap: usize) -> Self {
         SpentBuckets {
             buckets: Map::default(),
+            places: Vec::new(),
+            free: Vec::new(),
             order: VecDeque::new(),
             len: 0,
             cap,
@@ -288,23 +294,51 @@ impl SpentBuckets {
         self.len == 0
     }
 
-    /// Keeps the reserves of a bucket's counters past their time; returns
-    /// the end of the latest bucket forgotten to make room, if any was.
+    fn put(&mut self, spent: Spent) -> usize {
+        match self.free.pop() {
+            Some(at) => {
+                self.places[at] = spent;
+                at
+            }
+            None => {
+                self.places.push(spent);
+                self.places.len() - 1
+            }
+        }
+    }
+
+    /// Keeps the reserves of a bucket's counters past their time, given
+    /// as the live counters' table (its values places there: `spent`
+    /// gives each one's reserve and frees it); returns the end of the
+    /// latest bucket forgotten to make room, if any was. The table is
+    /// kept as it is, its values changed in place: no key is hashed
+    /// again (unless the bucket was kept before: then they join it).
     pub(super) fn keep(
         &mut self,
         id: BucketId,
-        spent: impl IntoIterator<Item = (CompactString, Spent)>,
+        mut counters: Counters<usize>,
+        mut spent: impl FnMut(usize) -> Spent,
     ) -> Option<i64> {
-        let before = self.buckets.get(&id).map_or(0, |b| b.len());
-        let counters = match self.buckets.entry(id) {
-            Entry::Occupied(o) => o.into_mut(),
+        for at in counters.values_mut() {
+            *at = self.put(spent(*at));
+        }
+        let added = counters.len();
+        match self.buckets.entry(id) {
+            Entry::Occupied(o) => {
+                let table = o.into_mut();
+                for (key, at) in counters {
+                    if let Some(old) = table.insert(key, at) {
+                        self.free.push(old);
+                        self.len -= 1;
+                    }
+                }
+            }
             Entry::Vacant(v) => {
                 self.order.push_back(v.key().clone());
-                v.insert(Counters::default())
+                v.insert(counters);
             }
-        };
-        counters.extend(spent);
-        self.len += counters.len() - before;
+        }
+        self.len += added;
         let mut forgot = None;
         while self.len > self.cap {
             let Some(end) = self.forget_oldest() else {
@@ -320,7 +354,8 @@ impl SpentBuckets {
         if self.len == 0 {
             return None;
         }
-        self.buckets.get(&BucketOf(id))?.get(id.key.as_str())
+        let at = self.buckets.get(&BucketOf(id))?.get(id.key.as_str())?;
+        Some(&self.places[*at])
     }
 
     /// Takes the reserve spent in counter `id` out (it is back among the
@@ -329,12 +364,13 @@ impl SpentBuckets {
         if self.len == 0 {
             return None;
         }
-        let spent = self
+        let at = self
             .buckets
             .get_mut(&BucketOf(id))?
             .remove(id.key.as_str())?;
         self.len -= 1;
-        Some(spent)
+        self.free.push(at);
+        Some(self.places[at])
     }
 
     /// Forgets the oldest bucket; returns its end if it still held a
@@ -346,6 +382,7 @@ impl SpentBuckets {
                 continue;
             };
             self.len -= counters.len();
+            self.free.extend(counters.values());
             if !counters.is_empty() {
                 return Some(id.end());
             }
@@ -438,18 +475,25 @@ mod tests {
     #[test]
     fn spent_reserves_are_forgotten_a_bucket_at_a_time_oldest_first() {
         let s = |reserve| Spent { reserve, left: 0 };
+        // (A live table's values are places; here the reserve itself.)
+        let table = |keys: &[(&str, usize)]| -> Counters<usize> {
+            keys.iter().map(|&(k, at)| (k.into(), at)).collect()
+        };
+        let spent = |at: usize| s(at as u64);
         let mut m = SpentBuckets::new(3);
         let b1 = BucketId::of(&id("r", "", 1));
         let b2 = BucketId::of(&id("r", "", 2));
         assert_eq!(
-            m.keep(b1.clone(), [("a".into(), s(1)), ("b".into(), s(2))]),
+            m.keep(b1.clone(), table(&[("a", 1), ("b", 2)]), spent),
             None
         );
         assert_eq!(m.get(&id("r", "b", 1)), Some(&s(2)));
         assert_eq!(m.remove(&id("r", "a", 1)), Some(s(1)));
-        assert_eq!(m.keep(b2, [("a".into(), s(3)), ("c".into(), s(4))]), None);
+        assert_eq!(m.keep(b2, table(&[("a", 3), ("c", 4)]), spent), None);
+        assert_eq!(m.get(&id("r", "c", 2)), Some(&s(4)));
+        assert_eq!(m.places.len(), 3, "a freed place is used again");
         // Back again, and more: past 3, bucket 1 goes whole.
-        assert_eq!(m.keep(b1, [("a".into(), s(5))]), Some(2_000));
+        assert_eq!(m.keep(b1, table(&[("a", 5)]), spent), Some(2_000));
         assert!(m.get(&id("r", "b", 1)).is_none());
         assert_eq!(m.get(&id("r", "c", 2)), Some(&s(4)));
         assert_eq!(m.forget_oldest(), Some(3_000));
