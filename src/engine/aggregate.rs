@@ -52,23 +52,24 @@
 //!   remembered past its time, for late calls, up to [`SPENT_KEPT`]
 //!   counters).
 
-use std::sync::Arc;
-
 use compact_str::CompactString;
 
-use crate::engine::event::{Aggregated, CallEvent};
+use crate::engine::event::CallEvent;
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
-use crate::engine::window::{approx_estimate, approx_rejects_until, bucket_of};
+use crate::engine::window::bucket_of;
 
 mod buckets;
 mod checked;
 mod held;
+mod judge;
+mod ledger;
 mod planned;
 mod recent;
 mod reserve;
 use buckets::{Buckets, Counters, Spent, SpentBuckets};
 use checked::{Checked, Remembered};
 use held::{Held, Slab};
+pub use ledger::{Lease, LeaseRequest, MemoryLedger};
 use planned::Planned;
 use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
@@ -138,123 +139,6 @@ impl CounterId {
     }
 }
 
-/// A request for credits of one counter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LeaseRequest {
-    /// The counter.
-    pub counter: CounterId,
-    /// Sliding-approx: the previous bucket's credits are wanted too.
-    pub approx: bool,
-    /// The rule's limit.
-    pub limit: u64,
-    /// Credits wanted.
-    pub want: u64,
-    /// Credits of the previous bucket given back first.
-    pub give_back: u64,
-    /// How long the counter must live from its bucket's start, ms:
-    /// `3 W + grace` (in Redis, its TTL from the lease, plus slack).
-    pub ttl_ms: i64,
-    /// The newest event time the gate saw before the batch (an in-memory
-    /// ledger drops counters by it).
-    pub now_ms: i64,
-    /// The instance holds nothing of the counter yet: most often a key
-    /// called once, far from its limit (Redis answers these by a plain
-    /// increment rather than the script).
-    pub cold: bool,
-}
-
-/// What a ledger answered to a [`LeaseRequest`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Lease {
-    /// Credits granted (maybe fewer than wanted, maybe none).
-    pub granted: u64,
-    /// Credits handed out for the counter so far, these included.
-    pub total: u64,
-    /// Credits handed out for the previous bucket (sliding-approx; 0 else).
-    pub prev: u64,
-}
-
-/// Credits in process: the reference of Redis's lease (for one instance,
-/// the same answers), the ledger of offline work (one instance, so counts
-/// are exact) and of the local fallback (limits scaled by a share).
-#[derive(Debug, Default)]
-pub struct MemoryLedger {
-    counters: Buckets<u64>,
-    /// Limits are scaled by this (the local fallback's share).
-    share: Option<f64>,
-}
-
-impl MemoryLedger {
-    /// A ledger of whole limits.
-    pub fn new() -> Self {
-        MemoryLedger::default()
-    }
-
-    /// A ledger granting `share` of each limit (at least one call), for an
-    /// instance deciding alone while Redis fails.
-    pub fn with_share(share: f64) -> Self {
-        MemoryLedger {
-            share: Some(share.clamp(0.0, 1.0)),
-            ..MemoryLedger::default()
-        }
-    }
-
-    /// The limit a request is held to here.
-    fn limit(&self, limit: u64) -> u64 {
-        match self.share {
-            // (A hair over, so a third of 9 is 3, not 2.999.)
-            Some(share) => ((limit as f64 * share + 1e-9).floor() as u64).max(1),
-            None => limit,
-        }
-    }
-
-    /// Answers requests in order, as the lease script does.
-    pub fn lease(&mut self, requests: &[LeaseRequest]) -> Vec<Lease> {
-        requests.iter().map(|r| self.lease_one(r)).collect()
-    }
-
-    fn lease_one(&mut self, req: &LeaseRequest) -> Lease {
-        self.expire(req.now_ms);
-        let mut prev = 0;
-        if req.give_back > 0 || req.approx {
-            if let Some(p) = self.counters.get_mut(&req.counter.prev()) {
-                *p = p.saturating_sub(req.give_back);
-                if req.approx {
-                    prev = *p;
-                }
-            }
-        }
-        let limit = self.limit(req.limit);
-        let (granted, total) = match self.counters.get_mut(&req.counter) {
-            Some(cur) => {
-                let granted = req.want.min(limit.saturating_sub(*cur));
-                *cur += granted;
-                (granted, *cur)
-            }
-            None => {
-                let granted = req.want.min(limit);
-                if granted > 0 {
-                    let at = req
-                        .counter
-                        .expires_at(req.ttl_ms)
-                        .saturating_add(MEMORY_MARGIN_MS);
-                    self.counters.insert(&req.counter, at, granted);
-                }
-                (granted, granted)
-            }
-        };
-        Lease {
-            granted,
-            total,
-            prev,
-        }
-    }
-
-    fn expire(&mut self, now: i64) {
-        while self.counters.pop_due(now).is_some() {}
-    }
-}
-
 /// Decides the rules keyed by callee or global for batches of calls, from
 /// credits a ledger (Redis's lease script, or [`MemoryLedger`]) leases to
 /// it: [`Gate::plan`] says what to ask for, [`Gate::settle`] takes the
@@ -271,7 +155,7 @@ pub struct Gate {
     /// The results of the last [`REMEMBERED_IDS`] call ids decided.
     remembered: Remembered,
     /// The last batch planned (for its decide).
-    checked: Option<Planned>,
+    planned: Option<Planned>,
     /// The reserve slots and this instance's span ([`reserve`]).
     reserves: Reserves,
     /// Counters given a reserve so far.
@@ -291,7 +175,7 @@ impl Default for Gate {
             latest: None,
             decided: 0,
             remembered: Recent::new(REMEMBERED_IDS),
-            checked: None,
+            planned: None,
             reserves: Reserves::default(),
             reserved_counters: 0,
             spent: SpentBuckets::new(SPENT_KEPT),
@@ -401,7 +285,7 @@ impl Gate {
     /// planning them again. (Planned again, a late call's counter past its
     /// time, leased for already, would be dropped and asked for again.)
     pub fn planned(&self, events: &[CallEvent]) -> bool {
-        self.checked
+        self.planned
             .as_ref()
             .is_some_and(|p| p.checked.decided == self.decided && p.checked.fits(events))
     }
@@ -409,7 +293,7 @@ impl Gate {
     /// Forgets the last plan (its lease failed: the batch is planned
     /// again when it comes).
     pub fn forget_plan(&mut self) {
-        self.checked = None;
+        self.planned = None;
     }
 
     /// Every counter `events` count in is held (they were planned for, and
@@ -457,8 +341,7 @@ impl Gate {
         // (Sized for a counter per call and rule: growing it was a tenth
         // of the gate's time.)
         let most = events.len().saturating_mul(aggs.len());
-        let mut planned = Planned::new(checked, events.len(), rules.rules.len(), most);
-        planned.version = rules.version().into();
+        let mut planned = Planned::new(checked, events.len(), rules, most);
         for (j, ev) in events.iter().enumerate() {
             if planned.checked.known(j) {
                 continue;
@@ -484,7 +367,7 @@ impl Gate {
             planned.needs[k].place = place;
             requests.extend(request);
         }
-        self.checked = Some(planned);
+        self.planned = Some(planned);
         requests
     }
 
@@ -581,7 +464,7 @@ impl Gate {
         // them.)
         let (count, version) = (rules.rules.len(), rules.version());
         let mut planned = self
-            .checked
+            .planned
             .take()
             .filter(|p| p.fits(events, count, version, self.decided));
         self.decided += 1;
@@ -612,46 +495,6 @@ impl Gate {
         }
     }
 
-    /// Call `j` of a planned batch, at `t`, judged by each rule in order
-    /// (as the caller's rules are), on the counters the plan found.
-    fn judge_planned(
-        &mut self,
-        rules: &RuleSet,
-        p: &mut Planned,
-        j: usize,
-        t: i64,
-    ) -> Arc<[Aggregated]> {
-        (0..rules.rules.len())
-            .map(|i| match p.need_of(j, i) {
-                Some(k) => {
-                    let need = &mut p.needs[k];
-                    let at = match need.place {
-                        Some(at) => at,
-                        None => {
-                            let due = need.id.expires_at(ttl_of(rules, i));
-                            *need.place.insert(self.place_of(&need.id, due))
-                        }
-                    };
-                    self.judge(rules, i, &need.id, at, t)
-                }
-                None => Aggregated::default(),
-            })
-            .collect()
-    }
-
-    /// `ev` judged by each rule in order, its counters looked up.
-    fn judge_call(&mut self, rules: &RuleSet, ev: &CallEvent) -> Arc<[Aggregated]> {
-        (0..rules.rules.len())
-            .map(|i| match counter_of(rules, i, ev) {
-                Some(id) => {
-                    let at = self.place_of(&id, id.expires_at(ttl_of(rules, i)));
-                    self.judge(rules, i, &id, at, ev.ts_ms)
-                }
-                None => Aggregated::default(),
-            })
-            .collect()
-    }
-
     /// Plans, leases from `ledger` and decides: the whole gate on an
     /// in-process ledger.
     pub fn run(&mut self, ledger: &mut MemoryLedger, rules: &RuleSet, events: &mut [CallEvent]) {
@@ -677,59 +520,6 @@ impl Gate {
         self.run(ledger, rules, &mut events);
         for ((_, row), ev) in rows.iter_mut().zip(events) {
             row.aggregate = ev.aggregate;
-        }
-    }
-
-    /// Rule `i`'s result for a call at `t` counted in `id`, held at `at`.
-    fn judge(
-        &mut self,
-        rules: &RuleSet,
-        i: usize,
-        id: &CounterId,
-        at: usize,
-        t: i64,
-    ) -> Aggregated {
-        let rule = &rules.rules[i];
-        let (w, n, b) = (rule.window_ms, rule.limit, id.bucket);
-        let r = t - b.saturating_mul(w);
-        let approx = rule.kind == WindowKind::SlidingApprox;
-        let prev = if approx { self.prev_view(id) } else { 0 };
-        let weighted = approx_estimate(prev, 0, w, r) - 1;
-        let h = self.held.get_mut(at);
-        let used = h.total - h.held;
-        let mut count = weighted + used + 1;
-        let admitted = h.held > 0 && count <= n;
-        if admitted {
-            h.held -= 1;
-            h.reserve_left = h.reserve_left.saturating_sub(1);
-            h.mine += 1;
-        } else {
-            // No credit in hand: over the limit as this instance sees it.
-            count = count.max(n + 1);
-        }
-        let after = used + u64::from(admitted);
-        let bucket_last = b.saturating_add(1).saturating_mul(w).saturating_sub(1);
-        let until = if approx {
-            approx_rejects_until(b, after, prev, w, n, i64::MAX).or((!admitted).then_some(t))
-        } else {
-            (!admitted || after >= n).then_some(bucket_last)
-        };
-        Aggregated { count, until }
-    }
-
-    /// The previous bucket's count as this instance sees it: the calls
-    /// counted there as of its own last lease of it, or the ledger's count
-    /// when it leased this bucket (less what it still holds there), the
-    /// larger. With one instance, exactly the calls counted there.
-    fn prev_view(&self, id: &CounterId) -> u64 {
-        let snapshot = self.held_of(id).map_or(0, |h| h.prev);
-        match self.held_of(&id.prev()) {
-            Some(p) => (p.total - p.held).max(snapshot.saturating_sub(p.held)),
-            // (The ledger's count has no reserve in it.)
-            None => {
-                let spent = self.spent.get(&id.prev());
-                snapshot + spent.map_or(0, |s| s.reserve - s.left)
-            }
         }
     }
 

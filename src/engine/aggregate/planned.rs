@@ -12,6 +12,7 @@ use hashbrown::HashTable;
 use super::checked::Checked;
 use super::CounterId;
 use crate::engine::event::CallEvent;
+use crate::engine::rules::RuleSet;
 
 /// A call a rule does not count (or a batch not kept).
 const NONE: usize = usize::MAX;
@@ -45,13 +46,14 @@ pub(super) struct Planned {
     of_call: Vec<usize>,
     rules: usize,
     /// The rule set's version: decide uses the plan only with the same.
-    pub version: CompactString,
+    version: CompactString,
 }
 
 impl Planned {
-    /// An empty plan of `checked`'s batch of `calls` calls under `rules`
-    /// rules, room made for `most` counters.
-    pub fn new(checked: Checked, calls: usize, rules: usize, most: usize) -> Self {
+    /// An empty plan of `checked`'s batch of `calls` calls under `rules`,
+    /// room made for `most` counters.
+    pub fn new(checked: Checked, calls: usize, rules: &RuleSet, most: usize) -> Self {
+        let (version, rules) = (rules.version().into(), rules.rules.len());
         let cells = if checked.kept() {
             calls.saturating_mul(rules)
         } else {
@@ -64,7 +66,7 @@ impl Planned {
             hasher: Default::default(),
             of_call: vec![NONE; cells],
             rules,
-            version: CompactString::default(),
+            version,
         }
     }
 

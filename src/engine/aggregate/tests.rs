@@ -4,7 +4,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
+use crate::engine::event::Aggregated;
 use crate::engine::rules::{Rule, RuleSpec};
+use crate::engine::window::approx_rejects_until;
 
 fn ev(id: usize, t: i64, callee: &str) -> CallEvent {
     CallEvent {
