@@ -80,7 +80,8 @@ pub const MEMORY_MARGIN_MS: i64 = 3_600_000;
 
 /// Counters whose reserve was spent that the gate remembers after their
 /// time, for late calls (their count includes the reserve spent; none is
-/// taken for them again): about 65 bytes each, kept by bucket. Past this
+/// taken for them again): about 70 bytes each (the bucket's table,
+/// moved, and 16 bytes of reserve per counter), kept by bucket. Past this
 /// many the oldest buckets are forgotten whole, and no reserve is taken
 /// below their end.
 pub const SPENT_KEPT: usize = 1 << 20;
