@@ -26,7 +26,8 @@
 //!    (`bench_store EVENTS flood` runs only this section).
 //!
 //! `bench_store EVENTS ceiling` runs only section 3; `BENCH_BATCH=N` sets
-//! its store's batch size (default 256). `bench_store EVENTS aggregate`
+//! its store's batch size (default 256), `BENCH_PROFILE=1` (or 3, 5) runs
+//! only that rule set once, for a profiler. `bench_store EVENTS aggregate`
 //! measures rules keyed by callee or global against data/rules.toml
 //! alone; `BENCH_AGG_SETS=0,2` runs only those of its rule sets.
 
@@ -450,6 +451,18 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
     let (mut s5, mut c5) = (Vec::new(), Vec::new());
     // BENCH_CACHED_ONLY=1 leaves the script store out (a quicker A/B of the default).
     let script = std::env::var_os("BENCH_CACHED_ONLY").is_none();
+    // BENCH_PROFILE=1 (or 3, 5): that set alone, in the default store,
+    // once, with no peer: a profiler's run.
+    if let Ok(set) = std::env::var("BENCH_PROFILE") {
+        let rules = match set.as_str() {
+            "3" => &three,
+            "5" => &five,
+            _ => &one,
+        };
+        let (rate, redis, own) = store_round(con, url, rules, total, true).await;
+        println!("{set} rule(s): {rate:.0} events/s, Redis {redis:.1} µs/event, own {own:?} µs/event");
+        return;
+    }
     for _ in 0..3 {
         seeds.push(seeds_round(con, port, total));
         if script {
