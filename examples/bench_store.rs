@@ -460,7 +460,9 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
             _ => &one,
         };
         let (rate, redis, own) = store_round(con, url, rules, total, true).await;
-        println!("{set} rule(s): {rate:.0} events/s, Redis {redis:.1} µs/event, own {own:?} µs/event");
+        println!(
+            "{set} rule(s): {rate:.0} events/s, Redis {redis:.1} µs/event, own {own:?} µs/event"
+        );
         return;
     }
     for _ in 0..3 {
