@@ -459,10 +459,49 @@ async fn ceiling_comparison(con: &mut redis::Connection, url: &str, port: u16, t
             "5" => &five,
             _ => &one,
         };
+        let _: () = redis::cmd("CONFIG")
+            .arg("RESETSTAT")
+            .query(con)
+            .expect("reset stats");
         let (rate, redis, own) = store_round(con, url, rules, total, true).await;
         println!(
             "{set} rule(s): {rate:.0} events/s, Redis {redis:.1} µs/event, own {own:?} µs/event"
         );
+        let info: String = redis::cmd("INFO")
+            .arg("stats")
+            .query(con)
+            .expect("INFO stats");
+        let bytes = |name: &str| -> f64 {
+            info.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        println!(
+            "bytes/event: in {:.0}, out {:.0}",
+            bytes("total_net_input_bytes") / total as f64,
+            bytes("total_net_output_bytes") / total as f64
+        );
+        // Redis's own time per command (inside scripts too), per event.
+        let stats: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(con)
+            .expect("INFO commandstats");
+        for line in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
+            let field = |name: &str| -> f64 {
+                line.split([':', ','])
+                    .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
+                    .unwrap_or(0.0)
+            };
+            let calls = field("calls");
+            let usec = field("usec");
+            println!(
+                "{:<24} {:>8.3} calls/event {:>6.2} µs/call {:>6.2} µs/event",
+                line.split(':').next().unwrap_or(""),
+                calls / total as f64,
+                usec / calls.max(1.0),
+                usec / total as f64
+            );
+        }
         return;
     }
     for _ in 0..3 {

@@ -104,21 +104,31 @@ while k <= #KEYS do
     last = dels + d - 1
     a = last + 1
   end
-  local written
+  local written, found
   if lop == C then
     written = call('GETRANGE', key, 0, 7) == sub(head, 5, 12)
   elseif #head == 4 then
     written = call('SET', key, value, 'NX', 'PX', ttl)
-  elseif call('GETRANGE', key, 0, 7) == sub(head, 5, 12) then
-    if ttl then
+  elseif ttl then
+    if call('GETRANGE', key, 0, 7) == sub(head, 5, 12) then
       written = call('SET', key, value, 'PX', ttl)
-    else
-      written = call('SET', key, value, 'KEEPTTL')
+    end
+  else
+    -- The common write: one call that writes and returns what it
+    -- replaced (each call from a script costs Redis about as much as
+    -- a command from a client). Another writer's state is put back as
+    -- it was, TTL and all (KEEPTTL kept it); a key that was absent is
+    -- removed again.
+    found = call('SET', key, value, 'KEEPTTL', 'GET')
+    written = found and sub(found, 1, 8) == sub(head, 5, 12)
+    if not written then
+      if found then call('SET', key, found, 'KEEPTTL') else call('DEL', key) end
     end
   end
   if not written then
     out[#out + 1] = i
-    out[#out + 1] = call('GET', key)
+    if found == nil then found = call('GET', key) end
+    out[#out + 1] = found
   elseif lop ~= C then
     if rop == S then call('UNLINK', rkey) end
     if rop == H or rop == S then

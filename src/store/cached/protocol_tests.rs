@@ -1,9 +1,11 @@
 //! The commit call's bytes against `lua/commit.lua` on a real
 //! redis-server: for every combination of flags the Rust encoder can send
 //! (log operation, records operation, block key, TTL, a version check, a
-//! caller believed new, a stale version), two callers in one call, so a
-//! reader that takes one argument or key too many or too few for the first
-//! caller garbles the second. Each caller's keys are checked afterwards.
+//! caller believed new, a stale version, a version whose state string is
+//! gone), two callers in one call, so a reader that takes one argument or
+//! key too many or too few for the first caller garbles the second. Each
+//! caller's keys are checked afterwards: a refused caller's as they were,
+//! TTL and all.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -70,6 +72,9 @@ enum Expect {
     Right,
     /// Another version: refused.
     Stale,
+    /// A version, but no state string (expired, or deleted by hand):
+    /// refused, and nothing left behind.
+    Gone,
 }
 
 /// One combination of flags.
@@ -94,7 +99,7 @@ const BLOCK_TTL_MS: i64 = 40_000;
 /// script, but the script must take them all).
 fn cases() -> Vec<Case> {
     let mut out = Vec::new();
-    for expect in [Expect::New, Expect::Right, Expect::Stale] {
+    for expect in [Expect::New, Expect::Right, Expect::Stale, Expect::Gone] {
         out.push(Case {
             log: b'-',
             records: b'-',
@@ -147,7 +152,7 @@ fn write_of(case: Case, caller: &str, pending: usize) -> Write<'_> {
     let expected = match case.expect {
         Expect::New => None,
         Expect::Right => Some(OLD_VERSION),
-        Expect::Stale => Some(OLD_VERSION + 2),
+        Expect::Stale | Expect::Gone => Some(OLD_VERSION + 2),
     };
     let with_records = matches!(records_op, RecordsOp::Hash | RecordsOp::Replace);
     Write {
@@ -185,7 +190,7 @@ fn seed(con: &mut redis::Connection, store: &CachedStore, case: Case, caller: &s
     let mut old = OLD_VERSION.to_le_bytes().to_vec();
     old.extend_from_slice(b"old state");
     let mut pipe = redis::pipe();
-    if case.expect != Expect::New {
+    if !matches!(case.expect, Expect::New | Expect::Gone) {
         pipe.cmd("SET")
             .arg(store.state_key(caller))
             .arg(old)
@@ -223,7 +228,8 @@ fn check_after(
     written: bool,
 ) {
     let what = format!("{case:?} for {caller}");
-    assert_eq!(written, case.expect != Expect::Stale, "{what}: refused");
+    let refused = matches!(case.expect, Expect::Stale | Expect::Gone);
+    assert_eq!(written, !refused, "{what}: refused");
     let applies = written && !case.check;
     let state: Option<Vec<u8>> = redis::cmd("GET")
         .arg(store.state_key(caller))
@@ -247,8 +253,13 @@ fn check_after(
     if !applies {
         let mut old = OLD_VERSION.to_le_bytes().to_vec();
         old.extend_from_slice(b"old state");
-        let expected_state = (case.expect != Expect::New).then_some(old);
-        assert_eq!(state, expected_state, "{what}: state");
+        let held = !matches!(case.expect, Expect::New | Expect::Gone);
+        assert_eq!(state, held.then_some(old), "{what}: state");
+        if held {
+            // Left as it was, TTL and all.
+            let ttl = pttl(con, &store.state_key(caller));
+            assert!((1..=OLD_TTL_MS as i64).contains(&ttl), "{what}: TTL {ttl}");
+        }
         assert_eq!(log.as_deref(), Some(&b"old log"[..]), "{what}: log");
         assert_eq!(records, old_records, "{what}: records");
         assert_eq!(block, None, "{what}: block key");
