@@ -104,7 +104,8 @@ pub(super) fn decide<'a>(
     let idem = plan.idempotency;
     let mut journal = Journal::default();
     let old_len = p.cached.state.log().len();
-    let mut made: Vec<(CompactString, String)> = Vec::new();
+    let mut made: Vec<(CompactString, String)> =
+        Vec::with_capacity(if idem { p.events.len() } else { 0 });
     let mut block = None;
     let mut changed = false;
     for &i in &p.events {

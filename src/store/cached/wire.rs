@@ -322,10 +322,16 @@ pub(super) fn state_value(
     log: PackedLog,
     records: &Records,
 ) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64);
-    out.extend_from_slice(&version.to_le_bytes());
     let mut packed = Vec::with_capacity(48);
     state.pack(&mut packed, log);
+    // Sized once: version, form, then each part after its length (at
+    // most 10 bytes of LEB128 each).
+    let inline: usize = match records {
+        Records::Inline(list) => list.iter().map(|(id, r)| id.len() + r.len() + 20).sum(),
+        Records::Apart => 0,
+    };
+    let mut out = Vec::with_capacity(8 + 1 + 10 + packed.len() + inline);
+    out.extend_from_slice(&version.to_le_bytes());
     match records {
         Records::Inline(list) => {
             out.push(0);
