@@ -203,6 +203,10 @@ pub struct Journal {
     pub log_inserted_inside: bool,
 }
 
+/// Entries a caller's log and callee tables keep allocated when it
+/// starts afresh (see `CallerState::start_afresh`).
+const KEPT_CAPACITY: usize = 16;
+
 /// All window state of one caller.
 #[derive(Debug, Clone, Default)]
 pub struct CallerState {
@@ -667,13 +671,40 @@ impl CallerState {
     }
 
     /// No window data older than the horizon can matter: start afresh
-    /// (idempotency records have their own, longer horizon).
+    /// (idempotency records have their own, longer horizon). Emptied in
+    /// place: a caller back after its windows passed (most callers, most
+    /// of the time) refills the same tables, so they keep a small
+    /// allocation ([`KEPT_CAPACITY`] entries) instead of being freed and
+    /// made again; a past flood's larger ones are let go. (Every field is
+    /// named, so a new one cannot be forgotten here.)
     fn start_afresh(&mut self) {
-        *self = CallerState {
-            seen: std::mem::take(&mut self.seen),
-            seen_by_ts: std::mem::take(&mut self.seen_by_ts),
-            ..CallerState::default()
-        };
+        let CallerState {
+            latest,
+            log,
+            fixed,
+            approx,
+            own_logs,
+            buckets,
+            distinct,
+            pairs,
+            seen: _,
+            seen_by_ts: _,
+            callees,
+            callees_by_ts,
+        } = self;
+        *latest = None;
+        log.clear();
+        log.shrink_to(KEPT_CAPACITY);
+        fixed.clear();
+        approx.clear();
+        own_logs.clear();
+        buckets.clear();
+        distinct.clear();
+        pairs.clear();
+        callees.clear();
+        callees.shrink_to(KEPT_CAPACITY);
+        callees_by_ts.clear();
+        callees_by_ts.shrink_to(KEPT_CAPACITY);
     }
 
     /// Notes the call's callee, then counts the callees whose latest call is
