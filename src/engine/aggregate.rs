@@ -66,13 +66,15 @@ mod ledger;
 mod planned;
 mod recent;
 mod reserve;
+mod slab;
 use buckets::{Buckets, Counters, Spent, SpentBuckets};
 use checked::{Checked, Remembered};
-use held::{Held, Slab};
+use held::Held;
 pub use ledger::{Lease, LeaseRequest, MemoryLedger};
 use planned::Planned;
 use recent::Recent;
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
+use slab::Slab;
 
 /// How much longer than `3 W + grace` the in-process ledger keeps a
 /// counter (event time): calls later than that start it afresh.
@@ -149,7 +151,7 @@ impl CounterId {
 pub struct Gate {
     /// The counters' places in `held`.
     counters: Buckets<usize>,
-    held: Slab,
+    held: Slab<Held>,
     latest: Option<i64>,
     /// Batches decided so far.
     decided: u64,

@@ -18,6 +18,7 @@ use compact_str::CompactString;
 use hashbrown::hash_map::{Entry, EntryRef};
 use hashbrown::{Equivalent, HashMap};
 
+use super::slab::Slab;
 use super::CounterId;
 
 /// A hash map with the hasher the gate uses.
@@ -267,8 +268,7 @@ pub(super) struct Spent {
 #[derive(Debug)]
 pub(super) struct SpentBuckets {
     buckets: Map<BucketId, Counters<usize>>,
-    places: Vec<Spent>,
-    free: Vec<usize>,
+    places: Slab<Spent>,
     /// In the order they came.
     order: VecDeque<BucketId>,
     len: usize,
@@ -280,8 +280,7 @@ impl SpentBuckets {
     pub(super) fn new(cap: usize) -> Self {
         SpentBuckets {
             buckets: Map::default(),
-            places: Vec::new(),
-            free: Vec::new(),
+            places: Slab::default(),
             order: VecDeque::new(),
             len: 0,
             cap,
@@ -292,19 +291,6 @@ impl SpentBuckets {
     #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
         self.len == 0
-    }
-
-    fn put(&mut self, spent: Spent) -> usize {
-        match self.free.pop() {
-            Some(at) => {
-                self.places[at] = spent;
-                at
-            }
-            None => {
-                self.places.push(spent);
-                self.places.len() - 1
-            }
-        }
     }
 
     /// Keeps the reserves of a bucket's counters past their time, given
@@ -320,7 +306,7 @@ impl SpentBuckets {
         mut spent: impl FnMut(usize) -> Spent,
     ) -> Option<i64> {
         for at in counters.values_mut() {
-            *at = self.put(spent(*at));
+            *at = self.places.put(spent(*at));
         }
         let added = counters.len();
         match self.buckets.entry(id) {
@@ -328,7 +314,7 @@ impl SpentBuckets {
                 let table = o.into_mut();
                 for (key, at) in counters {
                     if let Some(old) = table.insert(key, at) {
-                        self.free.push(old);
+                        self.places.free(old);
                         self.len -= 1;
                     }
                 }
@@ -355,7 +341,7 @@ impl SpentBuckets {
             return None;
         }
         let at = self.buckets.get(&BucketOf(id))?.get(id.key.as_str())?;
-        Some(&self.places[*at])
+        Some(self.places.get(*at))
     }
 
     /// Takes the reserve spent in counter `id` out (it is back among the
@@ -369,8 +355,8 @@ impl SpentBuckets {
             .get_mut(&BucketOf(id))?
             .remove(id.key.as_str())?;
         self.len -= 1;
-        self.free.push(at);
-        Some(self.places[at])
+        self.places.free(at);
+        Some(*self.places.get(at))
     }
 
     /// Forgets the oldest bucket; returns its end if it still held a
@@ -382,7 +368,7 @@ impl SpentBuckets {
                 continue;
             };
             self.len -= counters.len();
-            self.free.extend(counters.values());
+            counters.values().for_each(|&at| self.places.free(at));
             if !counters.is_empty() {
                 return Some(id.end());
             }
@@ -491,7 +477,7 @@ mod tests {
         assert_eq!(m.remove(&id("r", "a", 1)), Some(s(1)));
         assert_eq!(m.keep(b2, table(&[("a", 3), ("c", 4)]), spent), None);
         assert_eq!(m.get(&id("r", "c", 2)), Some(&s(4)));
-        assert_eq!(m.places.len(), 3, "a freed place is used again");
+        assert_eq!(m.places.made(), 3, "a freed place is used again");
         // Back again, and more: past 3, bucket 1 goes whole.
         assert_eq!(m.keep(b1, table(&[("a", 5)]), spent), Some(2_000));
         assert!(m.get(&id("r", "b", 1)).is_none());

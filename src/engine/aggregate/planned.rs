@@ -74,6 +74,18 @@ impl Planned {
         self.hasher.hash_one((i, key, bucket))
     }
 
+    /// The index in `needs` of rule `i`'s counter of `key` in `bucket`
+    /// (`hash` its [`Planned::hash`]), if the batch counts in it.
+    fn find(&self, hash: u64, i: usize, key: &str, bucket: i64) -> Option<usize> {
+        let needs = &self.needs;
+        self.index
+            .find(hash, |&k| {
+                let n = &needs[k];
+                n.rule == i && n.id.bucket == bucket && n.id.key == key
+            })
+            .copied()
+    }
+
     /// Counts a call in rule `i`'s counter of `key` in `bucket` (`id`
     /// builds it, if it is new to the batch); returns its index in
     /// `needs`.
@@ -85,23 +97,19 @@ impl Planned {
         id: impl FnOnce() -> CounterId,
     ) -> usize {
         let hash = self.hash(i, key, bucket);
-        let needs = &mut self.needs;
-        let found = self.index.find(hash, |&k| {
-            let n = &needs[k];
-            n.rule == i && n.id.bucket == bucket && n.id.key == key
-        });
-        if let Some(&k) = found {
-            needs[k].calls += 1;
+        if let Some(k) = self.find(hash, i, key, bucket) {
+            self.needs[k].calls += 1;
             return k;
         }
-        needs.push(Need {
+        self.needs.push(Need {
             rule: i,
             id: id(),
             calls: 1,
             place: None,
         });
-        let k = needs.len() - 1;
+        let k = self.needs.len() - 1;
         let (needs, hasher) = (&self.needs, &self.hasher);
+        // (Rehashing on growth: the same hash as `Planned::hash`.)
         self.index.insert_unique(hash, k, |&k| {
             let n = &needs[k];
             hasher.hash_one((n.rule, n.id.key.as_str(), n.id.bucket))
@@ -111,12 +119,7 @@ impl Planned {
 
     /// The batch counts in rule `i`'s counter of `key` in `bucket`.
     pub fn has(&self, i: usize, key: &str, bucket: i64) -> bool {
-        let hash = self.hash(i, key, bucket);
-        self.index
-            .find(hash, |&k| {
-                let n = &self.needs[k];
-                n.rule == i && n.id.bucket == bucket && n.id.key == key
-            })
+        self.find(self.hash(i, key, bucket), i, key, bucket)
             .is_some()
     }
 
