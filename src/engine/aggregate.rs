@@ -310,6 +310,12 @@ impl Gate {
             .all(|id| self.counters.contains(&id))
     }
 
+    /// Batches decided so far: a batch decided with nothing decided after
+    /// it is still the gate's latest word on its calls.
+    pub fn decided(&self) -> u64 {
+        self.decided
+    }
+
     /// Counters given credits from this instance's reserve so far.
     pub fn reserved_counters(&self) -> u64 {
         self.reserved_counters

@@ -10,7 +10,7 @@ use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::{is_plain, RedisLedger};
-use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
+use crate::store::{LeaseStats, Next, StoreStats, Upcoming, WindowStore};
 use tracing::debug;
 
 /// Where credits come from.
@@ -51,6 +51,37 @@ pub struct Gated<S> {
     gate: Gate,
     ledger: Ledger,
     leased: LeaseStats,
+    /// The batch queued behind, decided by the gate while the one before
+    /// it was committed.
+    ahead: Option<DecidedAhead>,
+    /// Batches taken from `ahead`.
+    taken_ahead: u64,
+}
+
+/// A batch the gate decided while the batch before it was committed (its
+/// own time then spent waiting for Redis's answer): used when that batch
+/// comes under the same rules with nothing decided since; otherwise it is
+/// decided again, and its calls, remembered, get the same results.
+#[derive(Debug)]
+struct DecidedAhead {
+    events: Vec<CallEvent>,
+    version: String,
+    /// [`Gate::decided`] once it was decided.
+    decided: u64,
+}
+
+impl DecidedAhead {
+    /// It is `events` under `rules`, and the gate decided nothing since.
+    fn fits(&self, rules: &RuleSet, events: &[CallEvent], decided: u64) -> bool {
+        self.decided == decided
+            && self.version == rules.version()
+            && self.events.len() == events.len()
+            && self
+                .events
+                .iter()
+                .zip(events)
+                .all(|(a, b)| a.call_id == b.call_id && a.ts_ms == b.ts_ms && a.callee == b.callee)
+    }
 }
 
 impl<S: WindowStore> Gated<S> {
@@ -61,7 +92,15 @@ impl<S: WindowStore> Gated<S> {
             gate: Gate::new(),
             ledger,
             leased: LeaseStats::default(),
+            ahead: None,
+            taken_ahead: 0,
         }
+    }
+
+    /// Batches whose gate decision was made while the batch before them
+    /// was committed.
+    pub fn taken_ahead(&self) -> u64 {
+        self.taken_ahead
     }
 
     /// The store behind the gate.
@@ -91,6 +130,12 @@ impl<S: WindowStore> Gated<S> {
             let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
             self.gate.set_reserves(reserves);
         }
+        if let Some(ahead) = self.ahead.take() {
+            if ahead.fits(rules, events, self.gate.decided()) {
+                self.taken_ahead += 1;
+                return Ok(Some(ahead.events));
+            }
+        }
         let mut events = events.to_vec();
         let requests = if planned {
             debug_assert!(self.gate.holds(rules, &events), "planned ahead");
@@ -108,12 +153,12 @@ impl<S: WindowStore> Gated<S> {
         Ok(Some(events))
     }
 
-    /// Decides `events` (gated) in the store while leasing the credits
-    /// the next batch, if it has come, will need beyond those held, as
-    /// [`Gate::plan`] would ask for them once `events` are decided (which
-    /// they are: the gate decides before the store commits). A failed
-    /// lease ahead is let go: `next` asks again when it comes, and meets
-    /// the error then.
+    /// Decides `events` (gated) in the store while the gate plans, leases
+    /// for and decides the next batch, if it has come: the store's wait
+    /// for Redis is the gate's time. (The gate decides a batch before the
+    /// store commits it, as [`Gated::gate`] does; the next batch is the
+    /// decider's next job, decided next.) A failed lease ahead is let go:
+    /// `next` asks again when it comes, and meets the error then.
     async fn apply_ahead(
         &mut self,
         rules: &RuleSet,
@@ -126,33 +171,66 @@ impl<S: WindowStore> Gated<S> {
             .map(|n| newest_of(n.events));
         let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
-        let requests = match next.peek() {
-            Some(n) if n.rules.has_aggregates() => self.gate.plan(n.rules, n.events),
-            _ => Vec::new(),
-        };
-        if requests.is_empty() {
+        let Some(n) = next.peek().filter(|n| n.rules.has_aggregates()) else {
             return self.inner.apply_batch_partial(rules, batch).await;
-        }
-        let (inner, ledger) = (&mut self.inner, &mut self.ledger);
-        let (verdicts, (leases, micros)) = futures::join!(
+        };
+        let (inner, gate, ledger) = (&mut self.inner, &mut self.gate, &mut self.ledger);
+        let leased = &mut self.leased;
+        let (verdicts, ahead) = futures::join!(
             inner.apply_batch_partial(rules, batch),
-            timed(ledger.lease(&requests))
+            decide_ahead(gate, ledger, leased, n)
         );
-        self.leased.micros += micros;
-        match leases {
-            Ok(leases) => self.settle(&requests, &leases),
-            Err(e) => {
-                self.gate.forget_plan();
-                debug!(error = %e, "leasing ahead failed; the next batch asks again");
-            }
-        }
+        self.ahead = ahead;
         verdicts
     }
 
     /// Takes a lease call's answers into the gate and the counts.
     fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
-        self.count(requests, leases);
+        count(&self.ledger, &mut self.leased, requests, leases);
         self.gate.settle(requests, leases);
+    }
+}
+
+/// The gate's decision on `next`: planned, leased for and decided (as
+/// [`Gated::gate`] would when it comes); `None` if its lease failed.
+async fn decide_ahead(
+    gate: &mut Gate,
+    ledger: &mut Ledger,
+    leased: &mut LeaseStats,
+    next: Next<'_>,
+) -> Option<DecidedAhead> {
+    let requests = gate.plan(next.rules, next.events);
+    if !requests.is_empty() {
+        let (leases, micros) = timed(ledger.lease(&requests)).await;
+        leased.micros += micros;
+        match leases {
+            Ok(leases) => {
+                count(ledger, leased, &requests, &leases);
+                gate.settle(&requests, &leases);
+            }
+            Err(e) => {
+                gate.forget_plan();
+                debug!(error = %e, "leasing ahead failed; the next batch asks again");
+                return None;
+            }
+        }
+    }
+    let mut events = next.events.to_vec();
+    gate.decide(next.rules, &mut events);
+    Some(DecidedAhead {
+        events,
+        version: next.rules.version().to_string(),
+        decided: gate.decided(),
+    })
+}
+
+/// Counts a lease call that was answered.
+fn count(ledger: &Ledger, s: &mut LeaseStats, requests: &[LeaseRequest], leases: &[Lease]) {
+    s.calls += 1;
+    ledger.count(requests, s);
+    for (r, l) in requests.iter().zip(leases) {
+        s.granted += l.granted;
+        s.short += r.want.saturating_sub(l.granted);
     }
 }
 
@@ -181,19 +259,6 @@ async fn timed<T>(work: impl std::future::Future<Output = T>) -> (T, u64) {
     let start = std::time::Instant::now();
     let out = work.await;
     (out, start.elapsed().as_micros() as u64)
-}
-
-impl<S> Gated<S> {
-    /// Counts a lease call that was answered.
-    fn count(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
-        let s = &mut self.leased;
-        s.calls += 1;
-        self.ledger.count(requests, s);
-        for (r, l) in requests.iter().zip(leases) {
-            s.granted += l.granted;
-            s.short += r.want.saturating_sub(l.granted);
-        }
-    }
 }
 
 impl<S: WindowStore> WindowStore for Gated<S> {
@@ -249,7 +314,6 @@ mod tests {
     use super::*;
     use crate::engine::rules::{Rule, RuleKey, RuleSpec, WindowKind};
     use crate::store::memory::MemoryStore;
-    use crate::store::Next;
 
     /// Batches of calls to a few callees (some over the limit) from
     /// many callers, with retransmissions.
@@ -317,6 +381,73 @@ mod tests {
             assert!(p.short > 0, "{kind:?}: the limit was reached");
             assert!(p.calls >= last as u64, "{kind:?}: every batch leased");
             assert_eq!((a.granted, a.short), (p.granted, p.short), "{kind:?}");
+            // Every batch after the first was decided while the one before
+            // it was committed.
+            assert_eq!(ahead.taken_ahead(), last as u64, "{kind:?}");
         }
+    }
+
+    /// A batch decided ahead is used only for the batch it was, under the
+    /// rules it was decided with, with nothing decided since: a batch
+    /// retried first (the store failed it) is decided again, with the
+    /// records of a gate that never looked ahead, and so is the batch
+    /// after it; a batch peeked under other rules than it comes with is
+    /// not used either.
+    #[tokio::test]
+    async fn a_batch_decided_ahead_is_used_only_for_itself() {
+        let first = rules(WindowKind::Fixed);
+        let mut reloaded = Rule::new("tdos", WindowKind::Fixed, 2_000, 2);
+        reloaded.key = RuleKey::Callee;
+        let caller = Rule::new("caller", WindowKind::Fixed, 1_000, 3);
+        let reloaded = RuleSet::build(RuleSpec::new(vec![caller, reloaded])).expect("rules");
+        let b = batches();
+        // (batch, its rules, the batch peeked behind it and its rules)
+        type Step<'a> = (usize, &'a RuleSet, Option<(usize, &'a RuleSet)>);
+        let steps: [Step; 5] = [
+            (0, &first, Some((1, &first))),
+            // Batch 0 again (retried), then 1: neither taken ahead.
+            (0, &first, None),
+            // A reload: the next batch comes with the new rules.
+            (1, &first, Some((2, &reloaded))),
+            (2, &reloaded, Some((3, &reloaded))),
+            (3, &reloaded, None),
+        ];
+        let (mut plain, mut ahead) = (gated(), gated());
+        for (k, &(j, rules, peek)) in steps.iter().enumerate() {
+            let want = plain
+                .apply_batch_partial(rules, &b[j])
+                .await
+                .expect("plain");
+            let mut next = peek.map(|(n, rules)| Next {
+                rules,
+                events: &b[n],
+            });
+            let got = ahead
+                .apply_batch_partial_ahead(rules, &b[j], &mut next)
+                .await
+                .expect("ahead");
+            assert_eq!(got, want, "step {k}");
+        }
+        assert!(
+            plain.stats().lease.short > 0,
+            "the reloaded limit was reached"
+        );
+        // Batches 2 and 3 were taken as decided ahead.
+        assert_eq!(ahead.taken_ahead(), 2);
+        // Peeked under the first rules, it comes under the reloaded ones.
+        let mut other = gated();
+        let mut next = Some(Next {
+            rules: &first,
+            events: &b[1],
+        });
+        other
+            .apply_batch_partial_ahead(&first, &b[0], &mut next)
+            .await
+            .expect("batch 0");
+        other
+            .apply_batch_partial(&reloaded, &b[1])
+            .await
+            .expect("batch 1");
+        assert_eq!(other.taken_ahead(), 0);
     }
 }

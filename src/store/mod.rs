@@ -76,8 +76,11 @@ pub struct Next<'a> {
 /// Where a store deciding a batch learns the batch after it, if that has
 /// come yet ([`WindowStore::apply_batch_partial_ahead`]).
 pub trait Upcoming: Send {
-    /// The next batch, if already known. Asked once the current batch is
-    /// decided, just before it is committed.
+    /// The next batch, if already known, with the rules it will be decided
+    /// under: the store may decide it (the gate's part) while the current
+    /// batch is committed. Asked once the current batch is decided, just
+    /// before it is committed. (A batch retried in between is decided
+    /// again, and the next one with it.)
     fn peek(&mut self) -> Option<Next<'_>>;
 }
 
