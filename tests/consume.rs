@@ -645,14 +645,12 @@ async fn redis_outage(cached: bool, group: &str) {
     let redis = RedisServer::start(&["--appendonly", "yes", "--appendfsync", "always"]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 2)));
     let s = sample(20_000, 15).await;
-    callguard::online::produce::produce(
-        s.log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
+    // The log in two halves: the second is produced once Redis is gone,
+    // so the consumer meets the outage however fast it read the first.
+    let (first, second) = s.log.events.split_at(s.log.events.len() / 2);
+    callguard::online::produce::produce(first.iter().map(|(_, e)| e), &brokers, &[], "calls")
+        .await
+        .unwrap();
     let mut cfg = config(&brokers, group);
     cfg.batch_size = 50;
     let run = start_in_process_with(cfg, &redis.url(), s.rules.clone(), cached).await;
@@ -660,6 +658,9 @@ async fn redis_outage(cached: bool, group: &str) {
     let partial = read_decisions(&brokers, "call-decisions", 3_000, Duration::from_secs(120)).await;
     assert!(by_call_id(&partial).len() >= 3_000);
     let (port, dir) = redis.stop();
+    callguard::online::produce::produce(second.iter().map(|(_, e)| e), &brokers, &[], "calls")
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_secs(4)).await;
     let errors_during = run.metrics.encode();
     let redis = RedisServer::start_in(
