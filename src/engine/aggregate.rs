@@ -299,17 +299,6 @@ impl Gate {
         self.planned = None;
     }
 
-    /// Every counter `events` count in is held (they were planned for, and
-    /// nothing was decided or dropped since).
-    pub fn holds(&self, rules: &RuleSet, events: &[CallEvent]) -> bool {
-        let aggs = aggregate_rules(rules);
-        events
-            .iter()
-            .filter(|ev| self.remembered.get(&ev.call_id).is_none())
-            .flat_map(|ev| aggs.iter().filter_map(|&i| counter_of(rules, i, ev)))
-            .all(|id| self.counters.contains(&id))
-    }
-
     /// Batches decided so far: a batch decided with nothing decided after
     /// it is still the gate's latest word on its calls.
     pub fn decided(&self) -> u64 {

@@ -10,8 +10,10 @@ use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::lease::{is_plain, RedisLedger};
-use crate::store::{LeaseStats, Next, StoreStats, Upcoming, WindowStore};
-use tracing::debug;
+use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
+use std::sync::Arc;
+use tokio::sync::Mutex;
+use tracing::{debug, warn};
 
 /// Where credits come from.
 #[derive(Debug)]
@@ -48,20 +50,27 @@ impl Ledger {
 #[derive(Debug)]
 pub struct Gated<S> {
     inner: S,
-    gate: Gate,
+    /// The gate: the store's task takes it for the batch it decides, a
+    /// blocking-pool thread for the batch queued behind.
+    gate: Arc<Mutex<Gate>>,
     ledger: Ledger,
     leased: LeaseStats,
+    /// Counters given a reserve, as of the last batch gated.
+    reserved: u64,
     /// The batch queued behind, decided by the gate while the one before
     /// it was committed.
     ahead: Option<DecidedAhead>,
     /// Batches taken from `ahead`.
     taken_ahead: u64,
+    /// The rules the batches queued behind came with, shared with the
+    /// gate's thread (copied again only when they change).
+    ahead_rules: Option<Arc<RuleSet>>,
 }
 
-/// A batch the gate decided while the batch before it was committed (its
-/// own time then spent waiting for Redis's answer): used when that batch
-/// comes under the same rules with nothing decided since; otherwise it is
-/// decided again, and its calls, remembered, get the same results.
+/// A batch the gate decided while the batch before it was committed: used
+/// when that batch comes under the same rules with nothing decided since;
+/// otherwise it is decided again, and its calls, remembered, get the same
+/// results.
 #[derive(Debug)]
 struct DecidedAhead {
     events: Vec<CallEvent>,
@@ -89,11 +98,13 @@ impl<S: WindowStore> Gated<S> {
     pub fn new(inner: S, ledger: Ledger) -> Self {
         Gated {
             inner,
-            gate: Gate::new(),
+            gate: Arc::new(Mutex::new(Gate::new())),
             ledger,
             leased: LeaseStats::default(),
+            reserved: 0,
             ahead: None,
             taken_ahead: 0,
+            ahead_rules: None,
         }
     }
 
@@ -122,43 +133,42 @@ impl<S: WindowStore> Gated<S> {
         if !rules.has_aggregates() {
             return Ok(None);
         }
-        // (The batch queued behind, planned and leased for while the one
-        // before was committed: see [`Gate::planned`].)
-        let planned = self.gate.planned(events);
+        // (Waits for the gate's thread, if the batch it was deciding ahead
+        // was let go unfinished.)
+        let mut gate = self.gate.clone().lock_owned().await;
         if let Ledger::Redis(ledger) = &mut self.ledger {
             let newest = newest_of(events).max(newest_next.unwrap_or(i64::MIN));
             let reserves = ledger.reserves(newest, keep_ms(rules)).await?;
-            self.gate.set_reserves(reserves);
+            gate.set_reserves(reserves);
         }
+        self.reserved = gate.reserved_counters();
         if let Some(ahead) = self.ahead.take() {
-            if ahead.fits(rules, events, self.gate.decided()) {
+            if ahead.fits(rules, events, gate.decided()) {
                 self.taken_ahead += 1;
                 return Ok(Some(ahead.events));
             }
         }
         let mut events = events.to_vec();
-        let requests = if planned {
-            debug_assert!(self.gate.holds(rules, &events), "planned ahead");
-            Vec::new()
-        } else {
-            self.gate.plan(rules, &events)
-        };
+        let requests = gate.plan(rules, &events);
         if !requests.is_empty() {
             let (leases, micros) = timed(self.ledger.lease(&requests)).await;
             self.leased.micros += micros;
-            let leases = leases.inspect_err(|_| self.gate.forget_plan())?;
-            self.settle(&requests, &leases);
+            let leases = leases.inspect_err(|_| gate.forget_plan())?;
+            count(&self.ledger, &mut self.leased, &requests, &leases);
+            gate.settle(&requests, &leases);
         }
-        self.gate.decide(rules, &mut events);
+        gate.decide(rules, &mut events);
+        self.reserved = gate.reserved_counters();
         Ok(Some(events))
     }
 
     /// Decides `events` (gated) in the store while the gate plans, leases
-    /// for and decides the next batch, if it has come: the store's wait
-    /// for Redis is the gate's time. (The gate decides a batch before the
-    /// store commits it, as [`Gated::gate`] does; the next batch is the
-    /// decider's next job, decided next.) A failed lease ahead is let go:
-    /// `next` asks again when it comes, and meets the error then.
+    /// for and decides the next batch, if it has come, on a thread of the
+    /// blocking pool: the gate's work is off the store's thread. (The
+    /// gate decides a batch before the store commits it, as
+    /// [`Gated::gate`] does; the next batch is the decider's next job,
+    /// decided next.) A failed lease ahead is let go: `next` asks again
+    /// when it comes, and meets the error then.
     async fn apply_ahead(
         &mut self,
         rules: &RuleSet,
@@ -174,35 +184,78 @@ impl<S: WindowStore> Gated<S> {
         let Some(n) = next.peek().filter(|n| n.rules.has_aggregates()) else {
             return self.inner.apply_batch_partial(rules, batch).await;
         };
-        let (inner, gate, ledger) = (&mut self.inner, &mut self.gate, &mut self.ledger);
-        let leased = &mut self.leased;
+        let next_rules = match self.ahead_rules.take() {
+            Some(r) if r.version() == n.rules.version() => r,
+            _ => Arc::new(n.rules.clone()),
+        };
+        self.ahead_rules = Some(next_rules.clone());
+        let ahead = Ahead {
+            gate: self.gate.clone(),
+            rules: next_rules,
+            events: n.events.to_vec(),
+        };
+        let (inner, ledger, leased) = (&mut self.inner, &mut self.ledger, &mut self.leased);
         let (verdicts, ahead) = futures::join!(
             inner.apply_batch_partial(rules, batch),
-            decide_ahead(gate, ledger, leased, n)
+            ahead.decide(ledger, leased)
         );
         self.ahead = ahead;
         verdicts
     }
-
-    /// Takes a lease call's answers into the gate and the counts.
-    fn settle(&mut self, requests: &[LeaseRequest], leases: &[Lease]) {
-        count(&self.ledger, &mut self.leased, requests, leases);
-        self.gate.settle(requests, leases);
-    }
 }
 
-/// The gate's decision on `next`: planned, leased for and decided (as
-/// [`Gated::gate`] would when it comes); `None` if its lease failed.
-async fn decide_ahead(
-    gate: &mut Gate,
-    ledger: &mut Ledger,
-    leased: &mut LeaseStats,
-    next: Next<'_>,
-) -> Option<DecidedAhead> {
-    let requests = gate.plan(next.rules, next.events);
-    if !requests.is_empty() {
+/// The batch queued behind, for the gate's thread.
+struct Ahead {
+    gate: Arc<Mutex<Gate>>,
+    rules: Arc<RuleSet>,
+    events: Vec<CallEvent>,
+}
+
+/// What the gate's thread did with a batch queued behind.
+enum Planned {
+    /// Decided: it needed no credits beyond those held.
+    Decided(Vec<CallEvent>, u64),
+    /// Planned: the credits to ask for first.
+    Asks(Vec<LeaseRequest>, Vec<CallEvent>),
+}
+
+impl Ahead {
+    /// The gate's decision on the batch: planned, leased for and decided
+    /// (as [`Gated::gate`] would when it comes); `None` if its lease
+    /// failed. Let go unfinished, the thread still finishes its part, and
+    /// the batch is decided again when it comes.
+    async fn decide(self, ledger: &mut Ledger, leased: &mut LeaseStats) -> Option<DecidedAhead> {
+        let (gate, rules) = (self.gate.clone(), self.rules.clone());
+        let mut events = self.events;
+        let version = rules.version().to_string();
+        let planned = tokio::task::spawn_blocking(move || {
+            let mut g = gate.blocking_lock();
+            let requests = g.plan(&rules, &events);
+            if !requests.is_empty() {
+                return Planned::Asks(requests, events);
+            }
+            g.decide(&rules, &mut events);
+            Planned::Decided(events, g.decided())
+        })
+        .await;
+        let (requests, events) = match planned {
+            Ok(Planned::Decided(events, decided)) => {
+                return Some(DecidedAhead {
+                    events,
+                    version,
+                    decided,
+                })
+            }
+            Ok(Planned::Asks(requests, events)) => (requests, events),
+            Err(e) => {
+                warn!(error = %e, "the gate's thread failed; the next batch is decided when it comes");
+                return None;
+            }
+        };
+        let mut events = events;
         let (leases, micros) = timed(ledger.lease(&requests)).await;
         leased.micros += micros;
+        let mut gate = self.gate.lock().await;
         match leases {
             Ok(leases) => {
                 count(ledger, leased, &requests, &leases);
@@ -214,14 +267,13 @@ async fn decide_ahead(
                 return None;
             }
         }
+        gate.decide(&self.rules, &mut events);
+        Some(DecidedAhead {
+            events,
+            version,
+            decided: gate.decided(),
+        })
     }
-    let mut events = next.events.to_vec();
-    gate.decide(next.rules, &mut events);
-    Some(DecidedAhead {
-        events,
-        version: next.rules.version().to_string(),
-        decided: gate.decided(),
-    })
 }
 
 /// Counts a lease call that was answered.
@@ -293,7 +345,12 @@ impl<S: WindowStore> WindowStore for Gated<S> {
     fn stats(&self) -> StoreStats {
         StoreStats {
             lease: LeaseStats {
-                reserved: self.gate.reserved_counters(),
+                // (Between batches the gate is free; while its thread
+                // holds it, the count as of the last batch gated.)
+                reserved: self
+                    .gate
+                    .try_lock()
+                    .map_or(self.reserved, |g| g.reserved_counters()),
                 ..self.leased
             },
             ..self.inner.stats()
@@ -314,6 +371,7 @@ mod tests {
     use super::*;
     use crate::engine::rules::{Rule, RuleKey, RuleSpec, WindowKind};
     use crate::store::memory::MemoryStore;
+    use crate::store::Next;
 
     /// Batches of calls to a few callees (some over the limit) from
     /// many callers, with retransmissions.
@@ -449,5 +507,42 @@ mod tests {
             .await
             .expect("batch 1");
         assert_eq!(other.taken_ahead(), 0);
+    }
+
+    /// A batch let go while the gate's thread decides the one queued
+    /// behind (a deadline, a shutdown) and then tried again: the thread
+    /// finishes first, and every record is a plain gate's.
+    #[tokio::test]
+    async fn a_batch_let_go_mid_way_changes_no_record() {
+        use futures::FutureExt;
+        let rules = rules(WindowKind::Fixed);
+        let b = batches();
+        let (mut plain, mut ahead) = (gated(), gated());
+        let _ = plain.apply_batch_partial(&rules, &b[0]).await;
+        let mut next = Some(Next {
+            rules: &rules,
+            events: &b[1],
+        });
+        // (Polled once: the store is done, the gate's thread is not.)
+        let let_go = ahead
+            .apply_batch_partial_ahead(&rules, &b[0], &mut next)
+            .now_or_never();
+        assert!(let_go.is_none(), "the gate's thread was still deciding");
+        for j in 0..3 {
+            let want = plain
+                .apply_batch_partial(&rules, &b[j])
+                .await
+                .expect("plain");
+            let mut next = b.get(j + 1).map(|events| Next {
+                rules: &rules,
+                events,
+            });
+            let got = ahead
+                .apply_batch_partial_ahead(&rules, &b[j], &mut next)
+                .await
+                .expect("ahead");
+            assert_eq!(got, want, "batch {j}");
+        }
+        assert_eq!(ahead.taken_ahead(), 2);
     }
 }
