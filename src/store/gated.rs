@@ -212,7 +212,7 @@ struct Ahead {
 }
 
 /// What the gate's thread did with a batch queued behind.
-enum Planned {
+enum OnThread {
     /// Decided: it needed no credits beyond those held.
     Decided(Vec<CallEvent>, u64),
     /// Planned: the credits to ask for first.
@@ -232,21 +232,21 @@ impl Ahead {
             let mut g = gate.blocking_lock();
             let requests = g.plan(&rules, &events);
             if !requests.is_empty() {
-                return Planned::Asks(requests, events);
+                return OnThread::Asks(requests, events);
             }
             g.decide(&rules, &mut events);
-            Planned::Decided(events, g.decided())
+            OnThread::Decided(events, g.decided())
         })
         .await;
         let (requests, events) = match planned {
-            Ok(Planned::Decided(events, decided)) => {
+            Ok(OnThread::Decided(events, decided)) => {
                 return Some(DecidedAhead {
                     events,
                     version,
                     decided,
                 })
             }
-            Ok(Planned::Asks(requests, events)) => (requests, events),
+            Ok(OnThread::Asks(requests, events)) => (requests, events),
             Err(e) => {
                 warn!(error = %e, "the gate's thread failed; the next batch is decided when it comes");
                 return None;
@@ -519,9 +519,21 @@ mod tests {
         let b = batches();
         let (mut plain, mut ahead) = (gated(), gated());
         let _ = plain.apply_batch_partial(&rules, &b[0]).await;
+        // Queued behind: a batch long enough that the gate's thread is
+        // still at it when the first poll returns, to callees and with ids
+        // of its own (no record below depends on it).
+        let long: Vec<CallEvent> = (0..20_000)
+            .map(|k| CallEvent {
+                call_id: format!("long{k}").into(),
+                caller: format!("+346100{:05}", k % 97).into(),
+                ts_ms: 1_000_000 + k as i64,
+                callee: Some(format!("+3492{k:07}").into()),
+                ..b[0][0].clone()
+            })
+            .collect();
         let mut next = Some(Next {
             rules: &rules,
-            events: &b[1],
+            events: &long,
         });
         // (Polled once: the store is done, the gate's thread is not.)
         let let_go = ahead
