@@ -314,7 +314,7 @@ impl CachedStore {
             .chunks(CALLERS_PER_CALL)
             .map(|chunk| chunk.iter().map(|&i| &writes[i]).collect())
             .collect();
-        let mut pipe = redis::pipe();
+        let mut pipe = redis::Pipeline::with_capacity(calls.len() + plain.len());
         pipe.ignore_errors();
         for ws in &calls {
             pipe.add_command(wire::invocation(&self.config, &self.sha, ws, false));
@@ -323,13 +323,18 @@ impl CachedStore {
         for &i in &plain {
             let w = &writes[i];
             self.config.write_tagged(&mut key, "", w.caller, ":s");
-            pipe.cmd("SET")
+            // Sized up front: seven arguments, the key, the string and
+            // 20 bytes of flags and TTL (growing them was five
+            // reallocations per new caller).
+            let mut cmd = redis::Cmd::with_capacity(7, 20 + key.len() + w.value.len());
+            cmd.arg("SET")
                 .arg(key.as_str())
                 .arg(&w.value[..])
                 .arg("NX")
                 .arg("PX")
                 .arg(w.plain_ttl())
                 .arg("GET");
+            pipe.add_command(cmd);
         }
         let mut conn = self.conn.clone();
         let replies = conn.query(&pipe, timeout).await?;
