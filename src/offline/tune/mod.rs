@@ -21,15 +21,21 @@
 //! log.
 
 mod report;
+mod rows;
+mod shards;
 
 use crate::engine::aggregate::{Gate, MemoryLedger};
 use std::sync::Arc;
 
 pub use report::{render_table, sweep_frame};
+#[cfg(any(test, feature = "testing"))]
+pub use rows::row_by_replay;
+use rows::RowCounts;
+use shards::{number_callers, split_by_number};
 
 use crate::engine::event::CallEvent;
 use crate::engine::rules::{CountPolicy, Judgement, RuleSet};
-use crate::error::{IoError, RulesError, TuneError};
+use crate::error::{RulesError, TuneError};
 use crate::offline::order::{OrderedLog, CHUNK_ROWS};
 use crate::offline::read::{CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
@@ -602,165 +608,10 @@ pub fn sweep_ordered(
 /// chunk, as the sweep keeps no records (a chunk is a few MiB of events).
 const SWEEP_CHUNK: usize = 4 * CHUNK_ROWS;
 
-impl Sweeper {
-    /// Feeds the base replay (only: no per-limit replays) every chunk of
-    /// `chunks`, each shard of callers on a thread of its own with a queue,
-    /// so the shards never wait for each other between chunks. Chunks
-    /// without caller numbers are numbered here, like [`Sweeper::feed_unique`].
-    fn feed_queued(&mut self, chunks: &mut dyn Iterator<Item = CallLog>) -> Result<(), IoError> {
-        let shards = self.base.len();
-        let (rules, index) = (&self.rules, self.index);
-        let numbers = &mut self.numbers;
-        std::thread::scope(|s| {
-            let mut queues = Vec::with_capacity(shards);
-            for shard in &mut self.base {
-                let (tx, rx) = std::sync::mpsc::sync_channel::<(Arc<CallLog>, Vec<usize>)>(2);
-                queues.push(tx);
-                s.spawn(move || {
-                    for (log, idx) in rx {
-                        let log: &CallLog = &log;
-                        let numbered = (&log.events[..], &log.unique[..], &log.callers[..]);
-                        shard.feed_all(rules, index, numbered, &idx, shards);
-                    }
-                });
-            }
-            for mut chunk in chunks {
-                if let Some(callers) = number_callers(numbers, &chunk.events, &chunk.callers) {
-                    chunk.callers = callers;
-                }
-                let parts = split_by_number(&chunk.callers, shards);
-                let chunk = Arc::new(chunk);
-                for (queue, part) in queues.iter().zip(parts) {
-                    if queue.send((Arc::clone(&chunk), part)).is_err() {
-                        return Err(IoError::WorkerLost("sweep shard"));
-                    }
-                }
-            }
-            Ok(())
-        })
-    }
-}
-
-/// The callers' numbers of `events` in a sweep that has numbered callers
-/// itself in `numbers`: `None` when the log's own (`given`,
-/// [`CallLog::callers`]) serve, as they do while the sweep has numbered
-/// none; else the numbers, given here.
-fn number_callers(
-    numbers: &mut foldhash::HashMap<compact_str::CompactString, u32>,
-    events: &[(u64, CallEvent)],
-    given: &[u32],
-) -> Option<Vec<u32>> {
-    if given.len() == events.len() && numbers.is_empty() {
-        return None;
-    }
-    Some(
-        events
-            .iter()
-            .map(|(_, e)| {
-                let next = numbers.len() as u32;
-                *numbers.entry(e.caller.clone()).or_insert(next)
-            })
-            .collect(),
-    )
-}
-
-/// Per shard, the indices of the events whose caller's number it holds
-/// (the number modulo the shards).
-fn split_by_number(callers: &[u32], shards: usize) -> Vec<Vec<usize>> {
-    let mut parts = vec![Vec::with_capacity(callers.len() / shards + 1); shards];
-    for (i, &c) in callers.iter().enumerate() {
-        parts[c as usize % shards].push(i);
-    }
-    parts
-}
-
 /// The shards of a [`Sweeper`]'s base replay, summed.
 struct Merged<'a> {
     totals: Totals,
     histogram: Histogram,
     /// Every caller's tally (the shards' callers are disjoint).
     callers: Vec<&'a CallerTally>,
-}
-
-/// The counts behind one row of the sweep.
-#[derive(Debug, Clone, Copy)]
-struct RowCounts {
-    limit: u64,
-    calls: u64,
-    fraud_calls: u64,
-    legit_calls: u64,
-    rejected_calls: u64,
-    rejected_fraud_calls: u64,
-    rejected_legit_calls: u64,
-    rejected_legit_callers: u64,
-    rejected_fraud_callers: u64,
-}
-
-impl RowCounts {
-    fn row(self, labelled: bool) -> SweepRow {
-        let ratio = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
-        let l = |x: u64| labelled.then_some(x);
-        let lr = |x: Option<f64>| x.filter(|_| labelled);
-        let (fraud, legit) = (self.rejected_fraud_calls, self.rejected_legit_calls);
-        SweepRow {
-            limit: self.limit,
-            calls_rejected: self.rejected_calls,
-            rejected_share: ratio(self.rejected_calls, self.calls).unwrap_or(0.0),
-            callers_rejected: self.rejected_legit_callers + self.rejected_fraud_callers,
-            fraud_calls_rejected: l(fraud),
-            legit_calls_rejected: l(legit),
-            precision: lr(ratio(fraud, fraud + legit)),
-            recall: lr(ratio(fraud, self.fraud_calls)),
-            false_reject_rate: lr(ratio(legit, self.legit_calls)),
-            legit_callers_rejected: l(self.rejected_legit_callers),
-            fraud_callers_caught: l(self.rejected_fraud_callers),
-        }
-    }
-}
-
-/// Computes a sweep row for one N by replaying the whole log with that N
-/// (a test oracle of the one-pass path; `testing` feature).
-#[cfg(any(test, feature = "testing"))]
-pub fn row_by_replay(
-    log: &CallLog,
-    rules: &RuleSet,
-    index: usize,
-    limit: u64,
-) -> Result<SweepRow, RulesError> {
-    let set = rules.without_warnings()?.with_limit(index, limit)?;
-    let labelled = !log.events.is_empty() && log.events.iter().all(|(_, e)| e.label.is_some());
-    let mut fraud_callers = foldhash::HashSet::default();
-    let (mut fraud_calls, mut legit_calls) = (0, 0);
-    let mut store = MemoryStore::new();
-    let mut rejections = Rejections::default();
-    let mut events = log.events.clone();
-    Gate::new().run_rows(&mut MemoryLedger::new(), &set, &mut events);
-    for (_, e) in &events {
-        fraud_calls += u64::from(e.label == Some(true));
-        legit_calls += u64::from(e.label == Some(false));
-        if e.label == Some(true) {
-            fraud_callers.insert(e.caller.as_str());
-        }
-        let v = store.apply(&set, e);
-        if swept_reject(&set, index, &v) {
-            rejections.add_rejected(&v, e.label);
-        }
-    }
-    let legit_callers = rejections
-        .callers
-        .iter()
-        .filter(|c| !fraud_callers.contains(c.as_str()))
-        .count() as u64;
-    Ok(RowCounts {
-        limit,
-        calls: log.events.len() as u64,
-        fraud_calls,
-        legit_calls,
-        rejected_calls: rejections.calls,
-        rejected_fraud_calls: rejections.fraud_calls,
-        rejected_legit_calls: rejections.legit_calls,
-        rejected_legit_callers: legit_callers,
-        rejected_fraud_callers: rejections.callers.len() as u64 - legit_callers,
-    }
-    .row(labelled))
 }
