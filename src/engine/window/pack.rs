@@ -1,6 +1,7 @@
 //! [`CallerState`]'s compact binary form, for a store that keeps a
-//! caller's window state as one value (the cached Redis store), and the
-//! ways back in of what such a store keeps apart (a sliding log, records).
+//! caller's window state as one value (the cached Redis store), the ways
+//! back in of what such a store keeps apart (a sliding log, records), and
+//! what such a store asks of a state (its records, its size).
 
 use std::collections::VecDeque;
 
@@ -399,6 +400,69 @@ impl CallerState {
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
         self.seen_by_ts.insert(pos, (t, call_id.into()));
         self.seen.insert(call_id.into(), verdict);
+    }
+}
+
+impl CallerState {
+    /// Whether the state keeps a record of call `call_id`.
+    pub fn holds_record(&self, call_id: &str) -> bool {
+        self.seen.contains_key(call_id)
+    }
+
+    /// How many call records the state keeps.
+    pub fn record_count(&self) -> usize {
+        self.seen.len()
+    }
+
+    /// About how many bytes of memory the state holds (its tables' entries
+    /// and the records' text; allocator slack and table capacity not
+    /// counted), for a store that bounds the memory of the callers it
+    /// keeps.
+    pub fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        // A hash table entry costs about its key and value plus a control
+        // byte and the table's spare room; a tree entry about twice its
+        // pair. Counted from lengths only (constant time: it runs for
+        // every caller of every batch), so text kept on the heap beyond a
+        // record's inline strings is not counted.
+        size_of::<Self>()
+            + self.log.len() * size_of::<i64>()
+            + self
+                .fixed
+                .iter()
+                .map(|(id, map)| {
+                    size_of::<(RuleId, BTreeMap<i64, u64>)>() + id.name.len() + map.len() * 32
+                })
+                .sum::<usize>()
+            + self.approx.len() * size_of::<(RuleId, Approx)>()
+            + self
+                .own_logs
+                .iter()
+                .map(|(id, log)| {
+                    size_of::<(RuleId, VecDeque<i64>)>() + id.name.len() + log.len() * 8
+                })
+                .sum::<usize>()
+            + self.buckets.len() * size_of::<(RuleId, Option<Tat>)>()
+            + self
+                .pairs
+                .iter()
+                .map(|(_, p)| size_of::<(RuleId, Pairs)>() + p.approx_bytes())
+                .sum::<usize>()
+            + self
+                .distinct
+                .iter()
+                .map(|(_, c)| size_of::<(RuleId, Callees)>() + c.approx_bytes())
+                .sum::<usize>()
+            + self.seen.len() * (size_of::<(CompactString, Verdict)>() + 16)
+            + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
+            + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
+            + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
+    }
+
+    /// The call records the state keeps (call id and verdict), in no
+    /// particular order.
+    pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
+        self.seen.iter().map(|(id, v)| (id.as_str(), v))
     }
 }
 
