@@ -182,6 +182,10 @@ pub(super) async fn next_batch<F: Future<Output = ()> + Unpin>(
     if deciding.as_ref().is_some_and(|d| d.ready.is_some()) {
         deciding = None;
     }
+    // No linger: a batch is cut as soon as nothing more is waiting, not at
+    // the timer's next tick (tokio's timers tick in milliseconds: a zero
+    // deadline still waited up to one, at every batch).
+    let no_linger = config.batch_linger.is_zero();
     while batch.len() < limit {
         let watching = deciding.is_some();
         tokio::select! {
@@ -214,6 +218,9 @@ pub(super) async fn next_batch<F: Future<Output = ()> + Unpin>(
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
+            // (Polled after the consumer: reached only when no message
+            // is waiting.)
+            () = std::future::ready(()), if lingering && no_linger => break,
             _ = timer.as_mut() => {
                 if lingering {
                     break;
