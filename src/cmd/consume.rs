@@ -57,7 +57,8 @@ pub struct ConsumeArgs {
     /// sooner). 0: a batch takes what has arrived and goes; the broker
     /// delivers in bursts, and while the store works on one batch the
     /// next fills anyway. Higher: fuller batches at low rates, at the
-    /// cost of that wait in every decision's latency.
+    /// cost of that wait in every decision's latency (timers tick in
+    /// milliseconds: a wait under 1000 lasts up to one).
     #[arg(long, env = "CALLGUARD_BATCH_LINGER_US", default_value_t = consumer::DEFAULT_BATCH_LINGER_US)]
     pub batch_linger_us: u64,
     /// Batches that may await broker acknowledgement at once.
