@@ -35,7 +35,10 @@
 #   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
 #   runs section 2 again with a rule keyed by callee added, and with a
 #   global rule added (a 1-s window, then a 1-min one); SKIP_LATENCY=1
-#   leaves section 3 out.
+#   leaves section 3 out. LATENCY_MEMORY=1 runs section 3 once more with
+#   `consume --store memory` (no Redis): callguard's Kafka path alone,
+#   the reference that tells the store's share of the latency from the
+#   rest of callguard's (reading, encoding, producing).
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -64,7 +67,9 @@ start_tansu
 mport=$(free_port)
 tansu topic create calls --partitions 4 --broker "tcp://$brokers" >/dev/null
 tansu topic create calls-dlq --partitions 1 --broker "tcp://$brokers" >/dev/null
-for mode in $modes; do
+topic_modes="$modes"
+[ "${LATENCY_MEMORY:-0}" = 1 ] && topic_modes="$modes memory"
+for mode in $topic_modes; do
   for t in "call-decisions-$mode" "call-features-$mode" "load-$mode" "load-$mode-decisions" \
     "load-$mode-features" "low-$mode" "low-$mode-decisions" "low-$mode-features"; do
     tansu topic create "$t" --partitions 4 --broker "tcp://$brokers" >/dev/null
@@ -208,9 +213,13 @@ fi
 latency() {
   local r="$1" topic="$2" group="$3" mode="$4"
   echo
-  echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record), --redis-mode $mode"
+  local how="--redis-mode $mode"
+  [ "$mode" = memory ] && how="--store memory (no Redis)"
+  echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record), $how"
   redis-cli -p "$rport" flushall > /dev/null
-  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules data/rules.toml $(mode_flag "$mode") \
+  local store_flags="--redis-url $redis $(mode_flag "$mode")"
+  [ "$mode" = memory ] && store_flags="--store memory"
+  "$bin" consume --brokers "$brokers" $store_flags --rules data/rules.toml \
     --input-topic "$topic" --decisions-topic "$topic-decisions" --features-topic "$topic-features" \
     --dlq-topic "$topic-dlq" --group "$group" --metrics-addr "127.0.0.1:$mport" \
     ${CONSUME_ARGS:-} > "$work/consume-$topic.log" 2>&1 &
@@ -245,3 +254,6 @@ for mode in $modes; do
   latency "$rate" "load-$mode" "callguard-latency-$mode" "$mode"
   latency "$low" "low-$mode" "callguard-latency-low-$mode" "$mode"
 done
+if [ "${LATENCY_MEMORY:-0}" = 1 ]; then
+  latency "$rate" "load-memory" "callguard-latency-memory" memory
+fi
