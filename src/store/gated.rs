@@ -238,7 +238,7 @@ impl Ahead {
             OnThread::Decided(events, g.decided())
         })
         .await;
-        let (requests, events) = match planned {
+        let (requests, mut events) = match planned {
             Ok(OnThread::Decided(events, decided)) => {
                 return Some(DecidedAhead {
                     events,
@@ -252,7 +252,6 @@ impl Ahead {
                 return None;
             }
         };
-        let mut events = events;
         let (leases, micros) = timed(ledger.lease(&requests)).await;
         leased.micros += micros;
         let mut gate = self.gate.lock().await;
