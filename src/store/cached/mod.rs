@@ -66,6 +66,20 @@ pub const MODE: &str = "cached:2";
 /// Most callers written by one script call (it holds Redis while it runs).
 const CALLERS_PER_CALL: usize = 64;
 
+/// The callers per group a round decides and sends at a time, for a round
+/// of `callers`. Redis commits a group while the next is decided, so the
+/// round ends one group's commit after its last decision: a small batch
+/// (moderate load, where the wait is the latency) goes in groups of 16,
+/// so that last commit is short; a large one (a backlog, where calls per
+/// caller are the cost) in groups of [`CALLERS_PER_CALL`].
+fn group_size(callers: usize) -> usize {
+    if callers <= 2 * CALLERS_PER_CALL {
+        CALLERS_PER_CALL / 4
+    } else {
+        CALLERS_PER_CALL
+    }
+}
+
 /// Rounds of decide-and-commit before a batch gives up on a caller that
 /// keeps changing under it (another writer deciding the same caller).
 pub const DEFAULT_MAX_ROUNDS: usize = 8;
@@ -367,9 +381,9 @@ impl CachedStore {
     }
 
     /// One round: decides the callers `todo` of `pending` and commits
-    /// what changed, a group of callers per script call. Each group is
-    /// sent as soon as it is decided, so Redis runs one group's commit
-    /// while the next is decided.
+    /// what changed, a group of callers ([`group_size`]) per script call.
+    /// Each group is sent as soon as it is decided, so Redis runs one
+    /// group's commit while the next is decided.
     async fn round<'a>(
         &self,
         rules: &RuleSet,
@@ -381,7 +395,7 @@ impl CachedStore {
     ) -> Result<Vec<Committed<'a>>, redis::RedisError> {
         let mut inflight = futures::stream::FuturesOrdered::new();
         let mut outcomes = Vec::new();
-        for group in todo.chunks(CALLERS_PER_CALL) {
+        for group in todo.chunks(group_size(todo.len())) {
             let writes: Vec<Write> = group
                 .iter()
                 .map(|&at| {
@@ -458,5 +472,18 @@ impl WindowStore for CachedStore {
         let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
         self.conn.wait_replicas(n, timeout).await?;
         Ok(verdicts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{group_size, CALLERS_PER_CALL};
+
+    #[test]
+    fn small_rounds_go_in_small_groups_and_backlogs_in_full_ones() {
+        assert_eq!(group_size(1), 16);
+        assert_eq!(group_size(2 * CALLERS_PER_CALL), 16);
+        assert_eq!(group_size(2 * CALLERS_PER_CALL + 1), CALLERS_PER_CALL);
+        assert_eq!(group_size(500), CALLERS_PER_CALL);
     }
 }
