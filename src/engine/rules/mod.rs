@@ -30,6 +30,8 @@ pub use crate::engine::filter::Filter;
 pub use crate::engine::rule::{CountPolicy, Rate, Rule, RuleKey, WindowKind};
 use crate::error::RulesError;
 
+mod build;
+
 /// Names a rule may not take: they are decision reasons of their own.
 pub const RESERVED_NAMES: [&str; 3] = ["ok", "allowlist", "denylist"];
 
@@ -181,114 +183,6 @@ impl RuleSet {
             max_distinct_callees: self.max_callees,
             files: self.files.clone(),
         }
-    }
-
-    /// Validates `spec` and computes the set's version.
-    pub fn build(spec: RuleSpec) -> Result<Self, RulesError> {
-        let RuleSpec {
-            rules,
-            count,
-            grace_ms,
-            allow,
-            deny,
-            shadow,
-            dedup_ms,
-            distinct_callees,
-            max_distinct_callees,
-            files,
-        } = spec;
-        if rules.is_empty() {
-            return Err(RulesError::Invalid(
-                "a rule set needs at least one rule".into(),
-            ));
-        }
-        for (i, r) in rules.iter().enumerate() {
-            let valid_name = !r.name.is_empty()
-                && r.name.len() <= 32
-                && r.name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-            if !valid_name {
-                return Err(RulesError::Invalid(format!(
-                    "rule name `{}`: 1 to 32 lowercase letters, digits or _",
-                    r.name
-                )));
-            }
-            if RESERVED_NAMES.contains(&r.name.as_str()) {
-                return Err(RulesError::Invalid(format!(
-                    "rule name `{}` is reserved",
-                    r.name
-                )));
-            }
-            if rules[..i].iter().any(|o| o.name == r.name) {
-                return Err(RulesError::Invalid(format!(
-                    "rule name `{}` is used twice",
-                    r.name
-                )));
-            }
-            if r.window_ms < 1 || r.window_ms > 31 * 86_400_000 {
-                return Err(RulesError::Invalid(format!(
-                    "rule `{}`: window must be 1ms to 31d",
-                    r.name
-                )));
-            }
-            if r.limit == 0 {
-                return Err(RulesError::Invalid(format!(
-                    "rule `{}`, {}: must be at least 1",
-                    r.name,
-                    if r.rate.is_some() { "burst" } else { "limit" }
-                )));
-            }
-            check_rule(r, max_distinct_callees)?;
-        }
-        if rules.len() > MAX_RULES {
-            return Err(RulesError::Invalid(format!(
-                "{} rules: at most {MAX_RULES}",
-                rules.len()
-            )));
-        }
-        let rules = rules
-            .into_iter()
-            .map(|mut r| {
-                let callees = std::mem::take(&mut r.filter.callees);
-                let mut callees =
-                    normalize_prefixes(callees, &format!("rule `{}`, callees", r.name))?;
-                callees.sort();
-                callees.dedup();
-                r.filter.callees = callees;
-                Ok(r)
-            })
-            .collect::<Result<Vec<_>, RulesError>>()?;
-        if !(0..=3_600_000).contains(&grace_ms) {
-            return Err(RulesError::Invalid("grace must be 0 to 1h".into()));
-        }
-        if !(1..=100_000).contains(&max_distinct_callees) {
-            return Err(RulesError::Invalid(
-                "max_distinct_callees must be 1 to 100000".into(),
-            ));
-        }
-        if dedup_ms.is_some_and(|d| !(1..=31 * 86_400_000).contains(&d)) {
-            return Err(RulesError::Invalid("dedup must be 1ms to 31d".into()));
-        }
-        let allow = normalize_prefixes(allow, "allow")?;
-        let deny = normalize_prefixes(deny, "deny")?;
-        let mut set = RuleSet {
-            rules,
-            count,
-            grace_ms,
-            allow,
-            deny,
-            shadow,
-            dedup: dedup_ms,
-            callees: distinct_callees,
-            max_callees: max_distinct_callees,
-            filtered: false,
-            files,
-            version: String::new(),
-        };
-        set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
-        set.version = set.compute_version();
-        Ok(set)
     }
 
     /// A copy that keeps (or skips) the distinct-callees feature.
@@ -568,78 +462,6 @@ impl RuleSet {
 
 /// Most rules in a set.
 pub const MAX_RULES: usize = 64;
-
-/// Checks what a rule's kind, key and levels must agree on.
-fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
-    let bad = |field: &str, msg: &str| {
-        Err(RulesError::Invalid(format!(
-            "rule `{}`, {field}: {msg}",
-            r.name
-        )))
-    };
-    if r.warn.is_some_and(|w| w >= r.limit) {
-        return bad(
-            "warn",
-            "must be below the limit (a warning comes before a reject)",
-        );
-    }
-    if (r.kind == WindowKind::TokenBucket) != r.rate.is_some() {
-        return bad(
-            "rate",
-            "a token bucket needs one, and only a token bucket has one",
-        );
-    }
-    if r.key.is_aggregate() && !matches!(r.kind, WindowKind::Fixed | WindowKind::SlidingApprox) {
-        return bad(
-            "key",
-            "a rule keyed by callee or global is `fixed` or `sliding-approx` \
-             (its count is shared between instances as leased credits)",
-        );
-    }
-    if r.kind == WindowKind::DistinctCallees {
-        if r.key != RuleKey::Caller {
-            return bad(
-                "key",
-                "a distinct-callees rule counts a caller's callees: key must be `caller`",
-            );
-        }
-        if r.limit >= max_callees {
-            return bad(
-                "limit",
-                "must be below max_distinct_callees (the count saturates there)",
-            );
-        }
-    }
-    Ok(())
-}
-
-fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, RulesError> {
-    list.into_iter()
-        .map(|raw| {
-            let s: String = raw
-                .chars()
-                .filter(|c| !matches!(c, ' ' | '-' | '.' | '(' | ')'))
-                .collect();
-            let s = match s.strip_prefix("00") {
-                Some(rest) => format!("+{rest}"),
-                None => s,
-            };
-            let digits = s.strip_prefix('+').unwrap_or("");
-            if raw.trim().is_empty() {
-                return Err(RulesError::Invalid(format!(
-                    "{which}: an empty prefix (it would match every number)"
-                )));
-            }
-            if digits.is_empty() || digits.len() > 15 || !digits.bytes().all(|b| b.is_ascii_digit())
-            {
-                return Err(RulesError::Invalid(format!(
-                    "{which}: entry `{raw}`: expected + followed by 1 to 15 digits"
-                )));
-            }
-            Ok(s)
-        })
-        .collect()
-}
 
 #[cfg(test)]
 mod tests {
