@@ -213,12 +213,10 @@ fi
 latency() {
   local r="$1" topic="$2" group="$3" mode="$4"
   echo
-  local how="--redis-mode $mode"
-  [ "$mode" = memory ] && how="--store memory (no Redis)"
+  local how="--redis-mode $mode" store_flags="--redis-url $redis $(mode_flag "$mode")"
+  if [ "$mode" = memory ]; then how="--store memory (no Redis)"; store_flags="--store memory"; fi
   echo "# 3. Latency at $r events/s for $seconds s (loadgen -> consume -> decision record), $how"
   redis-cli -p "$rport" flushall > /dev/null
-  local store_flags="--redis-url $redis $(mode_flag "$mode")"
-  [ "$mode" = memory ] && store_flags="--store memory"
   "$bin" consume --brokers "$brokers" $store_flags --rules data/rules.toml \
     --input-topic "$topic" --decisions-topic "$topic-decisions" --features-topic "$topic-features" \
     --dlq-topic "$topic-dlq" --group "$group" --metrics-addr "127.0.0.1:$mport" \

@@ -152,6 +152,18 @@ fn config(brokers: &str, group: &str) -> ConsumeConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mock_cluster_decisions_equal_replay() {
+    mock_cluster_parity("g-mock", Duration::ZERO).await;
+}
+
+/// A non-zero linger takes the timer's path in the batch loop (the default
+/// of 0 cuts a batch when nothing more is waiting): every call decided once,
+/// as replay decides it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mock_cluster_with_a_batch_linger_decisions_equal_replay() {
+    mock_cluster_parity("g-mock-linger", Duration::from_millis(5)).await;
+}
+
+async fn mock_cluster_parity(group: &str, linger: Duration) {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
     let s = sample(20_000, 11).await;
@@ -164,7 +176,9 @@ async fn mock_cluster_decisions_equal_replay() {
     .await
     .unwrap();
     assert_eq!(n, 20_000);
-    let run = start_in_process(config(&brokers, "g-mock"), &redis.url(), s.rules.clone()).await;
+    let mut cfg = config(&brokers, group);
+    cfg.batch_linger = linger;
+    let run = start_in_process(cfg, &redis.url(), s.rules.clone()).await;
     let records =
         read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
     let stats = run.stop().await;
