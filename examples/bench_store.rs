@@ -85,17 +85,7 @@ fn used_memory(con: &mut redis::Connection) -> i64 {
 }
 
 fn event(caller: usize, i: usize, ts: i64) -> CallEvent {
-    CallEvent {
-        call_id: format!("c{caller}-{i}").into(),
-        caller: format!("+3460{caller:07}").into(),
-        ts_ms: ts,
-        callee: None,
-        duration_ms: None,
-        label: None,
-        list_number: None,
-        filter_callee: None,
-        aggregate: None,
-    }
+    CallEvent::new(format!("c{caller}-{i}"), format!("+3460{caller:07}"), ts)
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -61,7 +61,8 @@
 --   calls + 4 keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
 --   token bucket's; '' otherwise)
 -- then per event j, 6 values: t (event time, ms), call_id,
---   listed (0 no, 1 allow, 2 deny), callee ('' for none), mask: '' when
+--   listed (0 no, 1 allow, 2 deny, 3 an unusable caller allowed, 4 one
+--   rejected: reason `bad_caller`), callee ('' for none), mask: '' when
 --   every rule sees every call, else one character per rule: 1 the rule
 --   sees the call, 2 it does not now (time profile) but sees its callee
 --   (it counts for the retry-after), 0 neither (RuleSet::mask); outside:
@@ -87,6 +88,10 @@
 -- decoder's range), and bounds are formatted with %d, never tostring.
 
 local call, fmt, tonumber, floor = redis.call, string.format, tonumber, math.floor
+
+-- An event's list (ARGV `listed`): src/store/redis/script.rs.
+local ON_NO_LIST, ALLOWLISTED, DENYLISTED, BAD_CALLER_ALLOWED, BAD_CALLER_REJECTED =
+  '0', '1', '2', '3', '4'
 
 local admitted = ARGV[1] == '1'
 local grace = tonumber(ARGV[2])
@@ -619,10 +624,14 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   end
 
   local would, reason, by_shadow = 0, 'ok', false
-  if listed == '2' then
+  if listed == DENYLISTED then
     would, reason = 1, 'denylist'
-  elseif listed == '1' then
+  elseif listed == BAD_CALLER_REJECTED then
+    would, reason = 1, 'bad_caller'
+  elseif listed == ALLOWLISTED then
     reason = 'allowlist'
+  elseif listed == BAD_CALLER_ALLOWED then
+    reason = 'bad_caller'
   else
     -- The first enforcing rule over its limit, else the first shadow one.
     for i = 1, n do
@@ -714,7 +723,8 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   local decision = would
   if shadow == 1 then decision = 0 end
   local retry = ''
-  if decision == 1 and reason ~= 'denylist' then
+  -- A list's reject is for good: no time after which it would pass.
+  if decision == 1 and listed ~= DENYLISTED and listed ~= BAD_CALLER_REJECTED then
     local last = t
     for i = 1, n do
       local kind, w, lim = kinds[i], wins[i], lims[i]
@@ -778,7 +788,7 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   local parts = {}
   for i = 1, n do parts[i] = fmt('%d', counts[i]) end
   local warn = ''
-  if decision == 0 and listed == '0' then
+  if decision == 0 and listed == ON_NO_LIST then
     for i = 1, n do
       if warns[i] and counts[i] > warns[i] then
         warn = names[i]

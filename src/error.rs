@@ -32,8 +32,13 @@ pub enum EventError {
         /// The offending value (escaped, truncated).
         value: String,
     },
-    /// The timestamp is neither epoch milliseconds nor RFC 3339.
-    #[error("bad timestamp {0}: expected epoch milliseconds or RFC 3339")]
+    /// The timestamp is in none of the accepted forms.
+    #[error(
+        "bad timestamp {0}: expected epoch milliseconds or RFC 3339 \
+         (2025-12-01T10:00:00Z, 2025-12-01T11:00:00+01:00); a call log may also have \
+         YYYY-MM-DD HH:MM:SS in --timezone, epoch seconds mapped as ts=COLUMN:s, or \
+         any form named with --ts-format"
+    )]
     BadTimestamp(String),
     /// The event time lies outside the accepted range: before 2000, from
     /// 2100 on, or (online) too far ahead of the wall clock.
@@ -162,6 +167,17 @@ impl StoreError {
         )
     }
 
+    /// Whether the failure happened before anything was sent to Redis
+    /// (the connection was refused): no write of the call can have landed.
+    pub fn is_unsent(&self) -> bool {
+        match self {
+            StoreError::Transient { source, .. } | StoreError::Fatal { source, .. } => source
+                .as_ref()
+                .is_some_and(redis::RedisError::is_connection_refusal),
+            StoreError::OutOfMemory { .. } => false,
+        }
+    }
+
     /// The metric label: `transient`, `oom` or `fatal`.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -227,6 +243,14 @@ pub enum IoError {
         path: PathBuf,
         /// What is wrong.
         problem: String,
+    },
+    /// An output file's extension names no format callguard writes.
+    #[error("{path}: unknown output format; name the file with {expected}")]
+    UnknownExtension {
+        /// The output file.
+        path: PathBuf,
+        /// The extensions that are understood.
+        expected: &'static str,
     },
     /// A plot could not be drawn.
     #[error("drawing the plot {path}: {problem}")]

@@ -40,6 +40,7 @@ fn init_logging(format: LogFormat) {
         EnvFilter::try_from_env("CALLGUARD_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(cmd::colour_wanted())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),

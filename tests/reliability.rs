@@ -162,11 +162,7 @@ fn extreme_times_do_not_overflow_the_engine() {
                 caller: "+34911000001".into(),
                 ts_ms: ts,
                 callee: Some("+34911000002".into()),
-                duration_ms: None,
-                label: None,
-                list_number: None,
-                filter_callee: None,
-                aggregate: None,
+                ..Default::default()
             },
         );
         assert!(v.record.counts.iter().all(|&c| c >= 1), "{v:?}");
@@ -334,17 +330,11 @@ async fn cooperative_rebalance_keeps_the_first_member_ready_and_loses_nothing() 
     let mut events = Vec::new();
     for i in 0..100 {
         for c in 0..40 {
-            events.push(CallEvent {
-                call_id: format!("c{c}-{i}").into(),
-                caller: format!("+3491100{c:04}").into(),
-                ts_ms: start + i * 2_000 + c,
-                callee: None,
-                duration_ms: None,
-                label: None,
-                list_number: None,
-                filter_callee: None,
-                aggregate: None,
-            });
+            events.push(CallEvent::new(
+                format!("c{c}-{i}"),
+                format!("+3491100{c:04}"),
+                start + i * 2_000 + c,
+            ));
         }
     }
     let member = |store: RedisStore| {
@@ -447,11 +437,7 @@ async fn redis_out_of_memory_is_waited_out_under_block() {
             caller: format!("+349110{:05}", i % 1_500).into(),
             ts_ms: start + i,
             callee: Some(format!("+346000{i:05}").into()),
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         })
         .collect();
     callguard::online::produce::produce(events.iter(), &brokers, &[], "calls")
@@ -580,11 +566,7 @@ async fn callee_sets_stay_bounded_in_redis() {
             caller: "+34911000002".into(),
             ts_ms: start + 10 * i,
             callee: Some(format!("+3460{i:07}").into()),
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         })
         .collect();
     let mut last = None;
@@ -615,17 +597,7 @@ async fn a_flood_s_old_records_are_dropped_a_bounded_batch_per_call() {
         .with_dedup(1)
         .unwrap();
     let start = now_ms() - 600_000;
-    let call = |i: i64, ts: i64| CallEvent {
-        call_id: format!("f{i}").into(),
-        caller: "+34911000003".into(),
-        ts_ms: ts,
-        callee: None,
-        duration_ms: None,
-        label: None,
-        list_number: None,
-        filter_callee: None,
-        aggregate: None,
-    };
+    let call = |i: i64, ts: i64| CallEvent::new(format!("f{i}"), "+34911000003", ts);
     let flood: Vec<CallEvent> = (0..2_000).map(|i| call(i, start + i)).collect();
     for chunk in flood.chunks(500) {
         store.apply_batch(&rules, chunk).await.unwrap();

@@ -6,6 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
+use callguard::engine::rules::RuleSet;
 use common::{bin, RedisServer};
 
 fn replay(args: &[&str]) -> std::process::Output {
@@ -270,10 +271,17 @@ fn streamed_csv_reader_agrees_with_polars() {
             &decoder,
             opts.format,
             opts.timezone,
+            None,
             false,
             |row, e| match e {
-                Ok(e) => theirs.events.push((row, e)),
-                Err(error) => theirs.invalid.push(InvalidRow { row, error }),
+                Ok(mut e) => {
+                    // Dropped fields are reported as rows; the columns
+                    // keep the call without them.
+                    theirs.invalid.extend(InvalidRow::dropped(row, &e));
+                    e.dropped = None;
+                    theirs.events.push((row, e))
+                }
+                Err(error) => theirs.invalid.push(InvalidRow::new(row, error)),
             },
         )
         .unwrap();
@@ -514,4 +522,272 @@ fn a_failed_run_leaves_no_truncated_output() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(left, ["decisions.csv"]);
+}
+
+/// Outputs take the umask (as every Unix tool's do), and log lines sent
+/// to a pipe carry no colour codes.
+#[test]
+fn outputs_follow_the_umask_and_piped_logs_are_plain() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    for (umask, mode) in [("022", 0o644), ("027", 0o640)] {
+        let out = dir.path().join(format!("d{umask}.csv"));
+        let o = Command::new("sh")
+            .args(["-c", &format!("umask {umask} && exec \"$0\" \"$@\"")])
+            .arg(bin())
+            .args(["replay", "-i", "tests/golden/calls.csv"])
+            .args(["--rules", "tests/golden/rules.toml"])
+            .args(["--default-country-code", "34", "-o"])
+            .arg(&out)
+            .env_remove("NO_COLOR")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for written in [&out, &dir.path().join(format!("d{umask}.invalid.csv"))] {
+            let got = std::fs::metadata(written).unwrap().permissions().mode() & 0o777;
+            assert_eq!(got, mode, "{} under umask {umask}", written.display());
+        }
+        // The golden log has invalid rows, which are logged as warnings.
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(stderr.contains("invalid row"), "{stderr}");
+        assert!(
+            !stderr.contains('\u{1b}'),
+            "colour codes in a pipe: {stderr:?}"
+        );
+    }
+}
+
+/// An output named with an extension of no known format is refused before
+/// any work, naming the extensions that are understood; nothing is written.
+#[test]
+fn an_unknown_output_extension_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for (cmd, flag, name, expected) in [
+        ("replay", "-o", "d.json", ".csv or .parquet"),
+        ("features", "-o", "f.txt", ".csv or .parquet"),
+        ("tune", "-o", "s.json", ".csv or .parquet"),
+        ("tune", "--plot", "p.jpg", ".png or .svg"),
+        ("replay", "-o", "decisions", ".csv or .parquet"),
+    ] {
+        let out = dir.path().join(name);
+        let o = Command::new(bin())
+            .arg(cmd)
+            .args([
+                "-i",
+                "tests/golden/calls.csv",
+                "--rules",
+                "tests/golden/rules.toml",
+            ])
+            .args(["--default-country-code", "34", flag])
+            .arg(&out)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{cmd} {name}: {stderr}");
+        assert!(
+            stderr.contains("unknown output format") && stderr.contains(expected),
+            "{cmd} {name}: {stderr}"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "{cmd} {name}"
+        );
+    }
+}
+
+/// `replay --store redis` on a key prefix that holds records of another
+/// rule set refuses it, naming the version found; `--fresh` deletes only
+/// that prefix's keys and replays afresh, `--resume` continues on them.
+/// The same rule set continues: every record comes back as a duplicate.
+#[test]
+fn redis_replay_refuses_a_prefix_of_another_rule_set() {
+    let server = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let url = server.url();
+    let run = |rule: &str, out: &str, extra: &[&str]| {
+        let out = dir.path().join(out);
+        let o = replay(
+            &[
+                &[
+                    "-i",
+                    "tests/golden/calls.csv",
+                    "--default-country-code",
+                    "34",
+                ][..],
+                &["--rule", rule, "--store", "redis", "--redis-url", &url],
+                &["--key-prefix", "cg:replay:", "-o", out.to_str().unwrap()],
+                extra,
+            ]
+            .concat(),
+        );
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        (o, text)
+    };
+    let version = |rule: &str| {
+        RuleSet::from_args(None, &[rule.to_string()])
+            .unwrap()
+            .version()
+            .to_string()
+    };
+    let (a, b) = ("m:sliding:60s:2", "m:sliding:60s:3");
+    // A key of another prefix, which --fresh must leave alone.
+    let mut c = redis::Client::open(url.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("other:key")
+        .arg("1")
+        .query(&mut c)
+        .unwrap();
+
+    let (o, first) = run(a, "a1.csv", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (o, again) = run(a, "a2.csv", &[]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("duplicates       13"), "{stdout}");
+    assert_eq!(first.lines().count(), again.lines().count());
+
+    let (o, _) = run(b, "b1.csv", &[]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "another rule set must be refused");
+    assert!(
+        stderr.contains(&format!("rule set version {}", version(a)))
+            && stderr.contains("--fresh")
+            && stderr.contains("--resume"),
+        "{stderr}"
+    );
+
+    let (o, fresh) = run(b, "b2.csv", &["--fresh"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("keys deleted first (--fresh)"), "{stdout}");
+    assert!(stdout.contains("duplicates       1\n"), "{stdout}");
+    let (o, memory) = {
+        let out = dir.path().join("b-mem.csv");
+        let o = replay(&[
+            "-i",
+            "tests/golden/calls.csv",
+            "--default-country-code",
+            "34",
+            "--rule",
+            b,
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        (o, std::fs::read_to_string(&out).unwrap_or_default())
+    };
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(fresh, memory, "a fresh Redis replay equals the memory one");
+    let other: Option<String> = redis::cmd("GET").arg("other:key").query(&mut c).unwrap();
+    assert_eq!(
+        other.as_deref(),
+        Some("1"),
+        "--fresh deleted another prefix's key"
+    );
+
+    let (o, _) = run(a, "a3.csv", &["--resume"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains(&format!("continuing on records of rule set {}", version(b))),
+        "{stdout}"
+    );
+}
+
+/// Units in the mapping: a switch's `billsec` in seconds and a start time
+/// in epoch seconds (`--map duration_ms=billsec:s,ts=start:s`), and other
+/// time forms named with `--ts-format`, give the features the same values
+/// as milliseconds would; a time in none of the forms names them.
+#[test]
+fn mapped_units_and_time_forms_are_read_as_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let features = |csv: &str, extra: &[&str]| {
+        let input = dir.path().join("in.csv");
+        std::fs::write(&input, csv).unwrap();
+        let out = dir.path().join("f.csv");
+        let o = Command::new(bin())
+            .args([
+                "features",
+                "--rule",
+                "m:sliding:60s:5",
+                "--columns",
+                "call_id,ts_ms,duration_ms",
+            ])
+            .arg("-i")
+            .arg(&input)
+            .arg("-o")
+            .arg(&out)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::fs::read_to_string(&out).unwrap()
+    };
+    let expected = "call_id,ts_ms,duration_ms\n\
+        a,2025-12-01T10:00:00.000Z,12000\n\
+        b,2025-12-01T10:00:30.500Z,1500\n";
+    let seconds =
+        "id,src,start,billsec\na,+34911000001,1764583200,12\nb,+34911000001,1764583230.5,1.5\n";
+    let map = "call_id=id,caller=src,ts=start:s,duration_ms=billsec:s";
+    assert_eq!(features(seconds, &["--map", map]), expected);
+
+    let local = "id,src,start,billsec\na,+34911000001,01/12/2025 11:00:00.000,12\nb,+34911000001,01/12/2025 11:00:30.500,1.5\n";
+    let map = "call_id=id,caller=src,ts=start,duration_ms=billsec:s";
+    let form = [
+        "--ts-format",
+        "%d/%m/%Y %H:%M:%S%.f",
+        "--timezone",
+        "Europe/Madrid",
+    ];
+    assert_eq!(
+        features(local, &[&["--map", map][..], &form].concat()),
+        expected
+    );
+    let offsets = "id,src,start,billsec\na,+34911000001,2025-12-01T11:00:00+0100,12\nb,+34911000001,2025-12-01T10:00:30.5+0000,1.5\n";
+    let form = ["--ts-format", "%Y-%m-%dT%H:%M:%S%.f%z"];
+    assert_eq!(
+        features(offsets, &[&["--map", map][..], &form].concat()),
+        expected
+    );
+
+    // Not in any form read: the invalid row names the forms.
+    let o = Command::new(bin())
+        .args([
+            "features",
+            "--rule",
+            "m:sliding:60s:5",
+            "--map",
+            map,
+            "--ts-format",
+            "%Q",
+        ])
+        .args(["-i", "x.csv", "-o", "y.csv"])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("--ts-format"),
+        "{o:?}"
+    );
+    let e = callguard::engine::event::parse_ts(callguard::engine::event::RawValue::Str(
+        "01/12/2025 11:00",
+    ))
+    .unwrap_err()
+    .to_string();
+    for form in [
+        "epoch milliseconds",
+        "RFC 3339",
+        "YYYY-MM-DD HH:MM:SS",
+        "ts=COLUMN:s",
+        "--ts-format",
+    ] {
+        assert!(e.contains(form), "{e}");
+    }
 }

@@ -262,6 +262,24 @@ fn run(mode: &str) {
     let r = check(&mut conn, "e9", e, "+5350000001", T0 + 5_000);
     assert_eq!(r.json()["rules_version"], new_version);
     assert_eq!(seen(&r).3[0], n(4));
+    // Fixed: the next reload succeeds, and the error is no longer shown
+    // (the count of failed reloads stays).
+    std::fs::write(dir.path().join("ranges.txt"), "+882\n+53\n+7\n").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let stats = common::http_get(served.port, "/v1/stats").unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(&stats).unwrap_or_default();
+        if v["rules"]["version"] != new_version && v["rules"]["version"].is_string() {
+            assert_eq!(v["rules"]["last_error"], serde_json::Value::Null, "{stats}");
+            assert!(v["rules"]["failed_reloads"].as_u64() >= Some(1), "{stats}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the fixed file was not reloaded: {stats}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]
@@ -297,9 +315,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             callee: Some(c.callee.as_str().into()),
             duration_ms: Some(c.duration_ms),
             label: Some(c.fraud),
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         };
         let v = store.apply(&rules, &e);
         let r = &v.record;

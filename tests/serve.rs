@@ -428,9 +428,15 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
     );
     let mut conn = served.conn();
     let cases = [
-        (r#"{"call_id":"x","ts":1764547200000}"#, "missing_field"),
+        (
+            r#"{"caller":"+34911000003","ts":1764547200000}"#,
+            "missing_field",
+        ),
         (r#"{"call_id":"x","caller":"+34911","#, "bad_json"),
-        (r#"{"call_id":"x","caller":"not a number"}"#, "bad_number"),
+        (
+            r#"{"call_id":"x","caller":"+34911000003","ts":"noon"}"#,
+            "bad_timestamp",
+        ),
         (
             r#"{"call_id":"x","caller":"+34911000003","ts":4102444800000}"#,
             "ts_out_of_range",
@@ -444,7 +450,7 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
         assert_eq!(v["kind"], kind, "{body}: {v}");
         assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
     }
-    let r = conn.get("/v1/check?call_id=y");
+    let r = conn.get("/v1/check?caller=%2B34911000003");
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["kind"], "missing_field");
     // Counted as invalid checks (serve has no dead-letter topic).
@@ -477,6 +483,146 @@ fn invalid_checks_answer_400_with_the_dead_letter_kind() {
     );
 }
 
+/// A call whose caller is unusable (missing, garbage, national without a
+/// country code) is decided, never refused: by default every such call
+/// counts under the one caller `bad_caller`; `--on-bad-caller reject` and
+/// `allow` decide it with reason `bad_caller`. A `+` sent unescaped in a GET
+/// is the `+` it was.
+#[test]
+fn unusable_callers_are_decided_under_the_bad_caller_policy() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:2".into()]).unwrap();
+    let unusable = [
+        r#""caller":"0955000002""#,
+        r#""caller":"anonymous""#,
+        r#""caller":"+34{91}""#,
+        r#""caller":"""#,
+        r#""caller":true"#,
+        r#""from":"+34911000001""#,
+    ];
+    for policy in ["shared", "reject", "allow"] {
+        let served = Served::start(
+            config(),
+            RedisConfig {
+                key_prefix: format!("cg:{policy}:"),
+                ..redis_config(&redis)
+            },
+            rules
+                .with_bad_caller(match policy {
+                    "shared" => callguard::engine::rules::BadCallerPolicy::Shared,
+                    "reject" => callguard::engine::rules::BadCallerPolicy::Reject,
+                    _ => callguard::engine::rules::BadCallerPolicy::Allow,
+                })
+                .unwrap(),
+        );
+        let mut conn = served.conn();
+        let answers: Vec<serde_json::Value> = unusable
+            .iter()
+            .enumerate()
+            .map(|(i, caller)| {
+                let body = format!(
+                    r#"{{"call_id":"{policy}{i}",{caller},"ts":{}}}"#,
+                    T0 + i as i64
+                );
+                let r = conn.post("/v1/check", &body);
+                assert_eq!(r.status, 200, "{policy} {body}: {}", r.body);
+                r.json()
+            })
+            .collect();
+        for (i, a) in answers.iter().enumerate() {
+            assert_eq!(a["caller"], "bad_caller", "{policy} {i}: {a}");
+            let (decision, reason) = match policy {
+                // Limit 2 in a minute: the third unusable caller on is over it.
+                "shared" if i >= 2 => ("reject", "m"),
+                "shared" => ("allow", "ok"),
+                "reject" => ("reject", "bad_caller"),
+                _ => ("allow", "bad_caller"),
+            };
+            assert_eq!(
+                (a["decision"].as_str(), a["reason"].as_str()),
+                (Some(decision), Some(reason)),
+                "{policy} {i}: {a}"
+            );
+            if policy == "reject" {
+                assert_eq!(a["retry_after_ms"], serde_json::Value::Null, "{a}");
+            }
+        }
+        assert_eq!(
+            served.metrics.bad_callers.get(),
+            unusable.len() as u64,
+            "{policy}"
+        );
+        // A real caller is decided on its own windows, whatever the policy;
+        // its `+` unescaped in a GET reads as a space, and is taken back.
+        let r = conn.get(&format!(
+            "/v1/check?call_id={policy}-ok&caller=+34911000001&ts={T0}"
+        ));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(
+            (v["caller"].as_str(), v["decision"].as_str()),
+            (Some("+34911000001"), Some("allow")),
+            "{v}"
+        );
+    }
+}
+
+/// Fields callguard does not read (a misspelled `calee`, `ts_ms`) are
+/// named in the answer and counted; under `--strict-fields` the check is
+/// refused with them and the known fields listed.
+#[test]
+fn unread_fields_are_named_in_the_answer_or_refused_when_strict() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    let lenient = Served::start(config(), redis_config(&redis), rules.clone());
+    let strict = Served::start(
+        ServeConfig {
+            strict_fields: true,
+            ..config()
+        },
+        redis_config(&redis),
+        rules,
+    );
+    let body = format!(
+        r#"{{"call_id":"t1","caller":"+34911000005","ts":{T0},"calee":"+34911999999","ts_ms":1}}"#
+    );
+    let r = lenient.conn().post("/v1/check", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["ignored"], serde_json::json!(["calee", "ts_ms"]), "{v}");
+    assert_eq!(v["callee"], serde_json::Value::Null, "{v}");
+    let r = lenient.conn().get(&format!(
+        "/v1/check?call_id=t2&caller=%2B34911000005&ts={T0}&calee=1"
+    ));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["ignored"], serde_json::json!(["calee"]));
+    assert_eq!(lenient.metrics.ignored_fields.get(), 3);
+    // A check with only known fields says nothing of them.
+    let r = lenient.conn().post(
+        "/v1/check",
+        &format!(r#"{{"call_id":"t3","caller":"+34911000005","ts":{T0}}}"#),
+    );
+    assert_eq!(r.json().get("ignored"), None, "{}", r.body);
+
+    let r = strict.conn().post("/v1/check", &body.replace("t1", "s1"));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["kind"], "unknown_field", "{v}");
+    assert_eq!(v["ignored"], serde_json::json!(["calee", "ts_ms"]), "{v}");
+    assert_eq!(
+        v["known"],
+        serde_json::json!(["call_id", "caller", "ts", "callee", "duration_ms", "label"]),
+        "{v}"
+    );
+    // Refused: the call was not decided, so sent right it is new.
+    let r = strict.conn().post(
+        "/v1/check",
+        &format!(r#"{{"call_id":"s1","caller":"+34911000005","ts":{T0},"callee":"+34911999999"}}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["duplicate"], false, "{}", r.body);
+}
+
 #[test]
 fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
     let redis = RedisServer::start(&[]);
@@ -497,6 +643,15 @@ fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
     assert_eq!(r.status, 503, "{}", r.body);
     assert_eq!(r.header("retry-after"), Some("1"));
     assert_eq!(r.json()["kind"], "unavailable");
+    // With the connection refused nothing was sent: the answer says the
+    // call was not applied (a lost connection mid-call says "unknown").
+    for i in 0..5 {
+        let r = blocking
+            .conn()
+            .post("/v1/check", &body(&format!("refused-{i}")));
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["applied"], "no", "{}", r.body);
+    }
     let r = allowing.conn().post("/v1/check", &body("down-2"));
     assert_eq!(r.status, 200, "{}", r.body);
     let v = r.json();

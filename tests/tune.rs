@@ -166,12 +166,8 @@ fn ev(caller: &str, id: usize, ts: i64, fraud: bool) -> (u64, CallEvent) {
             call_id: format!("c{id}").into(),
             caller: caller.into(),
             ts_ms: ts,
-            callee: None,
-            duration_ms: None,
             label: Some(fraud),
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         },
     )
 }
@@ -463,4 +459,144 @@ fn a_filtered_rule_is_swept_as_replay_decides() {
         assert!(rejects > 0, "the rule rejects nothing at N = {n}");
         assert_eq!(rejected[n as usize - 1], rejects, "N = {n}");
     }
+}
+
+/// A misspelled `--label-column` (or any optional field named with
+/// `--map`) is an error naming the column and listing the file's, not a
+/// sweep without labels that recommends the no-label quantile.
+#[test]
+fn a_named_column_that_does_not_exist_is_an_error() {
+    let run = |cmd: &str, extra: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = std::process::Command::new(common::bin());
+        c.args([
+            cmd,
+            "-i",
+            "data/calls.csv",
+            "--rule",
+            "minute:sliding:60s:10",
+        ]);
+        if cmd != "tune" {
+            c.arg("-o").arg(dir.path().join("out.csv"));
+        }
+        c.args(extra).output().unwrap()
+    };
+    for (cmd, extra, missing) in [
+        ("tune", &["--label-column", "lable"][..], "lable"),
+        ("replay", &["--map", "callee=calee"][..], "calee"),
+        ("features", &["--map", "duration_ms=billsec"][..], "billsec"),
+    ] {
+        let o = run(cmd, extra);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{cmd} {extra:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("column `{missing}`")) && stderr.contains("label"),
+            "{cmd} {extra:?}: {stderr}"
+        );
+    }
+    // Spelled right, the labels are read: the recommendation is the
+    // labelled one, not a quantile of peaks.
+    let o = run("tune", &["--label-column", "label", "--limits", "1..40"]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!stdout.contains("quantile"), "{stdout}");
+}
+
+/// A log with no valid call is an error that says why and lists the rows;
+/// a bad optional field (a label `unknown`, a duration `1.5`) drops that
+/// field, not the call, so the other calls' counts do not change.
+#[test]
+fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let all_bad = dir.path().join("bad.csv");
+    let mut text = String::from("call_id,caller,ts\n");
+    for i in 0..50 {
+        text.push_str(&format!("c{i},+34911000001,yesterday at {i}\n"));
+    }
+    std::fs::write(&all_bad, text).unwrap();
+    let o = std::process::Command::new(common::bin())
+        .current_dir(dir.path())
+        .args(["tune", "-i", "bad.csv", "--rule", "minute:sliding:60s"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("all 50 rows are invalid"), "{stderr}");
+    assert!(
+        stderr.contains("row 1:") && stderr.contains("bad.invalid.csv"),
+        "{stderr}"
+    );
+    let listed = std::fs::read_to_string(dir.path().join("bad.invalid.csv")).unwrap();
+    assert_eq!(listed.lines().count(), 51, "{listed}");
+
+    // One caller's five calls in a minute, one of them with a bad label
+    // and another with a bad duration: the calls all count, and the sweep
+    // is the one of the same log with those fields empty.
+    let sweep = |rows: &[(&str, &str)], name: &str| {
+        let path = dir.path().join(name);
+        let mut text = String::from("call_id,caller,ts,duration_ms,label\n");
+        for (i, (duration, label)) in rows.iter().enumerate() {
+            text.push_str(&format!(
+                "c{i},+34911000001,2025-12-01T00:00:{:02}Z,{duration},{label}\n",
+                i * 5
+            ));
+        }
+        std::fs::write(&path, text).unwrap();
+        let out = dir.path().join(format!("{name}.sweep.csv"));
+        let o = std::process::Command::new(common::bin())
+            .args([
+                "tune",
+                "--rule",
+                "minute:sliding:60s",
+                "--limits",
+                "1..6",
+                "-i",
+            ])
+            .arg(&path)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        (
+            std::fs::read_to_string(&out).unwrap(),
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+        )
+    };
+    let (bad, bad_stdout) = sweep(
+        &[
+            ("1000", "legit"),
+            ("1.5", "legit"),
+            ("1000", "unknown"),
+            ("1000", "legit"),
+            ("1000", "legit"),
+        ],
+        "bad",
+    );
+    let (clean, _) = sweep(
+        &[
+            ("1000", "legit"),
+            ("", "legit"),
+            ("1000", ""),
+            ("1000", "legit"),
+            ("1000", "legit"),
+        ],
+        "clean",
+    );
+    assert_eq!(bad, clean);
+    assert!(
+        bad_stdout.contains("5 events, 0 invalid rows"),
+        "{bad_stdout}"
+    );
+    assert!(bad_stdout.contains("2 fields dropped"), "{bad_stdout}");
+    let listed = std::fs::read_to_string(dir.path().join("bad.sweep.invalid.csv")).unwrap();
+    assert!(
+        listed.starts_with("row,error_kind,error,kept\n"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("2,bad_number,") && listed.contains("3,bad_label,"),
+        "{listed}"
+    );
+    assert_eq!(listed.matches(",true\n").count(), 2, "{listed}");
 }

@@ -15,12 +15,13 @@ use callguard::offline::read::ReadOptions;
 /// a live summary, and a parity check against `replay`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Call log to play.
-    #[arg(long, short, default_value = "data/calls.csv")]
-    pub input: PathBuf,
-    /// Rule set file.
-    #[arg(long, default_value = "data/rules.toml")]
-    pub rules: PathBuf,
+    /// Call log to play (default: the sample log built into the binary,
+    /// the project's `data/calls.csv`, so `demo` runs from any directory).
+    #[arg(long, short)]
+    pub input: Option<PathBuf>,
+    /// Rule set file (default: the built-in `data/rules.toml`).
+    #[arg(long)]
+    pub rules: Option<PathBuf>,
     /// Partitions of the calls topic.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,
@@ -29,12 +30,32 @@ pub struct DemoArgs {
     pub timeout_s: u64,
 }
 
+/// The sample call log, built in.
+const SAMPLE_CALLS: &[u8] = include_bytes!("../../data/calls.csv");
+
+/// The sample rule set, built in.
+const SAMPLE_RULES: &str = include_str!("../../data/rules.toml");
+
 /// Runs `callguard demo`.
 pub async fn run(args: DemoArgs) -> Result<()> {
+    // The built-in sample is written to a temporary file for the run.
+    let sample = tempfile::tempdir()?;
+    let input = match args.input {
+        Some(path) => path,
+        None => {
+            let path = sample.path().join("calls.csv");
+            std::fs::write(&path, SAMPLE_CALLS)?;
+            path
+        }
+    };
+    let rules = match &args.rules {
+        Some(path) => RuleSet::from_file(path)?,
+        None => RuleSet::from_toml(SAMPLE_RULES)?,
+    };
     let report = demo::run(DemoConfig {
-        input: args.input,
+        input,
         read: ReadOptions::default(),
-        rules: RuleSet::from_file(&args.rules)?,
+        rules,
         partitions: args.partitions,
         timeout: Duration::from_secs(args.timeout_s),
     })

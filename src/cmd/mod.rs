@@ -20,7 +20,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use callguard::engine::rules::RuleSet;
 use callguard::error::EventError;
-use callguard::offline::read::InvalidRow;
+use callguard::offline::read::{not_kept, InvalidRow};
 
 /// callguard: per-number call-rate windows that reject fraud bursts
 /// (robocalls, wangiri, SIP floods), online from Kafka with Redis and offline
@@ -119,6 +119,21 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
     }
 }
 
+/// Log lines are coloured only when stderr is a terminal and `NO_COLOR`
+/// is unset or empty (<https://no-color.org>): a log file or a pipe gets
+/// plain text.
+pub fn colour_wanted() -> bool {
+    colour_for(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+/// [`colour_wanted`] for a given terminal test and `NO_COLOR` value.
+fn colour_for(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// Progress bars are drawn only when stderr is a terminal.
 pub fn progress_wanted() -> bool {
     std::io::stderr().is_terminal()
@@ -135,19 +150,23 @@ pub fn describe_rules(rules: &RuleSet) -> String {
 /// attempts (Kamailio's BYE transactions), which are expected.
 pub fn report_invalid(path: &Path, invalid: &[InvalidRow]) {
     let other = |r: &&InvalidRow| matches!(r.error, EventError::NotACallAttempt { .. });
-    for bad in invalid.iter().filter(|r| !other(r)).take(5) {
+    for bad in invalid.iter().filter(|r| !other(r) && !r.kept).take(5) {
         tracing::warn!(row = bad.row, error = %bad.error, "invalid row");
     }
-    let not_calls = invalid.iter().filter(other).count();
-    let count = invalid.len();
-    if not_calls > 0 {
-        println!(
-            "invalid rows at  {} ({count}, of which {not_calls} not call attempts)",
-            path.display()
-        );
-    } else {
-        println!("invalid rows at  {} ({count})", path.display());
+    for kept in invalid.iter().filter(|r| r.kept).take(5) {
+        tracing::warn!(row = kept.row, error = %kept.error, "field dropped, call kept");
     }
+    let not_calls = invalid.iter().filter(other).count();
+    let count = not_kept(invalid);
+    let dropped = invalid.len() - count;
+    let mut line = format!("invalid rows at  {} ({count}", path.display());
+    if not_calls > 0 {
+        line.push_str(&format!(", of which {not_calls} not call attempts"));
+    }
+    if dropped > 0 {
+        line.push_str(&format!("; and {dropped} fields dropped from calls kept"));
+    }
+    println!("{line})");
 }
 
 /// Resolves when SIGINT or SIGTERM arrives.
@@ -165,4 +184,19 @@ pub async fn shutdown_signal() {
         _ = term => {},
     }
     tracing::info!("shutdown requested");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour_for;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour_for(true, None));
+        assert!(colour_for(true, Some(OsStr::new(""))));
+        assert!(!colour_for(true, Some(OsStr::new("1"))));
+        assert!(!colour_for(false, None));
+        assert!(!colour_for(false, Some(OsStr::new(""))));
+    }
 }

@@ -4,6 +4,7 @@ use anyhow::Result;
 use clap::Args;
 
 use callguard::offline::order::{OrderedLog, CHUNK_ROWS};
+use callguard::offline::read::not_kept;
 use callguard::online::consumer::DEFAULT_INPUT_TOPIC;
 use callguard::online::produce::Loader;
 
@@ -47,9 +48,10 @@ pub async fn run(args: ProduceArgs) -> Result<()> {
     let n = loader.finish().await?;
     invalid.sort_by_key(|r| r.row);
     println!(
-        "produced {n} events to {} ({} invalid rows skipped)",
+        "produced {n} events to {} ({} invalid rows skipped, {} fields dropped)",
         args.topic,
-        invalid.len()
+        not_kept(&invalid),
+        invalid.len() - not_kept(&invalid)
     );
     for bad in invalid.iter().take(10) {
         println!("  row {}: {}", bad.row, bad.error);

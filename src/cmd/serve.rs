@@ -48,6 +48,13 @@ pub struct ServeArgs {
     /// when it answers).
     #[arg(long, value_enum, env = "CALLGUARD_ON_STORE_ERROR", default_value_t = PolicyArg::Block)]
     pub on_store_error: PolicyArg,
+    /// Refuse a check with a field callguard does not read (400,
+    /// `unknown_field`, naming the known fields) instead of answering it
+    /// with the fields listed under `"ignored"`: a misspelled `calee` would
+    /// otherwise drop the callee silently. Off by default, since switches
+    /// may send fields of their own.
+    #[arg(long, env = "CALLGUARD_STRICT_FIELDS")]
+    pub strict_fields: bool,
     /// Largest request body, bytes (larger: 413).
     #[arg(long, env = "CALLGUARD_MAX_BODY_BYTES", default_value_t = serve::DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
@@ -159,6 +166,7 @@ impl ServeArgs {
             linger: Duration::from_micros(self.batch_linger_us),
             max_future_skew: (self.max_future_skew_s > 0)
                 .then(|| Duration::from_secs(self.max_future_skew_s)),
+            strict_fields: self.strict_fields,
             answer_deadline: (self.answer_deadline_ms > 0)
                 .then(|| Duration::from_millis(self.answer_deadline_ms)),
             topics,

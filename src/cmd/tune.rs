@@ -1,17 +1,19 @@
 //! `callguard tune`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Args;
 
+use callguard::error::IoError;
 use callguard::offline::order::OrderedLog;
-use callguard::offline::table::write_frame;
+use callguard::offline::read::not_kept;
+use callguard::offline::table::{write_frame, write_invalid, TableFormat};
 use callguard::offline::tune::{render_table, sweep_frame, sweep_ordered, Target};
 
 use crate::cmd::args::LogArgs;
-use crate::cmd::progress_wanted;
+use crate::cmd::{progress_wanted, report_invalid};
 
 /// Sweep a rule's limit N over a range on a call log and recommend one:
 /// calls and callers rejected, and with labels precision, recall and
@@ -37,12 +39,25 @@ pub struct TuneArgs {
     /// Without labels (or to override): recommend this quantile of per-caller peak counts.
     #[arg(long)]
     pub quantile: Option<f64>,
-    /// Full sweep table: `.csv` or `.parquet`.
+    /// Full sweep table: `.csv` or `.parquet`. Rows that are not valid
+    /// calls, and fields dropped from calls kept (a label `unknown`), are
+    /// listed in `<name>.invalid.csv` beside it; without `--output`, in
+    /// `<log's name>.invalid.csv` in the current directory. A log with no
+    /// valid call is an error.
     #[arg(long, short)]
     pub output: Option<PathBuf>,
     /// Plot: `.png` or `.svg`.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+}
+
+/// Where `tune` without `--output` lists a log's invalid rows:
+/// `<log's stem>.invalid.csv` in the current directory.
+fn invalid_home(input: &Path) -> PathBuf {
+    let stem = input
+        .file_stem()
+        .map_or_else(|| "tune".into(), |s| s.to_string_lossy().into_owned());
+    PathBuf::from(format!("{stem}.csv"))
 }
 
 /// Parses `A..B` (inclusive) into the limits A, A+1, ..., B.
@@ -64,6 +79,13 @@ pub fn parse_limits(s: &str) -> Result<Vec<u64>> {
 /// Runs `callguard tune`.
 pub fn run(args: TuneArgs) -> Result<()> {
     let limits = parse_limits(&args.limits)?;
+    // Output names are checked before the sweep, not after it.
+    if let Some(out) = &args.output {
+        TableFormat::from_path(out)?;
+    }
+    if let Some(plot) = &args.plot {
+        callguard::offline::plot::check_path(plot)?;
+    }
     let max_n = limits.last().copied().unwrap_or(1);
     // NAME:KIND:WINDOW without a limit: the sweep varies it.
     let mut rule_args = args.log.rules.clone();
@@ -110,10 +132,36 @@ pub fn run(args: TuneArgs) -> Result<()> {
         callguard::offline::plot::draw(&result, plot)?;
         println!("plot             {}", plot.display());
     }
+    let not_decided = not_kept(&invalid);
+    let invalid_file = match &args.output {
+        Some(out) => write_invalid(out, &invalid)?,
+        // Without an output, beside where the command runs, named after the log.
+        None => write_invalid(&invalid_home(&args.log.input.input), &invalid)?,
+    };
+    if let Some(path) = &invalid_file {
+        report_invalid(path, &invalid);
+    }
+    if rows == not_decided {
+        let first = invalid
+            .iter()
+            .find(|r| !r.kept)
+            .map(|r| format!(" (the first, row {}: {})", r.row, r.error))
+            .unwrap_or_default();
+        return Err(IoError::BadShape {
+            path: args.log.input.input.clone(),
+            problem: format!(
+                "no valid call to tune on: all {rows} rows are invalid{first}{}",
+                invalid_file
+                    .map(|p| format!("; listed in {}", p.display()))
+                    .unwrap_or_default()
+            ),
+        }
+        .into());
+    }
     println!(
         "{} events, {} invalid rows, {} replay pass(es)",
-        rows - invalid.len(),
-        invalid.len(),
+        rows - not_decided,
+        not_decided,
         result.passes
     );
     println!("recommendation: {}", result.explanation);

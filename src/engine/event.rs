@@ -15,6 +15,16 @@ use compact_str::CompactString;
 
 use crate::error::EventError;
 
+/// The caller key of every call whose caller is unusable: missing, or not
+/// a telephone number (garbage or spoofed CLI, a national number without a
+/// default country code). Not a number itself, so no real caller shares
+/// it; the rule set's `bad_caller` policy decides such calls.
+pub const BAD_CALLER: &str = "bad_caller";
+
+/// Most names of unread fields noted per event (see
+/// [`Decoder::decode_json_noting`]).
+pub const MAX_NOTED_FIELDS: usize = json::MAX_NOTED;
+
 /// Longest accepted `call_id`, in bytes.
 pub const MAX_CALL_ID_LEN: usize = 256;
 
@@ -120,6 +130,11 @@ pub struct CallEvent {
     /// [`crate::engine::aggregate::Gate`] before the caller's rules decide;
     /// `None` when the set has no such rule.
     pub aggregate: Option<std::sync::Arc<[Aggregated]>>,
+    /// Fields of the input whose values could not be read, as online and
+    /// offline alike: optional ones (a label `unknown`, a duration `1.5`),
+    /// which the call is kept without, or the caller, which the call then
+    /// stands under [`BAD_CALLER`] for. Whoever read it reports them.
+    pub dropped: Option<Box<[EventError]>>,
 }
 
 /// One rule keyed by callee or global, for one call: its count and, when
@@ -136,6 +151,22 @@ pub struct Aggregated {
 }
 
 impl CallEvent {
+    /// A call attempt with only its identity and time: no callee,
+    /// duration or label (set those fields, or build with
+    /// `..Default::default()`, for more).
+    pub fn new(
+        call_id: impl Into<CompactString>,
+        caller: impl Into<CompactString>,
+        ts_ms: i64,
+    ) -> Self {
+        CallEvent {
+            call_id: call_id.into(),
+            caller: caller.into(),
+            ts_ms,
+            ..CallEvent::default()
+        }
+    }
+
     /// The number the allow- and denylists are matched against: the real
     /// caller, also when `caller` is a pseudonym.
     pub fn number_for_lists(&self) -> &str {
@@ -232,16 +263,32 @@ const CALLEE: usize = 3;
 const DURATION_MS: usize = 4;
 const LABEL: usize = 5;
 
-/// Maps canonical field names to the names used by an input (`--map caller=src`).
+/// The unit of a time or duration field of an input (`--map
+/// duration_ms=billsec:s`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// Milliseconds (a time may also be RFC 3339 text).
+    Millis,
+    /// Seconds, maybe with a fraction (`12`, `1764547200.25`).
+    Seconds,
+}
+
+/// Maps canonical field names to the names used by an input (`--map
+/// caller=src`), and the units of `ts` and `duration_ms` when given
+/// (`ts=start:s`, `duration_ms=billsec:s`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FieldMap {
     names: HashMap<String, String>,
+    units: HashMap<String, Unit>,
 }
 
 impl FieldMap {
-    /// Parses `caller=src,ts=start_time` (entries may also be given one by one).
+    /// Parses `caller=src,ts=start_time` (entries may also be given one by
+    /// one); `ts` and `duration_ms` may name their unit, `:ms` or `:s`
+    /// (`duration_ms=billsec:s`).
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, EventError> {
         let mut names = HashMap::new();
+        let mut units = HashMap::new();
         for entry in entries {
             for pair in entry.as_ref().split(',').filter(|p| !p.trim().is_empty()) {
                 let (canon, source) = pair
@@ -254,10 +301,47 @@ impl FieldMap {
                         FIELDS.join(", ")
                     )));
                 }
-                names.insert(canon.to_string(), source.trim().to_string());
+                let (source, unit) = match source.trim().rsplit_once(':') {
+                    Some((col, "s")) => (col, Some(Unit::Seconds)),
+                    Some((col, "ms")) => (col, Some(Unit::Millis)),
+                    _ => (source.trim(), None),
+                };
+                if let Some(unit) = unit {
+                    if !["ts", "duration_ms"].contains(&canon) {
+                        return Err(EventError::BadMapping(format!(
+                            "{pair}: only ts and duration_ms take a unit (:s or :ms)"
+                        )));
+                    }
+                    units.insert(canon.to_string(), unit);
+                }
+                names.insert(canon.to_string(), source.to_string());
             }
         }
-        Ok(FieldMap { names })
+        Ok(FieldMap { names, units })
+    }
+
+    /// The unit given for `canonical` (`ts` or `duration_ms`), if any.
+    pub fn unit(&self, canonical: &str) -> Option<Unit> {
+        self.units.get(canonical).copied()
+    }
+
+    /// The mapping's entry for `canonical` as `--map` takes it
+    /// (`duration_ms=billsec:s`), or `None` when it keeps the field's own
+    /// name and gives no unit.
+    pub fn entry(&self, canonical: &str) -> Option<String> {
+        let source = self.source(canonical);
+        let unit = match self.unit(canonical) {
+            Some(Unit::Seconds) => ":s",
+            Some(Unit::Millis) => ":ms",
+            None => "",
+        };
+        (source != canonical || !unit.is_empty()).then(|| format!("{canonical}={source}{unit}"))
+    }
+
+    /// Whether the mapping names an input column for `canonical` itself
+    /// (an entry of `--map`), rather than leaving it at its own name.
+    pub fn names(&self, canonical: &str) -> bool {
+        self.names.contains_key(canonical)
     }
 
     /// The input's name for a canonical field.
@@ -313,22 +397,18 @@ impl Decoder {
         F: Fn(usize) -> RawValue<'a>,
     {
         let call_id = decode_call_id(get(CALL_ID))?;
-        let caller = match get(CALLER) {
-            RawValue::Str(s) if !s.trim().is_empty() => {
-                normalize_number(s, self.default_country_code.as_deref())?
-            }
-            RawValue::Int(i) => {
-                normalize_number(&i.to_string(), self.default_country_code.as_deref())?
-            }
-            v if v.is_null() => return Err(EventError::Missing("caller")),
-            v => {
-                return Err(EventError::WrongType {
-                    field: "caller",
-                    found: v.kind(),
-                })
-            }
+        // An unusable caller is a caller too: [`BAD_CALLER`], which the
+        // rule set's `bad_caller` policy decides (never a refused event:
+        // garbage CLI is what fraud sends).
+        let mut dropped = Vec::new();
+        let caller = self.caller(get(CALLER)).map_err(|e| dropped.push(e)).ok();
+        let ts_ms = match self.map.unit("ts") {
+            Some(Unit::Seconds) => seconds_value(get(TS)).ok_or_else(|| {
+                EventError::BadTimestamp(format!("{} (mapped as epoch seconds)", get(TS)))
+            })?,
+            _ => parse_ts(get(TS))?,
         };
-        let ts_ms = check_ts_range(parse_ts(get(TS))?)?;
+        let ts_ms = check_ts_range(ts_ms)?;
         let callee = match get(CALLEE) {
             v if v.is_null() => None,
             RawValue::Str(s) => self.callee(s),
@@ -340,37 +420,66 @@ impl Decoder {
                 })
             }
         };
-        let duration_ms = match get(DURATION_MS) {
-            v if v.is_null() => None,
-            RawValue::Int(i) if i >= 0 => Some(i),
-            RawValue::Str(s) => match s.trim().parse::<i64>() {
-                Ok(i) if i >= 0 => Some(i),
-                _ => {
-                    return Err(EventError::BadNumber {
+        // A bad optional field drops that field, not the call: the call
+        // still counts in its caller's windows, so other calls' counts
+        // do not depend on it.
+        let duration = match self.map.unit("duration_ms") {
+            Some(Unit::Seconds) => match get(DURATION_MS) {
+                v if v.is_null() => Ok(None),
+                v => seconds_value(v)
+                    .filter(|ms| *ms >= 0)
+                    .map(Some)
+                    .ok_or_else(|| EventError::BadNumber {
                         field: "duration_ms",
-                        value: s.to_string(),
-                    })
-                }
+                        value: format!("{v} (seconds, as mapped with :s)"),
+                    }),
             },
-            v => {
-                return Err(EventError::BadNumber {
-                    field: "duration_ms",
-                    value: v.to_string(),
-                })
-            }
+            _ => parse_duration(get(DURATION_MS)),
         };
-        let label = parse_label(get(LABEL))?;
-        let (caller, callee, list_number, filter_callee) = match &self.hasher {
+        let duration_ms = duration.unwrap_or_else(|e| {
+            dropped.push(e);
+            None
+        });
+        let label = parse_label(get(LABEL)).unwrap_or_else(|e| {
+            dropped.push(e);
+            None
+        });
+        // A pseudonym stays as it is (an event `serve --hash-numbers`
+        // published, read back by `consume --hash-numbers`): hashed again it
+        // would be another caller. Lists and callee ranges, matched on real
+        // numbers, cannot see behind it.
+        let (caller, callee, list_number, filter_callee) = match (&self.hasher, caller) {
+            (Some(h), Some(caller)) if is_pseudonym(&caller) => {
+                let callee = callee.map(|c| {
+                    if is_pseudonym(&c) {
+                        c
+                    } else {
+                        h.hash(&c).into()
+                    }
+                });
+                (caller, callee, None, None)
+            }
             // After normalisation, so a number has one pseudonym however it
             // was written; the real numbers stay only for list and callee
-            // prefix matching.
-            Some(h) => (
+            // prefix matching. The unusable caller's key is no number.
+            (Some(h), Some(caller)) => (
                 h.hash(&caller).into(),
                 callee.as_deref().map(|c| h.hash(c).into()),
                 Some(caller.into()),
                 callee,
             ),
-            None => (caller, callee, None, None),
+            (Some(h), None) => (
+                CompactString::const_new(BAD_CALLER),
+                callee.as_deref().map(|c| h.hash(c).into()),
+                None,
+                callee,
+            ),
+            (None, caller) => (
+                caller.unwrap_or(CompactString::const_new(BAD_CALLER)),
+                callee,
+                None,
+                None,
+            ),
         };
         Ok(CallEvent {
             call_id,
@@ -382,7 +491,27 @@ impl Decoder {
             list_number,
             filter_callee,
             aggregate: None,
+            dropped: (!dropped.is_empty()).then(|| dropped.into_boxed_slice()),
         })
+    }
+
+    /// The caller normalised to E.164; an error when missing or not a
+    /// number.
+    fn caller(&self, raw: RawValue<'_>) -> Result<CompactString, EventError> {
+        match raw {
+            RawValue::Str(s) if is_pseudonym(s) => Ok(s.into()),
+            RawValue::Str(s) if !s.trim().is_empty() => {
+                normalize_number(s, self.default_country_code.as_deref())
+            }
+            RawValue::Int(i) => {
+                normalize_number(&i.to_string(), self.default_country_code.as_deref())
+            }
+            v if v.is_null() => Err(EventError::Missing("caller")),
+            v => Err(EventError::WrongType {
+                field: "caller",
+                found: v.kind(),
+            }),
+        }
     }
 
     /// The callee normalised like a caller; `None` when it cannot be (an
@@ -390,6 +519,9 @@ impl Decoder {
     /// longer than [`MAX_CALLEE_INPUT_LEN`]: the call stays valid, the
     /// distinct-callees feature skips it.
     fn callee(&self, raw: &str) -> Option<CompactString> {
+        if is_pseudonym(raw) {
+            return Some(raw.into());
+        }
         if raw.len() > MAX_CALLEE_INPUT_LEN {
             return None;
         }
@@ -408,10 +540,22 @@ impl Decoder {
         payload: &[u8],
         default_ts_ms: Option<i64>,
     ) -> Result<CallEvent, EventError> {
+        self.decode_json_noting(payload, default_ts_ms, None)
+    }
+
+    /// [`Decoder::decode_json_at`] that also notes, in `others`, the keys of
+    /// the payload's fields it does not read (the first
+    /// [`MAX_NOTED_FIELDS`]): a misspelled `calee`, or a switch's own.
+    pub fn decode_json_noting(
+        &self,
+        payload: &[u8],
+        default_ts_ms: Option<i64>,
+        others: Option<&mut Vec<String>>,
+    ) -> Result<CallEvent, EventError> {
         let text = std::str::from_utf8(payload)
             .map_err(|e| EventError::Json(format!("invalid UTF-8: {e}")))?;
         let names = FIELDS.map(|canon| self.map.source(canon));
-        let found = json::read_fields(text, names)
+        let found = json::read_fields(text, names, others)
             .map_err(|e| EventError::Json(e.to_string()))?
             .ok_or_else(|| EventError::Json("payload is not a JSON object".into()))?;
         for (canon, v) in FIELDS.iter().zip(&found) {
@@ -432,6 +576,24 @@ impl Decoder {
                 _ => v,
             }
         })
+    }
+
+    /// The names of `fields` that are not the input names of any field
+    /// (the first [`MAX_NOTED_FIELDS`], sorted).
+    pub fn other_fields<'a>(&self, fields: impl Iterator<Item = &'a str>) -> Vec<String> {
+        let known = FIELDS.map(|canon| self.map.source(canon));
+        let mut others: Vec<String> = fields
+            .filter(|f| !known.contains(f))
+            .take(MAX_NOTED_FIELDS)
+            .map(str::to_string)
+            .collect();
+        others.sort_unstable();
+        others
+    }
+
+    /// The input names of the fields a decoder reads, in [`FIELDS`] order.
+    pub fn known_fields(&self) -> Vec<&str> {
+        FIELDS.iter().map(|canon| self.map.source(canon)).collect()
     }
 
     /// Decodes an event from text fields (a query string's parameters);
@@ -469,6 +631,16 @@ fn decode_call_id(v: RawValue<'_>) -> Result<CompactString, EventError> {
         return Err(EventError::BadCallId(id.chars().take(40).collect()));
     }
     Ok(id)
+}
+
+/// Whether `s` is a pseudonym ([`NumberHasher::hash`]'s form: `h` and 32
+/// lowercase hex digits), which no telephone number is.
+pub fn is_pseudonym(s: &str) -> bool {
+    s.len() == 33
+        && s.starts_with('h')
+        && s.bytes()
+            .skip(1)
+            .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
 /// Normalises a telephone number to E.164.
@@ -604,6 +776,53 @@ fn digits(b: &[u8]) -> Option<i64> {
     })
 }
 
+/// Seconds as written by a switch (`12`, or `1764547200.25` for
+/// sub-second times) in milliseconds; `None` for anything else.
+pub fn seconds_to_ms(s: &str) -> Option<i64> {
+    let s = s.trim();
+    let integer = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (whole, frac) = s.split_once('.').unwrap_or((s, ""));
+    if !integer(whole) || !(frac.is_empty() || integer(frac)) {
+        return None;
+    }
+    let whole: i64 = whole.parse().ok()?;
+    let mut ms = 0i64;
+    for (i, d) in frac.bytes().take(3).enumerate() {
+        ms += i64::from(d - b'0') * [100, 10, 1][i];
+    }
+    whole.checked_mul(1000)?.checked_add(ms)
+}
+
+/// A value in seconds (text or a JSON number) in milliseconds.
+fn seconds_value(v: RawValue<'_>) -> Option<i64> {
+    match v {
+        RawValue::Int(i) => i.checked_mul(1000),
+        RawValue::Float(x) if x.is_finite() && x >= 0.0 => Some((x * 1000.0).round() as i64),
+        RawValue::Str(s) => seconds_to_ms(s),
+        _ => None,
+    }
+}
+
+/// Parses a duration in milliseconds: a non-negative integer; empty means
+/// unknown.
+fn parse_duration(v: RawValue<'_>) -> Result<Option<i64>, EventError> {
+    match v {
+        v if v.is_null() => Ok(None),
+        RawValue::Int(i) if i >= 0 => Ok(Some(i)),
+        RawValue::Str(s) => match s.trim().parse::<i64>() {
+            Ok(i) if i >= 0 => Ok(Some(i)),
+            _ => Err(EventError::BadNumber {
+                field: "duration_ms",
+                value: printable(s),
+            }),
+        },
+        v => Err(EventError::BadNumber {
+            field: "duration_ms",
+            value: v.to_string(),
+        }),
+    }
+}
+
 /// Parses a label: `1`/`0`, `true`/`false`, `fraud`/`legit`; empty means unknown.
 pub fn parse_label(v: RawValue<'_>) -> Result<Option<bool>, EventError> {
     match v {
@@ -721,6 +940,38 @@ mod tests {
         assert_eq!(e.number_for_lists(), "+34911234567");
     }
 
+    /// An event published with its numbers pseudonymised (`serve
+    /// --hash-numbers`) keeps them when read by a decoder that hashes: the
+    /// same caller key, not a hash of the hash nor an unusable caller.
+    #[test]
+    fn pseudonyms_are_not_hashed_again() {
+        let h = NumberHasher::new(b"0123456789abcdef").unwrap();
+        let d = Decoder {
+            hasher: Some(h.clone()),
+            ..Decoder::default()
+        };
+        let first = d
+            .decode_json(br#"{"call_id":"x","caller":"+34911234567","ts":1764547200000,"callee":"+34600000001"}"#)
+            .unwrap();
+        assert!(is_pseudonym(&first.caller), "{}", first.caller);
+        // As `serve` publishes it (src/online/produce.rs, event_json).
+        let published = format!(
+            r#"{{"call_id":"x","caller":"{}","ts":1764547200000,"callee":"{}"}}"#,
+            first.caller,
+            first.callee.as_deref().unwrap()
+        );
+        let again = d.decode_json(published.as_bytes()).unwrap();
+        assert_eq!(again.caller, first.caller);
+        assert_eq!(again.callee, first.callee);
+        assert_eq!(again.dropped, None);
+        // A decoder without the key reads the pseudonyms as they are too.
+        let plain = Decoder::default()
+            .decode_json(published.as_bytes())
+            .unwrap();
+        assert_eq!((plain.caller, plain.callee), (first.caller, first.callee));
+        assert!(!is_pseudonym("+34911234567") && !is_pseudonym("hABC"));
+    }
+
     #[test]
     fn normalises_numbers() {
         assert_eq!(
@@ -798,6 +1049,28 @@ mod tests {
             .is_err());
     }
 
+    /// A bad label or duration drops that field, not the call; the call's
+    /// other fields are decoded as ever, and the errors say what was dropped.
+    #[test]
+    fn bad_optional_fields_are_dropped_and_the_call_kept() {
+        let d = Decoder::default();
+        let base = r#""call_id":"x","caller":"+34911000003","ts":1764547200000"#;
+        let e = d
+            .decode_json(format!(r#"{{{base},"label":"unknown","duration_ms":"1.5"}}"#).as_bytes())
+            .unwrap();
+        assert_eq!((e.label, e.duration_ms), (None, None));
+        assert_eq!(e.caller, "+34911000003");
+        let dropped: Vec<&str> = e.dropped.iter().flatten().map(EventError::kind).collect();
+        assert_eq!(dropped, ["bad_number", "bad_label"]);
+        let e = d
+            .decode_json(format!(r#"{{{base},"label":"fraud","duration_ms":1500}}"#).as_bytes())
+            .unwrap();
+        assert_eq!(
+            (e.label, e.duration_ms, e.dropped),
+            (Some(true), Some(1500), None)
+        );
+    }
+
     #[test]
     fn rejects_bad_mapping_and_labels() {
         assert!(FieldMap::parse(&["nope=src"]).is_err());
@@ -824,7 +1097,12 @@ mod tests {
     #[test]
     fn errors_show_values_as_json_spells_them() {
         let d = Decoder::default();
-        let err = |json: &str| d.decode_json(json.as_bytes()).unwrap_err().to_string();
+        // A bad optional field is dropped, the call kept: its error is
+        // what the reader reports.
+        let err = |json: &str| match d.decode_json(json.as_bytes()) {
+            Err(e) => e.to_string(),
+            Ok(e) => e.dropped.expect("a dropped field")[0].to_string(),
+        };
         let base = r#""call_id":"x","caller":"+34911000003""#;
         let cases = [
             (format!(r#"{{{base},"ts":true}}"#), "true"),

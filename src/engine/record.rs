@@ -46,6 +46,9 @@ impl Decision {
 pub const REASON_OK: &str = "ok";
 /// Reason when the caller is on the allowlist.
 pub const REASON_ALLOWLIST: &str = "allowlist";
+/// Reason of a call whose caller is unusable, rejected or allowed as the
+/// rule set's `bad_caller` policy says.
+pub const REASON_BAD_CALLER: &str = "bad_caller";
 /// Reason when the caller is on the denylist.
 pub const REASON_DENYLIST: &str = "denylist";
 /// Reason of a decision made by a fallback policy while the store failed.
@@ -171,6 +174,7 @@ static NO_EVENT: CallEvent = CallEvent {
     list_number: None,
     filter_callee: None,
     aggregate: None,
+    dropped: None,
 };
 
 impl<'a> Row<'a> {
@@ -643,9 +647,7 @@ mod tests {
             callee: Some("+34600000000".into()),
             duration_ms: Some(-3),
             label: Some(true),
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         };
         let bare = CallEvent {
             callee: None,

@@ -159,6 +159,25 @@ impl fmt::Display for Rate {
     }
 }
 
+/// What a rule set does with a call whose caller is unusable: missing, or
+/// not a telephone number (garbage or spoofed CLI, or a national number
+/// without `--default-country-code`). Such a call is decided under the
+/// one caller key [`BAD_CALLER`](crate::engine::event::BAD_CALLER).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BadCallerPolicy {
+    /// Every unusable caller is one caller for the rules: a spray of
+    /// garbage CLI is limited together, and a switch sending national
+    /// numbers without the country code shows at once.
+    #[default]
+    Shared,
+    /// Rejected (reason `bad_caller`), as regulators ask of calls with
+    /// invalid CLI.
+    Reject,
+    /// Allowed (reason `bad_caller`), unchecked.
+    Allow,
+}
+
 /// Which calls are recorded in the windows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -10,7 +10,7 @@ use serde::Deserialize;
 
 use crate::engine::duration::parse_duration_ms;
 use crate::engine::filter::{parse_days, parse_timezone, Filter, Hours};
-use crate::engine::rule::{CountPolicy, Rate, Rule, RuleKey, WindowKind};
+use crate::engine::rule::{BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, WindowKind};
 use crate::engine::rules::{RuleSet, RuleSpec, DEFAULT_GRACE_MS, DEFAULT_MAX_DISTINCT_CALLEES};
 use crate::error::RulesError;
 
@@ -22,6 +22,8 @@ struct RuleFile {
     grace: Option<String>,
     #[serde(default)]
     shadow: bool,
+    #[serde(default)]
+    bad_caller: BadCallerPolicy,
     dedup: Option<String>,
     distinct_callees: Option<bool>,
     max_distinct_callees: Option<u64>,
@@ -203,6 +205,7 @@ impl RuleSet {
             allow: file.allow,
             deny: file.deny,
             shadow: file.shadow,
+            bad_caller: file.bad_caller,
             dedup_ms: file.dedup.as_deref().map(parse_duration_ms).transpose()?,
             distinct_callees: file.distinct_callees.unwrap_or(true),
             max_distinct_callees: file

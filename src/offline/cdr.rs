@@ -301,21 +301,7 @@ fn is_sip_method(s: &str) -> bool {
     )
 }
 
-/// Seconds as written by a switch (`12`, or `1764547200.25` for
-/// sub-second times) in milliseconds; `None` for anything else.
-pub fn seconds_to_ms(s: &str) -> Option<i64> {
-    let s = s.trim();
-    let (whole, frac) = s.split_once('.').unwrap_or((s, ""));
-    if !is_integer(whole) || !(frac.is_empty() || is_integer(frac)) {
-        return None;
-    }
-    let whole: i64 = whole.parse().ok()?;
-    let mut ms = 0i64;
-    for (i, d) in frac.bytes().take(3).enumerate() {
-        ms += i64::from(d - b'0') * [100, 10, 1][i];
-    }
-    whole.checked_mul(1000)?.checked_add(ms)
-}
+pub use crate::engine::event::seconds_to_ms;
 
 #[cfg(test)]
 mod tests {

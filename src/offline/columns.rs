@@ -182,7 +182,7 @@ impl EventColumns {
             },
             list_number: self.list_numbers.get(&i).cloned(),
             filter_callee: self.filter_callees.get(&i).cloned(),
-            aggregate: None,
+            ..Default::default()
         }
     }
 
@@ -249,11 +249,7 @@ mod tests {
             caller: caller.into(),
             ts_ms: -5,
             callee: callee.map(Into::into),
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         }
     }
 

@@ -10,7 +10,7 @@ use rayon::slice::ParallelSliceMut;
 use crate::engine::event::CallEvent;
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
-use crate::offline::read::{read_events, CallLog, InvalidRow, ReadOptions};
+use crate::offline::read::{not_kept, read_events, CallLog, InvalidRow, ReadOptions};
 
 /// Rows handed out per chunk of an [`OrderedLog`]: a few chunks (being
 /// built, decided, written) are in memory at once, each with its events
@@ -107,7 +107,7 @@ impl OrderedLog {
 
     /// Rows in the file (valid or not).
     pub fn rows(&self) -> usize {
-        self.events.len() + self.invalid.len()
+        self.events.len() + not_kept(&self.invalid)
     }
 
     /// The chunks of `size` events (at least one when there are invalid

@@ -34,15 +34,32 @@ fn plot_err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// Checks that `path` names a format a plot is drawn in: `.svg` or `.png`
+/// (either case); its answer is whether it is SVG.
+pub fn check_path(path: &Path) -> Result<bool, IoError> {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    if ext.eq_ignore_ascii_case("svg") {
+        Ok(true)
+    } else if ext.eq_ignore_ascii_case("png") {
+        Ok(false)
+    } else {
+        Err(IoError::UnknownExtension {
+            path: path.to_path_buf(),
+            expected: ".png or .svg",
+        })
+    }
+}
+
 /// Draws the sweep to `path` (`.svg` or `.png`).
 pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
-    draw_to(sweep, path).map_err(|problem| IoError::Plot {
+    let svg = check_path(path)?;
+    draw_to(sweep, path, svg).map_err(|problem| IoError::Plot {
         path: path.to_path_buf(),
         problem,
     })
 }
 
-fn draw_to(sweep: &Sweep, path: &Path) -> Result<(), String> {
+fn draw_to(sweep: &Sweep, path: &Path, svg: bool) -> Result<(), String> {
     // Text is laid out with a TrueType font, for SVG as well as PNG.
     let font = FONT_PATHS
         .iter()
@@ -55,10 +72,7 @@ fn draw_to(sweep: &Sweep, path: &Path) -> Result<(), String> {
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
         .map_err(|_| plot_err("bad font file"))?;
-    if path
-        .extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("svg"))
-    {
+    if svg {
         let root = SVGBackend::new(path, SIZE).into_drawing_area();
         panels(sweep, &root)?;
         root.present().map_err(plot_err)

@@ -17,7 +17,7 @@ use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{IoError, ReplayError, StoreError};
 use crate::offline::order::{EventChunk, OrderedLog, CHUNK_ROWS};
-use crate::offline::read::{polars_err, CallLog, InvalidRow, ReadOptions};
+use crate::offline::read::{self, polars_err, CallLog, InvalidRow, ReadOptions};
 use crate::offline::table::{self, write_invalid, BackgroundWriter};
 use crate::progress::progress_bar;
 use crate::store::sharded::{decide_share, merge_in_order, split_by_caller, ShardedStore};
@@ -264,7 +264,8 @@ impl Replaying {
         invalid: Vec<InvalidRow>,
         sink: &mut impl FnMut(DecidedChunk) -> Result<(), IoError>,
     ) -> Result<(), IoError> {
-        self.bar.inc((chunk.events.len() + invalid.len()) as u64);
+        self.bar
+            .inc((chunk.events.len() + read::not_kept(&invalid)) as u64);
         self.invalid.extend(invalid);
         sink(chunk)
     }
@@ -273,7 +274,7 @@ impl Replaying {
         self.bar.finish_and_clear();
         self.invalid.sort_by_key(|r| r.row);
         Streamed {
-            summary: self.tally.finish(self.invalid.len()),
+            summary: self.tally.finish(read::not_kept(&self.invalid)),
             invalid: self.invalid,
         }
     }
@@ -492,6 +493,8 @@ pub async fn to_table<S: WindowStore>(
     schema: Schema,
     output: &Path,
 ) -> Result<TableReport, ReplayError> {
+    // A name of no known format is refused before the log is read.
+    table::TableFormat::from_path(output)?;
     let log = Arc::new(OrderedLog::open_unnumbered(input, read)?);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();

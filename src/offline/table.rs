@@ -105,15 +105,20 @@ pub enum TableFormat {
 }
 
 impl TableFormat {
-    /// By extension: `.parquet` is Parquet, anything else CSV.
-    pub fn from_path(path: &Path) -> Self {
-        if path
-            .extension()
-            .is_some_and(|e| e.eq_ignore_ascii_case("parquet"))
-        {
-            TableFormat::Parquet
+    /// By extension: `.csv` is CSV, `.parquet` Parquet (either case); any
+    /// other extension, or none, is an error naming the two, so that
+    /// `-o decisions.json` is not silently written as CSV.
+    pub fn from_path(path: &Path) -> Result<Self, IoError> {
+        let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+        if ext.eq_ignore_ascii_case("csv") {
+            Ok(TableFormat::Csv)
+        } else if ext.eq_ignore_ascii_case("parquet") {
+            Ok(TableFormat::Parquet)
         } else {
-            TableFormat::Csv
+            Err(IoError::UnknownExtension {
+                path: path.to_path_buf(),
+                expected: ".csv or .parquet",
+            })
         }
     }
 }
@@ -141,11 +146,18 @@ impl Staged {
         let name = path
             .file_name()
             .map_or_else(|| "output".into(), |n| n.to_string_lossy());
-        let tmp = tempfile::Builder::new()
-            .prefix(&format!(".{name}."))
-            .suffix(".part")
-            .tempfile_in(dir)
-            .map_err(io)?;
+        let prefix = format!(".{name}.");
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(&prefix).suffix(".part");
+        // `0666`, from which the kernel takes the umask at creation, as for
+        // any file a Unix tool writes: a temporary file's own `0600` would
+        // make every output private whatever the umask.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            builder.permissions(std::fs::Permissions::from_mode(0o666));
+        }
+        let tmp = builder.tempfile_in(dir).map_err(io)?;
         let file = tmp.as_file().try_clone().map_err(io)?;
         Ok((
             Staged {
@@ -179,8 +191,9 @@ fn parquet_compression() -> ParquetCompression {
 /// Writes a frame as CSV or Parquet, chosen by the file extension.
 pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
     let ctx = format!("writing {}", path.display());
+    let format = TableFormat::from_path(path)?;
     let (staged, file) = Staged::create(path)?;
-    match TableFormat::from_path(path) {
+    match format {
         TableFormat::Csv => CsvWriter::new(file)
             .include_header(true)
             .with_datetime_format(Some(CSV_TIME_FORMAT.into()))
@@ -215,8 +228,9 @@ impl TableWriter {
     /// name until [`TableWriter::finish`]; see [`Staged`]).
     pub fn create(path: &Path, schema: &Schema) -> Result<Self, IoError> {
         let context = format!("writing {}", path.display());
+        let format = TableFormat::from_path(path)?;
         let (staged, file) = Staged::create(path)?;
-        let inner = match TableFormat::from_path(path) {
+        let inner = match format {
             TableFormat::Csv => TableSink::Csv(
                 CsvWriter::new(file)
                     .include_header(true)
@@ -355,7 +369,8 @@ impl<T> Drop for BackgroundWriter<T> {
     }
 }
 
-/// Writes invalid rows (`row`, `error_kind`, `error`) next to an output file
+/// Writes invalid rows (`row`, `error_kind`, `error`, and `kept`: true for
+/// a call kept without the field the error names) next to an output file
 /// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
 pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
     if invalid.is_empty() {
@@ -386,6 +401,10 @@ pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<Pat
                     .iter()
                     .map(|r| r.error.to_string())
                     .collect::<Vec<String>>(),
+            ),
+            Column::new(
+                "kept".into(),
+                invalid.iter().map(|r| r.kept).collect::<Vec<bool>>(),
             ),
         ],
     )

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crate::engine::event::BAD_CALLER;
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
 use crate::store::{LeaseStats, StoreStats};
@@ -126,6 +127,12 @@ pub struct Metrics {
     /// `serve`: checks refused as invalid (400), by dead-letter kind
     /// (`serve` has no dead-letter topic; `dlq` counts `consume`'s).
     pub invalid_checks: Family<KindLabel, Counter>,
+    /// Decided calls whose caller was unusable (decided under
+    /// `bad_caller`, as the rule set's policy says).
+    pub bad_callers: Counter,
+    /// `serve`: fields of checks the decoder does not read (a misspelled
+    /// `calee`, a switch's own), ignored and named in the answer.
+    pub ignored_fields: Counter,
     /// `serve`: connections shed or closed by the server, by reason
     /// (`cap`: over `--max-connections`, closed at once; `timeout`: a
     /// request's header or body not sent in time, or idle too long).
@@ -161,6 +168,8 @@ impl Metrics {
             clamped: Counter::default(),
             store_data_lost: Counter::default(),
             invalid_checks: Family::default(),
+            bad_callers: Counter::default(),
+            ignored_fields: Counter::default(),
             connections_shed: Family::default(),
             degraded: Counter::default(),
             store_latency: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
@@ -201,6 +210,11 @@ impl Metrics {
             self.warnings.clone(),
         );
         r.register(
+            "bad_callers",
+            "Decided calls whose caller was unusable (missing, garbage, or national without --default-country-code)",
+            self.bad_callers.clone(),
+        );
+        r.register(
             "duplicates",
             "Redelivered call ids answered from the store",
             self.duplicates.clone(),
@@ -224,6 +238,11 @@ impl Metrics {
             "invalid_checks",
             "serve: checks refused as invalid (400), by kind",
             self.invalid_checks.clone(),
+        );
+        r.register(
+            "ignored_fields",
+            "serve: fields of checks that callguard does not read, ignored (named in the answer)",
+            self.ignored_fields.clone(),
         );
         r.register(
             "dlq",
@@ -451,6 +470,9 @@ impl Metrics {
                 reason: r.reason.to_string(),
             })
             .inc();
+        if r.caller == BAD_CALLER && !v.duplicate {
+            self.bad_callers.inc();
+        }
         if v.duplicate {
             self.duplicates.inc();
         } else if let Some(w) = &r.warn {

@@ -50,6 +50,7 @@ pub fn reload_now(
                 note_in_force(&new, metrics);
                 tx.send_replace(new);
             }
+            metrics.status.reload_succeeded();
             Metrics::inc(&metrics.rule_reloads, "ok");
         }
         Err(e) => {

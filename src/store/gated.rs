@@ -380,11 +380,7 @@ mod tests {
             caller: format!("+346000{:05}", i % 97).into(),
             ts_ms: 1_000_000 + i as i64 * 37,
             callee: Some(format!("+3491000{:04}", (i * 7) % 13).into()),
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         };
         (0..12)
             .map(|b| (b * 50..(b + 1) * 50).map(call).collect())

@@ -144,17 +144,7 @@ mod tests {
     fn stored_records_read_back() {
         let rules =
             RuleSet::from_args(None, &["a:sliding:60s:5".into(), "b:fixed:1s:2".into()]).unwrap();
-        let event = CallEvent {
-            call_id: "c1".into(),
-            caller: "+34911000001".into(),
-            ts_ms: 1_764_547_200_123,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
-        };
+        let event = CallEvent::new("c1", "+34911000001", 1_764_547_200_123);
         let bare = Verdict {
             record: DecisionRecord {
                 degraded: false,
@@ -201,17 +191,7 @@ mod tests {
 
     #[test]
     fn reply_round_trips() {
-        let ev = CallEvent {
-            call_id: "c".into(),
-            caller: "+34911234567".into(),
-            ts_ms: 5,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
-        };
+        let ev = CallEvent::new("c", "+34911234567", 5);
         let v = Verdict::from_reply("5|1|m|0|1|abc|-3||4,2", &ev, true).unwrap();
         assert_eq!(v.record.decision, Decision::Reject);
         assert_eq!(v.record.counts.as_slice(), [4, 2]);

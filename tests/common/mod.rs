@@ -287,17 +287,7 @@ impl RedisCluster {
 
 /// An event with the given caller, id and time.
 pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
-    CallEvent {
-        call_id: id.into(),
-        caller: caller.into(),
-        ts_ms: ts,
-        callee: None,
-        duration_ms: None,
-        label: None,
-        list_number: None,
-        filter_callee: None,
-        aggregate: None,
-    }
+    CallEvent::new(id, caller, ts)
 }
 
 /// Path of the built `callguard` binary.

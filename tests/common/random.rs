@@ -188,11 +188,7 @@ pub fn random_events_scaled(
             caller: caller.into(),
             ts_ms: t - jitter,
             callee,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         });
     }
     out

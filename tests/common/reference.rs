@@ -4,7 +4,9 @@
 #![allow(dead_code)]
 
 use callguard::engine::event::CallEvent;
-use callguard::engine::record::{Decision, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK};
+use callguard::engine::record::{
+    Decision, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST, REASON_OK,
+};
 use callguard::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet, RuleSpec, WindowKind};
 
 /// What the reference says of one event.
@@ -83,7 +85,8 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
             beyond,
             expected: expected.clone(),
         });
-        if retry && expected.decision == Decision::Reject && expected.reason != REASON_DENYLIST {
+        let listed = [REASON_DENYLIST, REASON_BAD_CALLER].contains(&expected.reason.as_str());
+        if retry && expected.decision == Decision::Reject && !listed {
             expected.retry_after_ms = Some(retry_after(rules, &history, e));
             history.last_mut().expect("just pushed").expected = expected.clone();
         }
@@ -248,6 +251,8 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
     let (would, reason, rule_shadow) = match rules.listed(&e.caller) {
         Listed::Deny => (Decision::Reject, REASON_DENYLIST.to_string(), false),
         Listed::Allow => (Decision::Allow, REASON_ALLOWLIST.to_string(), false),
+        Listed::BadCallerReject => (Decision::Reject, REASON_BAD_CALLER.to_string(), false),
+        Listed::BadCallerAllow => (Decision::Allow, REASON_BAD_CALLER.to_string(), false),
         Listed::No => match (over(false), over(true)) {
             (Some(name), _) => (Decision::Reject, name, false),
             (None, Some(name)) => (Decision::Reject, name, true),

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 
 use callguard::engine::event::{Decoder, FieldMap, NumberHasher};
-use callguard::engine::rules::{parse_duration_ms, CountPolicy, RuleSet};
+use callguard::engine::rules::{parse_duration_ms, BadCallerPolicy, CountPolicy, RuleSet};
 use callguard::error::{EventError, RulesError};
 use callguard::offline::read::{InputFormat, ReadOptions};
 use callguard::online::metrics::Metrics;
@@ -76,7 +76,10 @@ pub enum FormatArg {
 #[derive(Debug, Clone, Args)]
 pub struct DecoderArgs {
     /// Field mapping, FIELD=NAME[,...], e.g. `caller=src,ts=start_time`.
-    /// Fields: call_id, caller, ts, callee, duration_ms, label.
+    /// Fields: call_id, caller, ts, callee, duration_ms, label. `ts` and
+    /// `duration_ms` take a unit, `:s` for seconds (`duration_ms=billsec:s`,
+    /// `ts=start_epoch:s`; fractions allowed) or `:ms` (the default). A
+    /// named column that is not in a call log is an error.
     #[arg(
         long = "map",
         value_name = "FIELD=NAME",
@@ -85,6 +88,9 @@ pub struct DecoderArgs {
     )]
     pub map: Vec<String>,
     /// Country code for national numbers (leading 0 or no prefix), e.g. 34.
+    /// Set it whenever the switch may send a national number: without it
+    /// such a caller is unusable, and every one is decided under the rules'
+    /// `bad_caller` policy (by default, all of them as one caller).
     #[arg(long, env = "CALLGUARD_DEFAULT_COUNTRY_CODE")]
     pub default_country_code: Option<String>,
 }
@@ -163,11 +169,23 @@ pub struct InputArgs {
     /// repeated hour is read as its first occurrence). Default UTC.
     #[arg(long)]
     pub timezone: Option<chrono_tz::Tz>,
+    /// The form of the time column when it is in none of the forms read
+    /// by default (epoch milliseconds, RFC 3339, `YYYY-MM-DD HH:MM:SS`), in
+    /// strftime syntax: `%d/%m/%Y %H:%M:%S`, `%Y-%m-%dT%H:%M:%S` (local, in
+    /// --timezone), `%Y-%m-%dT%H:%M:%S%z` (an offset such as +0100). Epoch
+    /// seconds need no format: map the column with a unit, `--map ts=start:s`.
+    #[arg(long, value_parser = parse_ts_format)]
+    pub ts_format: Option<String>,
     /// Field delimiter of CSV input, one character: `,` (default), `;`
     /// (common in European CDR exports), `\t` or `|`. A header that looks
     /// separated by another one is reported with the delimiter to pass.
     #[arg(long, default_value = ",", value_parser = parse_delimiter)]
     pub delimiter: u8,
+}
+
+/// Checks `--ts-format` as it is parsed.
+fn parse_ts_format(s: &str) -> Result<String, String> {
+    callguard::offline::read::check_ts_format(s).map(|()| s.to_string())
 }
 
 /// Parses `--delimiter`: one ASCII character, or `\t` for a tab.
@@ -195,6 +213,7 @@ impl InputArgs {
             },
             decoder: self.decoder.decoder()?,
             timezone: self.timezone,
+            ts_format: self.ts_format.clone(),
             delimiter: self.delimiter,
             progress,
             callees: true,
@@ -332,6 +351,35 @@ pub struct RuleArgs {
     /// Shadow mode: decide and report, but allow every call.
     #[arg(long)]
     pub shadow: bool,
+    /// What to do with a call whose caller is unusable (missing, garbage,
+    /// or a national number without --default-country-code): `shared`
+    /// (default; every such call counts under the one caller `bad_caller`,
+    /// so the rules limit a spray of garbage CLI together), `reject`
+    /// (reason `bad_caller`) or `allow` (reason `bad_caller`, unchecked).
+    /// Overrides the rules file's `bad_caller`.
+    #[arg(long, value_enum, env = "CALLGUARD_ON_BAD_CALLER")]
+    pub on_bad_caller: Option<BadCallerArg>,
+}
+
+/// `--on-bad-caller` values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BadCallerArg {
+    /// Count every unusable caller under one key.
+    Shared,
+    /// Reject the call.
+    Reject,
+    /// Allow the call unchecked.
+    Allow,
+}
+
+impl From<BadCallerArg> for BadCallerPolicy {
+    fn from(b: BadCallerArg) -> Self {
+        match b {
+            BadCallerArg::Shared => BadCallerPolicy::Shared,
+            BadCallerArg::Reject => BadCallerPolicy::Reject,
+            BadCallerArg::Allow => BadCallerPolicy::Allow,
+        }
+    }
 }
 
 /// `--count` values.
@@ -356,6 +404,10 @@ impl RuleArgs {
     /// Builds the rule set.
     pub fn rule_set(&self) -> Result<RuleSet, RulesError> {
         let base = RuleSet::from_args(self.rules.as_deref(), &self.rule)?;
+        let base = match self.on_bad_caller.map(BadCallerPolicy::from) {
+            Some(policy) if policy != base.bad_caller => base.with_bad_caller(policy)?,
+            _ => base,
+        };
         let count = self.count.map_or(base.count, CountPolicy::from);
         let grace = match &self.grace {
             Some(g) => parse_duration_ms(g)?,

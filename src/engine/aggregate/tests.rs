@@ -14,11 +14,7 @@ fn ev(id: usize, t: i64, callee: &str) -> CallEvent {
         caller: format!("+3460000{:04}", id % 7919).into(),
         ts_ms: t,
         callee: Some(callee.into()),
-        duration_ms: None,
-        label: None,
-        list_number: None,
-        filter_callee: None,
-        aggregate: None,
+        ..Default::default()
     }
 }
 

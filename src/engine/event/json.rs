@@ -39,24 +39,30 @@ impl Scalar<'_> {
     }
 }
 
+/// Most keys of other fields noted per object (see [`read_fields`]).
+pub(super) const MAX_NOTED: usize = 16;
+
 /// Reads the values of the fields `names` from a JSON object; `Ok(None)`
-/// when the payload is JSON but not an object.
+/// when the payload is JSON but not an object. With `others`, the keys of
+/// the object's other fields are noted there (the first [`MAX_NOTED`]).
 pub(super) fn read_fields<'a, const N: usize>(
     text: &'a str,
     names: [&str; N],
+    others: Option<&mut Vec<String>>,
 ) -> Result<Option<[Option<Scalar<'a>>; N]>, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_str(text);
-    let found = Fields { names }.deserialize(&mut de)?;
+    let found = Fields { names, others }.deserialize(&mut de)?;
     de.end()?;
     Ok(found)
 }
 
 /// The seed that reads the wanted fields of an object.
-struct Fields<'n, const N: usize> {
+struct Fields<'n, 'o, const N: usize> {
     names: [&'n str; N],
+    others: Option<&'o mut Vec<String>>,
 }
 
-impl<'de, const N: usize> DeserializeSeed<'de> for Fields<'_, N> {
+impl<'de, const N: usize> DeserializeSeed<'de> for Fields<'_, '_, N> {
     type Value = Option<[Option<Scalar<'de>>; N]>;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
@@ -64,14 +70,14 @@ impl<'de, const N: usize> DeserializeSeed<'de> for Fields<'_, N> {
     }
 }
 
-impl<'de, const N: usize> Visitor<'de> for Fields<'_, N> {
+impl<'de, const N: usize> Visitor<'de> for Fields<'_, '_, N> {
     type Value = Option<[Option<Scalar<'de>>; N]>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a JSON object")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut found: [Option<Scalar<'de>>; N] = std::array::from_fn(|_| None);
         while let Some(Key(key)) = map.next_key()? {
             let wanted = self.names.iter().position(|n| *n == key);
@@ -88,6 +94,11 @@ impl<'de, const N: usize> Visitor<'de> for Fields<'_, N> {
                 }
                 None => {
                     map.next_value::<IgnoredAny>()?;
+                    if let Some(others) = self.others.as_deref_mut() {
+                        if others.len() < MAX_NOTED && !others.iter().any(|o| *o == key) {
+                            others.push(key.into_owned());
+                        }
+                    }
                 }
             }
         }
@@ -244,7 +255,7 @@ mod tests {
         text: &str,
         names: [&str; N],
     ) -> Result<Option<Vec<Option<String>>>, String> {
-        let found = read_fields(text, names).map_err(|e| e.to_string())?;
+        let found = read_fields(text, names, None).map_err(|e| e.to_string())?;
         Ok(found.map(|f| {
             f.iter()
                 .map(|v| v.as_ref().map(|s| format!("{:?}", s.raw())))
@@ -288,7 +299,9 @@ mod tests {
     #[test]
     fn unescaped_strings_are_borrowed() {
         let text = r#"{"caller":"+34600000001","callee":"a\nb"}"#;
-        let found = read_fields(text, ["caller", "callee"]).unwrap().unwrap();
+        let found = read_fields(text, ["caller", "callee"], None)
+            .unwrap()
+            .unwrap();
         assert!(matches!(&found[0], Some(Scalar::Str(Cow::Borrowed(_)))));
         assert!(matches!(&found[1], Some(Scalar::Str(Cow::Owned(s))) if s == "a\nb"));
     }

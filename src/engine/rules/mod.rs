@@ -25,15 +25,16 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 
 pub use crate::engine::duration::{format_duration, parse_duration_ms};
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, BAD_CALLER};
 pub use crate::engine::filter::Filter;
-pub use crate::engine::rule::{CountPolicy, Rate, Rule, RuleKey, WindowKind};
+use crate::engine::record::{REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST};
+pub use crate::engine::rule::{BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, WindowKind};
 use crate::error::RulesError;
 
 mod build;
 
 /// Names a rule may not take: they are decision reasons of their own.
-pub const RESERVED_NAMES: [&str; 3] = ["ok", "allowlist", "denylist"];
+pub const RESERVED_NAMES: [&str; 4] = ["ok", "allowlist", "denylist", "bad_caller"];
 
 /// Default allowed lateness.
 pub const DEFAULT_GRACE_MS: i64 = 5_000;
@@ -60,6 +61,8 @@ pub struct RuleSet {
     pub deny: Vec<String>,
     /// Decide and report, but always emit `allow`.
     pub shadow: bool,
+    /// What to do with calls whose caller is unusable.
+    pub bad_caller: BadCallerPolicy,
     /// Idempotency horizon as set (`dedup`); see [`RuleSet::dedup_ms`].
     dedup: Option<i64>,
     /// Whether the distinct-callees feature is kept (`distinct_callees`).
@@ -90,6 +93,8 @@ pub struct RuleSpec {
     pub deny: Vec<String>,
     /// Decide and report, but always emit `allow`.
     pub shadow: bool,
+    /// What to do with calls whose caller is unusable.
+    pub bad_caller: BadCallerPolicy,
     /// The idempotency horizon (`dedup`), if set.
     pub dedup_ms: Option<i64>,
     /// Keep the distinct-callees feature.
@@ -111,6 +116,7 @@ impl RuleSpec {
             allow: Vec::new(),
             deny: Vec::new(),
             shadow: false,
+            bad_caller: BadCallerPolicy::Shared,
             dedup_ms: None,
             distinct_callees: true,
             max_distinct_callees: DEFAULT_MAX_DISTINCT_CALLEES,
@@ -128,16 +134,22 @@ pub enum Listed {
     Allow,
     /// On the denylist.
     Deny,
+    /// An unusable caller the rule set rejects ([`BadCallerPolicy::Reject`]).
+    BadCallerReject,
+    /// An unusable caller the rule set allows ([`BadCallerPolicy::Allow`]).
+    BadCallerAllow,
 }
 
 /// What a rule set says of a call, given its window counts: the decision
 /// order of the window contract.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Judgement {
-    /// The caller is on the denylist (checked first).
-    Denylisted,
-    /// The caller is on the allowlist.
-    Allowlisted,
+    /// The caller is on the denylist (checked first), or unusable and
+    /// rejected: the reason (`denylist`, `bad_caller`).
+    Denylisted(&'static str),
+    /// The caller is on the allowlist, or unusable and allowed: the
+    /// reason (`allowlist`, `bad_caller`).
+    Allowlisted(&'static str),
     /// Rule `i` is the first enforcing rule whose count exceeds its limit.
     Exceeded(usize),
     /// Rule `i` is the first rule whose count exceeds its limit, and a
@@ -178,6 +190,7 @@ impl RuleSet {
             allow: self.allow.clone(),
             deny: self.deny.clone(),
             shadow: self.shadow,
+            bad_caller: self.bad_caller,
             dedup_ms: self.dedup,
             distinct_callees: self.callees,
             max_distinct_callees: self.max_callees,
@@ -264,6 +277,14 @@ impl RuleSet {
             count,
             grace_ms,
             shadow,
+            ..self.spec()
+        })
+    }
+
+    /// A copy with another policy for unusable callers.
+    pub fn with_bad_caller(&self, bad_caller: BadCallerPolicy) -> Result<Self, RulesError> {
+        RuleSet::build(RuleSpec {
+            bad_caller,
             ..self.spec()
         })
     }
@@ -378,7 +399,7 @@ impl RuleSet {
         let allowed = match judgement {
             Judgement::Within | Judgement::ShadowExceeded(_) => true,
             Judgement::Exceeded(_) => shadowed,
-            Judgement::Denylisted | Judgement::Allowlisted => false,
+            Judgement::Denylisted(_) | Judgement::Allowlisted(_) => false,
         };
         if !allowed {
             return None;
@@ -389,9 +410,17 @@ impl RuleSet {
             .position(|(r, &c)| r.warn.is_some_and(|w| c > w))
     }
 
-    /// Which list the (normalised) caller is on; the denylist wins.
+    /// Which list the (normalised) caller is on; the denylist wins. An
+    /// unusable caller ([`BAD_CALLER`]) is on a list of its own, as the
+    /// set's `bad_caller` policy says (none when shared).
     pub fn listed(&self, caller: &str) -> Listed {
-        if self.deny.iter().any(|p| caller.starts_with(p.as_str())) {
+        if caller == BAD_CALLER {
+            match self.bad_caller {
+                BadCallerPolicy::Shared => Listed::No,
+                BadCallerPolicy::Reject => Listed::BadCallerReject,
+                BadCallerPolicy::Allow => Listed::BadCallerAllow,
+            }
+        } else if self.deny.iter().any(|p| caller.starts_with(p.as_str())) {
             Listed::Deny
         } else if self.allow.iter().any(|p| caller.starts_with(p.as_str())) {
             Listed::Allow
@@ -407,8 +436,10 @@ impl RuleSet {
     /// its limit separately).
     pub fn judge(&self, caller: &str, counts: &[u64], skip: Option<usize>) -> Judgement {
         match self.listed(caller) {
-            Listed::Deny => Judgement::Denylisted,
-            Listed::Allow => Judgement::Allowlisted,
+            Listed::Deny => Judgement::Denylisted(REASON_DENYLIST),
+            Listed::Allow => Judgement::Allowlisted(REASON_ALLOWLIST),
+            Listed::BadCallerReject => Judgement::Denylisted(REASON_BAD_CALLER),
+            Listed::BadCallerAllow => Judgement::Allowlisted(REASON_BAD_CALLER),
             Listed::No => {
                 let mut shadowed = None;
                 for (i, (r, &c)) in self.rules.iter().zip(counts).enumerate() {
@@ -453,6 +484,9 @@ impl RuleSet {
             }
             if self.max_callees != DEFAULT_MAX_DISTINCT_CALLEES {
                 m.insert("max_distinct_callees".into(), self.max_callees.into());
+            }
+            if self.bad_caller != BadCallerPolicy::Shared {
+                m.insert("bad_caller".into(), serde_json::json!(self.bad_caller));
             }
         }
         let digest = Sha256::digest(canonical.to_string().as_bytes());

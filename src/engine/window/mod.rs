@@ -78,9 +78,7 @@ use compact_str::CompactString;
 use foldhash::HashMap;
 
 use crate::engine::event::CallEvent;
-use crate::engine::record::{
-    Counts, Decision, DecisionRecord, Verdict, REASON_ALLOWLIST, REASON_DENYLIST, REASON_OK,
-};
+use crate::engine::record::{Counts, Decision, DecisionRecord, Verdict, REASON_OK};
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleKey, RuleSet, WindowKind};
 
 mod bucket;
@@ -103,8 +101,8 @@ use pairs::{Pair, Pairs};
 /// (Reasons and rule names are short: kept inline, never allocated.)
 fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, CompactString) {
     match judgement {
-        Judgement::Denylisted => (Decision::Reject, CompactString::const_new(REASON_DENYLIST)),
-        Judgement::Allowlisted => (Decision::Allow, CompactString::const_new(REASON_ALLOWLIST)),
+        Judgement::Denylisted(reason) => (Decision::Reject, CompactString::const_new(reason)),
+        Judgement::Allowlisted(reason) => (Decision::Allow, CompactString::const_new(reason)),
         Judgement::Exceeded(i) | Judgement::ShadowExceeded(i) => {
             (Decision::Reject, rules.rules[i].name.as_str().into())
         }
@@ -286,7 +284,9 @@ impl CallerState {
 
         let shadow = would == Decision::Reject
             && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
-        let retry_after_ms = (would == Decision::Reject && !shadow && reason != REASON_DENYLIST)
+        // A list's reject is for good: no time after which it would pass.
+        let listed = matches!(judgement, Judgement::Denylisted(_));
+        let retry_after_ms = (would == Decision::Reject && !shadow && !listed)
             .then(|| self.retry_after(rules, ev, h.latest));
         let warn = rules
             .warning(judgement, shadow, &counts)
@@ -614,12 +614,7 @@ mod tests {
             call_id: id.into(),
             caller: "+34911000001".into(),
             ts_ms,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
+            ..Default::default()
         }
     }
 

@@ -22,7 +22,7 @@ mod polars_csv;
 mod row;
 mod stream;
 
-pub use row::decode_frame;
+pub use row::{check_ts_format, decode_frame};
 use stream::read_csv_events;
 
 pub use crate::offline::cdr::InputFormat;
@@ -36,6 +36,10 @@ pub struct ReadOptions {
     pub decoder: Decoder,
     /// Time zone of naive `YYYY-MM-DD HH:MM:SS` times (switches' CDRs); UTC if unset.
     pub timezone: Option<Tz>,
+    /// The form of the time column (`--ts-format`, chrono's strftime
+    /// syntax, e.g. `%d/%m/%Y %H:%M:%S`): with an offset (`%z`) it is read
+    /// as that instant, without one in `timezone`.
+    pub ts_format: Option<String>,
     /// Field delimiter of CSV input (`,`; European exports often use `;`).
     pub delimiter: u8,
     /// Show a progress bar (only drawn on a terminal).
@@ -52,6 +56,7 @@ impl Default for ReadOptions {
             format: InputFormat::Auto,
             decoder: Decoder::default(),
             timezone: None,
+            ts_format: None,
             delimiter: b',',
             progress: false,
             callees: true,
@@ -59,13 +64,43 @@ impl Default for ReadOptions {
     }
 }
 
-/// A row that is not a valid call event.
+/// A row that is not a valid call event, or whose call was kept without
+/// an optional field that could not be read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidRow {
     /// 1-based data row number (the header is not counted).
     pub row: u64,
     /// Why.
     pub error: EventError,
+    /// The row's call was kept, without the field `error` names (a label
+    /// `unknown`, a duration `1.5`); otherwise the row was not decided.
+    pub kept: bool,
+}
+
+impl InvalidRow {
+    /// A row that is not a call event.
+    pub fn new(row: u64, error: EventError) -> Self {
+        InvalidRow {
+            row,
+            error,
+            kept: false,
+        }
+    }
+
+    /// The rows an event's dropped fields make (see
+    /// [`CallEvent::dropped`]): the call kept, each field reported.
+    pub fn dropped(row: u64, event: &CallEvent) -> impl Iterator<Item = InvalidRow> + '_ {
+        event.dropped.iter().flatten().map(move |e| InvalidRow {
+            row,
+            error: e.clone(),
+            kept: true,
+        })
+    }
+}
+
+/// Of a list of problem rows, those whose call was not decided.
+pub fn not_kept(rows: &[InvalidRow]) -> usize {
+    rows.iter().filter(|r| !r.kept).count()
 }
 
 /// A decoded call log.
@@ -153,15 +188,20 @@ fn check_delimiter(path: &Path, names: &[String], delimiter: u8) -> Result<(), I
     Ok(())
 }
 
-/// An error naming the first required field (call id, caller, time) whose
-/// column is not among `names`.
-fn check_required(decoder: &Decoder, names: &[String]) -> Result<(), IoError> {
-    for required in ["call_id", "caller", "ts"] {
-        let src = decoder.map.source(required);
+/// An error naming the first field whose column is not among `names`: a
+/// required one (call id, caller, time), or an optional one the user named
+/// (`--map label=verdict`, `--label-column`), which a misspelling would
+/// otherwise leave empty on every row without a word.
+fn check_required(decoder: &Decoder, user: &FieldMap, names: &[String]) -> Result<(), IoError> {
+    let checked = FIELDS
+        .iter()
+        .filter(|f| ["call_id", "caller", "ts"].contains(f) || user.names(f));
+    for &field in checked {
+        let src = decoder.map.source(field);
         if !names.iter().any(|n| n == src) {
             return Err(IoError::MissingColumn {
                 column: src.to_string(),
-                field: required,
+                field,
                 columns: names.join(", "),
             });
         }
@@ -279,12 +319,7 @@ pub fn effective_map(format: InputFormat, user: &FieldMap) -> FieldMap {
         return user.clone();
     };
     let mut entries = vec![preset.map_entries()];
-    for f in FIELDS {
-        let s = user.source(f);
-        if s != f {
-            entries.push(format!("{f}={s}"));
-        }
-    }
+    entries.extend(FIELDS.iter().filter_map(|f| user.entry(f)));
     FieldMap::parse(&entries).unwrap_or_else(|_| user.clone())
 }
 
@@ -368,7 +403,7 @@ pub fn read_events(
             decoder.map = effective_map(InputFormat::Parquet, &opts.decoder.map);
             // A missing column is named against all of the file's columns,
             // not only those the projection would read.
-            check_required(&decoder, &parquet_columns(path)?)?;
+            check_required(&decoder, &opts.decoder.map, &parquet_columns(path)?)?;
             let wanted = wanted_columns(&decoder.map, opts);
             let df = read_frame_columns(path, InputFormat::Parquet, b',', Some(&wanted))?;
             let mut events = EventColumns::with_capacity(df.height());
@@ -378,10 +413,14 @@ pub fn read_events(
                 &decoder,
                 InputFormat::Parquet,
                 opts.timezone,
+                opts.ts_format.as_deref(),
                 opts.progress,
                 |row, event| match event {
-                    Ok(e) => events.push(row, &e),
-                    Err(error) => invalid.push(InvalidRow { row, error }),
+                    Ok(e) => {
+                        invalid.extend(InvalidRow::dropped(row, &e));
+                        events.push(row, &e);
+                    }
+                    Err(error) => invalid.push(InvalidRow::new(row, error)),
                 },
             )?;
             Ok((events, invalid))

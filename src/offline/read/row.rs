@@ -20,6 +20,8 @@ pub(super) struct RowDecoder<'d> {
     /// The switch's preset: units of times and durations, call attempts.
     preset: Option<&'static Preset>,
     tz: Option<Tz>,
+    /// The time column's form, if given (`--ts-format`).
+    ts_format: Option<String>,
     /// The record's column telling call attempts (see [`Preset::attempt`]).
     pub(super) attempt_column: Option<usize>,
     ts_buf: String,
@@ -31,11 +33,13 @@ impl<'d> RowDecoder<'d> {
         decoder: &'d Decoder,
         preset: Option<&'static Preset>,
         tz: Option<Tz>,
+        ts_format: Option<&str>,
     ) -> Self {
         RowDecoder {
             decoder,
             preset,
             tz,
+            ts_format: ts_format.map(str::to_string),
             attempt_column: None,
             ts_buf: String::new(),
             duration_buf: String::new(),
@@ -90,8 +94,11 @@ impl<'d> RowDecoder<'d> {
                 .and_then(|c| record.get(c))
                 .map(|m| std::str::from_utf8(m).unwrap_or("?"));
             match self.decode(&values, attempt) {
-                Ok(e) => events.push(n, &e),
-                Err(error) => invalid.push(InvalidRow { row: n, error }),
+                Ok(e) => {
+                    invalid.extend(InvalidRow::dropped(n, &e));
+                    events.push(n, &e);
+                }
+                Err(error) => invalid.push(InvalidRow::new(n, error)),
             }
         }
         DecodedBatch {
@@ -121,12 +128,15 @@ impl<'d> RowDecoder<'d> {
                 });
             }
         }
-        // Naive local times (`YYYY-MM-DD HH:MM:SS`) and a switch's epoch
-        // seconds become epoch milliseconds first.
+        // Times in the form given (`--ts-format`), naive local times
+        // (`YYYY-MM-DD HH:MM:SS`) and a switch's epoch seconds become epoch
+        // milliseconds first (unless the mapping names the time's unit).
         self.ts_buf.clear();
-        let ts_seconds = self.preset.is_some_and(|p| p.ts_seconds);
+        let ts_seconds =
+            self.preset.is_some_and(|p| p.ts_seconds) && self.decoder.map.unit("ts").is_none();
         if let Some(ms) = values[TS].and_then(|raw| {
-            naive_to_ms(raw, self.tz)
+            self.formatted_ms(raw)
+                .or_else(|| naive_to_ms(raw, self.tz))
                 .or_else(|| ts_seconds.then(|| cdr::seconds_to_ms(raw)).flatten())
         }) {
             let _ = write!(self.ts_buf, "{ms}");
@@ -139,7 +149,9 @@ impl<'d> RowDecoder<'d> {
         // A switch's whole seconds become milliseconds (anything else is
         // left for the decoder to report).
         self.duration_buf.clear();
-        if self.preset.is_some_and(|p| p.duration_seconds) {
+        if self.preset.is_some_and(|p| p.duration_seconds)
+            && self.decoder.map.unit("duration_ms").is_none()
+        {
             if let Some(ms) = values[DURATION].and_then(cdr::seconds_to_ms) {
                 let _ = write!(self.duration_buf, "{ms}");
             }
@@ -160,6 +172,48 @@ impl<'d> RowDecoder<'d> {
     }
 }
 
+impl RowDecoder<'_> {
+    /// A time in the `--ts-format` form, as epoch milliseconds: the instant
+    /// its offset names, or without one a local time in the time zone.
+    fn formatted_ms(&self, raw: &str) -> Option<i64> {
+        let fmt = self.ts_format.as_deref()?;
+        let raw = raw.trim();
+        chrono::DateTime::parse_from_str(raw, fmt)
+            .map(|d| d.timestamp_millis())
+            .ok()
+            .or_else(|| {
+                let naive = NaiveDateTime::parse_from_str(raw, fmt).ok()?;
+                local_to_ms(naive, self.tz)
+            })
+    }
+}
+
+/// Checks a `--ts-format` before any row is read: chrono's strftime
+/// syntax, with a date and a time of day.
+pub fn check_ts_format(fmt: &str) -> Result<(), String> {
+    use chrono::format::{Item, StrftimeItems};
+    if StrftimeItems::new(fmt).any(|i| matches!(i, Item::Error)) {
+        return Err(format!(
+            "--ts-format {fmt:?}: not a strftime format (e.g. %d/%m/%Y %H:%M:%S)"
+        ));
+    }
+    let sample = chrono::DateTime::from_timestamp(1_764_583_245, 0)
+        .unwrap_or_default()
+        .naive_utc();
+    let shown = sample.format(fmt).to_string();
+    match NaiveDateTime::parse_from_str(&shown, fmt) {
+        Ok(back) if back == sample => Ok(()),
+        _ => chrono::DateTime::parse_from_str(&shown, fmt)
+            .map(|_| ())
+            .map_err(|_| {
+                format!(
+                    "--ts-format {fmt:?} does not name a whole time to the second \
+                     (a date, hours, minutes and seconds, e.g. %d/%m/%Y %H:%M:%S)"
+                )
+            }),
+    }
+}
+
 /// The place of `duration_ms` in [`FIELDS`].
 const DURATION: usize = 4;
 
@@ -170,6 +224,7 @@ pub fn decode_frame(
     decoder: &Decoder,
     format: InputFormat,
     tz: Option<Tz>,
+    ts_format: Option<&str>,
     progress: bool,
     mut sink: impl FnMut(u64, Result<CallEvent, EventError>),
 ) -> Result<(), IoError> {
@@ -178,7 +233,7 @@ pub fn decode_frame(
         .iter()
         .map(|s| s.to_string())
         .collect();
-    check_required(decoder, &names)?;
+    check_required(decoder, &crate::engine::event::FieldMap::default(), &names)?;
     let text_column = |src: &str| -> Result<Option<StringChunked>, IoError> {
         match df.column(src) {
             Ok(c) => Ok(Some(
@@ -208,7 +263,7 @@ pub fn decode_frame(
                 .map(|c| Box::new(c.iter()) as Box<dyn Iterator<Item = Option<&str>>>)
         })
         .collect();
-    let mut decode = RowDecoder::new(decoder, preset, tz);
+    let mut decode = RowDecoder::new(decoder, preset, tz, ts_format);
     let mut values: Vec<Option<&str>> = vec![None; FIELDS.len() + 1];
     for row in 1..=n as u64 {
         for (slot, it) in values.iter_mut().zip(iters.iter_mut()) {
@@ -231,6 +286,11 @@ fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
         return None;
     }
     let naive = NaiveDateTime::parse_from_str(raw, "%Y-%m-%d %H:%M:%S%.f").ok()?;
+    local_to_ms(naive, tz)
+}
+
+/// A local time in a time zone (UTC if none) as epoch milliseconds.
+fn local_to_ms(naive: NaiveDateTime, tz: Option<Tz>) -> Option<i64> {
     let tz = tz.unwrap_or(chrono_tz::UTC);
     // In a DST fold take the earlier instant; in a gap, fall back to UTC offset of the zone's standard time.
     tz.from_local_datetime(&naive)

@@ -60,7 +60,7 @@ fn resolve_header(
             first.to_vec()
         }
     };
-    check_required(&decoder, &names)?;
+    check_required(&decoder, &opts.decoder.map, &names)?;
     let wanted = wanted_columns(&decoder.map, opts);
     let mut fields = [None; FIELDS.len()];
     for (slot, f) in fields.iter_mut().zip(FIELDS) {
@@ -216,7 +216,12 @@ fn decode_batches(
     full_rx: &std::sync::Mutex<std::sync::mpsc::Receiver<(usize, Vec<csv::ByteRecord>)>>,
     done_tx: &std::sync::mpsc::Sender<DecodedBatch>,
 ) {
-    let mut row = RowDecoder::new(&header.decoder, header.preset, opts.timezone);
+    let mut row = RowDecoder::new(
+        &header.decoder,
+        header.preset,
+        opts.timezone,
+        opts.ts_format.as_deref(),
+    );
     row.attempt_column = header.attempt;
     loop {
         let next = match full_rx.lock() {

@@ -37,7 +37,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::rules::{CountPolicy, Judgement, RuleSet};
 use crate::error::{RulesError, TuneError};
 use crate::offline::order::{OrderedLog, CHUNK_ROWS};
-use crate::offline::read::{CallLog, InvalidRow};
+use crate::offline::read::{not_kept, CallLog, InvalidRow};
 use crate::offline::replay::Rejections;
 use crate::progress::progress_bar;
 use crate::store::memory::MemoryStore;
@@ -202,8 +202,8 @@ impl BaseShard {
         let fraud = usize::from(e.label == Some(true));
         let h = &mut self.histogram;
         match rules.judge(e.number_for_lists(), &v.record.counts, Some(index)) {
-            Judgement::Allowlisted => {}
-            Judgement::Denylisted | Judgement::Exceeded(_) => {
+            Judgement::Allowlisted(_) => {}
+            Judgement::Denylisted(_) | Judgement::Exceeded(_) => {
                 h.always[fraud] += 1;
                 tally.always = true;
             }
@@ -587,7 +587,7 @@ pub fn sweep_ordered(
     // in, the same for every N swept.
     let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
     let mut chunks = chunks.into_iter().map(|mut chunk: CallLog| {
-        bar.inc((chunk.events.len() + chunk.invalid.len()) as u64);
+        bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
         invalid.append(&mut chunk.invalid);
         gate.run_rows(&mut ledger, rules, &mut chunk.events);
         chunk

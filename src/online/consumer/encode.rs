@@ -237,17 +237,7 @@ mod tests {
         let config = ConsumeConfig::new("b", "g", "calls", "d", "f", "dlq");
         let mut encoder = Encoder::new(&before, &config);
         encoder.follow(&after);
-        let event = CallEvent {
-            call_id: "c1".into(),
-            caller: "+34911000001".into(),
-            ts_ms: 1_764_547_200_000,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
-        };
+        let event = CallEvent::new("c1", "+34911000001", 1_764_547_200_000);
         let mut out = Vec::new();
         let events = [event.clone(), event];
         encoder.encode(

@@ -23,23 +23,15 @@ use super::uncertain::Uncertain;
 use super::{Job, Outcome, ServeConfig, ServeTopics};
 
 /// The store's answer for a batch: a verdict per call (`None`: undecided),
-/// and why some are missing.
+/// why some are missing, and whether those may still have been applied.
 struct Decided {
     verdicts: Vec<Option<Verdict>>,
     why: Option<String>,
-}
-
-impl Decided {
     /// Whether undecided calls may still have been applied: `"unknown"`
-    /// when the store call failed after it was sent, `"no"` when a caller
-    /// contended by another writer was left out (nothing of it written).
-    fn applied(&self) -> &'static str {
-        if self.why.as_deref() == Some(CONTENDED) {
-            "no"
-        } else {
-            "unknown"
-        }
-    }
+    /// when the store call failed after it was sent; `"no"` when nothing
+    /// of them was written: a caller contended by another writer was left
+    /// out, or the connection was refused before anything was sent.
+    applied: &'static str,
 }
 
 /// Tops a batch up to the batch size within the linger.
@@ -168,7 +160,7 @@ impl<S: WindowStore> Batcher<S> {
     /// so under `block` (answered 503), or are decided degraded.
     async fn decide(&mut self, events: &[CallEvent]) -> Decided {
         let rules = &self.current;
-        let (verdicts, why) = match apply_observed(
+        let (verdicts, why, applied) = match apply_observed(
             &mut self.store,
             rules,
             events,
@@ -182,13 +174,20 @@ impl<S: WindowStore> Batcher<S> {
             // are left undecided, and nothing of them written.
             Ok(v) => {
                 let why = v.iter().any(Option::is_none).then(|| CONTENDED.to_string());
-                (v, why)
+                (v, why, "no")
             }
-            Err(e) => (vec![None; events.len()], Some(chain(&e))),
+            Err(e) => {
+                let applied = if e.is_unsent() { "no" } else { "unknown" };
+                (vec![None; events.len()], Some(chain(&e)), applied)
+            }
         };
         let Some(reason) = &why else {
             self.on_error.store_answered();
-            return Decided { verdicts, why };
+            return Decided {
+                verdicts,
+                why,
+                applied,
+            };
         };
         let settled = {
             let store = &self.store;
@@ -204,14 +203,18 @@ impl<S: WindowStore> Batcher<S> {
                 verdicts
             }
         };
-        Decided { verdicts, why }
+        Decided {
+            verdicts,
+            why,
+            applied,
+        }
     }
 
     /// Which calls to publish: first decisions, and duplicates of calls
     /// whose first answer had no verdict (their record was never
     /// published).
     fn publishable(&mut self, events: &[CallEvent], decided: &Decided) -> Vec<bool> {
-        let applied = decided.applied();
+        let applied = decided.applied;
         events
             .iter()
             .zip(&decided.verdicts)
@@ -229,7 +232,7 @@ impl<S: WindowStore> Batcher<S> {
 
     /// Answers each check with its verdict, or that the store failed.
     fn answer(&self, replies: Vec<oneshot::Sender<Outcome>>, decided: Decided) {
-        let applied = decided.applied();
+        let applied = decided.applied;
         self.metrics.count_batch(decided.verdicts.iter().flatten());
         for (reply, v) in replies.into_iter().zip(decided.verdicts) {
             let outcome = match v {

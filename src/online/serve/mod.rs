@@ -134,6 +134,9 @@ pub struct ServeConfig {
     /// queued is then never applied; one already at the store is answered
     /// `"applied": "unknown"`). `None`: no deadline.
     pub answer_deadline: Option<Duration>,
+    /// Refuse checks with fields the decoder does not read (400) instead
+    /// of answering them with those fields under `"ignored"`.
+    pub strict_fields: bool,
     /// Produce decided calls to these topics.
     pub topics: Option<ServeTopics>,
 }
@@ -155,6 +158,7 @@ impl Default for ServeConfig {
             linger: Duration::from_micros(DEFAULT_LINGER_US),
             max_future_skew: Some(Duration::from_secs(300)),
             answer_deadline: Some(Duration::from_millis(DEFAULT_ANSWER_DEADLINE_MS)),
+            strict_fields: false,
             topics: None,
         }
     }
@@ -322,8 +326,12 @@ async fn check_post(State(s): State<AppState>, request: Request) -> Response {
         Ok(b) => b,
         Err(r) => return r,
     };
-    let decoded = s.config.decoder.decode_json_at(&body, Some(now_ms()));
-    decide(&s, decoded).await
+    let mut ignored = Vec::new();
+    let decoded = s
+        .config
+        .decoder
+        .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
+    decide(&s, decoded, ignored).await
 }
 
 /// The request's body, within `--max-body-bytes` (else 413) and the body
@@ -360,20 +368,58 @@ fn error_answer(status: StatusCode, error: &str, kind: &str) -> Response {
 
 async fn check_get(
     State(s): State<AppState>,
-    Query(fields): Query<HashMap<String, String>>,
+    Query(mut fields): Query<HashMap<String, String>>,
 ) -> Response {
+    unescaped_plus(&mut fields, s.config.decoder.map.source("caller"));
+    unescaped_plus(&mut fields, s.config.decoder.map.source("callee"));
+    let ignored = s
+        .config
+        .decoder
+        .other_fields(fields.keys().map(String::as_str));
     let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
-    decide(&s, decoded).await
+    decide(&s, decoded, ignored).await
+}
+
+/// A number sent in a query string with its `+` not escaped (`%2B`) reads
+/// as a leading space (`+` means a space there): taken as the `+` it was,
+/// rather than as a national number, when what follows is digits.
+fn unescaped_plus(fields: &mut HashMap<String, String>, name: &str) {
+    if let Some(v) = fields.get_mut(name) {
+        let digits = v.strip_prefix(' ').filter(|d| {
+            !d.is_empty()
+                && d.bytes()
+                    .all(|b| b.is_ascii_digit() || b == b' ' || b == b'-')
+        });
+        if let Some(d) = digits {
+            *v = format!("+{d}");
+        }
+    }
 }
 
 /// Decides one decoded check (after the future-skew check) and answers it.
-async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Response {
+/// `ignored` are the check's fields the decoder does not read: refused
+/// under `--strict-fields`, else named in the answer.
+async fn decide(
+    s: &AppState,
+    decoded: Result<CallEvent, EventError>,
+    ignored: Vec<String>,
+) -> Response {
+    if !ignored.is_empty() {
+        if s.config.strict_fields {
+            return unknown_fields(s, &ignored);
+        }
+        s.metrics.ignored_fields.inc_by(ignored.len() as u64);
+    }
     let decoded = decoded.and_then(|e| check_future_skew(e, s.config.max_future_skew));
     let event = match decoded {
         Ok(e) => e,
         Err(e) => {
             s.metrics.invalid_check(e.kind());
-            let body = json!({ "error": e.to_string(), "kind": e.kind() });
+            let mut body = json!({ "error": e.to_string(), "kind": e.kind() });
+            if !ignored.is_empty() {
+                // A missing field may be one of these, misspelled.
+                body["ignored"] = json!(ignored);
+            }
             return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
         }
     };
@@ -396,11 +442,25 @@ async fn decide(s: &AppState, decoded: Result<CallEvent, EventError>) -> Respons
     };
     match answer {
         Ok(Outcome::Decided(v, schema, limits)) => {
-            decided(&v, &schema, &limits, s.config.reject_status)
+            decided(&v, &schema, &limits, s.config.reject_status, &ignored)
         }
         Ok(Outcome::Unavailable { why, applied }) => unavailable_applied(&why, applied),
         Err(_) => unavailable("shutting down"),
     }
+}
+
+/// The 400 of a check with fields the decoder does not read, under
+/// `--strict-fields`: names them and the fields that are read.
+fn unknown_fields(s: &AppState, ignored: &[String]) -> Response {
+    s.metrics.invalid_check("unknown_field");
+    let known = s.config.decoder.known_fields();
+    let body = json!({
+        "error": format!("unknown fields: {} (known: {})", ignored.join(", "), known.join(", ")),
+        "kind": "unknown_field",
+        "ignored": ignored,
+        "known": known,
+    });
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
 }
 
 /// The 503 of a check whose answer deadline passed: the call is given up
@@ -444,16 +504,21 @@ fn service_unavailable(body: serde_json::Value) -> Response {
     r
 }
 
-/// The decision record as JSON, with the rate-limit headers; a reject
-/// with its status and Retry-After.
+/// The decision record as JSON, with the rate-limit headers and the
+/// check's fields that were `ignored` (if any); a reject with its status
+/// and Retry-After.
 fn decided(
     v: &Verdict,
     schema: &Schema,
     limits: &[ratelimit::RuleLimit],
     reject_status: Option<StatusCode>,
+    ignored: &[String],
 ) -> Response {
     let mut body = schema.to_json(Row::of_verdict(v));
     body["duplicate"] = json!(v.duplicate);
+    if !ignored.is_empty() {
+        body["ignored"] = json!(ignored);
+    }
     if let Some(limits) = ratelimit::body(limits, v) {
         body["ratelimit"] = limits;
     }
@@ -482,17 +547,7 @@ mod tests {
     fn only_times_ahead_by_more_than_the_grace_are_clamped() {
         let metrics = Metrics::new();
         let now = 1_764_547_200_000;
-        let at = |ts| CallEvent {
-            call_id: "c".into(),
-            caller: "+34911000001".into(),
-            ts_ms: ts,
-            callee: None,
-            duration_ms: None,
-            label: None,
-            list_number: None,
-            filter_callee: None,
-            aggregate: None,
-        };
+        let at = |ts| CallEvent::new("c", "+34911000001", ts);
         let mut events = vec![
             at(now - 60_000),
             at(now + 5_000),

@@ -74,7 +74,7 @@ pub struct RulesInfo {
     pub since_ms: i64,
     /// Reloads that failed (the set in force was kept).
     pub failed_reloads: u64,
-    /// The last failure, if any.
+    /// Why the last reload failed, while no reload has succeeded since.
     pub last_error: Option<String>,
 }
 
@@ -389,6 +389,12 @@ impl Status {
         });
     }
 
+    /// Notes a reload that succeeded (the set may be the one in force):
+    /// the last failure is history, still counted.
+    pub fn reload_succeeded(&self) {
+        self.with(|i| i.rules.last_error = None);
+    }
+
     /// Notes a reload that failed.
     pub fn reload_failed(&self, error: String) {
         self.with(|i| {
@@ -501,5 +507,30 @@ mod tests {
         assert_eq!(snap.top_rejected[0].rejects, 3);
         assert_eq!(snap.store_p50_ms, Some(10.0));
         assert!((snap.reject_share_60s - 4.0 / 12.0).abs() < 1e-9);
+    }
+
+    /// A failed reload shows its error until a reload succeeds; the count
+    /// of failures stays.
+    #[test]
+    fn a_successful_reload_clears_the_last_error() {
+        let s = Status::default();
+        let rules = |s: &Status| {
+            s.snapshot(Counters::default(), HealthView::default())
+                .unwrap()
+                .rules
+        };
+        s.rules_in_force("v1", vec!["m:sliding:60s:5".into()]);
+        s.reload_failed("bad rules file: expected `=`".into());
+        let r = rules(&s);
+        assert_eq!((r.failed_reloads, r.version.as_str()), (1, "v1"));
+        assert_eq!(
+            r.last_error.as_deref(),
+            Some("bad rules file: expected `=`")
+        );
+        s.rules_in_force("v2", vec!["m:sliding:60s:6".into()]);
+        s.reload_succeeded();
+        let r = rules(&s);
+        assert_eq!((r.failed_reloads, r.version.as_str()), (1, "v2"));
+        assert_eq!(r.last_error, None);
     }
 }

@@ -243,17 +243,7 @@ mod tests {
     fn entry(rules: &RuleSet, caller: &str, calls: i64, latest: i64) -> Box<Cached> {
         let mut c = Box::<Cached>::default();
         for i in 0..calls {
-            let ev = CallEvent {
-                call_id: format!("{caller}-{i}").into(),
-                caller: caller.into(),
-                ts_ms: latest - calls + 1 + i,
-                callee: None,
-                duration_ms: None,
-                label: None,
-                list_number: None,
-                filter_callee: None,
-                aggregate: None,
-            };
+            let ev = CallEvent::new(format!("{caller}-{i}"), caller, latest - calls + 1 + i);
             c.state.apply(rules, &ev);
         }
         c

@@ -350,18 +350,87 @@ impl Conn {
         }
     }
 
+    /// Takes the key prefix for a replay under the rule set `version`
+    /// (see [`claim_replay`](super::claim_replay)): `<prefix>replay` records
+    /// the version whose records the prefix holds.
+    pub(crate) async fn claim_replay(
+        &mut self,
+        prefix: &str,
+        version: &str,
+        reuse: PrefixReuse,
+    ) -> Result<ReplayClaim, StoreError> {
+        let key = format!("{prefix}replay");
+        let recorded: Option<String> = self.run(redis::cmd("GET").arg(&key)).await?;
+        let found = match &recorded {
+            Some(v) if v == version => return Ok(ReplayClaim::Same),
+            Some(v) => Some(v.clone()),
+            // Keys without a record of their rule set: an online command's,
+            // or a replay's from before the record was kept.
+            None => self.any_key(prefix, &key).await?.map(|_| String::new()),
+        };
+        let claim = match (found, reuse) {
+            (None, _) => ReplayClaim::New,
+            (Some(found), PrefixReuse::Refuse) => {
+                let held = if found.is_empty() {
+                    "records of an unknown rule set (written by consume or serve, or by an \
+                     older replay)"
+                        .to_string()
+                } else {
+                    format!("records of rule set version {found}")
+                };
+                return Err(StoreError::fatal(format!(
+                    "the key prefix {prefix:?} holds {held}, not of this rule set (version \
+                     {version}): a replay would answer their calls with the old records. Pass \
+                     --fresh to delete the prefix's keys first, --resume to continue on them, or \
+                     use another --key-prefix"
+                )));
+            }
+            (Some(found), PrefixReuse::Resume) => ReplayClaim::Resumed(found),
+            (Some(_), PrefixReuse::Fresh) => {
+                ReplayClaim::Emptied(self.delete_prefix(prefix).await?)
+            }
+        };
+        self.run::<()>(redis::cmd("SET").arg(&key).arg(version))
+            .await?;
+        Ok(claim)
+    }
+
+    /// Deletes every key of the prefix (`SCAN` and `UNLINK`, a thousand at
+    /// a time); returns how many. A Cluster's keys are spread over its
+    /// primaries, each with its own cursor: not done there.
+    async fn delete_prefix(&mut self, prefix: &str) -> Result<u64, StoreError> {
+        if matches!(self, Conn::Cluster(_)) {
+            return Err(StoreError::fatal(format!(
+                "--fresh is not supported on Redis Cluster: delete the keys of {prefix:?} with \
+                 redis-cli --cluster call, or use another --key-prefix"
+            )));
+        }
+        let pattern = scan_pattern(prefix);
+        let (mut cursor, mut deleted) = (0u64, 0u64);
+        loop {
+            let mut scan = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(1_000);
+            let (next, keys): (u64, Vec<String>) = self.run(&scan).await?;
+            if !keys.is_empty() {
+                let n: u64 = self.run(redis::cmd("UNLINK").arg(&keys)).await?;
+                deleted += n;
+            }
+            if next == 0 {
+                return Ok(deleted);
+            }
+            cursor = next;
+        }
+    }
+
     /// A key of the prefix other than `except`, if a bounded `SCAN` finds
     /// one (up to 8 rounds of 1,000 on a server; one of 10,000 on each
     /// primary of a Cluster).
     async fn any_key(&mut self, prefix: &str, except: &str) -> Result<Option<String>, StoreError> {
-        let pattern: String = prefix
-            .chars()
-            .flat_map(|c| {
-                let escape = matches!(c, '*' | '?' | '[' | ']' | '\\');
-                escape.then_some('\\').into_iter().chain(std::iter::once(c))
-            })
-            .chain(std::iter::once('*'))
-            .collect();
+        let pattern = scan_pattern(prefix);
         let found = |keys: Vec<String>| keys.into_iter().find(|k| k != except);
         match self {
             Conn::Single(_) | Conn::Sentinel(_) => {
@@ -456,6 +525,45 @@ impl Conn {
         };
         Ok(sha)
     }
+}
+
+/// The `SCAN MATCH` pattern of every key of a prefix (its glob characters
+/// escaped).
+fn scan_pattern(prefix: &str) -> String {
+    prefix
+        .chars()
+        .flat_map(|c| {
+            let escape = matches!(c, '*' | '?' | '[' | ']' | '\\');
+            escape.then_some('\\').into_iter().chain(std::iter::once(c))
+        })
+        .chain(std::iter::once('*'))
+        .collect()
+}
+
+/// What a replay may do with a key prefix that holds records of another
+/// rule set (or of an unknown one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixReuse {
+    /// Refuse it (the default): its calls would get the old records back.
+    Refuse,
+    /// Continue on it (`--resume`): the records it holds stand.
+    Resume,
+    /// Delete the prefix's keys first (`--fresh`).
+    Fresh,
+}
+
+/// How a replay took its key prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplayClaim {
+    /// The prefix held nothing.
+    New,
+    /// The prefix holds records of the same rule set: they come back.
+    Same,
+    /// Continued on records of another rule set (its version; empty when
+    /// unknown).
+    Resumed(String),
+    /// The prefix's keys were deleted first (how many).
+    Emptied(u64),
 }
 
 /// Server error codes that retrying may get past.

@@ -27,6 +27,21 @@ pub use config::{
     redact, RedisConfig, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT_MS, DEFAULT_TTL_SLACK_S, DEFAULT_URL,
 };
 pub(crate) use conn::Conn;
-pub use conn::{classify, CLAIM_EVERY};
+pub use conn::{classify, PrefixReuse, ReplayClaim, CLAIM_EVERY};
+
+/// Takes `config`'s key prefix for a replay under the rule set `version`.
+/// A prefix that holds records of another rule set, or keys whose rule set
+/// is unknown (an online command's), would answer the replay's calls with
+/// their old records: it is refused, unless `reuse` says to continue on it
+/// or to delete its keys first. A prefix of the same version continues
+/// (every record comes back, as idempotency promises).
+pub async fn claim_replay(
+    config: &RedisConfig,
+    version: &str,
+    reuse: PrefixReuse,
+) -> Result<ReplayClaim, crate::error::StoreError> {
+    let mut conn = Conn::open(config).await?;
+    conn.claim_replay(&config.key_prefix, version, reuse).await
+}
 pub use script::{RedisStore, EVENTS_PER_CALL, MODE, WINDOW_LUA};
 pub use sentinel::SentinelConfig;

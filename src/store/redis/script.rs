@@ -159,6 +159,8 @@ impl RedisStore {
                 Listed::No => 0,
                 Listed::Allow => 1,
                 Listed::Deny => 2,
+                Listed::BadCallerAllow => 3,
+                Listed::BadCallerReject => 4,
             };
             cmd.arg(ev.ts_ms)
                 .arg(ev.call_id.as_str())
