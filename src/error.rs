@@ -89,6 +89,20 @@ pub enum EventError {
 }
 
 impl EventError {
+    /// The canonical field the error is about, if one.
+    pub fn field(&self) -> Option<&'static str> {
+        match self {
+            EventError::Missing(f) => Some(f),
+            EventError::WrongType { field, .. } | EventError::BadNumber { field, .. } => {
+                Some(field)
+            }
+            EventError::BadTimestamp(_) | EventError::TsOutOfRange { .. } => Some("ts"),
+            EventError::BadLabel(_) => Some("label"),
+            EventError::BadCallId(_) => Some("call_id"),
+            _ => None,
+        }
+    }
+
     /// A short, stable machine-readable kind (metrics label, dead-letter header).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -43,6 +43,12 @@ fn rows(events: &[(u64, CallEvent)]) -> Vec<(u64, Row)> {
         .collect()
 }
 
+/// A row whose caller is unusable: decided as `bad_caller`.
+fn unusable(mut row: Row) -> Row {
+    row.1 = "bad_caller".into();
+    row
+}
+
 fn row(id: &str, callee: &str, ts: i64, duration: Option<i64>) -> Row {
     (
         id.into(),
@@ -74,14 +80,20 @@ fn freeswitch_cdr_file_is_detected_and_read_in_local_time() {
             (1, row(&id(1), "+34600000001", SPRING_BEFORE, Some(20_000))),
             (2, row(&id(2), "+34600000002", SPRING_AFTER, Some(0))),
             (3, row(&id(3), "+34600000003", SPRING_GAP, Some(0))),
+            (
+                4,
+                unusable(row(&id(4), "+34600000004", FALL_EARLY, Some(0))),
+            ),
             (5, row(&id(5), "+34600000005", FALL_FOLD, Some(120_000))),
             (6, row(&id(6), "+34600000006", FALL_AFTER, Some(7_000))),
         ];
         assert_eq!(rows(&log.events), expected, "{format:?}");
-        // An anonymous caller is no number: listed, with its row.
+        // An anonymous caller is no number: decided as the unusable
+        // caller, and listed with its row as a call kept.
         assert_eq!(log.invalid.len(), 1);
         assert_eq!(log.invalid[0].row, 4);
         assert_eq!(log.invalid[0].error.kind(), "bad_number");
+        assert!(log.invalid[0].kept);
     }
 }
 
@@ -116,6 +128,10 @@ fn kamailio_acc_file_keeps_invite_rows_and_lists_the_others() {
                 row("b22e90a1@pbx.example", "+34600000002", SPRING_AFTER, None),
             ),
             (6, row("c9d1@pbx.example", "+34600000003", SPRING_GAP, None)),
+            (
+                7,
+                unusable(row("d07f@pbx.example", "+34600000004", FALL_EARLY, None)),
+            ),
             (8, row("e1a2@pbx.example", "+34600000005", FALL_FOLD, None)),
             // Epoch seconds (acc's time_mode) are UTC whatever the zone.
             (9, row("f3b4@pbx.example", "+34600000006", FALL_AFTER, None)),
@@ -335,8 +351,8 @@ fn a_forced_preset_on_another_file_says_what_it_expected() {
             "--rules",
             "data/rules.toml",
             "-o",
-            "/dev/null",
         ])
+        .arg(tempfile::tempdir().unwrap().path().join("d.csv"))
         .output()
         .unwrap();
     assert!(!o.status.success());

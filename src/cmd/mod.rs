@@ -154,7 +154,11 @@ pub fn report_invalid(path: &Path, invalid: &[InvalidRow]) {
         tracing::warn!(row = bad.row, error = %bad.error, "invalid row");
     }
     for kept in invalid.iter().filter(|r| r.kept).take(5) {
-        tracing::warn!(row = kept.row, error = %kept.error, "field dropped, call kept");
+        if kept.error.field() == Some("caller") {
+            tracing::warn!(row = kept.row, error = %kept.error, "unusable caller, decided as bad_caller");
+        } else {
+            tracing::warn!(row = kept.row, error = %kept.error, "field dropped, call kept");
+        }
     }
     let not_calls = invalid.iter().filter(other).count();
     let count = not_kept(invalid);

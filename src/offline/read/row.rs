@@ -197,20 +197,25 @@ pub fn check_ts_format(fmt: &str) -> Result<(), String> {
             "--ts-format {fmt:?}: not a strftime format (e.g. %d/%m/%Y %H:%M:%S)"
         ));
     }
+    use std::fmt::Write;
+    // A time written in the form and read back must be the same instant.
+    let whole = || {
+        format!(
+            "--ts-format {fmt:?} does not name a whole time to the second \
+             (a date, hours, minutes and seconds, e.g. %d/%m/%Y %H:%M:%S)"
+        )
+    };
+    let offset = chrono::FixedOffset::east_opt(3_600).ok_or_else(whole)?;
     let sample = chrono::DateTime::from_timestamp(1_764_583_245, 0)
-        .unwrap_or_default()
-        .naive_utc();
-    let shown = sample.format(fmt).to_string();
-    match NaiveDateTime::parse_from_str(&shown, fmt) {
-        Ok(back) if back == sample => Ok(()),
-        _ => chrono::DateTime::parse_from_str(&shown, fmt)
-            .map(|_| ())
-            .map_err(|_| {
-                format!(
-                    "--ts-format {fmt:?} does not name a whole time to the second \
-                     (a date, hours, minutes and seconds, e.g. %d/%m/%Y %H:%M:%S)"
-                )
-            }),
+        .ok_or_else(whole)?
+        .with_timezone(&offset);
+    let mut shown = String::new();
+    write!(shown, "{}", sample.format(fmt)).map_err(|_| whole())?;
+    let instant = chrono::DateTime::parse_from_str(&shown, fmt).map(|d| d == sample);
+    let local = NaiveDateTime::parse_from_str(&shown, fmt).map(|n| n == sample.naive_local());
+    match (instant, local) {
+        (Ok(true), _) | (_, Ok(true)) => Ok(()),
+        _ => Err(whole()),
     }
 }
 

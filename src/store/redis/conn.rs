@@ -258,7 +258,7 @@ impl Conn {
         let key = format!("{prefix}mode");
         let recorded: Option<String> = self.run(redis::cmd("GET").arg(&key)).await?;
         if recorded.is_none() {
-            let found = self.any_key(prefix, &key).await?;
+            let found = self.any_key(prefix).await?;
             // A callguard records the mode before it writes anything, so
             // keys found with the mode recorded by now were written by an
             // instance that claimed the prefix after our first look (two
@@ -366,7 +366,7 @@ impl Conn {
             Some(v) => Some(v.clone()),
             // Keys without a record of their rule set: an online command's,
             // or a replay's from before the record was kept.
-            None => self.any_key(prefix, &key).await?.map(|_| String::new()),
+            None => self.any_key(prefix).await?.map(|_| String::new()),
         };
         let claim = match (found, reuse) {
             (None, _) => ReplayClaim::New,
@@ -426,12 +426,13 @@ impl Conn {
         }
     }
 
-    /// A key of the prefix other than `except`, if a bounded `SCAN` finds
-    /// one (up to 8 rounds of 1,000 on a server; one of 10,000 on each
+    /// A key of the prefix that holds state (not its mode or replay
+    /// record), if a bounded `SCAN` finds one (up to 8 rounds of 1,000 on a server; one of 10,000 on each
     /// primary of a Cluster).
-    async fn any_key(&mut self, prefix: &str, except: &str) -> Result<Option<String>, StoreError> {
+    async fn any_key(&mut self, prefix: &str) -> Result<Option<String>, StoreError> {
         let pattern = scan_pattern(prefix);
-        let found = |keys: Vec<String>| keys.into_iter().find(|k| k != except);
+        let records = [format!("{prefix}mode"), format!("{prefix}replay")];
+        let found = |keys: Vec<String>| keys.into_iter().find(|k| !records.contains(k));
         match self {
             Conn::Single(_) | Conn::Sentinel(_) => {
                 let mut cursor = 0u64;
