@@ -89,9 +89,6 @@
 
 local call, fmt, tonumber, floor = redis.call, string.format, tonumber, math.floor
 
--- An event's list (ARGV `listed`): src/store/redis/script.rs.
-local ON_NO_LIST, ALLOWLISTED, DENYLISTED, BAD_CALLER_ALLOWED, BAD_CALLER_REJECTED =
-  '0', '1', '2', '3', '4'
 
 local admitted = ARGV[1] == '1'
 local grace = tonumber(ARGV[2])
@@ -624,13 +621,16 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   end
 
   local would, reason, by_shadow = 0, 'ok', false
-  if listed == DENYLISTED then
+  -- `listed` (src/store/redis/script.rs): '0' none, '1' allowlist,
+  -- '2' denylist, '3' an unusable caller allowed, '4' one rejected.
+  -- (Literals: `decide` is at Lua's limit of 60 upvalues.)
+  if listed == '2' then
     would, reason = 1, 'denylist'
-  elseif listed == BAD_CALLER_REJECTED then
+  elseif listed == '4' then
     would, reason = 1, 'bad_caller'
-  elseif listed == ALLOWLISTED then
+  elseif listed == '1' then
     reason = 'allowlist'
-  elseif listed == BAD_CALLER_ALLOWED then
+  elseif listed == '3' then
     reason = 'bad_caller'
   else
     -- The first enforcing rule over its limit, else the first shadow one.
@@ -724,7 +724,7 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   if shadow == 1 then decision = 0 end
   local retry = ''
   -- A list's reject is for good: no time after which it would pass.
-  if decision == 1 and listed ~= DENYLISTED and listed ~= BAD_CALLER_REJECTED then
+  if decision == 1 and listed ~= '2' and listed ~= '4' then
     local last = t
     for i = 1, n do
       local kind, w, lim = kinds[i], wins[i], lims[i]
@@ -788,7 +788,7 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   local parts = {}
   for i = 1, n do parts[i] = fmt('%d', counts[i]) end
   local warn = ''
-  if decision == 0 and listed == ON_NO_LIST then
+  if decision == 0 and listed == '0' then
     for i = 1, n do
       if warns[i] and counts[i] > warns[i] then
         warn = names[i]

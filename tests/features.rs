@@ -273,10 +273,13 @@ fn asterisk_master_csv_preset() {
     };
     let path = std::path::Path::new("tests/golden/Master.csv");
     let mut log = read_call_log(path, &opts(Some(chrono_tz::Europe::Madrid))).unwrap();
-    // The row with an empty src is invalid, and reported with its row number.
+    // The row with an empty src has no usable caller: decided as
+    // `bad_caller`, and reported with its row number as kept.
     assert_eq!(log.invalid.len(), 1);
     assert_eq!(log.invalid[0].row, 4);
-    assert_eq!(log.events.len(), 4);
+    assert!(log.invalid[0].kept);
+    assert_eq!(log.events.len(), 5);
+    log.events.retain(|(_, e)| e.caller != "bad_caller");
     log.sort_by_time();
     let first = &log.events[0].1;
     // Rows are written at hangup; sorting by start puts row 5 first.

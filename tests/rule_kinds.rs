@@ -268,7 +268,8 @@ fn run(mode: &str) {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let stats = common::http_get(served.port, "/v1/stats").unwrap_or_default();
-        let v: serde_json::Value = serde_json::from_str(&stats).unwrap_or_default();
+        let body = stats.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
         if v["rules"]["version"] != new_version && v["rules"]["version"].is_string() {
             assert_eq!(v["rules"]["last_error"], serde_json::Value::Null, "{stats}");
             assert!(v["rules"]["failed_reloads"].as_u64() >= Some(1), "{stats}");
