@@ -307,7 +307,7 @@ fn tune_plot_shows_the_whole_false_reject_curve() {
     let header: Vec<&str> = table.lines().next().unwrap().split(',').collect();
     let at = header
         .iter()
-        .position(|h| *h == "false_reject_rate")
+        .position(|h| *h == "rule_false_reject_rate")
         .unwrap();
     let rates: Vec<f64> = table
         .lines()
@@ -599,4 +599,94 @@ fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
         "{listed}"
     );
     assert_eq!(listed.matches(",true\n").count(), 2, "{listed}");
+}
+
+/// A rule swept inside a set is judged by its own effect: the calls it
+/// alone rejects beside the whole set's, and the recommendation bounds its
+/// own false rejects (the other rules' are the same for every N, so the
+/// set's curve is flat). A recommended N outside `--limits` says so.
+#[test]
+fn a_rule_swept_in_a_set_is_judged_by_its_own_effect() {
+    let (_dir, path, log) = generated_file(6_000, 7);
+    // A strict rule beside the swept one: it rejects many legit calls.
+    let rules = RuleSet::new(
+        vec![
+            Rule::parse_shorthand("strict:sliding:1h:3").unwrap(),
+            Rule::parse_shorthand("minute:sliding:60s:10").unwrap(),
+        ],
+        CountPolicy::Attempts,
+        5_000,
+        vec![],
+        vec![],
+        false,
+    )
+    .unwrap();
+    let limits: Vec<u64> = (1..=30).collect();
+    let s = sweep(&log, &rules, 1, &limits, Target::MaxFalseReject(0.002)).unwrap();
+    let set_rates: Vec<f64> = s
+        .rows
+        .iter()
+        .map(|r| r.false_reject_rate.unwrap())
+        .collect();
+    let own: Vec<f64> = s
+        .rows
+        .iter()
+        .map(|r| r.rule_false_reject_rate.unwrap())
+        .collect();
+    // The set's rate stays above the target at every N; the rule's own falls to it.
+    assert!(set_rates.iter().all(|&r| r > 0.002), "{set_rates:?}");
+    assert!(
+        own.first() > own.last() && *own.last().unwrap() <= 0.002,
+        "{own:?}"
+    );
+    let n = s
+        .recommended
+        .expect("a recommendation on the rule's own rate");
+    let row = s.rows.iter().find(|r| r.limit == n).unwrap();
+    assert!(row.rule_false_reject_rate.unwrap() <= 0.002);
+    assert!(row.rule_calls_rejected <= row.calls_rejected);
+    assert!(
+        s.explanation.contains("own legit false-reject rate"),
+        "{}",
+        s.explanation
+    );
+    // The rule's own columns equal a replay's, N by N (the oracle).
+    for n in [1, 5, 12, 30] {
+        let want = row_by_replay(&log, &rules, 1, n).unwrap();
+        let got = s.rows.iter().find(|r| r.limit == n).unwrap();
+        assert_eq!(got, &want, "N = {n}");
+    }
+    // Under `admitted` (each N replayed) too.
+    let admitted = rules
+        .with_options(CountPolicy::Admitted, 5_000, false)
+        .unwrap();
+    let a = sweep(
+        &log,
+        &admitted,
+        1,
+        &[2, 8, 20],
+        Target::MaxFalseReject(0.002),
+    )
+    .unwrap();
+    for r in &a.rows {
+        assert_eq!(r, &row_by_replay(&log, &admitted, 1, r.limit).unwrap());
+    }
+    // Without labels, the quantile's N outside the range is named so.
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "tune",
+            "--rule",
+            "minute:sliding:60s",
+            "--limits",
+            "1..3",
+            "--quantile",
+            "0.999",
+            "-i",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("outside --limits (1..3)"), "{out}");
 }

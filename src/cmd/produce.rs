@@ -47,11 +47,14 @@ pub async fn run(args: ProduceArgs) -> Result<()> {
     }
     let n = loader.finish().await?;
     invalid.sort_by_key(|r| r.row);
+    let skipped = not_kept(&invalid);
+    let dropped = match invalid.len() - skipped {
+        0 => String::new(),
+        n => format!(", {n} fields dropped from calls kept"),
+    };
     println!(
-        "produced {n} events to {} ({} invalid rows skipped, {} fields dropped)",
+        "produced {n} events to {} ({skipped} invalid rows skipped{dropped})",
         args.topic,
-        not_kept(&invalid),
-        invalid.len() - not_kept(&invalid)
     );
     for bad in invalid.iter().take(10) {
         println!("  row {}: {}", bad.row, bad.error);

@@ -130,7 +130,9 @@ where
     root.fill(&WHITE).map_err(plot_err)?;
     let title = format!("callguard tune: limit N of rule `{}`", sweep.rule);
     let root = root.titled(&title, ("sans-serif", 24)).map_err(plot_err)?;
-    let rates = series(sweep, |r| r.false_reject_rate);
+    // The swept rule's own false rejects: what its N costs (the other
+    // rules' share is the same for every N), and what is recommended on.
+    let rates = series(sweep, |r| r.rule_false_reject_rate);
     let bound = max_false_reject_pct(sweep);
     let extent = false_reject_extent(&rates.iter().map(|(_, v)| *v).collect::<Vec<_>>(), bound);
     match extent {
@@ -227,7 +229,7 @@ where
     let positive: Vec<(f64, f64)> = rates.iter().copied().filter(|(_, v)| *v > 0.0).collect();
     c.draw_series(LineSeries::new(positive, FALSE_REJECT.stroke_width(2)))
         .map_err(plot_err)?
-        .label("false-reject rate (legit calls rejected)")
+        .label("false-reject rate (legit calls the rule alone rejects)")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], FALSE_REJECT.stroke_width(2)));
     let zeros: Vec<(f64, f64)> = rates
         .iter()

@@ -68,6 +68,17 @@ pub struct SweepRow {
     pub legit_callers_rejected: Option<u64>,
     /// With labels: fraud callers (any fraud call) with a rejected call.
     pub fraud_callers_caught: Option<u64>,
+    /// Calls the swept rule alone rejects under N: rejected, and no other
+    /// rule or list would reject them. The set's columns above include
+    /// what the other rules reject whatever N is.
+    pub rule_calls_rejected: u64,
+    /// With labels: legit calls the swept rule alone rejects.
+    pub rule_legit_calls_rejected: Option<u64>,
+    /// With labels: fraud calls the swept rule alone rejects / fraud calls.
+    pub rule_recall: Option<f64>,
+    /// With labels: legit calls the swept rule alone rejects / legit
+    /// calls: what its N costs, and what the recommendation bounds.
+    pub rule_false_reject_rate: Option<f64>,
 }
 
 /// A sweep and its recommendation.
@@ -123,6 +134,22 @@ struct Replayed {
     gate: Gate,
     ledger: MemoryLedger,
     rejections: Rejections,
+    /// The calls the swept rule alone rejects: `[legit or unlabelled, fraud]`.
+    alone: [u64; 2],
+}
+
+/// Whether a call the sweep counts as rejected is rejected by the swept
+/// rule alone: no list, and no other enforcing rule over its limit.
+fn rejected_alone(
+    rules: &RuleSet,
+    index: usize,
+    e: &CallEvent,
+    v: &crate::engine::record::Verdict,
+) -> bool {
+    !matches!(
+        rules.judge(e.number_for_lists(), &v.record.counts, Some(index)),
+        Judgement::Denylisted(_) | Judgement::Exceeded(_)
+    )
 }
 
 /// Whether a sweep counts a call as rejected: rejected, or over a limit
@@ -151,6 +178,9 @@ impl Replayed {
             let v = self.store.apply_unique(&self.rules, e, unique);
             if swept_reject(&self.rules, self.index, &v) {
                 self.rejections.add_rejected(&v, e.label);
+                if rejected_alone(&self.rules, self.index, e, &v) {
+                    self.alone[usize::from(e.label == Some(true))] += 1;
+                }
             }
         }
     }
@@ -318,6 +348,7 @@ impl Sweeper {
                         gate: Gate::new(),
                         ledger: MemoryLedger::new(),
                         rejections: Rejections::default(),
+                        alone: [0; 2],
                     })
                 })
                 .collect::<Result<Vec<_>, RulesError>>()?
@@ -450,6 +481,7 @@ impl Sweeper {
                         rejected_legit_calls: rej.legit_calls,
                         rejected_legit_callers: legit_callers,
                         rejected_fraud_callers: rej.callers.len() as u64 - legit_callers,
+                        alone: r.alone,
                     }
                     .row(labelled)
                 })
@@ -543,6 +575,8 @@ impl Sweeper {
                     rejected_legit_calls: legit_rej,
                     rejected_legit_callers: r[0] + callers_always[0],
                     rejected_fraud_callers: r[1] + callers_always[1],
+                    // Over N, and rejected by nothing else.
+                    alone: c,
                 }
                 .row(labelled)
             })

@@ -16,19 +16,24 @@ pub(super) fn recommend(
 ) -> (Option<u64>, String) {
     match target {
         Target::MaxFalseReject(max) if labelled => {
-            match rows.iter().find(|r| r.false_reject_rate.is_some_and(|f| f <= max)) {
+            // The swept rule's own false rejects: what the other rules
+            // reject is the same for every N, and no N can lower it.
+            match rows.iter().find(|r| r.rule_false_reject_rate.is_some_and(|f| f <= max)) {
                 Some(r) => (
                     Some(r.limit),
                     format!(
-                        "N = {}: the smallest limit whose legit false-reject rate ({:.4}%) is within {:.4}%; it catches {:.1}% of fraud calls with {} legit callers hit",
+                        "N = {}: the smallest limit whose own legit false-reject rate ({:.4}%: legit calls `{}` alone rejects) is within {:.4}%; alone it catches {:.1}% of fraud calls; the whole set with it: {:.1}% of fraud calls, false-reject rate {:.4}%, {} legit callers hit",
                         r.limit,
-                        r.false_reject_rate.unwrap_or(0.0) * 100.0,
+                        r.rule_false_reject_rate.unwrap_or(0.0) * 100.0,
+                        rules.rules[index].name,
                         max * 100.0,
+                        r.rule_recall.unwrap_or(0.0) * 100.0,
                         r.recall.unwrap_or(0.0) * 100.0,
+                        r.false_reject_rate.unwrap_or(0.0) * 100.0,
                         r.legit_callers_rejected.unwrap_or(0)
                     ),
                 ),
-                None => (None, format!("no limit in the range keeps the false-reject rate within {:.4}%: widen the range or allowlist the legit callers hit", max * 100.0)),
+                None => (None, format!("no limit in --limits ({}) keeps `{}`'s own false-reject rate within {:.4}%: widen the range or allowlist the legit callers hit", range(rows), rules.rules[index].name, max * 100.0)),
             }
         }
         Target::MaxFalseReject(_) | Target::Quantile(_) => {
@@ -45,16 +50,33 @@ pub(super) fn recommend(
             let pos = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
             let n = sorted[pos];
             let why = if labelled { "" } else { " (no labels)" };
+            let (first, last) = (rows.first().map(|r| r.limit), rows.last().map(|r| r.limit));
+            let outside = if first.is_some_and(|f| n < f) || last.is_some_and(|l| n > l) {
+                format!(
+                    "; outside --limits ({}): the table and plot do not show it, widen the range",
+                    range(rows)
+                )
+            } else {
+                String::new()
+            };
             (
                 Some(n),
                 format!(
-                    "N = {n}: the {:.2}% quantile of per-caller peak counts in the `{}` window{why}, so {:.2}% of callers never exceed it",
+                    "N = {n}: the {:.2}% quantile of per-caller peak counts in the `{}` window{why}, so {:.2}% of callers never exceed it{outside}",
                     q * 100.0,
                     rules.rules[index].name,
                     q * 100.0
                 ),
             )
         }
+    }
+}
+
+/// The swept range as `--limits` spells it.
+fn range(rows: &[SweepRow]) -> String {
+    match (rows.first(), rows.last()) {
+        (Some(a), Some(b)) => format!("{}..{}", a.limit, b.limit),
+        _ => "empty".into(),
     }
 }
 
@@ -110,6 +132,26 @@ pub fn sweep_frame(sweep: &Sweep) -> Result<polars::prelude::DataFrame, IoError>
             r.iter().map(|x| x.fraud_callers_caught).collect::<Vec<_>>(),
         ),
         Column::new(
+            "rule_calls_rejected".into(),
+            r.iter().map(|x| x.rule_calls_rejected).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rule_legit_calls_rejected".into(),
+            r.iter()
+                .map(|x| x.rule_legit_calls_rejected)
+                .collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rule_recall".into(),
+            r.iter().map(|x| x.rule_recall).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "rule_false_reject_rate".into(),
+            r.iter()
+                .map(|x| x.rule_false_reject_rate)
+                .collect::<Vec<_>>(),
+        ),
+        Column::new(
             "recommended".into(),
             r.iter()
                 .map(|x| Some(x.limit) == sweep.recommended)
@@ -134,7 +176,7 @@ pub fn render_table(sweep: &Sweep, max_rows: usize) -> String {
     let num = |v: Option<u64>| v.map_or("-".to_string(), |v| v.to_string());
     let _ = writeln!(
         out,
-        "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13}",
+        "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13} {:>10} {:>13}",
         "",
         "N",
         "rejected",
@@ -144,7 +186,9 @@ pub fn render_table(sweep: &Sweep, max_rows: usize) -> String {
         "recall",
         "false-rej",
         "legit hit",
-        "fraud caught"
+        "fraud caught",
+        "rule alone",
+        "its false-rej"
     );
     for (i, r) in sweep.rows.iter().enumerate() {
         let near = rec.is_some_and(|k| i + 1 >= k && i <= k + 1);
@@ -154,7 +198,7 @@ pub fn render_table(sweep: &Sweep, max_rows: usize) -> String {
         let mark = if Some(i) == rec { ">>" } else { "" };
         let _ = writeln!(
             out,
-            "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13}",
+            "{:>3} {:>7} {:>10} {:>9} {:>8} {:>10} {:>9} {:>9} {:>11} {:>13} {:>10} {:>13}",
             mark,
             r.limit,
             r.calls_rejected,
@@ -164,7 +208,9 @@ pub fn render_table(sweep: &Sweep, max_rows: usize) -> String {
             pct(r.recall),
             pct(r.false_reject_rate),
             num(r.legit_callers_rejected),
-            num(r.fraud_callers_caught)
+            num(r.fraud_callers_caught),
+            r.rule_calls_rejected,
+            pct(r.rule_false_reject_rate)
         );
     }
     out

@@ -1,9 +1,9 @@
 //! A sweep row's counts, and the replay that computes one row the slow
 //! way (the one-pass sweep's test oracle).
 
-#[cfg(any(test, feature = "testing"))]
-use super::swept_reject;
 use super::SweepRow;
+#[cfg(any(test, feature = "testing"))]
+use super::{rejected_alone, swept_reject};
 #[cfg(any(test, feature = "testing"))]
 use crate::engine::aggregate::{Gate, MemoryLedger};
 #[cfg(any(test, feature = "testing"))]
@@ -29,6 +29,8 @@ pub(super) struct RowCounts {
     pub(super) rejected_legit_calls: u64,
     pub(super) rejected_legit_callers: u64,
     pub(super) rejected_fraud_callers: u64,
+    /// Calls the swept rule alone rejects: `[legit or unlabelled, fraud]`.
+    pub(super) alone: [u64; 2],
 }
 
 impl RowCounts {
@@ -49,6 +51,10 @@ impl RowCounts {
             false_reject_rate: lr(ratio(legit, self.legit_calls)),
             legit_callers_rejected: l(self.rejected_legit_callers),
             fraud_callers_caught: l(self.rejected_fraud_callers),
+            rule_calls_rejected: self.alone[0] + self.alone[1],
+            rule_legit_calls_rejected: l(self.alone[0]),
+            rule_recall: lr(ratio(self.alone[1], self.fraud_calls)),
+            rule_false_reject_rate: lr(ratio(self.alone[0], self.legit_calls)),
         }
     }
 }
@@ -68,6 +74,7 @@ pub fn row_by_replay(
     let (mut fraud_calls, mut legit_calls) = (0, 0);
     let mut store = MemoryStore::new();
     let mut rejections = Rejections::default();
+    let mut alone = [0u64; 2];
     let mut events = log.events.clone();
     Gate::new().run_rows(&mut MemoryLedger::new(), &set, &mut events);
     for (_, e) in &events {
@@ -79,6 +86,9 @@ pub fn row_by_replay(
         let v = store.apply(&set, e);
         if swept_reject(&set, index, &v) {
             rejections.add_rejected(&v, e.label);
+            if rejected_alone(&set, index, e, &v) {
+                alone[usize::from(e.label == Some(true))] += 1;
+            }
         }
     }
     let legit_callers = rejections
@@ -96,6 +106,7 @@ pub fn row_by_replay(
         rejected_legit_calls: rejections.legit_calls,
         rejected_legit_callers: legit_callers,
         rejected_fraud_callers: rejections.callers.len() as u64 - legit_callers,
+        alone,
     }
     .row(labelled))
 }

@@ -3,14 +3,21 @@
 //! a connection left idle between requests).
 //!
 //! A scanner or a slowloris client must not take the switch's fraud check
-//! down: a connection over the cap is closed at once, and one that sends
-//! its header too slowly, or sits idle, is closed after the deadline; both
-//! are logged (at most once a second) and counted
-//! (`callguard_connections_shed_total{kind}`). The cap stays below the
-//! process's open-file limit, so accepting never fails for want of file
-//! descriptors. (A request's body has its own deadline, in the handler.)
+//! down. At the cap, a new connection takes the place of the oldest one
+//! with no request in flight (silent, idle between requests, or still
+//! sending its header), as nginx reuses idle keep-alive connections when it
+//! runs out: so checks and `/healthz` get through however many connections
+//! are held open. Only when every connection has a request in flight is a
+//! new one closed at once. A connection that sends its header too slowly,
+//! or sits idle, is closed after the deadline. All three are logged (at
+//! most once a second) and counted (`callguard_connections_shed_total{kind}`:
+//! `evicted`, `cap`, `timeout`). The cap stays below the process's
+//! open-file limit, so accepting never fails for want of file descriptors.
+//! (A request's body has its own deadline, in the handler.)
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -18,7 +25,7 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tracing::warn;
 
 use crate::online::metrics::Metrics;
@@ -30,6 +37,9 @@ const RESERVED_FDS: u64 = 128;
 const DRAIN: Duration = Duration::from_secs(5);
 /// Pause after a failed accept (so a failing accept cannot spin).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+/// Longest a new connection waits for the place of the one it evicted
+/// (that one's task closes it at once, unless a request just started).
+const EVICT_WAIT: Duration = Duration::from_millis(100);
 
 /// Bounds on one listener's connections.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +56,8 @@ pub struct Limits {
 pub struct Listener {
     tcp: TcpListener,
     permits: Arc<Semaphore>,
+    /// The open connections, oldest first.
+    open: Arc<Open>,
     cap: usize,
     http: http1::Builder,
     metrics: Arc<Metrics>,
@@ -53,15 +65,101 @@ pub struct Listener {
     name: &'static str,
 }
 
-/// One connection: served until it closes, times out or the server stops.
+/// One connection: served until it closes, times out, is evicted or the
+/// server stops.
 struct Handler {
     stream: TcpStream,
     app: Router,
     http: http1::Builder,
     metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
+    /// Its place among the open connections (left when it ends).
+    slot: Registered,
     /// Returned to the cap when the connection ends.
     _permit: OwnedSemaphorePermit,
+}
+
+/// What the listener knows of one open connection.
+#[derive(Default)]
+struct Slot {
+    /// Requests in flight (0: silent, idle, or sending its header).
+    busy: AtomicU32,
+    /// Chosen to make room: told once.
+    evicted: AtomicBool,
+    /// Wakes its handler to close it.
+    evict: Notify,
+}
+
+/// The open connections by age (their ids increase).
+#[derive(Default)]
+struct Open {
+    slots: Mutex<BTreeMap<u64, Arc<Slot>>>,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Open {
+    /// Registers a new connection.
+    fn register(self: &Arc<Self>) -> Registered {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let slot = Arc::new(Slot::default());
+        if let Ok(mut slots) = self.slots.lock() {
+            slots.insert(id, slot.clone());
+        }
+        Registered {
+            open: self.clone(),
+            id,
+            slot,
+        }
+    }
+
+    /// Tells the oldest connection with no request in flight to close;
+    /// false when every one has a request in flight.
+    fn evict_oldest_idle(&self) -> bool {
+        let Ok(slots) = self.slots.lock() else {
+            return false;
+        };
+        let victim = slots.values().find(|s| {
+            s.busy.load(Ordering::Acquire) == 0 && !s.evicted.swap(true, Ordering::AcqRel)
+        });
+        match victim {
+            Some(s) => {
+                s.evict.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A connection's registration, removed when dropped.
+struct Registered {
+    open: Arc<Open>,
+    id: u64,
+    slot: Arc<Slot>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        if let Ok(mut slots) = self.open.slots.lock() {
+            slots.remove(&self.id);
+        }
+    }
+}
+
+/// Counts a request in flight on a connection while it lives.
+struct InFlight(Arc<Slot>);
+
+impl InFlight {
+    fn new(slot: &Arc<Slot>) -> Self {
+        slot.busy.fetch_add(1, Ordering::AcqRel);
+        InFlight(slot.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.busy.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// At most once a second: whether to log a shed connection now.
@@ -106,6 +204,7 @@ impl Listener {
         Listener {
             tcp,
             permits: Arc::new(Semaphore::new(cap)),
+            open: Arc::default(),
             cap,
             http,
             metrics,
@@ -143,15 +242,7 @@ impl Listener {
                     continue;
                 }
             };
-            let Ok(permit) = self.permits.clone().try_acquire_owned() else {
-                Metrics::inc(&self.metrics.connections_shed, "cap");
-                if shed_log.due() {
-                    warn!(
-                        listener = self.name,
-                        cap = self.cap,
-                        "connection cap reached; closing new connections"
-                    );
-                }
+            let Some(permit) = self.permit(&mut shed_log).await else {
                 drop(stream);
                 continue;
             };
@@ -165,6 +256,7 @@ impl Listener {
                 http: self.http.clone(),
                 metrics: self.metrics.clone(),
                 stop: stop.clone(),
+                slot: self.open.register(),
                 _permit: permit,
             };
             tokio::spawn(handler.run());
@@ -172,19 +264,76 @@ impl Listener {
         let all = u32::try_from(self.cap).unwrap_or(u32::MAX);
         let _ = tokio::time::timeout(DRAIN, self.permits.acquire_many(all)).await;
     }
+
+    /// A place for a new connection: a free one, or at the cap the place
+    /// of the oldest connection with no request in flight, which is told
+    /// to close (`evicted`); `None` when every connection has a request in
+    /// flight (`cap`: the new one is closed).
+    async fn permit(&self, shed_log: &mut Every) -> Option<OwnedSemaphorePermit> {
+        if let Ok(p) = self.permits.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        let kind = if self.open.evict_oldest_idle() {
+            let wait = self.permits.clone().acquire_owned();
+            if let Ok(Ok(p)) = tokio::time::timeout(EVICT_WAIT, wait).await {
+                Metrics::inc(&self.metrics.connections_shed, "evicted");
+                if shed_log.due() {
+                    warn!(
+                        listener = self.name,
+                        cap = self.cap,
+                        "connection cap reached; closing the oldest idle connections for new ones"
+                    );
+                }
+                return Some(p);
+            }
+            "cap"
+        } else {
+            "cap"
+        };
+        Metrics::inc(&self.metrics.connections_shed, kind);
+        if shed_log.due() {
+            warn!(
+                listener = self.name,
+                cap = self.cap,
+                "connection cap reached with a request in flight on every connection; \
+                 closing new connections"
+            );
+        }
+        None
+    }
 }
 
 impl Handler {
     async fn run(mut self) {
-        let service = TowerToHyperService::new(self.app);
+        let app = TowerToHyperService::new(self.app);
+        let slot = self.slot.slot.clone();
+        // Each request counts as in flight until its answer is ready.
+        let service = hyper::service::service_fn(move |request| {
+            let busy = InFlight::new(&slot);
+            let answer = hyper::service::Service::call(&app, request);
+            async move {
+                let answer = answer.await;
+                drop(busy);
+                answer
+            }
+        });
         let conn = self
             .http
             .serve_connection(TokioIo::new(self.stream), service);
         tokio::pin!(conn);
+        let slot = self.slot.slot.clone();
         let result = tokio::select! {
             r = conn.as_mut() => r,
             () = stopped(&mut self.stop) => {
                 // Finish the request in progress, then close.
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+            () = slot.evict.notified() => {
+                if slot.busy.load(Ordering::Acquire) == 0 {
+                    return; // closed with nothing in flight
+                }
+                // A request started since it was chosen: answer it first.
                 conn.as_mut().graceful_shutdown();
                 conn.await
             }
