@@ -338,3 +338,92 @@ async fn the_page_renders_what_stats_and_metrics_say() {
     signal(&child, "TERM");
     assert!(child.wait().unwrap().success());
 }
+
+/// `serve`'s page as a person sees it: no consumer-lag panel (serve reads
+/// no topic); a rule's warnings counted beside its rejects; and while the
+/// store is down and `--on-store-error allow` decides, a banner says how
+/// many calls were decided without it, beside the unusable callers and
+/// ignored fields counted.
+#[test]
+fn the_serve_page_shows_warnings_fallbacks_and_no_lag() {
+    let redis = common::RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 5\nwarn = 2\n",
+    )
+    .unwrap();
+    let port = common::free_port();
+    let mut serve = Command::new(common::bin())
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args([
+            "--store",
+            "redis",
+            "--redis-url",
+            &redis.url(),
+            "--on-store-error",
+            "allow",
+        ])
+        .arg("--rules")
+        .arg(&rules)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "serve not ready");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut conn = common::HttpConn::connect(port);
+    // Four calls of one caller: the third and fourth are over the warn level.
+    for i in 0..4 {
+        let r = conn.post(
+            "/v1/check",
+            &format!(r#"{{"call_id":"w{i}","caller":"+34911000021","calee":"x"}}"#),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let r = conn.post("/v1/check", r#"{"call_id":"b1","caller":"anonymous"}"#);
+    assert_eq!(r.json()["caller"], "bad_caller");
+    // The store goes down: the policy decides, flagged degraded.
+    let _stopped = redis.stop();
+    let mut degraded = 0;
+    for i in 0..3 {
+        let r = common::HttpConn::connect(port).post(
+            "/v1/check",
+            &format!(r#"{{"call_id":"d{i}","caller":"+34911000022"}}"#),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        degraded += u64::from(r.json()["degraded"] == true);
+    }
+    assert_eq!(degraded, 3);
+
+    let profile = tempfile::tempdir().unwrap();
+    let url = format!("http://127.0.0.1:{port}/");
+    let dumped = chromium(profile.path(), &["--dump-dom", &url]);
+    let dom = String::from_utf8_lossy(&dumped.stdout).to_string();
+    assert!(dom.contains("data-stats-time"), "the page never rendered");
+    assert_eq!(text_of(&dom, "role"), "serve");
+    assert!(
+        dom.contains("<section id=\"lag-section\" hidden"),
+        "a lag panel for serve"
+    );
+    let banner = text_of(&dom, "degraded-banner");
+    assert!(
+        banner.starts_with("3 calls in the last minute were decided without the window store"),
+        "{banner}"
+    );
+    let per_rule = table_of(&dom, "per-rule");
+    assert_eq!(
+        per_rule,
+        vec![vec!["minute", "0", "0", "2"]],
+        "{per_rule:?}"
+    );
+    assert_eq!(int(&text_of(&dom, "fallbacks")), 3);
+    assert_eq!(int(&text_of(&dom, "bad-callers")), 1);
+    assert_eq!(int(&text_of(&dom, "ignored-fields")), 4);
+    let _ = serve.kill();
+    let _ = serve.wait();
+}

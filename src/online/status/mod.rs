@@ -40,6 +40,7 @@ struct Second {
     decided: u64,
     rejected: u64,
     shadow: u64,
+    degraded: u64,
 }
 
 #[derive(Debug)]
@@ -52,6 +53,7 @@ struct Inner {
     shadow: u64,
     rejects_per_rule: BTreeMap<String, u64>,
     shadow_per_rule: BTreeMap<String, u64>,
+    warned_per_rule: BTreeMap<String, u64>,
     top: RecentTop,
     dead_letters: u64,
     invalid_checks: u64,
@@ -87,6 +89,12 @@ pub struct Counters {
     pub late: u64,
     /// Calls decided by the fallback policy while the store failed.
     pub fallbacks: u64,
+    /// Of those, decided on this instance's own windows (`local`).
+    pub local_fallbacks: u64,
+    /// Decided calls whose caller was unusable (`bad_caller`).
+    pub bad_callers: u64,
+    /// Fields of checks that were not read (`serve`).
+    pub ignored_fields: u64,
     /// Writes refused because another instance had changed the caller.
     pub conflicts: u64,
     /// Times Redis was found to have lost every key.
@@ -119,6 +127,8 @@ pub struct Point {
     pub rejected: u64,
     /// Calls that would have been rejected (shadow).
     pub shadow: u64,
+    /// Calls decided without the window store (`degraded`).
+    pub degraded: u64,
 }
 
 /// A rule's line in the table.
@@ -130,6 +140,8 @@ pub struct RuleLine {
     pub rejects: u64,
     /// Calls it would have rejected (shadow).
     pub shadow: u64,
+    /// Allowed calls over its warn level.
+    pub warned: u64,
 }
 
 /// A partition's lag.
@@ -167,6 +179,9 @@ pub struct Snapshot {
     pub rate_10s: f64,
     /// Share of calls rejected over the last minute (0 to 1).
     pub reject_share_60s: f64,
+    /// Calls decided without the window store over the last minute
+    /// (`degraded`: the store failed, and the failure policy decided).
+    pub degraded_60s: u64,
     /// The last [`HISTORY_S`] seconds, oldest first.
     pub series: Vec<Point>,
     /// Rejects per rule since start.
@@ -214,6 +229,7 @@ impl Inner {
                     decided: s.decided,
                     rejected: s.rejected,
                     shadow: s.shadow,
+                    degraded: s.degraded,
                 }
             })
             .collect()
@@ -241,6 +257,7 @@ impl Inner {
             .rejects_per_rule
             .keys()
             .chain(self.shadow_per_rule.keys())
+            .chain(self.warned_per_rule.keys())
             .collect();
         rules.sort();
         rules.dedup();
@@ -250,6 +267,7 @@ impl Inner {
                 rule: r.clone(),
                 rejects: self.rejects_per_rule.get(r).copied().unwrap_or(0),
                 shadow: self.shadow_per_rule.get(r).copied().unwrap_or(0),
+                warned: self.warned_per_rule.get(r).copied().unwrap_or(0),
             })
             .collect()
     }
@@ -286,6 +304,7 @@ impl Default for Status {
                 shadow: 0,
                 rejects_per_rule: BTreeMap::new(),
                 shadow_per_rule: BTreeMap::new(),
+                warned_per_rule: BTreeMap::new(),
                 top: RecentTop::new(TOP_CAPACITY),
                 dead_letters: 0,
                 invalid_checks: 0,
@@ -338,6 +357,12 @@ impl Status {
                     slot.shadow += 1;
                     i.shadow += 1;
                     bump(&mut i.shadow_per_rule, &r.reason);
+                }
+                if r.degraded {
+                    slot.degraded += 1;
+                }
+                if let (Some(w), false) = (&r.warn, v.duplicate) {
+                    bump(&mut i.warned_per_rule, w);
                 }
             }
         });
@@ -430,6 +455,7 @@ impl Status {
             } else {
                 rejected_60 as f64 / decided_60 as f64
             },
+            degraded_60s: sum(60, |p| p.degraded),
             per_rule: i.per_rule(),
             series,
             top_rejected: i.top.top(now_s, TOP_N),
