@@ -20,6 +20,8 @@ pub mod memory;
 pub mod redis;
 pub mod reply;
 pub mod sharded;
+#[cfg(test)]
+pub(crate) mod test_server;
 
 use std::future::Future;
 

@@ -468,9 +468,10 @@ impl WindowStore for CachedStore {
         self.conn
             .keep_mode_every(prefix, MODE, &mut self.claim)
             .await?;
-        let verdicts = self.try_batch(rules, events).await?;
         let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
-        self.conn.wait_replicas(n, timeout).await?;
+        let since = self.conn.batch_start(n).await?;
+        let verdicts = self.try_batch(rules, events).await?;
+        self.conn.wait_replicas(n, timeout, since).await?;
         Ok(verdicts)
     }
 }

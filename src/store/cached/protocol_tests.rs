@@ -7,61 +7,12 @@
 //! caller's keys are checked afterwards: a refused caller's as they were,
 //! TTL and all.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
-
 use redis::Value;
 
 use super::wire::*;
 use super::*;
 use crate::engine::window::PackedLog;
-
-/// A redis-server of this test's own on a free loopback port.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start() -> Self {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .unwrap_or_else(|e| panic!("no free loopback port: {e}"));
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("`redis-server` is needed (Debian: apt-get install redis-server): {e}")
-            });
-        let server = Server { child, port };
-        let client = redis::Client::open(server.url()).unwrap();
-        for _ in 0..500 {
-            if let Ok(mut c) = client.get_connection() {
-                if redis::cmd("PING").query::<String>(&mut c).is_ok() {
-                    return server;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server on port {port} did not answer within 10 s");
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use crate::store::test_server::Server;
 
 /// What the caller's version looks like to the write.
 #[derive(Clone, Copy, Debug, PartialEq)]

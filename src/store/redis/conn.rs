@@ -190,15 +190,36 @@ impl Conn {
         result
     }
 
+    /// The server's id of this connection (`CLIENT ID`), taken before a
+    /// batch's writes when replicas must acknowledge them (see
+    /// [`Conn::wait_replicas`]); `None` when none must, and on a Cluster
+    /// (a connection per node).
+    pub(crate) async fn batch_start(
+        &mut self,
+        wait_replicas: u32,
+    ) -> Result<Option<i64>, StoreError> {
+        if wait_replicas == 0 || matches!(self, Conn::Cluster(_)) {
+            return Ok(None);
+        }
+        self.run(redis::cmd("CLIENT").arg("ID")).await.map(Some)
+    }
+
     /// Makes `n` replicas acknowledge every write made so far on this
     /// connection (`WAIT`, on every primary of a Cluster), waiting at most
     /// half the call timeout for them. Fewer acknowledgements are a
     /// transient error: the writes stand on the primary, but a failover
     /// now could lose them, so the batch is not answered as decided.
+    ///
+    /// `WAIT` covers the writes of the connection it is sent on: if the
+    /// connection was replaced since `since` ([`Conn::batch_start`]; a
+    /// reconnect between the batch's writes and `WAIT`), it would pass
+    /// without covering them. It goes in one pipeline with `CLIENT ID`, and
+    /// a changed id is a transient error too (the batch is retried).
     pub(crate) async fn wait_replicas(
         &mut self,
         n: u32,
         timeout: Duration,
+        since: Option<i64>,
     ) -> Result<(), StoreError> {
         if n == 0 {
             return Ok(());
@@ -227,10 +248,19 @@ impl Conn {
                 redis::from_redis_value(v).map_err(|e| classify(e.into()))?
             }
             _ => {
-                let v = tokio::time::timeout(timeout, self.run::<i64>(&cmd))
-                    .await
-                    .map_err(|_| StoreError::transient("WAIT for replicas timed out"))?;
-                v?
+                let mut pipe = redis::pipe();
+                pipe.cmd("CLIENT").arg("ID").add_command(cmd);
+                let replies = self.query(&pipe, timeout).await.map_err(classify)?;
+                let (id, acked): (i64, i64) = redis::from_redis_value(Value::Array(replies))
+                    .map_err(|e| classify(e.into()))?;
+                if since.is_some_and(|s| s != id) {
+                    return Err(StoreError::transient(
+                        "the Redis connection was replaced during the batch: WAIT would not \
+                         cover its writes (--redis-wait-replicas); the batch is not answered \
+                         as decided",
+                    ));
+                }
+                acked
             }
         };
         if acked < i64::from(n) {
@@ -653,4 +683,67 @@ pub fn classify(e: RedisError) -> StoreError {
 
 pub(crate) fn is_noscript(e: &RedisError) -> bool {
     e.code() == Some("NOSCRIPT")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::test_server::Server;
+
+    /// `WAIT` covers only the writes of the connection it goes on: a
+    /// connection replaced between a batch's writes and `WAIT` would pass
+    /// it (a replica acknowledges a new connection's nothing at once), so
+    /// the replaced connection is an error, and an unchanged one passes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn wait_fails_when_the_connection_changed_since_the_writes() {
+        let primary = Server::start();
+        let _replica = Server::start_with(Some(primary.port));
+        let config = RedisConfig {
+            urls: vec![primary.url()],
+            ..RedisConfig::default()
+        };
+        let timeout = Duration::from_secs(2);
+        let mut conn = Conn::open(&config).await.unwrap();
+        let other = redis::Client::open(primary.url()).unwrap();
+        let mut other = other.get_connection().unwrap();
+        // The replica connected and synced: WAIT answers 1.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let since = conn.batch_start(1).await.unwrap();
+            let _: () = conn.run(redis::cmd("SET").arg("k").arg("v")).await.unwrap();
+            if conn.wait_replicas(1, timeout, since).await.is_ok() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the replica never acknowledged"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // Writes, then the connection is killed and replaced before WAIT.
+        let since = conn.batch_start(1).await.unwrap();
+        let _: () = conn.run(redis::cmd("SET").arg("k").arg("w")).await.unwrap();
+        let id = since.unwrap();
+        let killed: i64 = redis::cmd("CLIENT")
+            .arg("KILL")
+            .arg("ID")
+            .arg(id)
+            .query(&mut other)
+            .unwrap();
+        assert_eq!(killed, 1);
+        let mut replaced = None;
+        for _ in 0..20 {
+            match conn.wait_replicas(1, timeout, since).await {
+                Err(e) if e.to_string().contains("connection was replaced") => {
+                    replaced = Some(e);
+                    break;
+                }
+                Ok(()) => panic!("WAIT passed on a new connection that made none of the writes"),
+                // The first try may meet the closed connection itself.
+                Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+        let e = replaced.expect("the replaced connection was not noticed");
+        assert!(e.is_transient(), "{e}");
+    }
 }

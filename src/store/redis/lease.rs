@@ -145,6 +145,7 @@ impl RedisLedger {
         let timeout = self.config.timeout * 2;
         let mut leases = vec![Lease::default(); requests.len()];
         let mut conn = self.conn().await?.0.clone();
+        let since = conn.batch_start(self.config.wait_replicas).await?;
         let increments = async {
             let calls = by_slot(&conn, &plain, &keys).into_iter().map(|group| {
                 let conn = conn.clone();
@@ -177,13 +178,14 @@ impl RedisLedger {
         // Credits count like windows: under --redis-wait-replicas they are
         // on the replicas before a call is admitted. (`WAIT` covers the
         // writes of its own connection: the increments' too, should the
-        // script's retry have connected again.)
+        // script's retry have connected again; a connection replaced since
+        // the start fails it, see Conn::wait_replicas.)
         let (n, wait) = (self.config.wait_replicas, self.config.timeout);
         if let Some((script_conn, _, _)) = self.conn.as_mut() {
-            script_conn.wait_replicas(n, wait).await?;
+            script_conn.wait_replicas(n, wait, since).await?;
         }
         if !plain.is_empty() {
-            conn.wait_replicas(n, wait).await?;
+            conn.wait_replicas(n, wait, since).await?;
         }
         Ok(leases)
     }

@@ -187,6 +187,7 @@ impl RedisStore {
         self.conn
             .keep_mode_every(prefix, MODE, &mut self.claim)
             .await?;
+        let since = self.conn.batch_start(self.config.wait_replicas).await?;
         let groups = self
             .conn
             .groups(events.len(), |i| self.stem(&events[i].caller));
@@ -236,7 +237,7 @@ impl RedisStore {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
-        self.conn.wait_replicas(n, timeout).await?;
+        self.conn.wait_replicas(n, timeout, since).await?;
         Ok(verdicts)
     }
 }
