@@ -65,7 +65,11 @@
 --   rejected: reason `bad_caller`), callee ('' for none), mask: '' when
 --   every rule sees every call, else one character per rule: 1 the rule
 --   sees the call, 2 it does not now (time profile) but sees its callee
---   (it counts for the retry-after), 0 neither (RuleSet::mask); outside:
+--   (it counts for the retry-after), 0 neither (RuleSet::mask), and when
+--   a rule has a time profile, `|` and per rule (';' between them) the
+--   ranges "a-b,..." of instants from t on that its profile holds at
+--   (empty for a rule without one): a rule rejects only calls it sees, so
+--   its part of the retry-after ends at the last of them; outside:
 --   per kind-5 rule in order, "<count>:<until>" joined by ',' (until, the
 --   rule's last rejecting time, '' for none; src/engine/aggregate.rs).
 --   A reject by a kind-5 rule sets no block key (the caller is not the
@@ -725,6 +729,24 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   local retry = ''
   -- A list's reject is for good: no time after which it would pass.
   if decision == 1 and listed ~= '2' and listed ~= '4' then
+    -- The rules' time-profile ranges, from the mask's tail (globals and
+    -- upvalues already in use only: `decide` is at Lua's limit of 60).
+    local profiles = nil
+    local bar = string.find(mask, '|', 1, true)
+    if bar then
+      profiles = {}
+      local r = 0
+      for part in string.gmatch(string.sub(mask, bar + 1) .. ';', '([^;]*);') do
+        r = r + 1
+        if part ~= '' then
+          local ranges = {}
+          for a, b in string.gmatch(part, '(%d+)%-(%d+)') do
+            ranges[#ranges + 1] = {tonumber(a), tonumber(b)}
+          end
+          profiles[r] = ranges
+        end
+      end
+    end
     local last = t
     for i = 1, n do
       local kind, w, lim = kinds[i], wins[i], lims[i]
@@ -775,6 +797,15 @@ local function decide(stem, t, id, listed, callee, mask, outside)
           if cb then a = {k, cb, tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0} end
         end
         if a then s = approx_until(a, lnew + retention, w, lim) end
+      end
+      if s and profiles and profiles[i] and s <= t + grace + retention then
+        -- The last instant up to s the rule's profile holds at (past the
+        -- ranges' span, only a late call's, s stands: see the engine).
+        local x = nil
+        for _, ab in ipairs(profiles[i]) do
+          if ab[1] <= s then x = math.min(s, ab[2] - 1) end
+        end
+        s = x
       end
       if s and s > last then last = s end
     end

@@ -69,6 +69,20 @@ impl Hours {
 /// Day names, Monday first, as rule files write them.
 pub const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
 
+/// The instant of minute `minute` (0 to 1440) of local date `date` in
+/// `tz`: the earlier of a repeated hour, an hour later in a skipped one.
+fn local_instant(tz: Tz, date: chrono::NaiveDate, minute: u16) -> Option<i64> {
+    let midnight = date.and_hms_opt(0, 0, 0)?;
+    let naive = midnight + chrono::Duration::minutes(i64::from(minute));
+    tz.from_local_datetime(&naive)
+        .earliest()
+        .or_else(|| {
+            tz.from_local_datetime(&(naive + chrono::Duration::hours(1)))
+                .earliest()
+        })
+        .map(|d| d.timestamp_millis())
+}
+
 /// Parses day names into a bit set (bit 0 Monday).
 pub fn parse_days(days: &[String]) -> Result<u8, String> {
     if days.is_empty() {
@@ -120,6 +134,71 @@ impl Filter {
             return true;
         }
         callee.is_some_and(|c| self.callees.iter().any(|p| c.starts_with(p.as_str())))
+    }
+
+    /// The instants of `[from, to]` the time profile holds at, as ordered,
+    /// disjoint ranges `[a, b)`: the whole span without a profile. Each
+    /// local day's ranges come from its own zone offset (a day of a DST
+    /// change has its own), and a boundary in a skipped hour is taken an
+    /// hour later, as call-log times in that hour are.
+    pub fn on_ranges(&self, from: i64, to: i64) -> Vec<(i64, i64)> {
+        let end = to.saturating_add(1);
+        if from >= end {
+            return Vec::new();
+        }
+        if !self.has_time() {
+            return vec![(from, end)];
+        }
+        let tz = self.timezone.unwrap_or(Tz::UTC);
+        let local_date = |ms: i64| tz.timestamp_millis_opt(ms).single().map(|d| d.date_naive());
+        let (Some(mut date), Some(last)) = (local_date(from), local_date(to)) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(i64, i64)> = Vec::new();
+        while date <= last {
+            let day_ok = self
+                .days
+                .is_none_or(|d| d & (1 << date.weekday().num_days_from_monday()) != 0);
+            let minutes: &[(u16, u16)] = match self.hours {
+                _ if !day_ok => &[],
+                None => &[(0, 1440)],
+                Some(h) if h.start < h.end => &[(h.start, h.end)][..],
+                Some(h) => &[(0, h.end), (h.start, 1440)][..],
+            };
+            for &(a, b) in minutes {
+                let (Some(a), Some(b)) = (local_instant(tz, date, a), local_instant(tz, date, b))
+                else {
+                    continue;
+                };
+                let (a, b) = (a.max(from), b.min(end));
+                if a >= b {
+                    continue;
+                }
+                match out.last_mut() {
+                    Some(prev) if prev.1 >= a => prev.1 = prev.1.max(b),
+                    _ => out.push((a, b)),
+                }
+            }
+            let Some(next) = date.succ_opt() else { break };
+            date = next;
+        }
+        out
+    }
+
+    /// The last instant of `[from, to]` the time profile holds at (`to`
+    /// itself without a profile); `None` when it holds at none. A rule's
+    /// part of a retry-after: its window would reject until `to`, but it
+    /// rejects only calls it sees.
+    pub fn last_seen_within(&self, from: i64, to: i64) -> Option<i64> {
+        if to < from {
+            return None;
+        }
+        if !self.has_time() {
+            return Some(to);
+        }
+        // No window is longer than 31 days: a year bounds the walk.
+        let to = to.min(from.saturating_add(366 * 86_400_000));
+        self.on_ranges(from, to).last().map(|&(_, b)| b - 1)
     }
 
     /// Whether event time `ts_ms` falls in the time profile.

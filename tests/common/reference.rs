@@ -7,7 +7,7 @@ use callguard::engine::event::CallEvent;
 use callguard::engine::record::{
     Decision, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST, REASON_OK,
 };
-use callguard::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet, RuleSpec, WindowKind};
+use callguard::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet, WindowKind};
 
 /// What the reference says of one event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,14 +107,17 @@ fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
         .unwrap_or(t);
     // From latest + retention on, the caller starts afresh: every call counts 1.
     let end = latest + rules.retention_ms();
-    // The same call again; shadow rules never reject, and time profiles
-    // are taken to hold at every time.
+    // The same call again; shadow rules never reject, and a rule with a
+    // time profile sees (so rejects) only the probes in its profile, up to
+    // t + grace + retention; past it (a late call's) the profile is taken
+    // to hold.
     let mut spec = rules.spec();
     for r in &mut spec.rules {
         r.filter.hours = None;
         r.filter.days = None;
     }
-    let probe_rules = RuleSet::build(RuleSpec { ..spec }).expect("the same rules");
+    let always = RuleSet::build(spec).expect("the same rules");
+    let span_end = t + rules.grace_ms + rules.retention_ms();
     let mut last_reject = t;
     for s in t + 1..end {
         let probe = CallEvent {
@@ -122,7 +125,8 @@ fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
             ts_ms: s,
             ..e.clone()
         };
-        let x = decide_one(&probe_rules, history, &probe);
+        let probe_rules = if s > span_end { &always } else { rules };
+        let x = decide_one(probe_rules, history, &probe);
         assert!(!x.duplicate, "a probe is no duplicate");
         if x.decision == Decision::Reject {
             last_reject = s;

@@ -85,6 +85,8 @@ impl Gate {
         } else {
             (!admitted || after >= n).then_some(bucket_last)
         };
+        // It rejects only the calls its time profile lets it see.
+        let until = until.and_then(|u| rule.filter.last_seen_within(t, u));
         Aggregated { count, until }
     }
 

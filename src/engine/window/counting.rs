@@ -284,12 +284,31 @@ impl Horizons {
     }
 }
 
+/// A rule's part of the retry-after of a call at `t` whose window would
+/// reject until `s`: the last instant of `[t, s]` its time profile holds at
+/// (`None`: none), since it rejects only calls it sees. Past `t + grace +
+/// retention`, which only a late call's part reaches (its caller's latest
+/// call is more than the grace ahead of it), `s` stands, as if the profile
+/// held there: the window script is given the profile's ranges up to
+/// there, and every store answers alike (never too early).
+fn profiled(rules: &RuleSet, rule: &Rule, t: i64, s: i64) -> Option<i64> {
+    let span_end = t
+        .saturating_add(rules.grace_ms)
+        .saturating_add(rules.retention_ms());
+    if s > span_end {
+        return Some(s);
+    }
+    rule.filter.last_seen_within(t, s)
+}
+
 impl CallerState {
     /// Shadow rules never reject; the later call is this one again (the
-    /// same callee), and a rule's time profile is taken to hold at every
-    /// time (so the answer is never too early).
+    /// same callee); a rule with a time profile rejects only at the times
+    /// the profile holds, so its part ends at the last of them before its
+    /// window would let the call through ([`profiled`]).
     pub(super) fn retry_after(&mut self, rules: &RuleSet, ev: &CallEvent, l_new: i64) -> i64 {
         let t = ev.ts_ms;
+        let profiled = |rule: &Rule, s: i64| profiled(rules, rule, t, s);
         let expires = l_new.saturating_add(rules.retention_ms());
         let own = ev.callee.as_deref().filter(|c| !c.is_empty());
         let mut last = t;
@@ -307,7 +326,8 @@ impl CallerState {
             let (w, n) = (rule.window_ms, rule.limit);
             if rule.key == RuleKey::CallerCallee {
                 let pair = own.and_then(|c| slot(&mut self.pairs, rule).get(c));
-                if let Some(s) = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules)) {
+                let s = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules));
+                if let Some(s) = s.and_then(|s| profiled(rule, s)) {
                     last = last.max(s);
                 }
                 continue;
@@ -339,7 +359,7 @@ impl CallerState {
                         .and_then(|cb| approx_rejects_until(cb, a.cur, a.prev, w, n, expires))
                 }
             };
-            if let Some(s) = rejects_until {
+            if let Some(s) = rejects_until.and_then(|s| profiled(rule, s)) {
                 last = last.max(s);
             }
         }

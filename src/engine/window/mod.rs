@@ -48,7 +48,10 @@
 //!   would pass every rule, given the state after this call and no further
 //!   calls. Per rule, the last time `s > t` at which such a call would still
 //!   exceed the limit, then the largest over the enforcing rules that see
-//!   the call's callee (time profiles taken to hold always), plus one:
+//!   the call's callee, plus one. A rule with a time profile rejects only at
+//!   the instants its profile holds: its last time is the last of those up
+//!   to `s` (none: no part), up to `t + grace + retention`; past it (only a
+//!   late call's reaches there) `s` stands (`counting.rs`, `profiled`):
 //!   * sliding (limit `N`, recorded times `e_1 <= ... <= e_k`): a call at `s`
 //!     is over the limit iff `N` recorded calls lie in `(s - W, s]`, i.e.
 //!     `e_{i+N-1} <= s <= e_i + W - 1` for some `i`; the last such `s` is
@@ -642,6 +645,44 @@ mod tests {
         // Approx: in the next bucket the estimate floor(3 * (W - r - 1) / W) + 1
         // drops to 2 at r = 3333 ms, i.e. at +13.333 s.
         assert_eq!(third_call_retry("sliding-approx"), Some(11_333));
+    }
+
+    /// A rule with a time profile rejects only calls in its profile: its
+    /// part of the retry-after ends when the profile does, not when its
+    /// window would let the call through.
+    #[test]
+    fn retry_after_ends_with_the_time_profile() {
+        let retry = |profile: &str, first: i64, second: i64| {
+            let text = format!(
+                "[[rule]]\nname = \"r\"\nkind = \"sliding\"\nwindow = \"1h\"\nlimit = 1\n{profile}"
+            );
+            let rules = RuleSet::from_toml(&text).unwrap();
+            let mut s = CallerState::default();
+            s.apply(&rules, &call("a", T0 + first));
+            let v = s.apply(&rules, &call("b", T0 + second));
+            assert_eq!(v.record.decision, Decision::Reject, "{profile}");
+            v.record.retry_after_ms
+        };
+        let (h, m) = (3_600_000, 60_000);
+        // T0 is Monday 2025-12-01 00:00 UTC. Calls at 11:59:00 and 11:59:30.
+        let (first, second) = (11 * h + 59 * m, 11 * h + 59 * m + 30_000);
+        // Every attempt counts: the window holds the rejected call until 12:59:30.
+        assert_eq!(retry("", first, second), Some(h), "no profile: the window");
+        assert_eq!(
+            retry("hours = \"00:00-12:00\"\n", first, second),
+            Some(30_000)
+        );
+        // 01:00-13:00 in Madrid is 00:00-12:00 UTC in December.
+        let madrid = "hours = \"01:00-13:00\"\ntimezone = \"Europe/Madrid\"\n";
+        assert_eq!(retry(madrid, first, second), Some(30_000));
+        // Monday only: a reject at 23:59:30 on Monday ends at midnight.
+        let (first, second) = (23 * h + 59 * m, 23 * h + 59 * m + 30_000);
+        assert_eq!(retry("days = [\"mon\"]\n", first, second), Some(30_000));
+        // A profile that holds past the window changes nothing.
+        assert_eq!(
+            retry("hours = \"06:00-18:00\"\n", 8 * h, 8 * h + 1),
+            Some(h)
+        );
     }
 
     #[test]

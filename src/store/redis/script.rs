@@ -154,6 +154,7 @@ impl RedisStore {
                     .map_or_else(String::new, |r| format!("{}/{}", r.calls, r.per_ms)),
             );
         }
+        let profiled = rules.rules.iter().any(|r| r.filter.has_time());
         for ev in events {
             let listed = match rules.listed(ev.number_for_lists()) {
                 Listed::No => 0,
@@ -166,7 +167,7 @@ impl RedisStore {
                 .arg(ev.call_id.as_str())
                 .arg(listed)
                 .arg(ev.callee.as_deref().unwrap_or(""))
-                .arg(rules.mask(ev).as_deref().unwrap_or(""))
+                .arg(mask_with_profiles(rules, ev, profiled))
                 .arg(outside(rules, ev));
         }
         cmd
@@ -302,6 +303,39 @@ fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
 
 /// The window script's `outside` argument: per rule keyed by callee or
 /// global, in order, `<count>:<until>` (see `lua/window.lua`).
+/// The event's mask ([`RuleSet::mask`]), and when a rule has a time
+/// profile, `|` and per rule (`;` between them) the ranges `a-b,...` of
+/// `[t, t + grace + retention]` its profile holds at
+/// ([`Filter::on_ranges`](crate::engine::filter::Filter::on_ranges); empty
+/// for a rule without one): the window script ends a rule's part of the
+/// retry-after at the last of them, as the engine does. (A call that is
+/// not late has its caller's latest time within the grace of its own, so
+/// no rule's part reaches past that span.)
+fn mask_with_profiles(rules: &RuleSet, ev: &CallEvent, profiled: bool) -> String {
+    use std::fmt::Write;
+    let mut out = rules.mask(ev).unwrap_or_default();
+    if !profiled {
+        return out;
+    }
+    let end = ev
+        .ts_ms
+        .saturating_add(rules.grace_ms)
+        .saturating_add(rules.retention_ms());
+    out.push('|');
+    for (i, rule) in rules.rules.iter().enumerate() {
+        if i > 0 {
+            out.push(';');
+        }
+        if rule.filter.has_time() {
+            for (k, (a, b)) in rule.filter.on_ranges(ev.ts_ms, end).into_iter().enumerate() {
+                let sep = if k > 0 { "," } else { "" };
+                let _ = write!(out, "{sep}{a}-{b}");
+            }
+        }
+    }
+    out
+}
+
 fn outside(rules: &RuleSet, ev: &CallEvent) -> String {
     use std::fmt::Write;
     let mut out = String::new();
