@@ -190,11 +190,11 @@ impl Filter {
     /// part of a retry-after: its window would reject until `to`, but it
     /// rejects only calls it sees.
     pub fn last_seen_within(&self, from: i64, to: i64) -> Option<i64> {
-        if to < from {
-            return None;
-        }
         if !self.has_time() {
             return Some(to);
+        }
+        if to < from {
+            return None;
         }
         // No window is longer than 31 days: a year bounds the walk.
         let to = to.min(from.saturating_add(366 * 86_400_000));

@@ -1,5 +1,9 @@
 //! A redis-server of a unit test's own (the library's tests that need a
 //! server's behaviour: the commit script's bytes, a connection's identity).
+//!
+//! `cargo test --lib` on a machine without `redis-server` skips those
+//! tests, saying so; the full suite (`scripts/test-all.sh`, which installs
+//! it) sets `CALLGUARD_REQUIRE_SERVERS=1`, and there a missing server fails.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -16,6 +20,25 @@ impl Server {
     /// Starts a standalone server.
     pub fn start() -> Self {
         Self::start_with(None)
+    }
+
+    /// Whether a test that needs `redis-server` can run here: false (and
+    /// said on stderr) when it is not installed, unless the full suite
+    /// requires it (`CALLGUARD_REQUIRE_SERVERS`), which then fails.
+    pub fn available(test: &str) -> bool {
+        let found = Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok();
+        if !found && std::env::var_os("CALLGUARD_REQUIRE_SERVERS").is_none() {
+            eprintln!(
+                "{test}: skipped, `redis-server` is not installed (Debian: apt-get install \
+                 redis-server; scripts/test-all.sh installs it and runs this test)"
+            );
+        }
+        found || std::env::var_os("CALLGUARD_REQUIRE_SERVERS").is_some()
     }
 
     /// Starts one; a replica of `primary` when given.
@@ -53,6 +76,7 @@ impl Server {
         panic!("redis-server on port {port} did not answer within 10 s");
     }
 
+    /// Its URL.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }

@@ -98,6 +98,7 @@ use counting::{
 };
 pub use distinct::Callees;
 pub use pack::PackedLog;
+pub(crate) use pack::{put_varint, take_varint};
 use pairs::{Pair, Pairs};
 
 /// The decision and reason of a judgement, before shadow mode.

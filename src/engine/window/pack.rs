@@ -29,12 +29,29 @@ const PACK_FORMAT: u8 = 1;
 /// The same format followed by the state of rules with state of their own.
 const PACK_FORMAT_RULES: u8 = 2;
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+/// Writes `v` as unsigned LEB128 (7 bits a byte, low first, the high
+/// bit set on every byte but the last): the one varint of callguard's
+/// byte formats (this packed state, and the cached store's state string,
+/// which `lua/commit.lua` reads too).
+pub(crate) fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
         out.push((v as u8) | 0x80);
         v >>= 7;
     }
     out.push(v as u8);
+}
+
+/// Reads what [`put_varint`] wrote at the front of `input`: the value and
+/// the rest; `None` when truncated or longer than 10 bytes.
+pub(crate) fn take_varint(input: &[u8]) -> Option<(u64, &[u8])> {
+    let mut v = 0u64;
+    for (i, &b) in input.iter().enumerate().take(10) {
+        v |= u64::from(b & 0x7f) << (7 * i);
+        if b < 0x80 {
+            return Some((v, &input[i + 1..]));
+        }
+    }
+    None
 }
 
 fn put_signed(out: &mut Vec<u8>, v: i64) {
@@ -68,15 +85,9 @@ impl Unpacker<'_> {
     }
 
     fn varint(&mut self) -> Option<u64> {
-        let mut v = 0u64;
-        for shift in (0..64).step_by(7) {
-            let b = self.byte()?;
-            v |= u64::from(b & 0x7f) << shift;
-            if b < 0x80 {
-                return Some(v);
-            }
-        }
-        None
+        let (v, rest) = take_varint(self.0)?;
+        self.0 = rest;
+        Some(v)
     }
 
     fn signed(&mut self) -> Option<i64> {

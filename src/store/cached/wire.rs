@@ -8,7 +8,7 @@ use redis::Value;
 use super::cache::{Cached, Records};
 use super::COMMIT_LUA;
 use crate::engine::record::Verdict;
-use crate::engine::window::{CallerState, PackedLog};
+use crate::engine::window::{put_varint, take_varint, CallerState, PackedLog};
 use crate::error::StoreError;
 use crate::store::redis::RedisConfig;
 
@@ -351,28 +351,16 @@ pub(super) fn state_value(
 
 /// `bytes` after their length (LEB128).
 pub(super) fn put_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
-    let mut n = bytes.len() as u64;
-    while n >= 0x80 {
-        out.push((n as u8) | 0x80);
-        n >>= 7;
-    }
-    out.push(n as u8);
+    put_varint(out, bytes.len() as u64);
     out.extend_from_slice(bytes);
 }
 
 /// The bytes at the front of `input` after their length (LEB128), and the
 /// rest.
 pub(super) fn take_bytes(input: &[u8]) -> Option<(&[u8], &[u8])> {
-    let mut n: u64 = 0;
-    for (i, &b) in input.iter().enumerate().take(10) {
-        n |= u64::from(b & 0x7f) << (7 * i);
-        if b & 0x80 == 0 {
-            let rest = &input[i + 1..];
-            let n = usize::try_from(n).ok().filter(|&n| n <= rest.len())?;
-            return Some(rest.split_at(n));
-        }
-    }
-    None
+    let (n, rest) = take_varint(input)?;
+    let n = usize::try_from(n).ok().filter(|&n| n <= rest.len())?;
+    Some(rest.split_at(n))
 }
 
 pub(super) fn unexpected(what: String) -> redis::RedisError {
@@ -466,4 +454,110 @@ pub(super) fn load(
         records,
         ..Cached::default()
     })
+}
+
+/// The byte formats alone, no server: lengths, the state string and its
+/// peek, as `lua/commit.lua` reads them.
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::event::CallEvent;
+    use crate::engine::rules::RuleSet;
+
+    #[test]
+    fn lengths_round_trip_and_truncation_is_refused() {
+        for n in [0usize, 1, 127, 128, 300, 16_383, 16_384, 70_000] {
+            let bytes = vec![7u8; n];
+            let mut out = Vec::new();
+            put_bytes(&mut out, &bytes);
+            out.extend_from_slice(b"rest");
+            let (got, rest) = take_bytes(&out).expect("reads back");
+            assert_eq!((got.len(), rest), (n, &b"rest"[..]), "{n}");
+            // Cut anywhere before the end of the bytes: refused, never a
+            // shorter slice.
+            for cut in [0, 1, out.len() - 5] {
+                if cut < out.len() - 4 {
+                    assert_eq!(take_bytes(&out[..cut]), None, "{n} cut at {cut}");
+                }
+            }
+        }
+        // 128 is two bytes, low seven bits first.
+        let mut out = Vec::new();
+        put_varint(&mut out, 128);
+        assert_eq!(out, [0x80, 0x01]);
+        // More than 10 bytes of continuation: no varint.
+        assert_eq!(take_varint(&[0xff; 11]), None);
+    }
+
+    /// A caller's state string holds its version (8 bytes, little-endian),
+    /// its form, its packed state and its records; it loads back as it was
+    /// written, and its peek says whether it holds everything.
+    #[test]
+    fn the_state_string_loads_back_as_written() {
+        let rules = RuleSet::from_args(None, &["m:sliding:60s:2".into()]).unwrap();
+        let mut state = CallerState::default();
+        let mut list = Vec::new();
+        for (i, dt) in [0, 1_000, 2_000].into_iter().enumerate() {
+            let ev = CallEvent::new(format!("c{i}"), "+34911000001", 1_764_547_200_000 + dt);
+            let v = state.apply(&rules, &ev);
+            list.push((ev.call_id.clone(), v.to_reply()));
+        }
+        let version = 0x0102_0304_0506_0708;
+        let value = state_value(
+            version,
+            &state,
+            PackedLog::Inline,
+            &Records::Inline(list.clone()),
+        );
+        assert_eq!(&value[..8], &version.to_le_bytes());
+        assert_eq!(value[8], 0, "records inline");
+        assert!(self_contained(&value));
+        let cached = load("+34911000001", Some(value), Vec::new(), None).unwrap();
+        assert_eq!(cached.version, Some(version));
+        assert_eq!(cached.log, PackedLog::Inline);
+        assert_eq!(cached.state.log(), state.log());
+        assert_eq!(cached.state.record_count(), 3);
+        match &cached.records {
+            Records::Inline(got) => assert_eq!(got, &list),
+            Records::Apart => panic!("records moved apart"),
+        }
+        // Records apart: the string is not self-contained, and they load
+        // from the hash.
+        let value = state_value(version, &state, PackedLog::Inline, &Records::Apart);
+        assert_eq!(value[8], 1);
+        assert!(!self_contained(&value));
+        let hash: Vec<Value> = list
+            .iter()
+            .flat_map(|(id, r)| {
+                [
+                    Value::BulkString(id.as_bytes().to_vec()),
+                    Value::BulkString(r.as_bytes().to_vec()),
+                ]
+            })
+            .collect();
+        let cached = load("+34911000001", Some(value), hash, None).unwrap();
+        assert!(matches!(cached.records, Records::Apart));
+        assert_eq!(cached.state.record_count(), 3);
+        // The log apart: the string's times after the dead ones.
+        let times: Vec<i64> = state.log().iter().copied().collect();
+        let log = PackedLog::Outside { dead: 1, len: 4 };
+        let value = state_value(version, &state, log, &Records::Inline(Vec::new()));
+        assert!(!self_contained(&value));
+        let bytes = time_bytes([0].iter().chain(&times));
+        let cached = load("+34911000001", Some(value.clone()), Vec::new(), Some(bytes)).unwrap();
+        assert_eq!(
+            cached.state.log().iter().copied().collect::<Vec<_>>(),
+            times
+        );
+        // A log of the wrong length, a cut string: clear errors.
+        assert!(load("+34911000001", Some(value), Vec::new(), Some(vec![0; 8])).is_err());
+        assert!(load("+34911000001", Some(vec![1, 2, 3]), Vec::new(), None).is_err());
+        // No string: a new caller.
+        assert_eq!(
+            load("+34911000001", None, Vec::new(), None)
+                .unwrap()
+                .version,
+            None
+        );
+    }
 }
