@@ -142,3 +142,66 @@ fn grafana_dashboard_queries_are_valid_on_exported_metrics() {
         "{checked}"
     );
 }
+
+/// The docs cannot rot silently: every relative link in the README,
+/// `docs/`, ARCHITECTURE.md and CONTRIBUTING.md points at a file that
+/// exists, and so does every path of the project they name in code
+/// (`src/engine/record.rs`, `scripts/test-all.sh`, ...).
+#[test]
+fn every_link_and_path_in_the_docs_exists() {
+    use std::path::Path;
+    let mut pages = vec![
+        "README.md".to_string(),
+        "ARCHITECTURE.md".to_string(),
+        "CONTRIBUTING.md".to_string(),
+    ];
+    for entry in std::fs::read_dir("docs").unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path.to_string_lossy().into_owned());
+        }
+    }
+    assert!(pages.len() >= 9, "{pages:?}");
+    let roots = [
+        "src/",
+        "lua/",
+        "scripts/",
+        "tests/",
+        "data/",
+        "deploy/",
+        "integrations/",
+        "examples/",
+        "notebooks/",
+        "docs/",
+    ];
+    let mut missing = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let dir = Path::new(page).parent().unwrap_or(Path::new(""));
+        // Markdown links: ](target), relative ones only.
+        for part in text.split("](").skip(1) {
+            let target = part.split(')').next().unwrap_or("");
+            let target = target.split('#').next().unwrap_or("");
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            if !dir.join(target).exists() {
+                missing.push(format!("{page}: link {target}"));
+            }
+        }
+        // Project paths named in code spans.
+        for span in text.split('`').skip(1).step_by(2) {
+            for word in span.split_whitespace() {
+                let word = word.trim_end_matches([',', '.', ';', ':', ')']);
+                let named = roots.iter().any(|r| word.starts_with(r));
+                if !named || word.contains(['*', '{', '<', '$']) {
+                    continue;
+                }
+                if !Path::new(word).exists() {
+                    missing.push(format!("{page}: path {word}"));
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "missing:\n{}", missing.join("\n"));
+}
