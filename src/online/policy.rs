@@ -239,6 +239,21 @@ pub fn check_future_skew(
     Ok(event)
 }
 
+/// A check's time may lead the server clock by at most the grace: one
+/// further ahead is decided at the server clock. A time far ahead would
+/// otherwise become its caller's latest, and every later call of the
+/// caller, older by more than the grace, would be late: counted 1 and
+/// allowed (one check with a bad clock, or a forged one, would switch the
+/// caller's limits off). The record, and what is produced to Kafka, carry
+/// the time used.
+pub fn clamp_to_clock(events: &mut [CallEvent], grace_ms: i64, now: i64, metrics: &Metrics) {
+    let latest = now.saturating_add(grace_ms);
+    for e in events.iter_mut().filter(|e| e.ts_ms > latest) {
+        e.ts_ms = now;
+        metrics.clamped.inc();
+    }
+}
+
 /// Decides `events` through `store` ([`WindowStore::apply_batch_partial`]:
 /// `None` for a call left undecided by contention; `next` tells it the
 /// batch after, if that has come, to prepare for it) and records the call:

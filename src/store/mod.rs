@@ -14,6 +14,13 @@
 //! scenarios against every store and demands identical records.
 
 pub mod cached;
+
+/// Why a store left a caller's calls undecided
+/// ([`WindowStore::apply_batch_partial`]): another writer kept changing the
+/// caller. Names no caller: it reaches answers, logs and readiness that
+/// other callers' calls share.
+pub const CONTENDED: &str =
+    "a caller changed under each of its commit rounds: another writer is deciding it";
 pub mod connecting;
 pub mod gated;
 pub mod memory;

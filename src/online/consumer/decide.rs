@@ -18,7 +18,7 @@ use crate::error::{chain, ConsumeError};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
 use crate::online::policy::{apply_observed, IdleProbe, OnStoreError};
-use crate::store::cached::CONTENDED;
+use crate::store::CONTENDED;
 use crate::store::{Next, Upcoming, WindowStore};
 
 /// Longest wait between retries of a blocked store.

@@ -13,10 +13,10 @@ use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::chain;
 use crate::online::metrics::{Health, Metrics};
-use crate::online::policy::{apply_observed, now_ms, IdleProbe, OnStoreError};
+use crate::online::policy::{apply_observed, clamp_to_clock, now_ms, IdleProbe, OnStoreError};
 use crate::online::produce::event_json;
-use crate::store::cached::CONTENDED;
 use crate::store::WindowStore;
+use crate::store::CONTENDED;
 
 use super::ratelimit::{limits, RuleLimit};
 use super::uncertain::Uncertain;
@@ -247,21 +247,6 @@ impl<S: WindowStore> Batcher<S> {
             };
             let _ = reply.send(outcome);
         }
-    }
-}
-
-/// A check's time may lead the server clock by at most the grace: one
-/// further ahead is decided at the server clock. A time far ahead would
-/// otherwise become its caller's latest, and every later call of the
-/// caller, older by more than the grace, would be late: counted 1 and
-/// allowed (one check with a bad clock, or a forged one, would switch the
-/// caller's limits off). The record, and what is produced to Kafka, carry
-/// the time used.
-pub(super) fn clamp_to_clock(events: &mut [CallEvent], grace_ms: i64, now: i64, metrics: &Metrics) {
-    let latest = now.saturating_add(grace_ms);
-    for e in events.iter_mut().filter(|e| e.ts_ms > latest) {
-        e.ts_ms = now;
-        metrics.clamped.inc();
     }
 }
 

@@ -540,8 +540,8 @@ fn decided(
 
 #[cfg(test)]
 mod tests {
-    use super::batcher::clamp_to_clock;
     use super::*;
+    use crate::online::policy::clamp_to_clock;
 
     #[test]
     fn only_times_ahead_by_more_than_the_grace_are_clamped() {

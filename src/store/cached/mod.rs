@@ -46,7 +46,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
 use crate::store::redis::conn::ModeClaim;
 use crate::store::redis::{classify, Conn, RedisConfig};
-use crate::store::{StoreStats, WindowStore};
+use crate::store::{StoreStats, WindowStore, CONTENDED};
 
 mod cache;
 mod commit;
@@ -83,11 +83,6 @@ fn group_size(callers: usize) -> usize {
 /// Rounds of decide-and-commit before a batch gives up on a caller that
 /// keeps changing under it (another writer deciding the same caller).
 pub const DEFAULT_MAX_ROUNDS: usize = 8;
-
-/// Why a caller's calls were left undecided. Names no caller: it reaches
-/// answers, logs and readiness that other callers' calls share.
-pub const CONTENDED: &str =
-    "a caller changed under each of its commit rounds: another writer is deciding it";
 
 /// A caller's sliding log moves out of its packed state into a string of
 /// fixed-width times (`<prefix>{<caller>}:l`) once it holds more times than
