@@ -24,7 +24,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
 fi
 
-# promtool, for the shipped alert rules (tests/deploy.rs); without the
+# promtool, for the shipped alert rules (tests/it/deploy.rs); without the
 # server's recommended extras.
 if ! command -v promtool >/dev/null; then
   echo "== installing prometheus (promtool)"

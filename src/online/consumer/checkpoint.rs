@@ -19,7 +19,7 @@
 //! uncommitted events may span `D` or more
 //! ([`span_limit`]: `D - 1` ms): before a batch would pass that, the
 //! consumer waits until what it decided is committed. Exactness does not
-//! depend on how fast it runs. `tests/semantics.rs` checks the bound on
+//! depend on how fast it runs. `tests/it/semantics.rs` checks the bound on
 //! random sequences: redelivering the longest suffix that fits gives every
 //! call its first record back.
 //!

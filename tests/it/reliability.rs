@@ -2,7 +2,7 @@
 //! (issue: no bad input, broker failure or misconfiguration may stop the
 //! consumer, lose a call or switch rules off).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

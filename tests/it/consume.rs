@@ -1,7 +1,7 @@
 //! The stream processor end to end, against librdkafka's mock cluster and a
 //! real Kafka-protocol broker (tansu), with a real redis-server.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -2,10 +2,10 @@
 //! (tansu) and Redis, Debian's Chromium loads `/` headless, and the numbers
 //! it renders must be those of `/v1/stats` and of `/metrics`.
 //!
-//! `CALLGUARD_SCREENSHOT=docs/status-page.png cargo test --test
-//! status_page` refreshes the README's screenshot from the same run.
+//! `CALLGUARD_SCREENSHOT=docs/status-page.png cargo test --test it
+//! status_page` refreshes the docs' screenshot from the same run.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

@@ -10,7 +10,7 @@
 //! the calls decided while cut off are lost, and are counted here, so
 //! the test also shows what the flag buys.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

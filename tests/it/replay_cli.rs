@@ -1,7 +1,7 @@
 //! `callguard replay` end to end: golden files, output formats, the Redis
 //! store producing the same records as the in-memory one, and clear errors.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

@@ -3,7 +3,7 @@
 //! retransmissions, reject statuses with Retry-After, block keys, invalid
 //! input, a failing store.
 
-mod common;
+use crate::common;
 
 use std::sync::{Arc, Barrier};
 use std::time::Duration;

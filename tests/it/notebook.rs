@@ -2,7 +2,7 @@
 //! the binary built for these tests, so it cannot rot. Its own last cell
 //! checks that the N it chooses is the one `callguard tune` recommends.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -1,7 +1,7 @@
 //! `callguard tune`: the one-pass sweep equals a replay per N; the
 //! recommendation on small hand-made logs; the command end to end.
 
-mod common;
+use crate::common;
 
 use callguard::engine::event::CallEvent;
 use callguard::engine::rules::{CountPolicy, Rule, RuleSet};

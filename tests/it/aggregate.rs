@@ -7,7 +7,7 @@
 //! is decided as `replay` decides it. Also: the local fallback's share
 //! while Redis is down.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::Path;

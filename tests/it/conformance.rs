@@ -3,7 +3,7 @@
 //! 3-master Cluster), with the algorithm in the window script and in
 //! process on cached state; the decision records must be identical.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The window contract on the in-memory store: hand-written scenarios with
 //! expected records, and random sequences against a brute-force reference.
 
-mod common;
+use crate::common;
 
 use callguard::engine::record::{Decision, Verdict};
 use callguard::online::consumer::span_limit;

@@ -5,7 +5,7 @@
 //! same caller, a contended caller that exhausts its rounds, a prefix
 //! whose claim was lost or never recorded.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

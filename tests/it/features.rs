@@ -1,7 +1,7 @@
 //! `callguard features` and the call-log presets: point-in-time features
 //! equal the replay, no leakage from the future, typed Parquet, Asterisk CDRs.
 
-mod common;
+use crate::common;
 
 use callguard::engine::record::{Row, Schema};
 use callguard::engine::rules::RuleSet;

@@ -2,8 +2,6 @@
 //! firing on the synthetic series of their unit tests (`promtool`, Debian's
 //! `prometheus` package), and naming only metrics callguard exports.
 
-mod common;
-
 use std::process::Command;
 
 fn promtool(args: &[&str]) -> String {

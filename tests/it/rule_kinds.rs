@@ -5,7 +5,7 @@
 //! warnings and Retry-After as the switch sees them; the callees file
 //! reloaded with the rules, and a broken one keeping the rules in force.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

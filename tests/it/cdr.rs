@@ -2,7 +2,7 @@
 //! presets, told from the first line, in the switch's local time across
 //! DST switches, with durations and non-call rows.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

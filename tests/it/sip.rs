@@ -4,7 +4,7 @@
 //! calls; with the block-key config, Kamailio alone declines a blocked
 //! caller until the key expires.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::UdpSocket;

@@ -8,7 +8,7 @@
 //! kill the broker and Redis, never a member, and start killing only once
 //! decisions flow (the member has joined).
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::time::Duration;
