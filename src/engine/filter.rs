@@ -70,10 +70,16 @@ impl Hours {
 pub const DAYS: [&str; 7] = ["mon", "tue", "wed", "thu", "fri", "sat", "sun"];
 
 /// The instant of minute `minute` (0 to 1440) of local date `date` in
-/// `tz`: the earlier of a repeated hour, an hour later in a skipped one.
+/// `tz` ([`local_ms`]).
 fn local_instant(tz: Tz, date: chrono::NaiveDate, minute: u16) -> Option<i64> {
     let midnight = date.and_hms_opt(0, 0, 0)?;
-    let naive = midnight + chrono::Duration::minutes(i64::from(minute));
+    local_ms(tz, midnight + chrono::Duration::minutes(i64::from(minute)))
+}
+
+/// A local time in `tz` as epoch milliseconds: in a repeated hour (a DST
+/// fold) the earlier instant, in a skipped one (a gap) an hour later, as a
+/// switch's clock reads it.
+pub fn local_ms(tz: Tz, naive: chrono::NaiveDateTime) -> Option<i64> {
     tz.from_local_datetime(&naive)
         .earliest()
         .or_else(|| {

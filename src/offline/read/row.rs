@@ -1,7 +1,7 @@
 //! Decoding one row's text into a call event: a switch's local times and
 //! units, call attempts, and frames of text columns.
 
-use chrono::{NaiveDateTime, TimeZone};
+use chrono::NaiveDateTime;
 use chrono_tz::Tz;
 use polars::prelude::*;
 
@@ -296,13 +296,5 @@ fn naive_to_ms(raw: &str, tz: Option<Tz>) -> Option<i64> {
 
 /// A local time in a time zone (UTC if none) as epoch milliseconds.
 fn local_to_ms(naive: NaiveDateTime, tz: Option<Tz>) -> Option<i64> {
-    let tz = tz.unwrap_or(chrono_tz::UTC);
-    // In a DST fold take the earlier instant; in a gap, fall back to UTC offset of the zone's standard time.
-    tz.from_local_datetime(&naive)
-        .earliest()
-        .or_else(|| {
-            tz.from_local_datetime(&(naive + chrono::Duration::hours(1)))
-                .earliest()
-        })
-        .map(|d| d.timestamp_millis())
+    crate::engine::filter::local_ms(tz.unwrap_or(chrono_tz::UTC), naive)
 }

@@ -438,13 +438,7 @@ impl Conn {
         let pattern = scan_pattern(prefix);
         let (mut cursor, mut deleted) = (0u64, 0u64);
         loop {
-            let mut scan = redis::cmd("SCAN");
-            scan.arg(cursor)
-                .arg("MATCH")
-                .arg(&pattern)
-                .arg("COUNT")
-                .arg(1_000);
-            let (next, keys): (u64, Vec<String>) = self.run(&scan).await?;
+            let (next, keys) = self.scan_page(&pattern, cursor).await?;
             if !keys.is_empty() {
                 let n: u64 = self.run(redis::cmd("UNLINK").arg(&keys)).await?;
                 deleted += n;
@@ -454,6 +448,22 @@ impl Conn {
             }
             cursor = next;
         }
+    }
+
+    /// One `SCAN` page of keys matching `pattern` from `cursor` (1,000 a
+    /// page): the next cursor (0 at the end) and the keys.
+    async fn scan_page(
+        &mut self,
+        pattern: &str,
+        cursor: u64,
+    ) -> Result<(u64, Vec<String>), StoreError> {
+        let mut scan = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1_000);
+        self.run(&scan).await
     }
 
     /// A key of the prefix that holds state (not its mode or replay
@@ -467,13 +477,7 @@ impl Conn {
             Conn::Single(_) | Conn::Sentinel(_) => {
                 let mut cursor = 0u64;
                 for _ in 0..8 {
-                    let mut scan = redis::cmd("SCAN");
-                    scan.arg(cursor)
-                        .arg("MATCH")
-                        .arg(&pattern)
-                        .arg("COUNT")
-                        .arg(1_000);
-                    let (next, keys): (u64, Vec<String>) = self.run(&scan).await?;
+                    let (next, keys) = self.scan_page(&pattern, cursor).await?;
                     if let Some(k) = found(keys) {
                         return Ok(Some(k));
                     }
