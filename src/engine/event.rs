@@ -279,7 +279,10 @@ pub enum Unit {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FieldMap {
     names: HashMap<String, String>,
-    units: HashMap<String, Unit>,
+    /// The units of `ts` and `duration_ms`, when given (read per event:
+    /// fields, not a map).
+    ts_unit: Option<Unit>,
+    duration_unit: Option<Unit>,
 }
 
 impl FieldMap {
@@ -288,7 +291,7 @@ impl FieldMap {
     /// (`duration_ms=billsec:s`).
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, EventError> {
         let mut names = HashMap::new();
-        let mut units = HashMap::new();
+        let (mut ts_unit, mut duration_unit) = (None, None);
         for entry in entries {
             for pair in entry.as_ref().split(',').filter(|p| !p.trim().is_empty()) {
                 let (canon, source) = pair
@@ -306,23 +309,43 @@ impl FieldMap {
                     Some((col, "ms")) => (col, Some(Unit::Millis)),
                     _ => (source.trim(), None),
                 };
-                if let Some(unit) = unit {
-                    if !["ts", "duration_ms"].contains(&canon) {
+                match (canon, unit) {
+                    (_, None) => {}
+                    ("ts", unit) => ts_unit = unit,
+                    ("duration_ms", unit) => duration_unit = unit,
+                    _ => {
                         return Err(EventError::BadMapping(format!(
                             "{pair}: only ts and duration_ms take a unit (:s or :ms)"
-                        )));
+                        )))
                     }
-                    units.insert(canon.to_string(), unit);
                 }
                 names.insert(canon.to_string(), source.to_string());
             }
         }
-        Ok(FieldMap { names, units })
+        Ok(FieldMap {
+            names,
+            ts_unit,
+            duration_unit,
+        })
+    }
+
+    /// The unit given for `ts`, if any.
+    pub fn ts_unit(&self) -> Option<Unit> {
+        self.ts_unit
+    }
+
+    /// The unit given for `duration_ms`, if any.
+    pub fn duration_unit(&self) -> Option<Unit> {
+        self.duration_unit
     }
 
     /// The unit given for `canonical` (`ts` or `duration_ms`), if any.
     pub fn unit(&self, canonical: &str) -> Option<Unit> {
-        self.units.get(canonical).copied()
+        match canonical {
+            "ts" => self.ts_unit,
+            "duration_ms" => self.duration_unit,
+            _ => None,
+        }
     }
 
     /// The mapping's entry for `canonical` as `--map` takes it
@@ -402,7 +425,7 @@ impl Decoder {
         // garbage CLI is what fraud sends).
         let mut dropped = Vec::new();
         let caller = self.caller(get(CALLER)).map_err(|e| dropped.push(e)).ok();
-        let ts_ms = match self.map.unit("ts") {
+        let ts_ms = match self.map.ts_unit() {
             Some(Unit::Seconds) => seconds_value(get(TS)).ok_or_else(|| {
                 EventError::BadTimestamp(format!("{} (mapped as epoch seconds)", get(TS)))
             })?,
@@ -423,7 +446,7 @@ impl Decoder {
         // A bad optional field drops that field, not the call: the call
         // still counts in its caller's windows, so other calls' counts
         // do not depend on it.
-        let duration = match self.map.unit("duration_ms") {
+        let duration = match self.map.duration_unit() {
             Some(Unit::Seconds) => match get(DURATION_MS) {
                 v if v.is_null() => Ok(None),
                 v => seconds_value(v)

@@ -133,7 +133,7 @@ impl<'d> RowDecoder<'d> {
         // milliseconds first (unless the mapping names the time's unit).
         self.ts_buf.clear();
         let ts_seconds =
-            self.preset.is_some_and(|p| p.ts_seconds) && self.decoder.map.unit("ts").is_none();
+            self.preset.is_some_and(|p| p.ts_seconds) && self.decoder.map.ts_unit().is_none();
         if let Some(ms) = values[TS].and_then(|raw| {
             self.formatted_ms(raw)
                 .or_else(|| naive_to_ms(raw, self.tz))
@@ -150,7 +150,7 @@ impl<'d> RowDecoder<'d> {
         // left for the decoder to report).
         self.duration_buf.clear();
         if self.preset.is_some_and(|p| p.duration_seconds)
-            && self.decoder.map.unit("duration_ms").is_none()
+            && self.decoder.map.duration_unit().is_none()
         {
             if let Some(ms) = values[DURATION].and_then(cdr::seconds_to_ms) {
                 let _ = write!(self.duration_buf, "{ms}");
