@@ -11,8 +11,20 @@ use crate::offline::cdr::{self, InputFormat, Preset};
 use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
 
-use super::stream::{DecodedBatch, CSV_BATCH};
 use super::{check_required, polars_err, InvalidRow};
+
+/// Records handed from the parsing thread to a decoding one at a time.
+pub(super) const CSV_BATCH: usize = 4_096;
+
+/// A batch of CSV records, decoded.
+pub(super) struct DecodedBatch {
+    /// The batch's place in the file.
+    pub(super) seq: usize,
+    pub(super) events: EventColumns,
+    pub(super) invalid: Vec<InvalidRow>,
+    /// The records, to be refilled.
+    pub(super) records: Vec<csv::ByteRecord>,
+}
 
 /// Decodes rows given as their text per field of [`FIELDS`].
 pub(super) struct RowDecoder<'d> {

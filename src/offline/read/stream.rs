@@ -11,14 +11,11 @@ use crate::offline::cdr::{detect, InputFormat, Preset};
 use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
 
-use super::row::RowDecoder;
+use super::row::{DecodedBatch, RowDecoder, CSV_BATCH};
 use super::{
     bad_shape, check_delimiter, check_required, effective_map, preset_names, unclosed_quote_line,
     wanted_columns, InvalidRow, ReadOptions,
 };
-
-/// Records handed from the parsing thread to a decoding one at a time.
-pub(super) const CSV_BATCH: usize = 4_096;
 
 /// What a CSV-like file's first record tells: how to decode its rows.
 struct Header {
@@ -254,14 +251,4 @@ fn check_quotes_closed(path: &Path, last_multiline: bool) -> Result<(), IoError>
         )),
         None => Ok(()),
     }
-}
-
-/// A batch of CSV records, decoded.
-pub(super) struct DecodedBatch {
-    /// The batch's place in the file.
-    pub(super) seq: usize,
-    pub(super) events: EventColumns,
-    pub(super) invalid: Vec<InvalidRow>,
-    /// The records, to be refilled.
-    pub(super) records: Vec<csv::ByteRecord>,
 }

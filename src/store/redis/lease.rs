@@ -30,7 +30,8 @@ use redis::Value;
 
 use crate::engine::aggregate::{Lease, LeaseRequest, Reserves};
 use crate::error::StoreError;
-use crate::store::redis::conn::{classify, is_noscript, Conn};
+use crate::store::redis::classify;
+use crate::store::redis::conn::{is_noscript, Conn};
 use crate::store::redis::slot::{Slots, SLOT_LUA};
 use crate::store::redis::RedisConfig;
 

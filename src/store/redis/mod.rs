@@ -23,11 +23,12 @@ pub mod script;
 pub mod sentinel;
 pub mod slot;
 
+pub use config::classify;
 pub use config::{
     redact, RedisConfig, DEFAULT_KEY_PREFIX, DEFAULT_TIMEOUT_MS, DEFAULT_TTL_SLACK_S, DEFAULT_URL,
 };
 pub(crate) use conn::Conn;
-pub use conn::{classify, PrefixReuse, ReplayClaim, CLAIM_EVERY};
+pub use conn::{PrefixReuse, ReplayClaim, CLAIM_EVERY};
 
 /// Takes `config`'s key prefix for a replay under the rule set `version`.
 /// A prefix that holds records of another rule set, or keys whose rule set

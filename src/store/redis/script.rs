@@ -16,7 +16,8 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet};
 use crate::error::StoreError;
-use crate::store::redis::conn::{classify, is_noscript, Conn, ModeClaim};
+use crate::store::redis::classify;
+use crate::store::redis::conn::{is_noscript, Conn, ModeClaim};
 use crate::store::redis::RedisConfig;
 use crate::store::{StoreStats, WindowStore};
 

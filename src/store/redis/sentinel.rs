@@ -11,7 +11,7 @@ use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServer
 use redis::{IntoConnectionInfo, RedisError};
 
 use crate::error::StoreError;
-use crate::store::redis::conn::classify;
+use crate::store::redis::config::classify;
 
 /// Asks the sentinels again at most this often, however many calls fail at
 /// once.

@@ -23,7 +23,8 @@ use tracing::{info, warn};
 
 use crate::engine::aggregate::{Reserves, Span};
 use crate::error::StoreError;
-use crate::store::redis::conn::{classify, is_noscript, Conn};
+use crate::store::redis::classify;
+use crate::store::redis::conn::{is_noscript, Conn};
 use crate::store::redis::RedisConfig;
 
 /// The slot script.
