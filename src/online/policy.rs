@@ -99,7 +99,7 @@ impl OnStoreError {
             Fallback::Fixed(d) => Ok(degrade(events, verdicts, rules, d, why)),
             Fallback::Local => Ok(self
                 .local
-                .decide(events, verdicts, rules, why, metrics, cached)),
+                .decide_locally(events, verdicts, rules, why, metrics, cached)),
         }
     }
 
@@ -143,7 +143,7 @@ impl LocalFallback {
     /// The verdicts of `events`, every undecided one (`None`) decided on
     /// the local state, flagged degraded; logged with `why` the store
     /// failed, counted in `callguard_fallback_decisions_total`.
-    pub fn decide(
+    pub fn decide_locally(
         &mut self,
         events: &[CallEvent],
         verdicts: Vec<Option<Verdict>>,

@@ -197,7 +197,7 @@ impl<S: WindowStore> Gated<S> {
         let (inner, ledger, leased) = (&mut self.inner, &mut self.ledger, &mut self.leased);
         let (verdicts, ahead) = futures::join!(
             inner.apply_batch_partial(rules, batch),
-            ahead.decide(ledger, leased)
+            ahead.decide_ahead(ledger, leased)
         );
         self.ahead = ahead;
         verdicts
@@ -224,7 +224,11 @@ impl Ahead {
     /// (as [`Gated::gate`] would when it comes); `None` if its lease
     /// failed. Let go unfinished, the thread still finishes its part, and
     /// the batch is decided again when it comes.
-    async fn decide(self, ledger: &mut Ledger, leased: &mut LeaseStats) -> Option<DecidedAhead> {
+    async fn decide_ahead(
+        self,
+        ledger: &mut Ledger,
+        leased: &mut LeaseStats,
+    ) -> Option<DecidedAhead> {
         let (gate, rules) = (self.gate.clone(), self.rules.clone());
         let mut events = self.events;
         let version = rules.version().to_string();

@@ -85,7 +85,7 @@ impl Decider {
                     rx: &mut rx,
                     job: &mut queued,
                 };
-                let verdicts = decide(
+                let verdicts = decide_under_policy(
                     &mut store,
                     &job,
                     &mut next,
@@ -148,7 +148,7 @@ impl Upcoming for Queued<'_> {
 /// under it: another writer) are tried again alone under `block`, or
 /// decided degraded under `allow`, `reject` and `local`; the others' verdicts
 /// stand.
-async fn decide<S: WindowStore, F: Future<Output = ()>>(
+async fn decide_under_policy<S: WindowStore, F: Future<Output = ()>>(
     store: &mut S,
     job: &Job,
     next: &mut dyn Upcoming,

@@ -137,7 +137,7 @@ impl<S: WindowStore> Batcher<S> {
         }
         clamp_to_clock(&mut events, self.current.grace_ms, now_ms(), &self.metrics);
         self.metrics.batch_size.observe(events.len() as f64);
-        let decided = self.decide(&events).await;
+        let decided = self.store_verdicts(&events).await;
         if self.producer.is_some() {
             let publishable = self.publishable(&events, &decided);
             if let Some((p, topics)) = &self.producer {
@@ -158,7 +158,7 @@ impl<S: WindowStore> Batcher<S> {
 
     /// The store's verdicts under the failure policy: undecided calls stay
     /// so under `block` (answered 503), or are decided degraded.
-    async fn decide(&mut self, events: &[CallEvent]) -> Decided {
+    async fn store_verdicts(&mut self, events: &[CallEvent]) -> Decided {
         let rules = &self.current;
         let (verdicts, why, applied) = match apply_observed(
             &mut self.store,

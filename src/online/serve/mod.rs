@@ -331,7 +331,7 @@ async fn check_post(State(s): State<AppState>, request: Request) -> Response {
         .config
         .decoder
         .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
-    decide(&s, decoded, ignored).await
+    answer_check(&s, decoded, ignored).await
 }
 
 /// The request's body, within `--max-body-bytes` (else 413) and the body
@@ -377,7 +377,7 @@ async fn check_get(
         .decoder
         .other_fields(fields.keys().map(String::as_str));
     let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
-    decide(&s, decoded, ignored).await
+    answer_check(&s, decoded, ignored).await
 }
 
 /// A number sent in a query string with its `+` not escaped (`%2B`) reads
@@ -399,7 +399,7 @@ fn unescaped_plus(fields: &mut HashMap<String, String>, name: &str) {
 /// Decides one decoded check (after the future-skew check) and answers it.
 /// `ignored` are the check's fields the decoder does not read: refused
 /// under `--strict-fields`, else named in the answer.
-async fn decide(
+async fn answer_check(
     s: &AppState,
     decoded: Result<CallEvent, EventError>,
     ignored: Vec<String>,

@@ -394,7 +394,7 @@ impl CachedStore {
             let writes: Vec<Write> = group
                 .iter()
                 .map(|&at| {
-                    plan::decide(
+                    plan::decide_caller(
                         &self.plan,
                         rules,
                         events,

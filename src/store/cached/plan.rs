@@ -93,7 +93,7 @@ pub(super) fn log_write(
 /// changes no state), the write only checks that the caller's version
 /// is still the one cached, and writes nothing: the caller keeps its
 /// version, and a cache another writer made stale is still caught.
-pub(super) fn decide<'a>(
+pub(super) fn decide_caller<'a>(
     plan: &Plan,
     rules: &RuleSet,
     events: &[CallEvent],
