@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::engine::event::BAD_CALLER;
+use crate::engine::event::{CallEvent, BAD_CALLER};
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
 use crate::store::{LeaseStats, StoreStats};
@@ -39,6 +39,13 @@ pub struct DecisionLabels {
 pub struct KindLabel {
     /// What kind.
     pub kind: String,
+}
+
+/// A single `field` label: a canonical event field (a bounded set).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FieldLabel {
+    /// The field.
+    pub field: String,
 }
 
 /// Labels of a rule.
@@ -130,6 +137,10 @@ pub struct Metrics {
     /// Decided calls whose caller was unusable (decided under
     /// `bad_caller`, as the rule set's policy says).
     pub bad_callers: Counter,
+    /// Fields of events that could not be read and were dropped, the call
+    /// kept (a label `unknown`, a duration `1.5`, an unusable caller), by
+    /// field.
+    pub dropped_fields: Family<FieldLabel, Counter>,
     /// `serve`: fields of checks the decoder does not read (a misspelled
     /// `calee`, a switch's own), ignored and named in the answer.
     pub ignored_fields: Counter,
@@ -169,6 +180,7 @@ impl Metrics {
             store_data_lost: Counter::default(),
             invalid_checks: Family::default(),
             bad_callers: Counter::default(),
+            dropped_fields: Family::default(),
             ignored_fields: Counter::default(),
             connections_shed: Family::default(),
             degraded: Counter::default(),
@@ -213,6 +225,11 @@ impl Metrics {
             "bad_callers",
             "Decided calls whose caller was unusable (missing, garbage, or national without --default-country-code)",
             self.bad_callers.clone(),
+        );
+        r.register(
+            "dropped_fields",
+            "Fields of call events that could not be read, dropped with the call kept, by field",
+            self.dropped_fields.clone(),
         );
         r.register(
             "duplicates",
@@ -380,6 +397,16 @@ impl Metrics {
     pub fn dead_letter(&self, kind: &str) {
         Self::inc(&self.dlq, kind);
         self.status.dead_letter();
+    }
+
+    /// Counts the fields of `event` that could not be read (the call kept).
+    pub fn dropped_fields(&self, event: &CallEvent) {
+        for e in event.dropped.iter().flatten() {
+            let field = e.field().unwrap_or("other").to_string();
+            self.dropped_fields
+                .get_or_create(&FieldLabel { field })
+                .inc();
+        }
     }
 
     /// Counts a check refused as invalid, by kind.

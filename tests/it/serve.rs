@@ -552,6 +552,22 @@ fn unusable_callers_are_decided_under_the_bad_caller_policy() {
             unusable.len() as u64,
             "{policy}"
         );
+        // Each unusable caller is a field dropped, the call kept, counted.
+        let dropped = |field: &str| {
+            let label = callguard::online::metrics::FieldLabel {
+                field: field.into(),
+            };
+            served.metrics.dropped_fields.get_or_create(&label).get()
+        };
+        assert_eq!(dropped("caller"), unusable.len() as u64, "{policy}");
+        let r = conn.post(
+            "/v1/check",
+            &format!(
+                r#"{{"call_id":"{policy}-l","caller":"+34911000009","ts":{T0},"label":"maybe"}}"#
+            ),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(dropped("label"), 1, "{policy}");
         // A real caller is decided on its own windows, whatever the policy;
         // its `+` unescaped in a GET reads as a space, and is taken back.
         let r = conn.get(&format!(

@@ -277,6 +277,7 @@ pub(super) fn sort_read(
         match m.event {
             Ok(e) => {
                 spans.note(&m.topic, m.partition, e.ts_ms);
+                metrics.dropped_fields(&e);
                 events.push(e);
             }
             Err((kind, letter)) => {

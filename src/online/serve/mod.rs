@@ -412,7 +412,10 @@ async fn answer_check(
     }
     let decoded = decoded.and_then(|e| check_future_skew(e, s.config.max_future_skew));
     let event = match decoded {
-        Ok(e) => e,
+        Ok(e) => {
+            s.metrics.dropped_fields(&e);
+            e
+        }
         Err(e) => {
             s.metrics.invalid_check(e.kind());
             let mut body = json!({ "error": e.to_string(), "kind": e.kind() });
