@@ -340,7 +340,7 @@ impl FieldMap {
     }
 
     /// The unit given for `canonical` (`ts` or `duration_ms`), if any.
-    pub fn unit(&self, canonical: &str) -> Option<Unit> {
+    fn unit(&self, canonical: &str) -> Option<Unit> {
         match canonical {
             "ts" => self.ts_unit,
             "duration_ms" => self.duration_unit,
@@ -363,7 +363,7 @@ impl FieldMap {
 
     /// Whether the mapping names an input column for `canonical` itself
     /// (an entry of `--map`), rather than leaving it at its own name.
-    pub fn names(&self, canonical: &str) -> bool {
+    pub fn is_named(&self, canonical: &str) -> bool {
         self.names.contains_key(canonical)
     }
 
@@ -446,19 +446,7 @@ impl Decoder {
         // A bad optional field drops that field, not the call: the call
         // still counts in its caller's windows, so other calls' counts
         // do not depend on it.
-        let duration = match self.map.duration_unit() {
-            Some(Unit::Seconds) => match get(DURATION_MS) {
-                v if v.is_null() => Ok(None),
-                v => seconds_value(v)
-                    .filter(|ms| *ms >= 0)
-                    .map(Some)
-                    .ok_or_else(|| EventError::BadNumber {
-                        field: "duration_ms",
-                        value: format!("{v} (seconds, as mapped with :s)"),
-                    }),
-            },
-            _ => parse_duration(get(DURATION_MS)),
-        };
+        let duration = parse_duration(get(DURATION_MS), self.map.duration_unit());
         let duration_ms = duration.unwrap_or_else(|e| {
             dropped.push(e);
             None
@@ -819,18 +807,27 @@ pub fn seconds_to_ms(s: &str) -> Option<i64> {
 /// A value in seconds (text or a JSON number) in milliseconds.
 fn seconds_value(v: RawValue<'_>) -> Option<i64> {
     match v {
-        RawValue::Int(i) => i.checked_mul(1000),
+        RawValue::Int(i) if i >= 0 => i.checked_mul(1000),
         RawValue::Float(x) if x.is_finite() && x >= 0.0 => Some((x * 1000.0).round() as i64),
         RawValue::Str(s) => seconds_to_ms(s),
         _ => None,
     }
 }
 
-/// Parses a duration in milliseconds: a non-negative integer; empty means
+/// Parses a duration as milliseconds: a non-negative integer, or with
+/// `Unit::Seconds` non-negative seconds (fractions allowed); empty means
 /// unknown.
-fn parse_duration(v: RawValue<'_>) -> Result<Option<i64>, EventError> {
+fn parse_duration(v: RawValue<'_>, unit: Option<Unit>) -> Result<Option<i64>, EventError> {
     match v {
         v if v.is_null() => Ok(None),
+        v if unit == Some(Unit::Seconds) => {
+            seconds_value(v)
+                .map(Some)
+                .ok_or_else(|| EventError::BadNumber {
+                    field: "duration_ms",
+                    value: format!("{v} (seconds, as mapped with :s)"),
+                })
+        }
         RawValue::Int(i) if i >= 0 => Ok(Some(i)),
         RawValue::Str(s) => match s.trim().parse::<i64>() {
             Ok(i) if i >= 0 => Ok(Some(i)),

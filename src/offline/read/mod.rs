@@ -195,7 +195,7 @@ fn check_delimiter(path: &Path, names: &[String], delimiter: u8) -> Result<(), I
 fn check_required(decoder: &Decoder, user: &FieldMap, names: &[String]) -> Result<(), IoError> {
     let checked = FIELDS
         .iter()
-        .filter(|f| ["call_id", "caller", "ts"].contains(f) || user.names(f));
+        .filter(|f| ["call_id", "caller", "ts"].contains(f) || user.is_named(f));
     for &field in checked {
         let src = decoder.map.source(field);
         if !names.iter().any(|n| n == src) {
