@@ -12,7 +12,7 @@ use std::time::Duration;
 use callguard::engine::event::CallEvent;
 use callguard::engine::record::Verdict;
 use callguard::engine::rules::RuleSet;
-use callguard::store::cached::{CachedStore, SCAN_COUNT, TRIM_COUNT};
+use callguard::store::cached::{CachedStore, SCAN_COUNT, SETTLED_AFTER, TRIM_COUNT};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use callguard::store::WindowStore;
@@ -239,6 +239,76 @@ async fn a_contended_caller_fails_alone() {
         .unwrap_err();
     assert!(err.is_transient(), "{err}");
     assert!(!err.to_string().contains(hot), "{err}");
+}
+
+/// A caller refused under contention is read back with only its batch's
+/// records (a flood's thousands are not read, so the next commit lands
+/// before the other writer writes again): a redelivered call in that batch
+/// still gets its first record back, the new calls are counted as in
+/// memory, the records hash keeps every record (a caller known in part
+/// never moves its records inline or trims what it did not read), and
+/// once no other writer is seen for [`SETTLED_AFTER`] batches the caller
+/// is read whole again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_caller_is_read_back_in_part_and_decided_as_in_memory() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["m:sliding:60s:12".into()]).unwrap();
+    let urls = vec![server.url()];
+    let mut a = CachedStore::connect(config(urls.clone(), "part:", true), 100)
+        .await
+        .unwrap()
+        .with_records_apart_above(4)
+        .with_partial_reads_after(0);
+    let mut b = cached(urls, "part:").await;
+    let hot = "+34911000001";
+    let n = 23 + SETTLED_AFTER as usize;
+    let calls: Vec<CallEvent> = (0..n as i64)
+        .map(|i| ev(hot, &format!("h{i}"), T0 + i * 100))
+        .collect();
+    let mut got = a.apply_batch(&rules, &calls[..20]).await.unwrap();
+    // Another writer decides one call behind a's back.
+    got.extend(b.apply_batch(&rules, &calls[20..21]).await.unwrap());
+    // a's cache is stale: refused, read back in part, decided again.
+    let conflicts = a.conflicts();
+    let redelivered = calls[5].clone();
+    let contended = [redelivered.clone(), calls[21].clone()];
+    let again = a.apply_batch(&rules, &contended).await.unwrap();
+    assert_eq!(a.conflicts(), conflicts + 1, "the batch was not refused");
+    assert!(again[0].duplicate, "{:?}", again[0]);
+    assert_eq!(
+        again[0].record, got[5].record,
+        "the redelivery's record changed"
+    );
+    got.push(again[1].clone());
+    let mut con = redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let hlen: usize = redis::cmd("HLEN")
+        .arg(a.records_key(hot))
+        .query(&mut con)
+        .unwrap();
+    assert_eq!(hlen, 22, "records were lost or moved while known in part");
+    // No other writer now: written at the first try, batch after batch,
+    // then forgotten, so the next batch reads the caller whole (a miss,
+    // not a conflict).
+    let misses = a.misses();
+    for call in &calls[22..n - 1] {
+        got.extend(
+            a.apply_batch(&rules, std::slice::from_ref(call))
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(a.misses(), misses, "a caller known in part was read again");
+    got.extend(a.apply_batch(&rules, &calls[n - 1..]).await.unwrap());
+    assert_eq!(
+        a.misses(),
+        misses + 1,
+        "a caller known in part stayed cached"
+    );
+    let expected = memory_run(&rules, &[&calls[..]]).await;
+    assert_eq!(got, expected);
 }
 
 /// Two cached stores deciding one hot caller at the same time, each also

@@ -17,7 +17,7 @@ use callguard::online::produce::event_json;
 use callguard::online::serve::{self, ServeConfig};
 use callguard::store::cached::CacheLimit;
 use callguard::store::redis::RedisConfig;
-use callguard::store::AnyStore;
+use callguard::store::{AnyStore, WindowStore};
 use common::scenarios::T0;
 use common::{query_escape, random, HttpConn, RedisServer};
 
@@ -1018,6 +1018,90 @@ fn two_cached_instances_share_their_callers() {
     }
     let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
     assert!(conflicts >= 6, "{conflicts} conflicts counted");
+}
+
+/// A flooding caller checked on two cached instances at once (a load
+/// balancer that does not route by caller) is decided on every check:
+/// none answers 503, and no more calls are allowed than the limit. The
+/// caller holds thousands of records (earlier calls within the
+/// idempotency horizon), which every refused commit used to read back
+/// whole while the other instance wrote again, so after its rounds some
+/// checks were answered 503 and, behind a switch that fails open, let
+/// through.
+#[test]
+fn a_flooding_caller_on_two_cached_instances_is_decided_on_every_check() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:10".into()]).unwrap();
+    let hot = "+34911000066";
+    // Earlier calls: out of the window, still within the horizon.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut store =
+            AnyStore::connect_redis(redis_config(&redis), Some(CacheLimit::callers(10)))
+                .await
+                .unwrap();
+        let earlier: Vec<CallEvent> = (0..6_000)
+            .map(|i| CallEvent::new(format!("old-{i}"), hot, T0 - 3_600_000 + i))
+            .collect();
+        for batch in earlier.chunks(1_000) {
+            store.apply_batch(&rules, batch).await.unwrap();
+        }
+    });
+    let a = Served::start_with(config(), redis_config(&redis), rules.clone(), true);
+    let b = Served::start_with(config(), redis_config(&redis), rules, true);
+    // All at one time, so the count at each call is every call decided
+    // before it, whichever instance decided it first.
+    let start = Arc::new(Barrier::new(4));
+    let clients: Vec<_> = [a.port, a.port, b.port, b.port]
+        .into_iter()
+        .enumerate()
+        .map(|(c, port)| {
+            let start = start.clone();
+            std::thread::spawn(move || {
+                let mut conn = HttpConn::connect(port);
+                start.wait();
+                let mut answers = Vec::new();
+                for i in 0..300 {
+                    let body = serde_json::json!({
+                        "call_id": format!("flood-{c}-{i}"),
+                        "caller": hot,
+                        "ts": T0,
+                    })
+                    .to_string();
+                    let r = conn.post("/v1/check", &body);
+                    answers.push((r.status, r.body));
+                }
+                answers
+            })
+        })
+        .collect();
+    let answers: Vec<(u16, String)> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    let failed: Vec<&(u16, String)> = answers.iter().filter(|(s, _)| *s != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} checks not decided, e.g. {:?}",
+        failed.len(),
+        answers.len(),
+        failed.first()
+    );
+    let allowed = answers
+        .iter()
+        .filter(|(_, body)| {
+            serde_json::from_str::<serde_json::Value>(body).unwrap()["decision"] == "allow"
+        })
+        .count();
+    assert_eq!(
+        allowed, 10,
+        "allowed calls of a caller limited to 10 a minute"
+    );
+    let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
+    assert!(
+        conflicts > 0,
+        "the instances never met: the test proves nothing"
+    );
 }
 
 /// Finding 4 of the serve issue: one check with a time ahead of the clock

@@ -79,6 +79,10 @@ pub(super) struct Cached {
     pub(super) stale: Vec<CompactString>,
     /// Its size when it went into the cache ([`Cached::approx_bytes`]).
     pub(super) bytes: usize,
+    /// While its records are known in part ([`Records::Partial`]): its
+    /// batches written at the first try in a row (see
+    /// `super::SETTLED_AFTER`).
+    pub(super) unopposed: u32,
 }
 
 impl Cached {
@@ -89,7 +93,7 @@ impl Cached {
                 .iter()
                 .map(|(id, text)| size_of::<(CompactString, String)>() + id.len() + text.len())
                 .sum(),
-            Records::Apart => 0,
+            Records::Apart | Records::Partial => 0,
         };
         size_of::<Self>()
             + self.state.approx_bytes()
@@ -226,6 +230,11 @@ pub(super) enum Records {
     Inline(Vec<(CompactString, String)>),
     /// In its records hash.
     Apart,
+    /// In its records hash, of which this store knows only some: a
+    /// contended caller read back with only its batch's records (see
+    /// `CachedStore::try_batch`). Its other records are neither trimmed
+    /// nor moved back inline until the caller is read whole.
+    Partial,
 }
 
 impl Default for Records {

@@ -33,6 +33,8 @@ pub(super) struct Pending<'a> {
     /// Boxed, so the cache's table holds a pointer per caller: growing it
     /// moves a few bytes per caller, not the whole state.
     pub(super) cached: Box<Cached>,
+    /// Rounds of this batch whose write of it was refused.
+    pub(super) refused: u32,
 }
 
 /// How a caller's log is written back, and where it then is: `old_len`
@@ -164,6 +166,7 @@ pub(super) fn decide_caller<'a>(
         sets,
         dels,
         block,
+        read_ids: None,
     }
 }
 
@@ -202,7 +205,7 @@ fn records_write(
             stale.clear();
             (RecordsOp::Delete, Vec::new(), Vec::new())
         }
-        Records::Apart => {
+        Records::Apart | Records::Partial => {
             // Trimmed records leave the hash at most TRIM_COUNT a
             // write; the rest wait for the caller's next writes. A
             // record trimmed and then made again in this batch stays.

@@ -132,6 +132,7 @@ fn write_of(case: Case, caller: &str, pending: usize) -> Write<'_> {
             Vec::new()
         },
         block: case.block.then(|| ("rule".into(), BLOCK_TTL_MS)),
+        read_ids: None,
     }
 }
 

@@ -58,6 +58,11 @@ pub(super) struct Write<'a> {
     pub(super) sets: Vec<(CompactString, String)>,
     pub(super) dels: Vec<CompactString>,
     pub(super) block: Option<(CompactString, i64)>,
+    /// When refused, read back only the records of these call ids (the
+    /// caller's calls in the batch) with its state and log, in one
+    /// transaction, instead of all its records: see
+    /// `CachedStore::try_batch`. `None`: read back its whole state.
+    pub(super) read_ids: Option<Vec<CompactString>>,
 }
 
 impl<'a> Write<'a> {
@@ -93,6 +98,7 @@ impl<'a> Write<'a> {
             sets: Vec::new(),
             dels: Vec::new(),
             block: None,
+            read_ids: None,
         }
     }
 
@@ -134,6 +140,8 @@ pub(super) struct Found {
     pub(super) hash: Vec<Value>,
     /// Its log kept apart, if any.
     pub(super) log: Option<Vec<u8>>,
+    /// `hash` holds only the records of the write's `read_ids`, not all.
+    pub(super) partial: bool,
 }
 
 /// A group of writes sent, and those of them that were refused.
@@ -328,7 +336,7 @@ pub(super) fn state_value(
     // most 10 bytes of LEB128 each).
     let inline: usize = match records {
         Records::Inline(list) => list.iter().map(|(id, r)| id.len() + r.len() + 20).sum(),
-        Records::Apart => 0,
+        Records::Apart | Records::Partial => 0,
     };
     let mut out = Vec::with_capacity(8 + 1 + 10 + packed.len() + inline);
     out.extend_from_slice(&version.to_le_bytes());
@@ -341,7 +349,7 @@ pub(super) fn state_value(
                 put_bytes(&mut out, record.as_bytes());
             }
         }
-        Records::Apart => {
+        Records::Apart | Records::Partial => {
             out.push(1);
             put_bytes(&mut out, &packed);
         }
@@ -416,12 +424,13 @@ pub(super) fn load(
             .and_then(|t| state.restore_log(t))
             .ok_or_else(|| bad("log kept apart"))?;
     }
-    let restore = |state: &mut CallerState, id: &[u8], rec: &[u8]| {
+    let mut restored: Vec<(CompactString, Verdict)> = Vec::new();
+    let mut restore = |id: &[u8], rec: &[u8]| {
         let (Ok(id), Ok(rec)) = (std::str::from_utf8(id), std::str::from_utf8(rec)) else {
             return Err(bad("record not UTF-8"));
         };
         let verdict = Verdict::from_stored(rec, id, caller, false).ok_or_else(|| bad(rec))?;
-        state.restore_record(id, verdict);
+        restored.push((CompactString::from(id), verdict));
         Ok((CompactString::from(id), rec.to_string()))
     };
     let records = match form {
@@ -430,7 +439,7 @@ pub(super) fn load(
             while !rest.is_empty() {
                 let (id, after) = take_bytes(rest).ok_or_else(|| bad("record id"))?;
                 let (rec, after) = take_bytes(after).ok_or_else(|| bad("record"))?;
-                list.push(restore(&mut state, id, rec)?);
+                list.push(restore(id, rec)?);
                 rest = after;
             }
             Records::Inline(list)
@@ -441,12 +450,13 @@ pub(super) fn load(
                 let (Some(id), Some(rec)) = (text(id), text(rec)) else {
                     return Err(bad("record not a string"));
                 };
-                restore(&mut state, id, rec)?;
+                restore(id, rec)?;
             }
             Records::Apart
         }
         _ => return Err(bad("unknown form")),
     };
+    state.restore_records(restored);
     Ok(Cached {
         state,
         version: Some(version),
@@ -519,7 +529,7 @@ mod tests {
         assert_eq!(cached.state.record_count(), 3);
         match &cached.records {
             Records::Inline(got) => assert_eq!(got, &list),
-            Records::Apart => panic!("records moved apart"),
+            Records::Apart | Records::Partial => panic!("records moved apart"),
         }
         // Records apart: the string is not self-contained, and they load
         // from the hash.
