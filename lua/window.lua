@@ -111,6 +111,12 @@ local prefix = ARGV[14]
 local n = tonumber(ARGV[15])
 local H = 15
 
+-- Rule kinds, as ARGV sends them (src/store/redis/script.rs).
+local FIXED, SLIDING, APPROX, TOKEN, DISTINCT, OUTSIDE = 0, 1, 2, 3, 4, 5
+-- An event's `listed` (src/store/redis/script.rs): none, allowlist,
+-- denylist, an unusable caller allowed, one rejected (reason bad_caller).
+local LISTED_NONE, LISTED_ALLOW, LISTED_DENY, LISTED_BAD_ALLOWED, LISTED_BAD_REJECTED = '0', '1', '2', '3', '4'
+
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
 local rshadow, warns, rcalls, rper, tfield, suffix, ownlog, paired = {}, {}, {}, {}, {}, {}, {}, {}
@@ -133,13 +139,13 @@ for i = 1, n do
   rcalls[i], rper[i] = tonumber(rc), tonumber(rp)
   if paired[i] then
     -- Kept per pair, not in meta.
-  elseif kinds[i] == 0 then
+  elseif kinds[i] == FIXED then
     ffield[i] = #mfields + 1
     mfields[#mfields + 1] = 'f:' .. names[i] .. ':' .. fmt('%d', wins[i])
-  elseif kinds[i] == 3 then
+  elseif kinds[i] == TOKEN then
     tfield[i] = #mfields + 1
     mfields[#mfields + 1] = 't:' .. suffix[i]
-  elseif kinds[i] == 2 then
+  elseif kinds[i] == APPROX then
     local f = 'a:' .. names[i] .. ':' .. fmt('%d', wins[i]) .. ':'
     afield[i] = #mfields + 1
     mfields[#mfields + 1] = f .. 'b'
@@ -152,13 +158,13 @@ local E = H + PER_RULE * n
 -- current event's values of theirs (see decide).
 local outside_names, outside_count, outside_until = {}, {}, {}
 for i = 1, n do
-  if kinds[i] == 5 then outside_names[names[i]] = true end
+  if kinds[i] == OUTSIDE then outside_names[names[i]] = true end
 end
 -- Whether some rule keeps sorted sets of its own (distinct callees, pairs;
 -- own logs come with a mask).
 local has_own_sets = false
 for i = 1, n do
-  if kinds[i] == 4 or paired[i] then has_own_sets = true end
+  if kinds[i] == DISTINCT or paired[i] then has_own_sets = true end
 end
 local NM = #mfields
 -- Under attempts with a sliding rule and D = retention, the sliding log holds
@@ -363,16 +369,16 @@ end
 -- its rule's kind, and written back.
 local function pair_parse(i, v, horizon)
   local kind = kinds[i]
-  if kind == 1 then
+  if kind == SLIDING then
     local times = {}
     for x in string.gmatch(v or '', '-?%d+') do
       local e = tonumber(x)
       if e > horizon then times[#times + 1] = e end
     end
     return times
-  elseif kind == 0 then
+  elseif kind == FIXED then
     return parse_buckets(v or false)
-  elseif kind == 2 then
+  elseif kind == APPROX then
     local cb, cur, pv = string.match(v or '', '^(-?%d+),(%d+),(%d+)$')
     if not cb then return {nil, nil, 0, 0} end
     return {nil, tonumber(cb), tonumber(cur), tonumber(pv)}
@@ -384,13 +390,13 @@ local function pair_parse(i, v, horizon)
 end
 local function pair_format(i, st, lnew)
   local kind = kinds[i]
-  if kind == 1 then
+  if kind == SLIDING then
     local parts = {}
     for j = 1, #st do parts[j] = fmt('%d', st[j]) end
     return table.concat(parts, ',')
-  elseif kind == 0 then
+  elseif kind == FIXED then
     return format_buckets(st, wins[i], lnew)
-  elseif kind == 2 then
+  elseif kind == APPROX then
     if not st[2] then return '' end
     return fmt('%d,%d,%d', st[2], st[3], st[4])
   else
@@ -410,461 +416,493 @@ local function list_until(times, t, w, lim)
 end
 
 -- Decides one event of the caller whose keys start with stem.
-local function decide(stem, t, id, listed, callee, mask, outside)
-  -- The kind-5 rules' counts and last rejecting times, in rule order.
-  outside_count, outside_until = {}, {}
-  if outside ~= '' then
-    local i = 0
-    for c, u in string.gmatch(outside, '(%d+):(%-?%d*)') do
-      repeat i = i + 1 until i > n or kinds[i] == 5
-      outside_count[i], outside_until[i] = tonumber(c), tonumber(u)
-    end
-  end
-  local meta, log, ids, callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
-  -- Whether rule i sees the call (1), counts it for the retry-after only (2).
-  local function sees(i)
-    return mask == '' or string.byte(mask, i) == 49
-  end
-  local function near(i)
-    return mask == '' or string.byte(mask, i) ~= 48
-  end
-  -- A rule's own sorted set (own log or distinct callees), if it has one.
-  local function own_key(i)
-    if paired[i] then return stem .. ':pz:' .. suffix[i] end
-    if kinds[i] == 4 then return stem .. ':d:' .. suffix[i] end
-    if ownlog[i] then return stem .. ':l:' .. suffix[i] end
-    return nil
-  end
-  local rfield = 'r:' .. id
-  mfields[NM + 1] = rfield
-  local mv = call('HMGET', meta, unpack(mfields, 1, NM + (idem and 1 or 0)))
-  local latest = tonumber(mv[1])
-  local lnew = t
-  if latest and latest > t then lnew = latest end
-  local horizon = lnew - retention
-  local dedup_horizon = lnew - dedup
+-- One call's decision, in phases over a table `s` of what the call has
+-- read and decided so far (one function per phase keeps each under Lua's
+-- limit of 60 upvalues): read the call's arguments and the caller's meta
+-- (a redelivery ends there), trim the sets, count per rule, judge, record
+-- the call, then its retry-after and block key, and write meta back.
 
+-- Whether rule i sees the call (mask '1') or counts it for the
+-- retry-after only ('2'); `count_all` and `record` test '1' inline.
+local function near(s, i)
+  return s.mask == '' or string.byte(s.mask, i) ~= 48
+end
+
+-- A rule's own sorted set (own log or distinct callees), if it has one.
+local function own_key(s, i)
+  if paired[i] then return s.stem .. ':pz:' .. suffix[i] end
+  if kinds[i] == DISTINCT then return s.stem .. ':d:' .. suffix[i] end
+  if ownlog[i] then return s.stem .. ':l:' .. suffix[i] end
+  return nil
+end
+
+-- A token bucket's TAT as kept, unless the caller starts afresh.
+local function read_tat(s, i)
+  if not s.prev then return nil end
+  local ms, rem = string.match(s.mv[tfield[i]] or '', '^(-?%d+),(%d+)$')
+  if not ms then return nil end
+  return {tonumber(ms), tonumber(rem)}
+end
+
+-- The kind-5 rules' counts and last rejecting times, in rule order.
+local function read_outside(outside)
+  outside_count, outside_until = {}, {}
+  if outside == '' then return end
+  local i = 0
+  for c, u in string.gmatch(outside, '(%d+):(%-?%d*)') do
+    repeat i = i + 1 until i > n or kinds[i] == OUTSIDE
+    outside_count[i], outside_until[i] = tonumber(c), tonumber(u)
+  end
+end
+
+-- Phase 1: the caller's meta, its times and horizons; the stored record
+-- of a redelivered call (returned: nothing else is done).
+local function read_meta(s)
+  local stem = s.stem
+  s.meta, s.log, s.ids, s.callees = stem .. ':m', stem .. ':l', stem .. ':i', stem .. ':c'
+  s.rfield = 'r:' .. s.id
+  mfields[NM + 1] = s.rfield
+  local mv = call('HMGET', s.meta, unpack(mfields, 1, NM + (idem and 1 or 0)))
+  s.mv = mv
+  local t, latest = s.t, tonumber(mv[1])
+  s.lnew = t
+  if latest and latest > t then s.lnew = latest end
+  s.horizon = s.lnew - retention
+  s.dedup_horizon = s.lnew - dedup
   if idem then
     local stored = mv[NM + 1]
     if stored then
       local sts = tonumber(string.match(stored, '^(-?%d+)|'))
-      if sts > dedup_horizon then return 1, stored end
+      if sts > s.dedup_horizon then return stored end
     end
   end
-
-  local prev = nil
-  if latest and latest > horizon then prev = latest end
-  local late = prev ~= nil and t < prev - grace
-  local b_log, b_ids, b_callees = bound(mv[2], latest), bound(mv[3], latest), bound(mv[4], latest)
-  local n_callees = latest and tonumber(mv[5])
+  if latest and latest > s.horizon then s.prev = latest end
+  s.late = s.prev ~= nil and t < s.prev - grace
+  s.b_log, s.b_ids, s.b_callees = bound(mv[2], latest), bound(mv[3], latest), bound(mv[4], latest)
+  s.n_callees = latest and tonumber(mv[5])
   if not mv[1] then
     -- No meta: the log and the callees expire with it or before, so they are
     -- empty; the index may outlive it.
-    b_log, b_callees = EMPTY, EMPTY
+    s.b_log, s.b_callees = EMPTY, EMPTY
   end
-  if index_apart and b_ids == nil then b_ids = lowest(ids) end
+  if index_apart and s.b_ids == nil then s.b_ids = lowest(s.ids) end
+  return nil
+end
 
-  -- Trim what is at or below the horizons (see due).
-  if has_sliding and due(b_log, horizon, retention, late) then
+-- Phase 2: trim what is at or below the horizons (see due): the log, the
+-- index, and the sets of rules with sets of their own.
+local function trim(s)
+  local horizon, late = s.horizon, s.late
+  if has_sliding and due(s.b_log, horizon, retention, late) then
     if log_is_index then
-      b_log = trim_index(meta, log, horizon, late)
+      s.b_log = trim_index(s.meta, s.log, horizon, late)
     else
-      call('ZREMRANGEBYSCORE', log, '-inf', horizon)
-      b_log = lowest(log)
+      call('ZREMRANGEBYSCORE', s.log, '-inf', horizon)
+      s.b_log = lowest(s.log)
     end
   end
-  if index_apart and due(b_ids, dedup_horizon, dedup, late) then
-    b_ids = trim_index(meta, ids, dedup_horizon, late)
+  if index_apart and due(s.b_ids, s.dedup_horizon, dedup, late) then
+    s.b_ids = trim_index(s.meta, s.ids, s.dedup_horizon, late)
   end
-
-  -- Distinct callees: raise this callee's latest call time, count those after t - Wmax.
-  local distinct = ''
-  if track_callees then
-    if due(b_callees, horizon, retention, late) then
-      call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
-      b_callees = lowest(callees)
-      n_callees = nil
-    end
-    local none_kept = b_callees == EMPTY
-    if none_kept then n_callees = 0 end
-    if callee ~= '' then
-      -- A new callee only while fewer than the cap are kept (above the
-      -- horizon); known ones are raised. N bounds the set's size from
-      -- above (old entries included), so those are counted only near the
-      -- cap.
-      if not n_callees then n_callees = call('ZCARD', callees) end
-      if n_callees < max_callees
-        or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
-        n_callees = n_callees + call('ZADD', callees, 'GT', t, callee)
-      else
-        -- At the cap: only a kept callee is raised; one left over from
-        -- before the horizon (trimmed lazily) is gone for the contract.
-        local cur = tonumber(call('ZSCORE', callees, callee))
-        if cur and cur > horizon then call('ZADD', callees, 'XX', 'GT', t, callee) end
-      end
-      b_callees = lower(b_callees, t)
-      call('PEXPIRE', callees, retention + slack)
-    end
-    if none_kept then
-      -- Nothing was kept before this call: it is the only callee, if any.
-      distinct = (callee ~= '' and max_callees > 0) and '1' or '0'
-    else
-      distinct = fmt('%d', call('ZCOUNT', callees, '(' .. fmt('%d', t - wmax), '+inf'))
-    end
-  end
-
-  -- A token bucket's TAT as kept, unless the caller starts afresh.
-  local function read_tat(i)
-    if not prev then return nil end
-    local ms, rem = string.match(mv[tfield[i]] or '', '^(-?%d+),(%d+)$')
-    if not ms then return nil end
-    return {tonumber(ms), tonumber(rem)}
-  end
-
-  -- Rules with sets of their own: drop what is at or below the horizon.
   local okeys = {}
-  if mask ~= '' or has_own_sets then
+  s.okeys = okeys
+  if s.mask ~= '' or has_own_sets then
     for i = 1, n do
-      okeys[i] = own_key(i)
-      if okeys[i] and near(i) then
+      okeys[i] = own_key(s, i)
+      if okeys[i] and near(s, i) then
         if paired[i] then
           -- Pairs whose latest call is at or below the horizon go, state and all.
           local old = call('ZRANGEBYSCORE', okeys[i], '-inf', horizon)
           for s0 = 1, #old, 1000 do
-            call('HDEL', stem .. ':p:' .. suffix[i], unpack(old, s0, math.min(s0 + 999, #old)))
+            call('HDEL', s.stem .. ':p:' .. suffix[i], unpack(old, s0, math.min(s0 + 999, #old)))
           end
         end
         call('ZREMRANGEBYSCORE', okeys[i], '-inf', horizon)
       end
     end
   end
+end
 
-  local counts, approx, fixed, fchanged, tats, pst = {}, {}, {}, false, {}, {}
-  for i = 1, n do
-    local w = wins[i]
+-- Phase 3: distinct callees: raise this callee's latest call time, count
+-- those after t - Wmax.
+local function track(s)
+  s.distinct = ''
+  if not track_callees then return end
+  local t, callee, callees, horizon = s.t, s.callee, s.callees, s.horizon
+  if due(s.b_callees, horizon, retention, s.late) then
+    call('ZREMRANGEBYSCORE', callees, '-inf', horizon)
+    s.b_callees = lowest(callees)
+    s.n_callees = nil
+  end
+  local none_kept = s.b_callees == EMPTY
+  if none_kept then s.n_callees = 0 end
+  if callee ~= '' then
+    -- A new callee only while fewer than the cap are kept (above the
+    -- horizon); known ones are raised. N bounds the set's size from
+    -- above (old entries included), so those are counted only near the
+    -- cap.
+    if not s.n_callees then s.n_callees = call('ZCARD', callees) end
+    if s.n_callees < max_callees
+      or call('ZCOUNT', callees, '(' .. fmt('%d', horizon), '+inf') < max_callees then
+      s.n_callees = s.n_callees + call('ZADD', callees, 'GT', t, callee)
+    else
+      -- At the cap: only a kept callee is raised; one left over from
+      -- before the horizon (trimmed lazily) is gone for the contract.
+      local cur = tonumber(call('ZSCORE', callees, callee))
+      if cur and cur > horizon then call('ZADD', callees, 'XX', 'GT', t, callee) end
+    end
+    s.b_callees = lower(s.b_callees, t)
+    call('PEXPIRE', callees, retention + slack)
+  end
+  if none_kept then
+    -- Nothing was kept before this call: it is the only callee, if any.
+    s.distinct = (callee ~= '' and max_callees > 0) and '1' or '0'
+  else
+    s.distinct = fmt('%d', call('ZCOUNT', callees, '(' .. fmt('%d', s.t - wmax), '+inf'))
+  end
+end
+
+-- Phase 4, for a rule keyed by caller and callee: its pair's count, the
+-- pair's state kept in s.pst for recording.
+local function count_pair(s, i)
+  local t, w, kind, callee = s.t, wins[i], kinds[i], s.callee
+  if callee == '' then return 0 end
+  if t <= s.horizon then return 1 end
+  local st = pair_parse(i, call('HGET', s.stem .. ':p:' .. suffix[i], callee), s.horizon)
+  call('ZADD', s.okeys[i], 'GT', t, callee)
+  s.pst[i] = st
+  if kind == SLIDING then
+    local c = 1
+    for j = 1, #st do
+      if st[j] > t - w and st[j] <= t then c = c + 1 end
+    end
+    return c
+  elseif kind == FIXED then
     local b = floor(t / w)
-    local kind = kinds[i]
-    if kind == 5 then
-      counts[i] = outside_count[i] or 0
-    elseif not sees(i) then
-      counts[i] = 0
+    if (b + 1) * w + grace <= s.lnew then return 1 end
+    return (st[b] or 0) + 1
+  elseif kind == APPROX then
+    local c
+    st[2], st[3], st[4], c = approx_count(st[2], st[3], st[4], t, w, s.horizon)
+    return c
+  end
+  s.pst[i] = {tat = tat_next(st, t, i), old = st}
+  return tat_level(s.pst[i].tat, t, i)
+end
+
+-- Phase 4: each rule's count at the call, in s.counts (0 for a rule
+-- that does not see it). One loop over the rules, on locals: this runs
+-- for every rule of every call.
+local function count_all(s)
+  local t, lnew, horizon, mask, callee = s.t, s.lnew, s.horizon, s.mask, s.callee
+  local mv, okeys, counts, fixed = s.mv, s.okeys, s.counts, s.fixed
+  local every = mask == ''
+  for i = 1, n do
+    local w, kind, okey = wins[i], kinds[i], okeys[i]
+    local c
+    if kind == OUTSIDE then
+      c = outside_count[i] or 0
+    elseif not (every or string.byte(mask, i) == 49) then
+      c = 0
     elseif paired[i] then
+      c = count_pair(s, i)
+    elseif kind == DISTINCT then
       if callee == '' then
-        counts[i] = 0
-      elseif t <= horizon then
-        counts[i] = 1
+        c = 0
       else
-        local st = pair_parse(i, call('HGET', stem .. ':p:' .. suffix[i], callee), horizon)
-        call('ZADD', okeys[i], 'GT', t, callee)
-        pst[i] = st
-        if kind == 1 then
-          local c = 1
-          for j = 1, #st do
-            if st[j] > t - w and st[j] <= t then c = c + 1 end
-          end
-          counts[i] = c
-        elseif kind == 0 then
-          if (b + 1) * w + grace <= lnew then counts[i] = 1 else counts[i] = (st[b] or 0) + 1 end
-        elseif kind == 2 then
-          st[2], st[3], st[4], counts[i] = approx_count(st[2], st[3], st[4], t, w, horizon)
-        else
-          pst[i] = {tat = tat_next(st, t, i), old = st}
-          counts[i] = tat_level(pst[i].tat, t, i)
-        end
-      end
-    elseif kind == 4 then
-      if callee == '' then
-        counts[i] = 0
-      else
-        local live = call('ZCOUNT', okeys[i], '(' .. fmt('%d', t - w), '+inf')
-        local own = tonumber(call('ZSCORE', okeys[i], callee))
+        local live = call('ZCOUNT', okey, '(' .. fmt('%d', t - w), '+inf')
+        local own = tonumber(call('ZSCORE', okey, callee))
         if not (own and own > t - w) then live = live + 1 end
-        counts[i] = math.min(live, max_callees)
+        c = math.min(live, max_callees)
       end
-    elseif kind == 3 then
+    elseif kind == TOKEN then
       if t <= horizon then
         -- Past the retention: counts 1, not recorded.
-        counts[i] = 1
+        c = 1
       else
-        tats[i] = tat_next(read_tat(i), t, i)
-        counts[i] = tat_level(tats[i], t, i)
+        s.tats[i] = tat_next(read_tat(s, i), t, i)
+        c = tat_level(s.tats[i], t, i)
       end
-    elseif kind == 1 and okeys[i] then
-      counts[i] = 1 + call('ZCOUNT', okeys[i], '(' .. fmt('%d', t - w), fmt('%d', t))
-    elseif kind == 1 then
-      if b_log == EMPTY then
-        counts[i] = 1
+    elseif kind == SLIDING and okey then
+      c = 1 + call('ZCOUNT', okey, '(' .. fmt('%d', t - w), fmt('%d', t))
+    elseif kind == SLIDING then
+      if s.b_log == EMPTY then
+        c = 1
       else
-        counts[i] = 1 + call('ZCOUNT', log, '(' .. fmt('%d', t - w), fmt('%d', t))
+        c = 1 + call('ZCOUNT', s.log, '(' .. fmt('%d', t - w), fmt('%d', t))
       end
-    elseif kind == 0 then
+    elseif kind == FIXED then
+      local b = floor(t / w)
       local fb = parse_buckets(mv[ffield[i]])
       fixed[i] = fb
       if (b + 1) * w + grace <= lnew then
-        counts[i] = 1
+        c = 1
       else
-        counts[i] = (fb[b] or 0) + 1
+        c = (fb[b] or 0) + 1
         if not admitted then
           -- Under attempts every call in a live bucket counts: count it now.
-          fb[b] = counts[i]
-          fchanged = true
+          fb[b] = c
+          s.fchanged = true
         end
       end
     elseif t <= horizon then
       -- sliding-approx past the retention: counts 1, moves nothing.
-      counts[i] = 1
+      c = 1
     else
       local k = afield[i]
       local cb, cur, pv = nil, 0, 0
-      if prev then
+      if s.prev then
         cb, cur, pv = tonumber(mv[k]), tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0
       end
-      cb, cur, pv, counts[i] = approx_count(cb, cur, pv, t, w, horizon)
-      approx[i] = {k, cb, cur, pv, b}
+      cb, cur, pv, c = approx_count(cb, cur, pv, t, w, horizon)
+      s.approx[i] = {k, cb, cur, pv, floor(t / w)}
     end
+    counts[i] = c
   end
+end
 
+-- Phase 5: would the call be rejected, by what, and by a shadow rule?
+local function judge(s)
+  local listed, counts = s.listed, s.counts
+  if listed == LISTED_DENY then return 1, 'denylist', false end
+  if listed == LISTED_BAD_REJECTED then return 1, 'bad_caller', false end
+  if listed == LISTED_ALLOW then return 0, 'allowlist', false end
+  if listed == LISTED_BAD_ALLOWED then return 0, 'bad_caller', false end
+  -- The first enforcing rule over its limit, else the first shadow one.
   local would, reason, by_shadow = 0, 'ok', false
-  -- `listed` (src/store/redis/script.rs): '0' none, '1' allowlist,
-  -- '2' denylist, '3' an unusable caller allowed, '4' one rejected.
-  -- (Literals: `decide` is at Lua's limit of 60 upvalues.)
-  if listed == '2' then
-    would, reason = 1, 'denylist'
-  elseif listed == '4' then
-    would, reason = 1, 'bad_caller'
-  elseif listed == '1' then
-    reason = 'allowlist'
-  elseif listed == '3' then
-    reason = 'bad_caller'
-  else
-    -- The first enforcing rule over its limit, else the first shadow one.
-    for i = 1, n do
-      if counts[i] > lims[i] then
-        if not rshadow[i] then
-          would, reason, by_shadow = 1, names[i], false
-          break
-        elseif would == 0 then
-          would, reason, by_shadow = 1, names[i], true
-        end
-      end
-    end
-  end
-
-  if (not admitted) or would == 0 then
-    if has_sliding then
-      call('ZADD', log, t, id)
-      b_log = lower(b_log, t)
-      call('PEXPIRE', log, retention + slack)
-    end
-    for i = 1, n do
-      local kind = kinds[i]
-      if not sees(i) then
-        -- Not seen: nothing of the rule's changes.
-      elseif paired[i] then
-        local st = pst[i]
-        if st then
-          local b = floor(t / wins[i])
-          if kind == 1 then
-            local j = #st
-            while j >= 1 and st[j] > t do j = j - 1 end
-            table.insert(st, j + 1, t)
-          elseif kind == 0 then
-            if (b + 1) * wins[i] + grace > lnew then st[b] = (st[b] or 0) + 1 end
-          elseif kind == 2 then
-            if b == st[2] then st[3] = st[3] + 1 elseif b == st[2] - 1 then st[4] = st[4] + 1 end
-          else
-            st.old = st.tat
-          end
-        end
-      elseif kind == 0 then
-        local b = floor(t / wins[i])
-        if admitted and (b + 1) * wins[i] + grace > lnew then
-          fixed[i][b] = counts[i]
-          fchanged = true
-        end
-      elseif kind == 1 and okeys[i] then
-        call('ZADD', okeys[i], t, id)
-        call('PEXPIRE', okeys[i], retention + slack)
-      elseif kind == 3 and tats[i] then
-        mv[tfield[i]] = fmt('%d,%d', tats[i][1], tats[i][2])
-        tats[i].changed = true
-      elseif kind == 4 and callee ~= '' then
-        call('ZADD', okeys[i], 'GT', t, callee)
-        local extra = call('ZCARD', okeys[i]) - max_callees
-        if extra > 0 then call('ZPOPMIN', okeys[i], extra) end
-        call('PEXPIRE', okeys[i], retention + slack)
-      elseif kind == 2 and approx[i] then
-        local a = approx[i]
-        if a[5] == a[2] then
-          a[3] = a[3] + 1
-        elseif a[5] == a[2] - 1 and t > horizon then
-          a[4] = a[4] + 1
-        end
-      end
-    end
-  end
-
-  -- Pairs touched by this call: written back, then the cap.
   for i = 1, n do
-    local st = pst[i]
+    if counts[i] > lims[i] then
+      if not rshadow[i] then return 1, names[i], false end
+      if would == 0 then would, reason, by_shadow = 1, names[i], true end
+    end
+  end
+  return would, reason, by_shadow
+end
+
+-- Phase 6, for a rule keyed by caller and callee: the call in its
+-- pair's state (written back by write_pairs).
+local function record_pair(s, i)
+  local st, t = s.pst[i], s.t
+  if not st then return end
+  local kind, b = kinds[i], floor(t / wins[i])
+  if kind == SLIDING then
+    local j = #st
+    while j >= 1 and st[j] > t do j = j - 1 end
+    table.insert(st, j + 1, t)
+  elseif kind == FIXED then
+    if (b + 1) * wins[i] + grace > s.lnew then st[b] = (st[b] or 0) + 1 end
+  elseif kind == APPROX then
+    if b == st[2] then st[3] = st[3] + 1 elseif b == st[2] - 1 then st[4] = st[4] + 1 end
+  else
+    st.old = st.tat
+  end
+end
+
+-- Phase 6: a call that counts (every attempt, or an admitted one) goes
+-- into the log and each seeing rule's state.
+local function record(s)
+  local t, id = s.t, s.id
+  if has_sliding then
+    call('ZADD', s.log, t, id)
+    s.b_log = lower(s.b_log, t)
+    call('PEXPIRE', s.log, retention + slack)
+  end
+  local mask = s.mask
+  local every = mask == ''
+  for i = 1, n do
+    local kind, okey = kinds[i], s.okeys[i]
+    if not (every or string.byte(mask, i) == 49) then
+      -- Not seen: nothing of the rule's changes.
+    elseif paired[i] then
+      record_pair(s, i)
+    elseif kind == FIXED then
+      local b = floor(t / wins[i])
+      if admitted and (b + 1) * wins[i] + grace > s.lnew then
+        s.fixed[i][b] = s.counts[i]
+        s.fchanged = true
+      end
+    elseif kind == SLIDING and okey then
+      call('ZADD', okey, t, id)
+      call('PEXPIRE', okey, retention + slack)
+    elseif kind == TOKEN and s.tats[i] then
+      s.mv[tfield[i]] = fmt('%d,%d', s.tats[i][1], s.tats[i][2])
+      s.tats[i].changed = true
+    elseif kind == DISTINCT and s.callee ~= '' then
+      call('ZADD', okey, 'GT', t, s.callee)
+      local extra = call('ZCARD', okey) - max_callees
+      if extra > 0 then call('ZPOPMIN', okey, extra) end
+      call('PEXPIRE', okey, retention + slack)
+    elseif kind == APPROX and s.approx[i] then
+      local a = s.approx[i]
+      if a[5] == a[2] then
+        a[3] = a[3] + 1
+      elseif a[5] == a[2] - 1 and t > s.horizon then
+        a[4] = a[4] + 1
+      end
+    end
+  end
+end
+
+-- Pairs touched by this call: written back, then the cap.
+local function write_pairs(s)
+  for i = 1, n do
+    local st = s.pst[i]
     if st then
-      local hk = stem .. ':p:' .. suffix[i]
+      local hk, okey = s.stem .. ':p:' .. suffix[i], s.okeys[i]
       local v
-      if kinds[i] == 3 then v = pair_format(i, st.old, lnew) else v = pair_format(i, st, lnew) end
-      call('HSET', hk, callee, v)
-      local extra = call('ZCARD', okeys[i]) - max_callees
+      if kinds[i] == TOKEN then v = pair_format(i, st.old, s.lnew) else v = pair_format(i, st, s.lnew) end
+      call('HSET', hk, s.callee, v)
+      local extra = call('ZCARD', okey) - max_callees
       if extra > 0 then
-        local popped = call('ZPOPMIN', okeys[i], extra)
+        local popped = call('ZPOPMIN', okey, extra)
         for j = 1, #popped, 2 do call('HDEL', hk, popped[j]) end
       end
-      call('PEXPIRE', okeys[i], retention + slack)
+      call('PEXPIRE', okey, retention + slack)
       call('PEXPIRE', hk, retention + slack)
     end
   end
+end
 
-  local shadow = 0
-  if (shadow_mode or by_shadow) and would == 1 then shadow = 1 end
-  local decision = would
-  if shadow == 1 then decision = 0 end
-  local retry = ''
-  -- A list's reject is for good: no time after which it would pass.
-  if decision == 1 and listed ~= '2' and listed ~= '4' then
-    -- The rules' time-profile ranges, from the mask's tail (globals and
-    -- upvalues already in use only: `decide` is at Lua's limit of 60).
-    local profiles = nil
-    local bar = string.find(mask, '|', 1, true)
-    if bar then
-      profiles = {}
-      local r = 0
-      for part in string.gmatch(string.sub(mask, bar + 1) .. ';', '([^;]*);') do
-        r = r + 1
-        if part ~= '' then
-          local ranges = {}
-          for a, b in string.gmatch(part, '(%d+)%-(%d+)') do
-            ranges[#ranges + 1] = {tonumber(a), tonumber(b)}
-          end
-          profiles[r] = ranges
-        end
+-- The rules' time-profile ranges, from the mask's tail ('|' then per rule,
+-- ';' between them, "a-b,..."); nil when no rule has a profile.
+local function profiles_of(mask)
+  local bar = string.find(mask, '|', 1, true)
+  if not bar then return nil end
+  local profiles, r = {}, 0
+  for part in string.gmatch(string.sub(mask, bar + 1) .. ';', '([^;]*);') do
+    r = r + 1
+    if part ~= '' then
+      local ranges = {}
+      for a, b in string.gmatch(part, '(%d+)%-(%d+)') do
+        ranges[#ranges + 1] = {tonumber(a), tonumber(b)}
       end
-    end
-    local last = t
-    for i = 1, n do
-      local kind, w, lim = kinds[i], wins[i], lims[i]
-      local s
-      if rshadow[i] or not near(i) then
-        s = nil
-      elseif kind == 5 then
-        s = outside_until[i]
-      elseif paired[i] then
-        local pl = callee ~= '' and tonumber(call('ZSCORE', okeys[i], callee))
-        if pl then
-          local st = pair_parse(i, call('HGET', stem .. ':p:' .. suffix[i], callee), horizon)
-          local pexp = pl + retention
-          if kind == 1 then
-            s = list_until(st, t, w, lim)
-          elseif kind == 0 then
-            s = fixed_until(st, t, lnew, w, lim)
-          elseif kind == 2 then
-            if st[2] then s = approx_until(st, pexp, w, lim) end
-          elseif st then
-            s = tat_until(st, t, i, lim)
-            if s then s = math.min(s, pexp - 1) end
-          end
-          if s and s <= t then s = nil end
-        end
-      elseif kind == 1 and okeys[i] then
-        s = sliding_until(okeys[i], t, w, lim)
-      elseif kind == 3 then
-        local tat = tats[i]
-        -- Not recorded (not seen, or admitted): the bucket as it was.
-        if not (tat and tat.changed) then tat = read_tat(i) end
-        if tat then s = tat_until(tat, t, i, lim) end
-        if s then s = math.min(s, lnew + retention - 1) end
-      elseif kind == 4 then
-        if callee ~= '' then s = distinct_until(okeys[i], callee, t, w, lim) end
-        if s then s = math.min(s, lnew + retention - 1) end
-      elseif kind == 1 then
-        s = sliding_until(log, t, w, lim)
-      elseif kind == 0 then
-        -- A rule that did not see the call: its buckets as kept.
-        s = fixed_until(fixed[i] or parse_buckets(mv[ffield[i]]), t, lnew, w, lim)
-      else
-        local a = approx[i]
-        if not a and prev then
-          -- A rule that did not see the call: its counters as kept.
-          local k = afield[i]
-          local cb = tonumber(mv[k])
-          if cb then a = {k, cb, tonumber(mv[k + 1]) or 0, tonumber(mv[k + 2]) or 0} end
-        end
-        if a then s = approx_until(a, lnew + retention, w, lim) end
-      end
-      if s and profiles and profiles[i] and s <= t + grace + retention then
-        -- The last instant up to s the rule's profile holds at (past the
-        -- ranges' span, only a late call's, s stands: see the engine).
-        local x = nil
-        for _, ab in ipairs(profiles[i]) do
-          if ab[1] <= s then x = math.min(s, ab[2] - 1) end
-        end
-        s = x
-      end
-      if s and s > last then last = s end
-    end
-    local ra = last + 1 - t
-    retry = fmt('%d', ra)
-    if block and not outside_names[reason] then
-      call('SET', prefix .. 'block:' .. string.sub(stem, #prefix + 1), reason, 'PX', ra)
+      profiles[r] = ranges
     end
   end
+  return profiles
+end
 
-  local parts = {}
-  for i = 1, n do parts[i] = fmt('%d', counts[i]) end
-  local warn = ''
-  if decision == 0 and listed == '0' then
-    for i = 1, n do
-      if warns[i] and counts[i] > warns[i] then
-        warn = names[i]
-        break
-      end
-    end
+-- Phase 7, for a rule keyed by caller and callee: the last time its pair
+-- would reject, or nil.
+local function until_pair(s, i)
+  local t, w, lim, kind, callee = s.t, wins[i], lims[i], kinds[i], s.callee
+  local pl = callee ~= '' and tonumber(call('ZSCORE', s.okeys[i], callee))
+  if not pl then return nil end
+  local st = pair_parse(i, call('HGET', s.stem .. ':p:' .. suffix[i], callee), s.horizon)
+  local pexp = pl + retention
+  local u
+  if kind == SLIDING then
+    u = list_until(st, t, w, lim)
+  elseif kind == FIXED then
+    u = fixed_until(st, t, s.lnew, w, lim)
+  elseif kind == APPROX then
+    if st[2] then u = approx_until(st, pexp, w, lim) end
+  elseif st then
+    u = tat_until(st, t, i, lim)
+    if u then u = math.min(u, pexp - 1) end
   end
-  local encoded = fmt('%d', t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. (late and 1 or 0)
-    .. '|' .. version .. '|' .. (prev and fmt('%d', prev) or '') .. '|' .. distinct
-    .. '|' .. table.concat(parts, ',') .. '|' .. retry .. '|' .. warn
+  if u and u <= t then return nil end
+  return u
+end
+
+-- Phase 7: rule i's last time that would reject a call like this one
+-- (the contract's retry-after is one past the latest of them), or nil.
+local function until_of(s, i)
+  local t, w, lim, kind, okey = s.t, wins[i], lims[i], kinds[i], s.okeys[i]
+  if rshadow[i] or not near(s, i) then
+    return nil
+  elseif kind == OUTSIDE then
+    return outside_until[i]
+  elseif paired[i] then
+    return until_pair(s, i)
+  elseif kind == SLIDING and okey then
+    return sliding_until(okey, t, w, lim)
+  elseif kind == TOKEN then
+    local tat = s.tats[i]
+    -- Not recorded (not seen, or admitted): the bucket as it was.
+    if not (tat and tat.changed) then tat = read_tat(s, i) end
+    local u = tat and tat_until(tat, t, i, lim)
+    return u and math.min(u, s.lnew + retention - 1)
+  elseif kind == DISTINCT then
+    local u = s.callee ~= '' and distinct_until(okey, s.callee, t, w, lim)
+    return u and math.min(u, s.lnew + retention - 1) or nil
+  elseif kind == SLIDING then
+    return sliding_until(s.log, t, w, lim)
+  elseif kind == FIXED then
+    -- A rule that did not see the call: its buckets as kept.
+    return fixed_until(s.fixed[i] or parse_buckets(s.mv[ffield[i]]), t, s.lnew, w, lim)
+  end
+  local a = s.approx[i]
+  if not a and s.prev then
+    -- A rule that did not see the call: its counters as kept.
+    local k = afield[i]
+    local cb = tonumber(s.mv[k])
+    if cb then a = {k, cb, tonumber(s.mv[k + 1]) or 0, tonumber(s.mv[k + 2]) or 0} end
+  end
+  return a and approx_until(a, s.lnew + retention, w, lim)
+end
+
+-- Phase 7: the retry-after of a rejected call (ms), and its block key.
+local function retry_after(s, reason)
+  local t = s.t
+  local profiles = profiles_of(s.mask)
+  local last = t
+  for i = 1, n do
+    local u = until_of(s, i)
+    if u and profiles and profiles[i] and u <= t + grace + retention then
+      -- The last instant up to u the rule's profile holds at (past the
+      -- ranges' span, only a late call's, u stands: see the engine).
+      local x = nil
+      for _, ab in ipairs(profiles[i]) do
+        if ab[1] <= u then x = math.min(u, ab[2] - 1) end
+      end
+      u = x
+    end
+    if u and u > last then last = u end
+  end
+  local ra = last + 1 - t
+  if block and not outside_names[reason] then
+    call('SET', prefix .. 'block:' .. string.sub(s.stem, #prefix + 1), reason, 'PX', ra)
+  end
+  return fmt('%d', ra)
+end
+
+-- Phase 8: the index, and one write of the meta hash: latest time,
+-- bounds, the record, fixed buckets, token buckets, approx counters.
+local function write_meta(s, encoded)
+  local lnew, mv = s.lnew, s.mv
   if index_apart then
-    call('ZADD', ids, t, id)
-    b_ids = lower(b_ids, t)
-    call('PEXPIRE', ids, dedup + slack)
+    call('ZADD', s.ids, s.t, s.id)
+    s.b_ids = lower(s.b_ids, s.t)
+    call('PEXPIRE', s.ids, dedup + slack)
   end
-
-  -- One write of the meta hash: latest time, bounds, approx counters.
   local mset = {'L', fmt('%d', lnew)}
-  if idem then mset[#mset + 1] = rfield; mset[#mset + 1] = encoded end
-  if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(b_log, lnew) end
-  if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(b_ids, lnew) end
+  if idem then mset[#mset + 1] = s.rfield; mset[#mset + 1] = encoded end
+  if has_sliding then mset[#mset + 1] = 'O'; mset[#mset + 1] = bound_str(s.b_log, lnew) end
+  if index_apart then mset[#mset + 1] = 'I'; mset[#mset + 1] = bound_str(s.b_ids, lnew) end
   if track_callees then
-    mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(b_callees, lnew)
-    if n_callees then mset[#mset + 1] = 'N'; mset[#mset + 1] = fmt('%d', n_callees) end
+    mset[#mset + 1] = 'C'; mset[#mset + 1] = bound_str(s.b_callees, lnew)
+    if s.n_callees then mset[#mset + 1] = 'N'; mset[#mset + 1] = fmt('%d', s.n_callees) end
   end
-  if fchanged then
+  if s.fchanged then
     for i = 1, n do
-      if kinds[i] == 0 and fixed[i] then
+      if kinds[i] == FIXED and s.fixed[i] then
         mset[#mset + 1] = mfields[ffield[i]]
-        mset[#mset + 1] = format_buckets(fixed[i], wins[i], lnew)
+        mset[#mset + 1] = format_buckets(s.fixed[i], wins[i], lnew)
       end
     end
   end
   for i = 1, n do
-    if tats[i] and tats[i].changed then
+    local tat, a = s.tats[i], s.approx[i]
+    if tat and tat.changed then
       mset[#mset + 1] = mfields[tfield[i]]; mset[#mset + 1] = mv[tfield[i]]
-    elseif kinds[i] == 3 and not prev and mv[tfield[i]] then
+    elseif kinds[i] == TOKEN and not s.prev and mv[tfield[i]] then
       -- The caller starts afresh: so does its bucket.
       mset[#mset + 1] = mfields[tfield[i]]; mset[#mset + 1] = ''
     end
-    local a = approx[i]
-    if not a and kinds[i] == 2 and not prev and mv[afield[i]] then
+    if not a and kinds[i] == APPROX and not s.prev and mv[afield[i]] then
       -- The caller starts afresh: so do counters this call left alone.
-      local k = afield[i]
-      mset[#mset + 1] = mfields[k]; mset[#mset + 1] = ''
+      mset[#mset + 1] = mfields[afield[i]]; mset[#mset + 1] = ''
     end
     if a then
       local k = a[1]
@@ -873,8 +911,56 @@ local function decide(stem, t, id, listed, callee, mask, outside)
       mset[#mset + 1] = mfields[k + 2]; mset[#mset + 1] = fmt('%d', a[4])
     end
   end
-  call('HSET', meta, unpack(mset))
-  call('PEXPIRE', meta, meta_ttl)
+  call('HSET', s.meta, unpack(mset))
+  call('PEXPIRE', s.meta, meta_ttl)
+end
+
+-- The record as the reply carries it (see the header).
+local function encode(s, decision, reason, shadow, retry)
+  local parts = {}
+  for i = 1, n do parts[i] = fmt('%d', s.counts[i]) end
+  local warn = ''
+  if decision == 0 and s.listed == LISTED_NONE then
+    for i = 1, n do
+      if warns[i] and s.counts[i] > warns[i] then
+        warn = names[i]
+        break
+      end
+    end
+  end
+  return fmt('%d', s.t) .. '|' .. decision .. '|' .. reason .. '|' .. shadow .. '|' .. (s.late and 1 or 0)
+    .. '|' .. version .. '|' .. (s.prev and fmt('%d', s.prev) or '') .. '|' .. s.distinct
+    .. '|' .. table.concat(parts, ',') .. '|' .. retry .. '|' .. warn
+end
+
+-- One call, phase by phase: duplicate (0/1) and its record.
+local function decide(stem, t, id, listed, callee, mask, outside)
+  read_outside(outside)
+  -- Every field named here, so the table is sized once (nil ones too).
+  local s = {stem = stem, t = t, id = id, listed = listed, callee = callee, mask = mask,
+    counts = {}, approx = {}, fixed = {}, fchanged = false, tats = {}, pst = {},
+    meta = false, log = false, ids = false, callees = false, rfield = false, mv = false,
+    lnew = 0, horizon = 0, dedup_horizon = 0, prev = nil, late = false,
+    b_log = nil, b_ids = nil, b_callees = nil, n_callees = nil, okeys = false, distinct = ''}
+  local stored = read_meta(s)
+  if stored then return 1, stored end
+  trim(s)
+  track(s)
+  count_all(s)
+  local would, reason, by_shadow = judge(s)
+  if (not admitted) or would == 0 then record(s) end
+  write_pairs(s)
+  local shadow = 0
+  if (shadow_mode or by_shadow) and would == 1 then shadow = 1 end
+  local decision = would
+  if shadow == 1 then decision = 0 end
+  local retry = ''
+  -- A list's reject is for good: no time after which it would pass.
+  if decision == 1 and listed ~= LISTED_DENY and listed ~= LISTED_BAD_REJECTED then
+    retry = retry_after(s, reason)
+  end
+  local encoded = encode(s, decision, reason, shadow, retry)
+  write_meta(s, encoded)
   return 0, encoded
 end
 
