@@ -44,13 +44,8 @@ impl Decision {
 
 /// Reason of an allowed call that no rule or list singled out.
 pub const REASON_OK: &str = "ok";
-/// Reason when the caller is on the allowlist.
-pub const REASON_ALLOWLIST: &str = "allowlist";
-/// Reason of a call whose caller is unusable, rejected or allowed as the
-/// rule set's `bad_caller` policy says.
-pub const REASON_BAD_CALLER: &str = "bad_caller";
-/// Reason when the caller is on the denylist.
-pub const REASON_DENYLIST: &str = "denylist";
+/// The lists' reasons belong to the rule set that judges them.
+pub use crate::engine::rules::{REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST};
 /// Reason of a decision made by a fallback policy while the store failed.
 pub const REASON_STORE_ERROR: &str = "store_error";
 

@@ -27,9 +27,16 @@ use sha2::{Digest, Sha256};
 pub use crate::engine::duration::{format_duration, parse_duration_ms};
 use crate::engine::event::{CallEvent, BAD_CALLER};
 pub use crate::engine::filter::Filter;
-use crate::engine::record::{REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST};
 pub use crate::engine::rule::{BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, WindowKind};
 use crate::error::RulesError;
+
+/// Reason when the caller is on the allowlist.
+pub const REASON_ALLOWLIST: &str = "allowlist";
+/// Reason of a call whose caller is unusable, rejected or allowed as the
+/// rule set's `bad_caller` policy says.
+pub const REASON_BAD_CALLER: &str = "bad_caller";
+/// Reason when the caller is on the denylist.
+pub const REASON_DENYLIST: &str = "denylist";
 
 mod build;
 

@@ -3,7 +3,6 @@
 //! dead letters.
 
 use std::future::Future;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkafka::message::Message;
@@ -16,10 +15,9 @@ use crate::online::metrics::Metrics;
 
 use super::checkpoint::Spans;
 use super::clients::Clients;
-use super::decide::Decided;
+use super::decide::{Decided, Deciding};
 use super::delivery::{ConsumerCtx, Offsets, OutRecord, Shared};
-use super::encode::{dead_letter, decode_message};
-use super::processor::Deciding;
+use super::encode::{dead_letter, decode_message, Item};
 use super::{ConsumeConfig, ConsumeStats};
 
 /// Most messages held undecided while a checkpoint waits for its commit.
@@ -27,19 +25,6 @@ const MAX_HELD: usize = 100_000;
 
 /// How often an idle consumer stores the offsets of acknowledged batches.
 const IDLE_SETTLE: Duration = Duration::from_millis(100);
-
-/// A message read: where it came from, and its event, or its dead letter
-/// if it is not one (built as it is read, so the message's bytes are not
-/// kept).
-pub(super) struct Item {
-    pub(super) topic: Arc<str>,
-    pub(super) partition: i32,
-    pub(super) offset: i64,
-    /// When it was read.
-    pub(super) read_at: Instant,
-    /// The event, or the error's kind and the dead letter.
-    pub(super) event: Result<CallEvent, (&'static str, Box<OutRecord>)>,
-}
 
 /// Messages read and not yet decided: decoded as they arrive, while the
 /// batch before is with the store.

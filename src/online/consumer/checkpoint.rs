@@ -33,13 +33,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use futures::FutureExt;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::consumer::StreamConsumer;
 use tokio::task::JoinHandle;
-use tracing::warn;
 
-use crate::online::consumer::batch::Item;
+use crate::online::consumer::clients::commit;
 use crate::online::consumer::delivery::{ByPartition, ConsumerCtx, Shared};
+use crate::online::consumer::encode::Item;
 
 /// How much event time a partition's uncommitted events may span, for an
 /// idempotency horizon of `dedup_ms`: less than the horizon.
@@ -187,20 +186,6 @@ impl Early {
             if task.await.unwrap_or(false) {
                 uncommitted.committed_through(seq);
             }
-        }
-    }
-}
-
-/// Commits the stored offsets synchronously; whether everything stored is
-/// committed now.
-pub(super) fn commit(consumer: &StreamConsumer<ConsumerCtx>) -> bool {
-    match consumer.commit_consumer_state(CommitMode::Sync) {
-        Ok(()) => true,
-        // Everything stored was committed already (by the timed commit).
-        Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
-        Err(e) => {
-            warn!(error = %e, "checkpoint not committed; a later one tries again");
-            false
         }
     }
 }

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::producer::{Producer, ThreadedProducer};
+use rdkafka::types::RDKafkaErrorCode;
 use tracing::{debug, info, warn};
 
 use crate::error::KafkaError;
 use crate::online::kafka::{client_config, client_err, producer_config};
 use crate::online::metrics::{Health, Metrics};
 
-use super::checkpoint;
 use super::delivery::{self, ConsumerCtx, Offsets, OutRecord, Pending, ProducerCtx, Shared};
 use super::{ConsumeConfig, DEFAULT_FETCH_WAIT_MS};
 
@@ -195,11 +195,9 @@ pub(super) async fn commit_now(clients: &Clients, timeout: Duration) -> Result<b
         return Ok(false);
     }
     let consumer = clients.consumer.clone();
-    Ok(
-        tokio::task::spawn_blocking(move || checkpoint::commit(&consumer))
-            .await
-            .unwrap_or(false),
-    )
+    Ok(tokio::task::spawn_blocking(move || commit(&consumer))
+        .await
+        .unwrap_or(false))
 }
 
 /// Waits for the last acknowledgements within the deadline, stores their
@@ -222,4 +220,18 @@ pub(super) async fn drain(clients: &Clients, timeout: Duration) -> Result<(), Ka
     }
     clients.consumer.unsubscribe();
     Ok(())
+}
+
+/// Commits the stored offsets synchronously; whether everything stored is
+/// committed now.
+pub(super) fn commit(consumer: &StreamConsumer<ConsumerCtx>) -> bool {
+    match consumer.commit_consumer_state(CommitMode::Sync) {
+        Ok(()) => true,
+        // Everything stored was committed already (by the timed commit).
+        Err(rdkafka::error::KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => true,
+        Err(e) => {
+            warn!(error = %e, "checkpoint not committed; a later one tries again");
+            false
+        }
+    }
 }

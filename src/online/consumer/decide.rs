@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::Shared;
 use tokio::sync::{mpsc, oneshot};
@@ -15,6 +15,7 @@ use crate::engine::event::CallEvent;
 use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{chain, ConsumeError};
+use crate::online::consumer::delivery::{Offsets, OutRecord};
 use crate::online::consumer::{ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use crate::online::metrics::{Health, Metrics};
 use crate::online::policy::{apply_observed, IdleProbe, OnStoreError};
@@ -23,6 +24,25 @@ use crate::store::{Next, Upcoming, WindowStore};
 
 /// Longest wait between retries of a blocked store.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// A batch handed to the [`Decider`], with what the loop keeps of it
+/// meanwhile.
+pub(super) struct Deciding {
+    /// Sequence number (from 1).
+    pub(super) seq: u64,
+    /// The last offset per partition of the messages it came from (stored
+    /// once its records are produced).
+    pub(super) offsets: Offsets,
+    /// Its dead letters, to which the records are added.
+    pub(super) out: Vec<OutRecord>,
+    /// When each of its messages was read.
+    pub(super) read_at: Vec<Instant>,
+    /// The verdicts, on their way.
+    pub(super) reply: oneshot::Receiver<Decided>,
+    /// The verdicts, when they arrived while the next batch was collected
+    /// (an error: the decider stopped).
+    pub(super) ready: Option<Result<Decided, oneshot::error::RecvError>>,
+}
 
 /// The window store on a task of its own: it decides a batch while the
 /// loop collects and decodes the next and encodes and produces the one

@@ -2,6 +2,7 @@
 //! encoding decisions, features and dead letters as records to produce.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 
@@ -12,6 +13,19 @@ use crate::error::EventError;
 use crate::online::consumer::delivery::{OutKey, OutRecord};
 use crate::online::consumer::ConsumeConfig;
 use crate::online::policy::check_future_skew;
+
+/// A message read: where it came from, and its event, or its dead letter
+/// if it is not one (built as it is read, so the message's bytes are not
+/// kept).
+pub(super) struct Item {
+    pub(super) topic: Arc<str>,
+    pub(super) partition: i32,
+    pub(super) offset: i64,
+    /// When it was read.
+    pub(super) read_at: Instant,
+    /// The event, or the error's kind and the dead letter.
+    pub(super) event: Result<CallEvent, (&'static str, Box<OutRecord>)>,
+}
 
 /// Decodes a message; the key must be present (producers key by caller).
 pub fn decode_message(m: &impl Message, config: &ConsumeConfig) -> Result<CallEvent, EventError> {

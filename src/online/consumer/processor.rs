@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use futures::future::Shared as SharedFuture;
 use futures::FutureExt;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 use tracing::info;
 
 use crate::engine::rules::RuleSet;
@@ -23,32 +23,13 @@ use super::checkpoint::{self, Early, Uncommitted};
 use super::clients::{
     commit_now, connect, drain, produce_batch, wait_for_room, warm_producer, Clients,
 };
-use super::decide::{self, Decided, Decider};
-use super::delivery::{ConsumerCtx, Offsets, OutRecord};
+use super::decide::{self, Decider, Deciding};
+use super::delivery::{ConsumerCtx, OutRecord};
 use super::encode::Encoder;
 use super::{ConsumeConfig, ConsumeStats, CHECKPOINT_RETRY};
 
 /// The shutdown signal, shared by the loop and the decider.
 type Shutdown = SharedFuture<Pin<Box<dyn Future<Output = ()> + Send>>>;
-
-/// A batch handed to the [`Decider`], with what the loop keeps of it
-/// meanwhile.
-pub(super) struct Deciding {
-    /// Sequence number (from 1).
-    seq: u64,
-    /// The last offset per partition of the messages it came from (stored
-    /// once its records are produced).
-    offsets: Offsets,
-    /// Its dead letters, to which the records are added.
-    out: Vec<OutRecord>,
-    /// When each of its messages was read.
-    read_at: Vec<Instant>,
-    /// The verdicts, on their way.
-    pub(super) reply: oneshot::Receiver<Decided>,
-    /// The verdicts, when they arrived while the next batch was collected
-    /// (an error: the decider stopped).
-    pub(super) ready: Option<Result<Decided, oneshot::error::RecvError>>,
-}
 
 /// What became of a batch offered for deciding.
 enum Admission {
