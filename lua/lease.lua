@@ -1,4 +1,4 @@
--- Credits of the rules keyed by callee or global (src/engine/aggregate.rs;
+-- Credits of the rules keyed by callee or global (src/engine/aggregate/mod.rs;
 -- MemoryLedger there is this script's reference). One counter per rule,
 -- key and bucket, kept as a field of a hash per (shard, rule, window,
 -- bucket): its value is the credits handed out for the bucket, never more

@@ -71,7 +71,7 @@
 --   (empty for a rule without one): a rule rejects only calls it sees, so
 --   its part of the retry-after ends at the last of them; outside:
 --   per kind-5 rule in order, "<count>:<until>" joined by ',' (until, the
---   rule's last rejecting time, '' for none; src/engine/aggregate.rs).
+--   rule's last rejecting time, '' for none; src/engine/aggregate/mod.rs).
 --   A reject by a kind-5 rule sets no block key (the caller is not the
 --   one over the limit).
 -- Returns: per event j, in order, duplicate (0/1) then record, where record is
