@@ -3,10 +3,9 @@
 //! in counters past their time).
 //!
 //! A callee rule starts a counter for most calls (most callees are called
-//! once in a bucket), and drops it `3 W + grace` later. Kept in one map of
-//! every counter, each start and each drop was a random access into a
-//! table of megabytes, and each drop a second one into the memory of
-//! spent reserves. Grouped by (rule, window, bucket), a call's counter is
+//! once in a bucket), and drops it `3 W + grace` later. Grouped by (rule,
+//! window, bucket; why not one map of every counter: `BENCHMARKS.md`,
+//! "the gate's profile"), a call's counter is
 //! found in its bucket's table (the current bucket's, mostly: small and
 //! warm), and a bucket's counters are dropped together: the table is
 //! moved, or walked in order, never searched.

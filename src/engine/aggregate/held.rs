@@ -1,9 +1,8 @@
 //! What an instance holds of each counter ([`Held`]), kept in a
 //! [`Slab`](super::slab::Slab): the gate's buckets map a counter to its
 //! place there, so a batch's plan finds each of its counters once and its
-//! decide goes straight to the place (before, decide built each call's
-//! counter again and looked it up in its bucket's table: a third of the
-//! gate's time).
+//! decide goes straight to the place (why: `BENCHMARKS.md`, "the gate's
+//! profile").
 
 /// What an instance holds of one counter.
 #[derive(Debug, Clone, Copy, Default)]

@@ -1,12 +1,12 @@
 //! [`Recent`]: the last `cap` entries put, by key, oldest forgotten first.
 //!
 //! The gate keeps the results of the call ids it decided, hundreds of
-//! thousands deep and touched once or twice per call. Kept as a hash map
-//! plus a queue of keys, each call cost a random access into a table of
-//! 10 to 30 MB and a copy of its key. Here the entries sit in a ring in
-//! the order they were put (written in sequence, so cheap to write), and
-//! the index is a table of 4-byte positions into it: about 5 bytes per
-//! entry, so a lookup's one random access mostly stays in the cache.
+//! thousands deep and touched once or twice per call. The entries sit in
+//! a ring in the order they were put (written in sequence, so cheap to
+//! write), and the index is a table of 4-byte positions into it: about 5
+//! bytes per entry, so a lookup's one random access mostly stays in the
+//! cache (why not a hash map and a queue: `BENCHMARKS.md`, "the gate's
+//! profile").
 
 use std::hash::{BuildHasher, Hash};
 

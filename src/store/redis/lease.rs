@@ -14,8 +14,8 @@
 //! * a counter the instance holds nothing of (most often a callee called
 //!   once: most callees) is answered by plain increments in one `MULTI`
 //!   per hash slot ([`increment`]): `HINCRBY` by the credits wanted, and
-//!   what passed the limit taken back at once. About a seventh of the
-//!   script's Redis time per counter (measured: 1.1 against 7.3 µs);
+//!   what passed the limit taken back at once, at a fraction of the
+//!   script's Redis time per counter (`BENCHMARKS.md`);
 //! * the others (credits held, or given back) by `lua/lease.lua`, which
 //!   never lets a counter pass the limit.
 //!
