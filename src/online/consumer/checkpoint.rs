@@ -190,6 +190,87 @@ impl Early {
     }
 }
 
+/// The consumer's checkpoint bookkeeping, one method per moment of a
+/// batch: what fits before it is admitted ([`Checkpoint::fits`]), its
+/// spans once admitted ([`Checkpoint::admitted`]), the background commit
+/// moved on after offsets are stored ([`Checkpoint::after_settle`]) and
+/// asked for after its records are produced
+/// ([`Checkpoint::after_produce`]), and a synchronous commit's outcome.
+pub(super) struct Checkpoint {
+    uncommitted: Uncommitted,
+    early: Early,
+    /// The allowance of the current rules ([`span_limit`]).
+    span_limit: i64,
+    /// A commit is due (the allowance ran out) and not confirmed yet.
+    due: bool,
+}
+
+impl Checkpoint {
+    pub(super) fn new(dedup_ms: i64) -> Self {
+        Checkpoint {
+            uncommitted: Uncommitted::default(),
+            early: Early::default(),
+            span_limit: span_limit(dedup_ms),
+            due: false,
+        }
+    }
+
+    /// How many of `items` fit in the allowance of rules with the
+    /// idempotency horizon `dedup_ms` (none while a commit is due).
+    pub(super) fn fits(&mut self, items: &[Item], dedup_ms: i64) -> usize {
+        self.span_limit = span_limit(dedup_ms);
+        if self.due {
+            return 0;
+        }
+        self.uncommitted.cut(items, self.span_limit)
+    }
+
+    /// A batch admitted as number `seq`, with its spans.
+    pub(super) fn admitted(&mut self, seq: u64, spans: Spans) {
+        self.uncommitted.push(seq, spans);
+    }
+
+    /// Offsets were stored: starts a wanted background commit whose
+    /// batches are stored, and applies a finished one.
+    pub(super) fn after_settle(
+        &mut self,
+        consumer: &Arc<StreamConsumer<ConsumerCtx>>,
+        shared: &Shared,
+    ) {
+        self.early.step(consumer, shared, &mut self.uncommitted);
+    }
+
+    /// Batch `seq`'s records were produced: once a quarter of the
+    /// allowance is used (or `cut`: the next batch did not fit), a commit
+    /// is started in the background while deciding goes on.
+    pub(super) fn after_produce(
+        &mut self,
+        seq: u64,
+        cut: bool,
+        consumer: &Arc<StreamConsumer<ConsumerCtx>>,
+        shared: &Shared,
+    ) {
+        if cut || self.uncommitted.due(self.span_limit / 4) {
+            self.early.want(seq);
+        }
+        self.early.step(consumer, shared, &mut self.uncommitted);
+    }
+
+    /// Waits for the background commit under way, if any.
+    pub(super) async fn settle_background(&mut self) {
+        self.early.finish(&mut self.uncommitted).await;
+    }
+
+    /// A synchronous commit confirmed everything decided, or failed: then
+    /// nothing more fits until one is confirmed.
+    pub(super) fn committed(&mut self, ok: bool) {
+        self.due = !ok;
+        if ok {
+            self.uncommitted = Uncommitted::default();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use crate::online::metrics::{Health, Metrics};
 use crate::store::WindowStore;
 
 use super::batch::{next_batch, sort_read, BatchCap, Read, Sorted};
-use super::checkpoint::{self, Early, Uncommitted};
+use super::checkpoint::Checkpoint;
 use super::clients::{
     commit_now, connect, drain, produce_batch, wait_for_room, warm_producer, Clients,
 };
@@ -52,14 +52,9 @@ pub(super) struct Processor {
     /// Encodes the records of decided batches.
     encoder: Encoder,
     stats: ConsumeStats,
-    uncommitted: Uncommitted,
-    early: Early,
+    checkpoint: Checkpoint,
     /// Batches submitted so far.
     seq: u64,
-    /// The checkpoint allowance of the current rules (see [`checkpoint`]).
-    span_limit: i64,
-    /// A checkpoint is due but not committed yet.
-    checkpoint_due: bool,
     /// Messages read but not admitted yet.
     held: Read,
     /// The batch being decided while the next one is collected.
@@ -91,11 +86,11 @@ impl Processor {
             health,
             shutdown.clone(),
         );
-        let (encoder, span_limit) = {
+        let (encoder, checkpoint) = {
             let current = rules.borrow();
             (
                 Encoder::new(&current, &config),
-                checkpoint::span_limit(current.dedup_ms()),
+                Checkpoint::new(current.dedup_ms()),
             )
         };
         let cap = BatchCap::new(config.batch_size);
@@ -108,11 +103,8 @@ impl Processor {
             shutdown,
             encoder,
             stats: ConsumeStats::default(),
-            uncommitted: Uncommitted::default(),
-            early: Early::default(),
+            checkpoint,
             seq: 0,
-            span_limit,
-            checkpoint_due: false,
             held: Read::default(),
             deciding: None,
             cap,
@@ -161,7 +153,7 @@ impl Processor {
     /// Ends the run: the background commit, the last acknowledgements and
     /// a synchronous commit.
     pub async fn drain(mut self) -> Result<ConsumeStats, ConsumeError> {
-        self.early.finish(&mut self.uncommitted).await;
+        self.checkpoint.settle_background().await;
         drain(&self.clients, self.config.drain_timeout).await?;
         Ok(self.stats)
     }
@@ -172,11 +164,8 @@ impl Processor {
         self.clients
             .shared
             .settle::<ConsumerCtx, _>(&*self.clients.consumer)?;
-        self.early.step(
-            &self.clients.consumer,
-            &self.clients.shared,
-            &mut self.uncommitted,
-        );
+        self.checkpoint
+            .after_settle(&self.clients.consumer, &self.clients.shared);
         Ok(())
     }
 
@@ -185,28 +174,27 @@ impl Processor {
     /// the commit under way).
     async fn admit(&mut self, mut batch: Read) -> Result<Admission, ConsumeError> {
         let rules = self.rules.borrow().clone();
-        self.span_limit = checkpoint::span_limit(rules.dedup_ms());
-        let mut cut = self.uncommitted.cut(&batch.items, self.span_limit);
-        if cut == 0 || self.checkpoint_due {
+        let dedup = rules.dedup_ms();
+        let mut cut = self.checkpoint.fits(&batch.items, dedup);
+        if cut == 0 {
             // Everything decided is produced first, so a commit covers it.
             if !self.finish(false).await? {
                 return Ok(Admission::Stop);
             }
-            self.early.finish(&mut self.uncommitted).await;
-            cut = self.uncommitted.cut(&batch.items, self.span_limit);
-            if cut == 0 || self.checkpoint_due {
-                if !commit_now(&self.clients, self.config.drain_timeout).await? {
+            self.checkpoint.settle_background().await;
+            cut = self.checkpoint.fits(&batch.items, dedup);
+            if cut == 0 {
+                let ok = commit_now(&self.clients, self.config.drain_timeout).await?;
+                self.checkpoint.committed(ok);
+                if !ok {
                     // Decide nothing more until it is committed (a
                     // rebalance usually; reading on serves it). What was
                     // read meanwhile waits, undecided; what a revoke takes
                     // is dropped from it and re-read by the new owner.
-                    self.checkpoint_due = true;
                     self.held = batch;
                     return Ok(Admission::Wait);
                 }
-                self.checkpoint_due = false;
-                self.uncommitted = Uncommitted::default();
-                cut = self.uncommitted.cut(&batch.items, self.span_limit);
+                cut = self.checkpoint.fits(&batch.items, dedup);
             }
         }
         if cut < batch.len() {
@@ -231,7 +219,7 @@ impl Processor {
                 .observe(first.elapsed().as_secs_f64());
         }
         self.seq += 1;
-        self.uncommitted.push(self.seq, spans);
+        self.checkpoint.admitted(self.seq, spans);
         let reply = self.decider.submit(rules, events).await?;
         let previous = self.deciding.replace(Deciding {
             seq: self.seq,
@@ -288,16 +276,8 @@ impl Processor {
             self.metrics.decision_delay.observe(delay.as_secs_f64());
         }
         wait_for_room(&self.clients, self.config.max_in_flight).await?;
-        if cut || self.uncommitted.due(self.span_limit / 4) {
-            // A quarter of the allowance used, or the next batch cut:
-            // commit in the background while deciding goes on.
-            self.early.want(d.seq);
-        }
-        self.early.step(
-            &self.clients.consumer,
-            &self.clients.shared,
-            &mut self.uncommitted,
-        );
+        self.checkpoint
+            .after_produce(d.seq, cut, &self.clients.consumer, &self.clients.shared);
         Ok(true)
     }
 }
