@@ -613,7 +613,7 @@ fn redis_commands(con: &mut redis::Connection) -> f64 {
 /// set run first after a flush runs at another speed).
 async fn aggregate_cost(con: &mut redis::Connection, url: &str, total: usize) {
     use callguard::store::gated::{Gated, Ledger};
-    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::aggregate::lease::RedisLedger;
     use callguard::store::Next;
     let base = include_str!("../data/rules.toml");
     let callee = "\n[[rule]]\nname = \"tdos\"\nkey = \"callee\"\nkind = \"fixed\"\nwindow = \"10s\"\nlimit = 50\n";

@@ -4,7 +4,7 @@
 -- bucket): its value is the credits handed out for the bucket, never more
 -- than the limit. Event times never reach this script. Counters an instance
 -- holds nothing of are leased without it, by plain HINCRBY
--- (src/store/redis/lease.rs): such an increment can pass the limit for a
+-- (src/store/redis/aggregate/lease.rs): such an increment can pass the limit for a
 -- moment before it is taken back, so a value here may be over the limit
 -- (no room: nothing granted).
 --

@@ -1,4 +1,4 @@
--- Reserve slots (src/store/redis/slot.rs; what they fence is in
+-- Reserve slots (src/store/redis/aggregate/slot.rs; what they fence is in
 -- src/engine/aggregate/reserve.rs): takes or keeps slot k for an instance
 -- and raises the slot's horizon, the end (event time, ms) of the spans its
 -- holders spend their reserves in. All keys carry one hash tag.

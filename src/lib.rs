@@ -20,7 +20,7 @@
 //!   offline work), or in Redis, either decided in process on cached state
 //!   written back under a version check (`store::cached`, the default) or
 //!   decided in Lua (`store::redis::RedisStore`); the callee and global
-//!   rules' credits (`store::gated`, `store::redis::lease`).
+//!   rules' credits (`store::gated`, `store::redis::aggregate::lease`).
 //! * [`online`]: `consume` (the Kafka stream processor) and `serve` (the
 //!   check API), what they share around the store (`online::policy`), the
 //!   status page, metrics and rule reloads; no polars here.

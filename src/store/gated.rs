@@ -9,7 +9,7 @@ use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
-use crate::store::redis::lease::{is_plain, RedisLedger};
+use crate::store::redis::aggregate::lease::{is_plain, RedisLedger};
 use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
 use std::sync::Arc;
 use tokio::sync::Mutex;

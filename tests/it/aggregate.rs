@@ -614,7 +614,7 @@ fn tune_and_features_take_callee_limits_as_replay_does() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_wait_for_replicas_when_asked() {
     use callguard::engine::aggregate::{CounterId, LeaseRequest};
-    use callguard::store::redis::lease::RedisLedger;
+    use callguard::store::redis::aggregate::lease::RedisLedger;
     use callguard::store::redis::RedisConfig;
     let redis = RedisServer::start(&[]);
     let request = LeaseRequest {
@@ -668,7 +668,7 @@ async fn leases_wait_for_replicas_when_asked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn plain_increments_never_grant_past_the_limit() {
     use callguard::engine::aggregate::{CounterId, LeaseRequest};
-    use callguard::store::redis::lease::{RedisLedger, MARK_FROM};
+    use callguard::store::redis::aggregate::lease::{RedisLedger, MARK_FROM};
     use callguard::store::redis::RedisConfig;
     const KEYS: usize = 400;
     const LIMIT_HERE: u64 = 10;
@@ -779,8 +779,8 @@ async fn a_new_holder_of_a_reserve_slot_spends_nothing_its_predecessor_could_hav
     use callguard::engine::record::Decision;
     use callguard::store::gated::{Gated, Ledger};
     use callguard::store::memory::MemoryStore;
-    use callguard::store::redis::lease::RedisLedger;
-    use callguard::store::redis::slot::{Slots, AHEAD_MS};
+    use callguard::store::redis::aggregate::lease::RedisLedger;
+    use callguard::store::redis::aggregate::slot::{Slots, AHEAD_MS};
     use callguard::store::redis::RedisConfig;
     use callguard::store::WindowStore;
     const LIMIT_HERE: u64 = 64;

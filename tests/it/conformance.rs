@@ -14,7 +14,7 @@ use callguard::engine::rules::RuleSet;
 use callguard::store::cached::CachedStore;
 use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
-use callguard::store::redis::lease::RedisLedger;
+use callguard::store::redis::aggregate::lease::RedisLedger;
 use callguard::store::redis::{RedisConfig, RedisStore};
 use callguard::store::{AnyStore, WindowStore};
 use common::scenarios::{self, T0};

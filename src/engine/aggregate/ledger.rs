@@ -1,6 +1,6 @@
 //! Credits of counters: what an instance asks a ledger for
 //! ([`LeaseRequest`]), what it gets ([`Lease`]), and the ledger kept in
-//! process ([`MemoryLedger`]; Redis's is `src/store/redis/lease.rs`).
+//! process ([`MemoryLedger`]; Redis's is `src/store/redis/aggregate/lease.rs`).
 
 use super::buckets::Buckets;
 use super::{CounterId, MEMORY_MARGIN_MS};

@@ -25,7 +25,7 @@
 //!   Online and offline differ only for calls that late.
 //! * Credits: the count of a bucket is the credits handed out for it. An
 //!   instance takes credits from a ledger in blocks (in Redis
-//!   `src/store/redis/lease.rs`, never past the limit), admits a call only with a
+//!   `src/store/redis/aggregate/lease.rs`, never past the limit), admits a call only with a
 //!   credit in hand, and gives back what it still holds of a bucket when
 //!   it first asks for the next one (unless the batch still needs them).
 //!   Admitted calls per bucket across all instances therefore never

@@ -12,7 +12,7 @@
 //! its reserve only in buckets that start inside the span it was given
 //! (`[from, until)`, event time), where `from` is the end of the spans of
 //! the slot's earlier holders. A holder is told its span by the store
-//! (`src/store/redis/slot.rs`), which raises `until` in Redis before any
+//! (`src/store/redis/aggregate/slot.rs`), which raises `until` in Redis before any
 //! call beyond it; a holder that lost its slot can no longer raise it.
 //! Within one span a holder spends a counter's reserve once: a counter it
 //! forgets (dropped after its time) closes the span below that bucket's

@@ -6,22 +6,20 @@
 //! - [`cluster`]: a Cluster connection rebuilt when it stops answering.
 //! - [`sentinel`]: a standalone primary found through Redis Sentinel and
 //!   followed across failovers.
-//! - [`lease`]: credits of the rules keyed by callee or global
-//!   (`lua/lease.lua`).
-//! - [`slot`]: reserve slots, the credits of those rules an instance may
-//!   spend without asking, fenced per slot (`lua/slot.lua`).
+//! - [`aggregate`]: the rules keyed by callee or global: credits leased
+//!   per counter (`aggregate::lease`, `lua/lease.lua`) and reserve slots
+//!   fenced per slot (`aggregate::slot`, `lua/slot.lua`).
 //! - [`script`]: the script store, [`RedisStore`]: the window algorithm as
 //!   atomic Lua calls (`lua/window.lua`).
 //!
 //! The cached store (`store::cached`) uses the same connection and config.
 
+pub mod aggregate;
 pub mod cluster;
 pub mod config;
 pub mod conn;
-pub mod lease;
 pub mod script;
 pub mod sentinel;
-pub mod slot;
 
 pub use config::classify;
 pub use config::{

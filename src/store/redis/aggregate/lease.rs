@@ -30,13 +30,13 @@ use redis::Value;
 
 use crate::engine::aggregate::{Lease, LeaseRequest, Reserves};
 use crate::error::StoreError;
+use crate::store::redis::aggregate::slot::{Slots, SLOT_LUA};
 use crate::store::redis::classify;
 use crate::store::redis::conn::{is_noscript, Conn};
-use crate::store::redis::slot::{Slots, SLOT_LUA};
 use crate::store::redis::RedisConfig;
 
 /// The lease script.
-pub const LEASE_LUA: &str = include_str!("../../../lua/lease.lua");
+pub const LEASE_LUA: &str = include_str!("../../../../lua/lease.lua");
 
 /// Hash tags the counters are spread over.
 pub const SHARDS: u64 = 16;

@@ -28,7 +28,7 @@ use crate::store::redis::conn::{is_noscript, Conn};
 use crate::store::redis::RedisConfig;
 
 /// The slot script.
-pub const SLOT_LUA: &str = include_str!("../../../lua/slot.lua");
+pub const SLOT_LUA: &str = include_str!("../../../../lua/slot.lua");
 
 /// A slot's lease: a holder that stops renewing frees it after this.
 pub const LEASE: Duration = Duration::from_secs(15);
