@@ -1,5 +1,5 @@
 //! What an instance holds of each counter ([`Held`]), kept in a
-//! [`Slab`](super::slab::Slab): the gate's buckets map a counter to its
+//! [`Slab`](super::table::Slab): the gate's buckets map a counter to its
 //! place there, so a batch's plan finds each of its counters once and its
 //! decide goes straight to the place (why: `BENCHMARKS.md`, "the gate's
 //! profile").

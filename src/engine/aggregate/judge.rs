@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::planned::Planned;
+use super::plan::Planned;
 use super::{counter_of, ttl_of, CounterId, Gate};
 use crate::engine::event::{Aggregated, CallEvent};
 use crate::engine::rules::{RuleSet, WindowKind};

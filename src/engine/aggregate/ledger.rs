@@ -2,7 +2,7 @@
 //! ([`LeaseRequest`]), what it gets ([`Lease`]), and the ledger kept in
 //! process ([`MemoryLedger`]; Redis's is `src/store/redis/aggregate/lease.rs`).
 
-use super::buckets::Buckets;
+use super::counter::Buckets;
 use super::{CounterId, MEMORY_MARGIN_MS};
 
 /// A request for credits of one counter.

@@ -58,23 +58,19 @@ use crate::engine::event::CallEvent;
 use crate::engine::rules::{RuleKey, RuleSet, WindowKind};
 use crate::engine::window::bucket_of;
 
-mod buckets;
-mod checked;
+mod counter;
 mod held;
 mod judge;
 mod ledger;
-mod planned;
-mod recent;
+mod plan;
 mod reserve;
-mod slab;
-use buckets::{Buckets, Counters, Spent, SpentBuckets};
-use checked::{Checked, Remembered};
+mod table;
+use counter::{Buckets, Counters, Spent, SpentBuckets};
 use held::Held;
 pub use ledger::{Lease, LeaseRequest, MemoryLedger};
-use planned::Planned;
-use recent::Recent;
+use plan::{Checked, Planned, Remembered};
 pub use reserve::{reserve_of, shared_limit, Reserves, Span};
-use slab::Slab;
+use table::{Recent, Slab};
 
 /// How much longer than `3 W + grace` the in-process ledger keeps a
 /// counter (event time): calls later than that start it afresh.

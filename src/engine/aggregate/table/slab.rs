@@ -1,11 +1,11 @@
 //! Values by place, a place freed used again: the gate's counters
-//! ([`super::held::Held`]) and the reserves spent in counters past their
-//! time ([`super::buckets::Spent`]) live in one each, and the tables that
+//! ([`crate::engine::aggregate::held::Held`]) and the reserves spent in counters past their
+//! time ([`crate::engine::aggregate::counter::Spent`]) live in one each, and the tables that
 //! find them hold places.
 
 /// Values by place; a place freed is reused.
 #[derive(Debug)]
-pub(super) struct Slab<T> {
+pub(crate) struct Slab<T> {
     places: Vec<T>,
     free: Vec<usize>,
 }

@@ -17,7 +17,7 @@ use compact_str::CompactString;
 use hashbrown::hash_map::{Entry, EntryRef};
 use hashbrown::{Equivalent, HashMap};
 
-use super::slab::Slab;
+use super::table::Slab;
 use super::CounterId;
 
 /// A hash map with the hasher the gate uses.
