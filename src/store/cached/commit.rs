@@ -135,6 +135,26 @@ impl CachedStore {
         Ok(refused)
     }
 
+    /// One transaction reading, per caller of `which` writes, its state
+    /// string, what `records` asks of its records hash (given the hash's
+    /// key), and its log kept apart: three replies per caller, in order.
+    fn read_pipe(
+        &self,
+        writes: &[Write<'_>],
+        which: &[usize],
+        records: impl Fn(&Write<'_>, String) -> redis::Cmd,
+    ) -> redis::Pipeline {
+        let mut pipe = redis::pipe();
+        pipe.atomic();
+        for &i in which {
+            let w = &writes[i];
+            pipe.cmd("GET").arg(self.state_key(w.caller));
+            pipe.add_command(records(w, self.records_key(w.caller)));
+            pipe.cmd("GET").arg(self.log_key(w.caller));
+        }
+        pipe
+    }
+
     /// The state of the callers of `which` writes with only the records of
     /// their `read_ids`: state string, those records (`HMGET`) and the log
     /// kept apart, in one transaction, so the three agree and no version
@@ -146,19 +166,14 @@ impl CachedStore {
         writes: &[Write<'_>],
         which: Vec<usize>,
     ) -> Result<Vec<Refused>, redis::RedisError> {
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        for &i in &which {
-            let w = &writes[i];
-            pipe.cmd("GET").arg(self.state_key(w.caller));
+        let pipe = self.read_pipe(writes, &which, |w, records| {
             let mut hmget = redis::cmd("HMGET");
-            hmget.arg(self.records_key(w.caller));
+            hmget.arg(records);
             for id in w.read_ids.iter().flatten() {
                 hmget.arg(id.as_str());
             }
-            pipe.add_command(hmget);
-            pipe.cmd("GET").arg(self.log_key(w.caller));
-        }
+            hmget
+        });
         let mut it = conn
             .query(&pipe, self.config.timeout * 2)
             .await?
@@ -201,18 +216,11 @@ impl CachedStore {
         writes: &[Write<'_>],
         which: Vec<usize>,
     ) -> Result<Vec<Refused>, redis::RedisError> {
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        for &i in &which {
-            let caller = writes[i].caller;
-            pipe.cmd("GET").arg(self.state_key(caller));
-            pipe.cmd("HSCAN")
-                .arg(self.records_key(caller))
-                .arg(0)
-                .arg("COUNT")
-                .arg(SCAN_COUNT);
-            pipe.cmd("GET").arg(self.log_key(caller));
-        }
+        let pipe = self.read_pipe(writes, &which, |_, records| {
+            let mut hscan = redis::cmd("HSCAN");
+            hscan.arg(records).arg(0).arg("COUNT").arg(SCAN_COUNT);
+            hscan
+        });
         let mut it = conn
             .query(&pipe, self.config.timeout * 2)
             .await?
