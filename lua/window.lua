@@ -166,6 +166,19 @@ local has_own_sets = false
 for i = 1, n do
   if kinds[i] == DISTINCT or paired[i] then has_own_sets = true end
 end
+-- Each rule's own sorted set, as a suffix of the caller's stem (false:
+-- none): pairs' latest times, distinct callees, an own log.
+local own_suffix = {}
+for i = 1, n do
+  own_suffix[i] = false
+  if paired[i] then
+    own_suffix[i] = ':pz:' .. suffix[i]
+  elseif kinds[i] == DISTINCT then
+    own_suffix[i] = ':d:' .. suffix[i]
+  elseif ownlog[i] then
+    own_suffix[i] = ':l:' .. suffix[i]
+  end
+end
 local NM = #mfields
 -- Under attempts with a sliding rule and D = retention, the sliding log holds
 -- exactly the call ids the index would (the same members, scores and
@@ -431,20 +444,6 @@ local c_lnew, c_horizon, c_dedup_horizon, c_prev, c_late
 local c_b_log, c_b_ids, c_b_callees, c_n_callees, c_okeys, c_distinct
 local c_counts, c_approx, c_fixed, c_fchanged, c_tats, c_pst
 
--- Whether rule i sees the call (mask '1') or counts it for the
--- retry-after only ('2'); `count_all` and `record` test '1' inline.
-local function near(i)
-  return c_mask == '' or string.byte(c_mask, i) ~= 48
-end
-
--- A rule's own sorted set (own log or distinct callees), if it has one.
-local function own_key(i)
-  if paired[i] then return c_stem .. ':pz:' .. suffix[i] end
-  if kinds[i] == DISTINCT then return c_stem .. ':d:' .. suffix[i] end
-  if ownlog[i] then return c_stem .. ':l:' .. suffix[i] end
-  return nil
-end
-
 -- A token bucket's TAT as kept, unless the caller starts afresh.
 local function read_tat(i)
   if not c_prev then return nil end
@@ -454,9 +453,13 @@ local function read_tat(i)
 end
 
 -- The kind-5 rules' counts and last rejecting times, in rule order.
+local NONE_OUTSIDE = {}
 local function read_outside(outside)
+  if outside == '' then
+    outside_count, outside_until = NONE_OUTSIDE, NONE_OUTSIDE
+    return
+  end
   outside_count, outside_until = {}, {}
-  if outside == '' then return end
   local i = 0
   for c, u in string.gmatch(outside, '(%d+):(%-?%d*)') do
     repeat i = i + 1 until i > n or kinds[i] == OUTSIDE
@@ -515,10 +518,12 @@ local function trim()
   end
   local okeys = {}
   c_okeys = okeys
-  if c_mask ~= '' or has_own_sets then
+  local stem, mask = c_stem, c_mask
+  if mask ~= '' or has_own_sets then
     for i = 1, n do
-      okeys[i] = own_key(i)
-      if okeys[i] and near(i) then
+      local os = own_suffix[i]
+      if os then okeys[i] = stem .. os end
+      if os and (mask == '' or string.byte(mask, i) ~= 48) then
         if paired[i] then
           -- Pairs whose latest call is at or below the horizon go, state and all.
           local old = call('ZRANGEBYSCORE', okeys[i], '-inf', horizon)
@@ -818,7 +823,9 @@ end
 -- (the contract's retry-after is one past the latest of them), or nil.
 local function until_of(i)
   local t, w, lim, kind, okey = c_t, wins[i], lims[i], kinds[i], c_okeys[i]
-  if rshadow[i] or not near(i) then
+  -- Not near (mask '0'): the rule neither sees the call (mask '1') nor
+  -- counts it for the retry-after only ('2').
+  if rshadow[i] or (c_mask ~= '' and string.byte(c_mask, i) == 48) then
     return nil
   elseif kind == OUTSIDE then
     return outside_until[i]
