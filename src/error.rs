@@ -49,6 +49,9 @@ pub enum EventError {
         /// Which bound it crosses.
         why: String,
     },
+    /// `event` is neither `attempt` nor `end`.
+    #[error("bad event {0}: expected attempt or end")]
+    BadEventKind(String),
     /// The label is not one of 1/0, true/false, fraud/legit.
     #[error("bad label {0}: expected 1/0, true/false or fraud/legit")]
     BadLabel(String),
@@ -98,6 +101,7 @@ impl EventError {
             }
             EventError::BadTimestamp(_) | EventError::TsOutOfRange { .. } => Some("ts"),
             EventError::BadLabel(_) => Some("label"),
+            EventError::BadEventKind(_) => Some("event"),
             EventError::BadCallId(_) => Some("call_id"),
             _ => None,
         }
@@ -112,6 +116,7 @@ impl EventError {
             EventError::BadTimestamp(_) => "bad_timestamp",
             EventError::TsOutOfRange { .. } => "ts_out_of_range",
             EventError::BadLabel(_) => "bad_label",
+            EventError::BadEventKind(_) => "bad_event",
             EventError::BadCallId(_) => "bad_call_id",
             EventError::Json(_) => "bad_json",
             EventError::Oversized { .. } => "oversized",

@@ -48,6 +48,9 @@ pub const REASON_OK: &str = "ok";
 pub use crate::engine::rules::{REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST};
 /// Reason of a decision made by a fallback policy while the store failed.
 pub const REASON_STORE_ERROR: &str = "store_error";
+/// The reason in the record of a call's end ([`Verdict::of_end`]), which
+/// no output writes.
+pub const REASON_END: &str = "end";
 
 /// Window counts, one per rule: kept inline for up to four rules (no
 /// allocation per record for the usual rule sets).
@@ -114,6 +117,10 @@ pub struct Verdict {
     pub distinct_callees: Option<u64>,
     /// This call_id was seen before: the record is the one it got then.
     pub duplicate: bool,
+    /// The event was a call's end ([`EventKind::End`]), not an attempt: it
+    /// was applied, not decided, and no output writes its record (which
+    /// holds only the call's identity and the end's time).
+    pub end: bool,
 }
 
 impl Verdict {
@@ -145,7 +152,19 @@ impl Verdict {
             prev_ts_ms: None,
             distinct_callees: None,
             duplicate: false,
+            end: false,
         }
+    }
+
+    /// What applying a call's end returns: allowed, no counts, reason
+    /// [`REASON_END`], flagged `end` (see [`Verdict::end`]).
+    pub fn of_end(event: &CallEvent, rules: &RuleSet) -> Self {
+        let mut v = Verdict::degraded(event, rules, Decision::Allow);
+        v.record.degraded = false;
+        v.record.reason = CompactString::const_new(REASON_END);
+        v.record.counts = smallvec::smallvec![0; rules.rules.len()];
+        v.end = true;
+        v
     }
 }
 
@@ -164,7 +183,9 @@ static NO_EVENT: CallEvent = CallEvent {
     caller: CompactString::const_new(""),
     ts_ms: 0,
     callee: None,
+    kind: crate::engine::event::EventKind::Attempt,
     duration_ms: None,
+    talk_ms: None,
     label: None,
     list_number: None,
     filter_callee: None,

@@ -24,6 +24,10 @@ pub enum WindowKind {
     TokenBucket,
     /// Distinct callees of the recorded calls in `(t - W, t]`.
     DistinctCallees,
+    /// Calls of the key open at the attempt's time, this one included: an
+    /// allowed attempt is open from its start until its end event, or
+    /// for at most the rule's `max_duration` (its window).
+    Concurrent,
 }
 
 impl WindowKind {
@@ -35,6 +39,7 @@ impl WindowKind {
             WindowKind::SlidingApprox => "sliding-approx",
             WindowKind::TokenBucket => "token-bucket",
             WindowKind::DistinctCallees => "distinct-callees",
+            WindowKind::Concurrent => "concurrent",
         }
     }
 
@@ -46,11 +51,12 @@ impl WindowKind {
             WindowKind::SlidingApprox => 2,
             WindowKind::TokenBucket => 3,
             WindowKind::DistinctCallees => 4,
+            WindowKind::Concurrent => 6,
         }
     }
 
-    /// Parses `fixed`, `sliding`, `sliding-approx`, `token-bucket` or
-    /// `distinct-callees`.
+    /// Parses `fixed`, `sliding`, `sliding-approx`, `token-bucket`,
+    /// `distinct-callees` or `concurrent`.
     pub fn parse(s: &str) -> Result<Self, RulesError> {
         match s {
             "fixed" => Ok(WindowKind::Fixed),
@@ -58,8 +64,9 @@ impl WindowKind {
             "sliding-approx" | "sliding_approx" | "approx" => Ok(WindowKind::SlidingApprox),
             "token-bucket" | "token_bucket" => Ok(WindowKind::TokenBucket),
             "distinct-callees" | "distinct_callees" => Ok(WindowKind::DistinctCallees),
+            "concurrent" => Ok(WindowKind::Concurrent),
             other => Err(RulesError::Invalid(format!(
-                "unknown window kind `{other}` (fixed, sliding, sliding-approx, token-bucket, distinct-callees)"
+                "unknown window kind `{other}` (fixed, sliding, sliding-approx, token-bucket, distinct-callees, concurrent)"
             ))),
         }
     }
@@ -201,7 +208,8 @@ pub struct Rule {
     /// How the window counts.
     pub kind: WindowKind,
     /// Window length in milliseconds; for a token bucket its span
-    /// ([`Rate::span_ms`] of the burst).
+    /// ([`Rate::span_ms`] of the burst); for a concurrent rule its
+    /// `max_duration`, the longest a call holds a slot.
     pub window_ms: i64,
     /// Largest allowed count (a token bucket's burst); a call whose count
     /// exceeds it is rejected.
@@ -252,7 +260,8 @@ impl Rule {
         self.kind == WindowKind::Sliding && self.key == RuleKey::Caller && !self.filter.is_empty()
     }
 
-    /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`.
+    /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`
+    /// (for `concurrent`, WINDOW is the max duration: `channels:concurrent:4h:10`).
     pub fn parse_shorthand(s: &str) -> Result<Self, RulesError> {
         let parts: Vec<&str> = s.split(':').collect();
         let [name, kind, window, limit] = parts[..] else {

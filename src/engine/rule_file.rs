@@ -42,6 +42,7 @@ struct RuleEntry {
     name: String,
     kind: String,
     window: Option<String>,
+    max_duration: Option<String>,
     limit: Option<u64>,
     rate: Option<String>,
     burst: Option<u64>,
@@ -85,7 +86,36 @@ impl RuleEntry {
         let name = self.name.clone();
         let err = |field: &str, msg: String| field_error(&name, field, msg);
         let kind = WindowKind::parse(&self.kind).map_err(|e| err("kind", e.to_string()))?;
-        let (window_ms, limit, rate) = if kind == WindowKind::TokenBucket {
+        if kind != WindowKind::Concurrent && self.max_duration.is_some() {
+            return Err(err(
+                "max_duration",
+                "only a concurrent rule has one (a window rule has `window`)".into(),
+            ));
+        }
+        let (window_ms, limit, rate) = if kind == WindowKind::Concurrent {
+            for (set, field) in [
+                (self.window.is_some(), "window"),
+                (self.rate.is_some(), "rate"),
+                (self.burst.is_some(), "burst"),
+            ] {
+                if set {
+                    return Err(err(
+                        field,
+                        "a concurrent rule has `limit` and `max_duration` instead".into(),
+                    ));
+                }
+            }
+            let longest = self.max_duration.as_deref().ok_or_else(|| {
+                err(
+                    "max_duration",
+                    "missing: the longest a call holds a slot when its end never comes, e.g. \"4h\"".into(),
+                )
+            })?;
+            let max_ms =
+                parse_duration_ms(longest).map_err(|e| err("max_duration", e.to_string()))?;
+            let limit = self.limit.ok_or_else(|| err("limit", "missing".into()))?;
+            (max_ms, limit, None)
+        } else if kind == WindowKind::TokenBucket {
             for (set, field) in [
                 (self.window.is_some(), "window"),
                 (self.limit.is_some(), "limit"),
@@ -263,6 +293,40 @@ mod tests {
         assert!(e.contains("rate"), "{e}");
         let e = error_of(&format!("{w}callees_file = \"ranges.txt\"\n"));
         assert!(e.contains("callees_file"), "{e}");
+    }
+
+    #[test]
+    fn a_concurrent_rule_needs_a_max_duration_and_no_window() {
+        let rules = RuleSet::from_toml(&format!(
+            "{BASE}kind = \"concurrent\"\nlimit = 10\nmax_duration = \"4h\"\n"
+        ))
+        .unwrap();
+        assert_eq!(rules.rules[0].kind, WindowKind::Concurrent);
+        assert_eq!(rules.rules[0].window_ms, 4 * 3_600_000);
+        assert_eq!(rules.rules[0].to_string(), "irsf:concurrent:4h:10");
+        assert!(rules.has_concurrent());
+        for (text, field) in [
+            ("kind = \"concurrent\"\nlimit = 10\n", "max_duration"),
+            (
+                "kind = \"concurrent\"\nlimit = 10\nmax_duration = \"4h\"\nwindow = \"1h\"\n",
+                "window",
+            ),
+            ("kind = \"concurrent\"\nmax_duration = \"4h\"\n", "limit"),
+            (
+                "kind = \"sliding\"\nwindow = \"1h\"\nlimit = 3\nmax_duration = \"4h\"\n",
+                "max_duration",
+            ),
+            (
+                "kind = \"concurrent\"\nlimit = 3\nmax_duration = \"4h\"\nkey = \"callee\"\n",
+                "key",
+            ),
+        ] {
+            let e = error_of(text);
+            assert!(e.contains("`irsf`") && e.contains(field), "{text}: {e}");
+        }
+        // The shorthand takes the max duration where a window goes.
+        let short = RuleSet::from_args(None, &["ch:concurrent:30m:2".into()]).unwrap();
+        assert_eq!(short.rules[0].window_ms, 1_800_000);
     }
 
     #[test]

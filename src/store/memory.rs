@@ -1,6 +1,6 @@
 //! The in-memory store: the reference semantics, in process.
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
@@ -76,6 +76,10 @@ impl MemoryStore {
             self.evict_idle(rules);
             self.next_eviction = self.applied + EVICT_EVERY.max(self.callers.len() as u64);
         }
+        if ev.kind == EventKind::End && !rules.has_concurrent() {
+            // Nothing holds calls open: the end changes nothing.
+            return Verdict::of_end(ev, rules);
+        }
         match self.callers.get_mut(ev.caller.as_str()) {
             Some(state) => state.apply_unique(rules, ev, unique),
             None => {
@@ -99,7 +103,7 @@ impl MemoryStore {
         if let Some(w) = self.watermark {
             let cutoff = w.saturating_sub(rules.dedup_ms());
             self.callers
-                .retain(|_, s| s.latest().is_some_and(|l| l > cutoff));
+                .retain(|_, s| s.active_until().is_some_and(|l| l > cutoff));
         }
     }
 }

@@ -21,6 +21,44 @@ pub mod cached;
 /// other callers' calls share.
 pub const CONTENDED: &str =
     "a caller changed under each of its commit rounds: another writer is deciding it";
+
+/// Why a Redis store refuses a rule set with a concurrent rule.
+pub const CONCURRENT_IN_MEMORY_ONLY: &str =
+    "concurrent rules are kept by --store memory only in this version: \
+     the Redis stores do not hold open calls yet";
+
+/// A batch's attempts, when it holds call ends, for a store that keeps no
+/// open calls (no concurrent rule: an end changes nothing); `None` when
+/// it holds only attempts.
+pub(crate) fn attempts_of(events: &[CallEvent]) -> Option<Vec<CallEvent>> {
+    use crate::engine::event::EventKind;
+    events.iter().any(|e| e.kind == EventKind::End).then(|| {
+        events
+            .iter()
+            .filter(|e| e.kind != EventKind::End)
+            .cloned()
+            .collect()
+    })
+}
+
+/// The results of a batch from those of its attempts ([`attempts_of`]):
+/// each end gets [`Verdict::of_end`], wrapped by `wrap`.
+pub(crate) fn with_ends<T>(
+    rules: &RuleSet,
+    events: &[CallEvent],
+    decided: Vec<T>,
+    wrap: impl Fn(Verdict) -> T,
+) -> Vec<T> {
+    use crate::engine::event::EventKind;
+    let mut decided = decided.into_iter();
+    events
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::End => Some(wrap(Verdict::of_end(e, rules))),
+            EventKind::Attempt => decided.next(),
+        })
+        .collect()
+}
 pub mod connecting;
 pub mod gated;
 pub mod memory;

@@ -129,6 +129,7 @@ impl Verdict {
             prev_ts_ms: optional(prev)?,
             distinct_callees: optional(distinct)?.map(|d| d as u64),
             duplicate,
+            end: false,
         })
     }
 }

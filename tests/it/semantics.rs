@@ -116,6 +116,7 @@ fn check_case(
             duplicate: v.duplicate,
             retry_after_ms: v.record.retry_after_ms.filter(|_| retry),
             warn: v.record.warn.as_ref().map(|w| w.to_string()),
+            end: v.end,
         };
         prop_assert_eq!(
             &got,
@@ -161,6 +162,20 @@ proptest! {
             let again = store.apply(&rules, e);
             prop_assert_eq!(&again.record, &first[i].record, "call #{} ({}) of the redelivered suffix from #{}", i, e.call_id, k);
         }
+    }
+
+    /// Concurrent rules and call ends: ends after their calls, before them,
+    /// twice, at the same millisecond, before the start, for calls that
+    /// never come; max durations that close calls without an end.
+    #[test]
+    fn concurrent_rules_and_call_ends_match_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
+        check_case(seed, random::concurrent_case_scaled(seed, n, callers, 1), false)?;
+    }
+
+    /// The same with short windows, retry-afters included.
+    #[test]
+    fn concurrent_retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..3) {
+        check_case(seed, random::concurrent_case_scaled(seed, n, callers, 100), true)?;
     }
 
     /// Windows of 5 to 100 ms, so the reference can find each reject's

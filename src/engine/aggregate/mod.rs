@@ -186,6 +186,10 @@ impl Default for Gate {
 /// The key of the counter rule `i` counts `ev` in (the callee, or empty
 /// for a global rule), if it sees it.
 fn key_of<'a>(rules: &RuleSet, i: usize, ev: &'a CallEvent) -> Option<&'a str> {
+    // A call's end is no call: no window counts it.
+    if ev.kind == crate::engine::event::EventKind::End {
+        return None;
+    }
     let key = match rules.rules[i].key {
         RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
         RuleKey::Global => "",

@@ -101,7 +101,29 @@ impl std::fmt::Debug for NumberHasher {
     }
 }
 
-/// One call attempt, decoded and normalised.
+/// What an event says of its call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum EventKind {
+    /// The call is attempted: it is decided (today's events).
+    #[default]
+    Attempt,
+    /// The call ended (hung up, or failed): `ts` is the hang-up time. It is
+    /// not decided; it closes the call for the concurrent rules and brings
+    /// its talk time to the sums.
+    End,
+}
+
+impl EventKind {
+    /// `attempt` or `end`, as inputs write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventKind::Attempt => "attempt",
+            EventKind::End => "end",
+        }
+    }
+}
+
+/// One call event (an attempt, or the end of a call), decoded and normalised.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CallEvent {
     /// Unique id of the call attempt (the idempotency key); inline up to 24
@@ -115,8 +137,15 @@ pub struct CallEvent {
     /// The called number, normalised to E.164 like the caller; `None` when
     /// absent or not a valid number (the call itself stays valid).
     pub callee: Option<CompactString>,
-    /// Call duration in milliseconds, if present.
+    /// Attempt or end ([`EventKind`]); an attempt unless the input says
+    /// `event = "end"`.
+    pub kind: EventKind,
+    /// Call duration in milliseconds (attempt to hang-up), if present: in a
+    /// call log, the call also ends at `ts + duration_ms`.
     pub duration_ms: Option<i64>,
+    /// Talk (answered) time in milliseconds, if present; absent or 0 means
+    /// unanswered.
+    pub talk_ms: Option<i64>,
     /// Ground truth for tuning: `true` for fraud, if present.
     pub label: Option<bool>,
     /// With pseudonymised numbers: the caller's real normalised number, for
@@ -252,7 +281,16 @@ impl<'a> RawValue<'a> {
 }
 
 /// The canonical field names of a call event.
-pub const FIELDS: [&str; 6] = ["call_id", "caller", "ts", "callee", "duration_ms", "label"];
+pub const FIELDS: [&str; 8] = [
+    "call_id",
+    "caller",
+    "ts",
+    "callee",
+    "duration_ms",
+    "label",
+    "event",
+    "talk_ms",
+];
 
 /// Places in [`FIELDS`].
 const CALL_ID: usize = 0;
@@ -262,6 +300,8 @@ pub const TS: usize = 2;
 const CALLEE: usize = 3;
 const DURATION_MS: usize = 4;
 const LABEL: usize = 5;
+const EVENT: usize = 6;
+const TALK_MS: usize = 7;
 
 /// The unit of a time or duration field of an input (`--map
 /// duration_ms=billsec:s`).
@@ -283,6 +323,7 @@ pub struct FieldMap {
     /// fields, not a map).
     ts_unit: Option<Unit>,
     duration_unit: Option<Unit>,
+    talk_unit: Option<Unit>,
 }
 
 impl FieldMap {
@@ -291,7 +332,7 @@ impl FieldMap {
     /// (`duration_ms=billsec:s`).
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<Self, EventError> {
         let mut names = HashMap::new();
-        let (mut ts_unit, mut duration_unit) = (None, None);
+        let (mut ts_unit, mut duration_unit, mut talk_unit) = (None, None, None);
         for entry in entries {
             for pair in entry.as_ref().split(',').filter(|p| !p.trim().is_empty()) {
                 let (canon, source) = pair
@@ -313,9 +354,10 @@ impl FieldMap {
                     (_, None) => {}
                     ("ts", unit) => ts_unit = unit,
                     ("duration_ms", unit) => duration_unit = unit,
+                    ("talk_ms", unit) => talk_unit = unit,
                     _ => {
                         return Err(EventError::BadMapping(format!(
-                            "{pair}: only ts and duration_ms take a unit (:s or :ms)"
+                            "{pair}: only ts, duration_ms and talk_ms take a unit (:s or :ms)"
                         )))
                     }
                 }
@@ -326,6 +368,7 @@ impl FieldMap {
             names,
             ts_unit,
             duration_unit,
+            talk_unit,
         })
     }
 
@@ -339,11 +382,17 @@ impl FieldMap {
         self.duration_unit
     }
 
-    /// The unit given for `canonical` (`ts` or `duration_ms`), if any.
+    /// The unit given for `talk_ms`, if any.
+    pub fn talk_unit(&self) -> Option<Unit> {
+        self.talk_unit
+    }
+
+    /// The unit given for `canonical` (`ts`, `duration_ms` or `talk_ms`), if any.
     fn unit(&self, canonical: &str) -> Option<Unit> {
         match canonical {
             "ts" => self.ts_unit,
             "duration_ms" => self.duration_unit,
+            "talk_ms" => self.talk_unit,
             _ => None,
         }
     }
@@ -446,8 +495,14 @@ impl Decoder {
         // A bad optional field drops that field, not the call: the call
         // still counts in its caller's windows, so other calls' counts
         // do not depend on it.
-        let duration = parse_duration(get(DURATION_MS), self.map.duration_unit());
+        let kind = parse_event_kind(get(EVENT))?;
+        let duration = parse_duration(get(DURATION_MS), self.map.duration_unit(), "duration_ms");
         let duration_ms = duration.unwrap_or_else(|e| {
+            dropped.push(e);
+            None
+        });
+        let talk = parse_duration(get(TALK_MS), self.map.talk_unit(), "talk_ms");
+        let talk_ms = talk.unwrap_or_else(|e| {
             dropped.push(e);
             None
         });
@@ -497,7 +552,9 @@ impl Decoder {
             caller,
             ts_ms,
             callee,
+            kind,
             duration_ms,
+            talk_ms,
             label,
             list_number,
             filter_callee,
@@ -814,17 +871,21 @@ fn seconds_value(v: RawValue<'_>) -> Option<i64> {
     }
 }
 
-/// Parses a duration as milliseconds: a non-negative integer, or with
-/// `Unit::Seconds` non-negative seconds (fractions allowed); empty means
-/// unknown.
-fn parse_duration(v: RawValue<'_>, unit: Option<Unit>) -> Result<Option<i64>, EventError> {
+/// Parses a duration field (`duration_ms`, `talk_ms`) as milliseconds: a
+/// non-negative integer, or with `Unit::Seconds` non-negative seconds
+/// (fractions allowed); empty means unknown.
+fn parse_duration(
+    v: RawValue<'_>,
+    unit: Option<Unit>,
+    field: &'static str,
+) -> Result<Option<i64>, EventError> {
     match v {
         v if v.is_null() => Ok(None),
         v if unit == Some(Unit::Seconds) => {
             seconds_value(v)
                 .map(Some)
                 .ok_or_else(|| EventError::BadNumber {
-                    field: "duration_ms",
+                    field,
                     value: format!("{v} (seconds, as mapped with :s)"),
                 })
         }
@@ -832,13 +893,29 @@ fn parse_duration(v: RawValue<'_>, unit: Option<Unit>) -> Result<Option<i64>, Ev
         RawValue::Str(s) => match s.trim().parse::<i64>() {
             Ok(i) if i >= 0 => Ok(Some(i)),
             _ => Err(EventError::BadNumber {
-                field: "duration_ms",
+                field,
                 value: printable(s),
             }),
         },
         v => Err(EventError::BadNumber {
-            field: "duration_ms",
+            field,
             value: v.to_string(),
+        }),
+    }
+}
+
+/// Parses `event`: `attempt` (also when absent or empty) or `end`. Any
+/// other value refuses the event: read as an attempt, an end would count
+/// a call that never was.
+fn parse_event_kind(v: RawValue<'_>) -> Result<EventKind, EventError> {
+    match v {
+        v if v.is_null() => Ok(EventKind::Attempt),
+        RawValue::Str(s) if s.trim().eq_ignore_ascii_case("attempt") => Ok(EventKind::Attempt),
+        RawValue::Str(s) if s.trim().eq_ignore_ascii_case("end") => Ok(EventKind::End),
+        RawValue::Str(s) => Err(EventError::BadEventKind(printable(s))),
+        v => Err(EventError::WrongType {
+            field: "event",
+            found: v.kind(),
         }),
     }
 }
@@ -1089,6 +1166,41 @@ mod tests {
             (e.label, e.duration_ms, e.dropped),
             (Some(true), Some(1500), None)
         );
+    }
+
+    #[test]
+    fn decodes_call_ends_and_talk_time() {
+        let d = Decoder::default();
+        let base = r#""call_id":"x","caller":"+34911000003","ts":1764547200000"#;
+        let e = d.decode_json(format!("{{{base}}}").as_bytes()).unwrap();
+        assert_eq!((e.kind, e.talk_ms), (EventKind::Attempt, None));
+        let e = d
+            .decode_json(format!(r#"{{{base},"event":"end","talk_ms":61000}}"#).as_bytes())
+            .unwrap();
+        assert_eq!((e.kind, e.talk_ms), (EventKind::End, Some(61_000)));
+        let e = d
+            .decode_json(format!(r#"{{{base},"event":"attempt"}}"#).as_bytes())
+            .unwrap();
+        assert_eq!(e.kind, EventKind::Attempt);
+        // An unknown kind refuses the event; a bad talk time is dropped.
+        let bad = d.decode_json(format!(r#"{{{base},"event":"hangup"}}"#).as_bytes());
+        assert!(
+            matches!(&bad, Err(EventError::BadEventKind(v)) if v.contains("hangup")),
+            "{bad:?}"
+        );
+        assert_eq!(bad.unwrap_err().kind(), "bad_event");
+        let e = d
+            .decode_json(format!(r#"{{{base},"event":"end","talk_ms":-3}}"#).as_bytes())
+            .unwrap();
+        assert_eq!((e.kind, e.talk_ms), (EventKind::End, None));
+        assert_eq!(e.dropped.as_deref().map(<[_]>::len), Some(1));
+        // billsec in seconds, as CDRs write it.
+        let map = FieldMap::parse(&["talk_ms=billsec:s"]).unwrap();
+        let d = Decoder::new(map, None).unwrap();
+        let e = d
+            .decode_json(format!(r#"{{{base},"event":"end","billsec":"12.5"}}"#).as_bytes())
+            .unwrap();
+        assert_eq!(e.talk_ms, Some(12_500));
     }
 
     #[test]

@@ -144,6 +144,13 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
              (its count is shared between instances as leased credits)",
         );
     }
+    if r.kind == WindowKind::Concurrent && r.key != RuleKey::Caller {
+        return bad(
+            "key",
+            "a concurrent rule counts a caller's open calls: key must be `caller` \
+             (per callee pair, callee, global and account are not built yet)",
+        );
+    }
     if r.kind == WindowKind::DistinctCallees {
         if r.key != RuleKey::Caller {
             return bad(

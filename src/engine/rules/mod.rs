@@ -345,6 +345,12 @@ impl RuleSet {
         self.max_window_ms() + self.grace_ms
     }
 
+    /// Whether any rule counts calls open ([`WindowKind::Concurrent`]):
+    /// only then do call ends change anything.
+    pub fn has_concurrent(&self) -> bool {
+        self.rules.iter().any(|r| r.kind == WindowKind::Concurrent)
+    }
+
     /// Whether any rule counts on the caller's shared sliding log (a
     /// sliding rule keyed by caller that sees every call).
     pub fn has_sliding(&self) -> bool {

@@ -107,7 +107,7 @@ pub(super) fn pair_count(rule: &Rule, pair: &mut Pair, t: i64, h: &Horizons, gra
             None => 1,
         },
         // Not keyed by pair (the rule set refuses it).
-        WindowKind::DistinctCallees => 1,
+        WindowKind::DistinctCallees | WindowKind::Concurrent => 1,
     }
 }
 
@@ -135,7 +135,7 @@ pub(super) fn pair_record(rule: &Rule, pair: &mut Pair, t: i64, h: &Horizons, gr
                 pair.tat = Some(Tat::next(pair.tat, t, rate));
             }
         }
-        WindowKind::DistinctCallees => {}
+        WindowKind::DistinctCallees | WindowKind::Concurrent => {}
     }
 }
 
@@ -170,7 +170,7 @@ pub(super) fn pair_rejects_until(
                 .map(|s| s.min(expires.saturating_sub(1))),
             _ => None,
         },
-        WindowKind::DistinctCallees => None,
+        WindowKind::DistinctCallees | WindowKind::Concurrent => None,
     }
     .filter(|&s| s > t)
 }
@@ -358,6 +358,7 @@ impl CallerState {
                     a.bucket
                         .and_then(|cb| approx_rejects_until(cb, a.cur, a.prev, w, n, expires))
                 }
+                WindowKind::Concurrent => slot(&mut self.open, rule).rejects_until(t, n),
             };
             if let Some(s) = rejects_until.and_then(|s| profiled(rule, s)) {
                 last = last.max(s);

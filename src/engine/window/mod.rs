@@ -80,13 +80,14 @@ use std::collections::{BTreeMap, VecDeque};
 use compact_str::CompactString;
 use foldhash::HashMap;
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::{Counts, Decision, DecisionRecord, Verdict, REASON_OK};
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleKey, RuleSet, WindowKind};
 
 mod bucket;
 mod counting;
 mod distinct;
+mod open;
 mod pack;
 mod pairs;
 
@@ -97,6 +98,7 @@ use counting::{
     bucket_end, insert_sorted, pair_count, pair_record, sliding_count, Approx, Horizons,
 };
 pub use distinct::Callees;
+pub use open::{OpenCalls, PendingEnds, MAX_PENDING_ENDS};
 pub use pack::PackedLog;
 pub(crate) use pack::{put_varint, take_varint};
 use pairs::{Pair, Pairs};
@@ -183,6 +185,10 @@ pub struct CallerState {
     distinct: Vec<(RuleId, Callees)>,
     /// Per rule keyed by caller and callee, by identity: its pairs.
     pairs: Vec<(RuleId, Pairs)>,
+    /// Per concurrent rule, by identity: the calls it holds open.
+    open: Vec<(RuleId, OpenCalls)>,
+    /// Ends that came before their calls, for the idempotency horizon.
+    pending_ends: PendingEnds,
     /// Idempotency: call id → the verdict it got.
     seen: HashMap<CompactString, Verdict>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
@@ -205,6 +211,18 @@ impl CallerState {
     /// The caller's latest event time.
     pub fn latest(&self) -> Option<i64> {
         self.latest
+    }
+
+    /// The latest time anything of the caller's was kept at: its latest
+    /// call, or an end that came before its call (kept for the
+    /// idempotency horizon from then). A store may let the caller go once
+    /// this is past that horizon.
+    pub fn active_until(&self) -> Option<i64> {
+        let pending = self.pending_ends.newest();
+        match (self.latest, pending) {
+            (Some(l), Some(p)) => Some(l.max(p)),
+            (l, p) => l.or(p),
+        }
     }
 
     /// Applies one event and returns its verdict.
@@ -245,6 +263,10 @@ impl CallerState {
         unique: bool,
         mut journal: Option<&mut Journal>,
     ) -> Verdict {
+        if ev.kind == EventKind::End {
+            self.end_call(rules, ev);
+            return Verdict::of_end(ev, rules);
+        }
         let t = ev.ts_ms;
         let h = Horizons::new(rules, self.latest, t);
         if !unique {
@@ -283,11 +305,14 @@ impl CallerState {
             }
             self.record(rules, ev, &h, &counts);
         }
+        let shadow = would == Decision::Reject
+            && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
+        if (would == Decision::Allow || shadow) && t > h.retention {
+            self.open_call(rules, ev, &counts);
+        }
         self.cap_pairs(rules);
         self.latest = Some(h.latest);
 
-        let shadow = would == Decision::Reject
-            && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
         // A list's reject is for good: no time after which it would pass.
         let listed = matches!(judgement, Judgement::Denylisted(_));
         let retry_after_ms = (would == Decision::Reject && !shadow && !listed)
@@ -313,6 +338,7 @@ impl CallerState {
             prev_ts_ms: prev,
             distinct_callees,
             duplicate: false,
+            end: false,
         };
         if !unique {
             self.remember(t, &ev.call_id, &verdict);
@@ -363,6 +389,8 @@ impl CallerState {
             buckets,
             distinct,
             pairs,
+            open,
+            pending_ends: _,
             seen: _,
             seen_by_ts: _,
             callees,
@@ -377,6 +405,7 @@ impl CallerState {
         buckets.clear();
         distinct.clear();
         pairs.clear();
+        open.clear();
         callees.clear();
         callees.shrink_to(KEPT_CAPACITY);
         callees_by_ts.clear();
@@ -461,6 +490,45 @@ impl CallerState {
             WindowKind::SlidingApprox => {
                 slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, h.retention)
             }
+            // At or below the horizon the calls that were open then are
+            // gone: counts 1, and the call opens nothing.
+            WindowKind::Concurrent if t <= h.retention => 1,
+            WindowKind::Concurrent => slot(&mut self.open, rule).count(t),
+        }
+    }
+
+    /// Holds an allowed call (shadow rejects included: they connect) open
+    /// in every concurrent rule that saw it (`counts`: 0 for exactly the
+    /// rules that did not), closed at its end if that came first.
+    fn open_call(&mut self, rules: &RuleSet, ev: &CallEvent, counts: &[u64]) {
+        let mut end = None;
+        let mut taken = false;
+        for (rule, &count) in rules.rules.iter().zip(counts) {
+            if rule.kind != WindowKind::Concurrent || count == 0 || rule.key != RuleKey::Caller {
+                continue;
+            }
+            if !taken {
+                end = self.pending_ends.take(&ev.call_id);
+                taken = true;
+            }
+            slot(&mut self.open, rule).open(&ev.call_id, ev.ts_ms, end, rule.window_ms);
+        }
+    }
+
+    /// A call's end: closes it in every concurrent rule that holds it. An
+    /// end for a call not held is remembered, unless the call was decided
+    /// already (rejected, or seen by no concurrent rule): then it changes
+    /// nothing. Ends move no horizon (they are not calls).
+    fn end_call(&mut self, rules: &RuleSet, ev: &CallEvent) {
+        if !rules.has_concurrent() {
+            return;
+        }
+        let mut held = false;
+        for (_, calls) in &mut self.open {
+            held |= calls.end(&ev.call_id, ev.ts_ms);
+        }
+        if !held && !self.seen.contains_key(&ev.call_id) {
+            self.pending_ends.note(&ev.call_id, ev.ts_ms);
         }
     }
 
@@ -519,6 +587,8 @@ impl CallerState {
                         _ => {}
                     }
                 }
+                // Opened by its decision, not by `count` (see `open_call`).
+                WindowKind::Concurrent => {}
             }
         }
     }
@@ -565,6 +635,10 @@ impl CallerState {
         for (_, callees) in &mut self.distinct {
             callees.trim(horizon);
         }
+        for (_, calls) in &mut self.open {
+            calls.trim(horizon);
+        }
+        self.pending_ends.trim(dedup_horizon);
         let grace = rules.grace_ms;
         for (id, pairs) in &mut self.pairs {
             let w = id.window_ms;

@@ -240,6 +240,7 @@ mod tests {
             prev_ts_ms: None,
             distinct_callees: None,
             duplicate: true,
+            end: false,
         }
     }
 

@@ -138,6 +138,7 @@ mod tests {
             prev_ts_ms: None,
             distinct_callees: None,
             duplicate: false,
+            end: false,
         }
     }
 

@@ -495,6 +495,7 @@ mod tests {
             prev_ts_ms: None,
             distinct_callees: None,
             duplicate: false,
+            end: false,
         }
     }
 

@@ -487,6 +487,26 @@ impl WindowStore for CachedStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        if rules.has_concurrent() {
+            return Err(StoreError::fatal(crate::store::CONCURRENT_IN_MEMORY_ONLY));
+        }
+        match crate::store::attempts_of(events) {
+            Some(attempts) => {
+                let decided = self.apply_attempts(rules, &attempts).await?;
+                Ok(crate::store::with_ends(rules, events, decided, Some))
+            }
+            None => self.apply_attempts(rules, events).await,
+        }
+    }
+}
+
+impl CachedStore {
+    /// [`WindowStore::apply_batch_partial`] of attempts only.
+    async fn apply_attempts(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
         if events.is_empty() {
             return Ok(Vec::new());
         }

@@ -239,3 +239,91 @@ pub fn aggregate_case(seed: u64, n: usize, callers: usize) -> (RuleSet, Vec<Call
     let mut rng = StdRng::seed_from_u64(seed ^ 0xa66);
     (with_aggregate(&mut rng, &rules), events)
 }
+
+/// `rules` with one or two concurrent rules added at random places (short
+/// max durations, maybe shadow, a warning level or a callee filter).
+pub fn with_concurrent(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet {
+    let mut spec = rules.spec();
+    for k in 0..rng.random_range(1..=2) {
+        let limit = rng.random_range(1..=4);
+        let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
+        let mut rule = Rule::new(format!("open{k}"), WindowKind::Concurrent, max_ms, limit);
+        random_options(rng, &mut rule);
+        rule.key = RuleKey::Caller;
+        let at = rng.random_range(0..=spec.rules.len());
+        spec.rules.insert(at, rule);
+    }
+    RuleSet::build(spec).expect("a valid rule set")
+}
+
+/// `events` with call ends: most calls end after a random duration (some
+/// at their attempt's millisecond), their ends placed where their times
+/// fall among the events; some ends come before their attempts, some
+/// twice, some for calls that never come.
+pub fn with_ends(rng: &mut StdRng, events: &[CallEvent], scale: i64) -> Vec<CallEvent> {
+    use callguard::engine::event::EventKind;
+    let mut out = events.to_vec();
+    for (i, e) in events.iter().enumerate() {
+        if !rng.random_bool(0.6) || events[..i].iter().any(|p| p.call_id == e.call_id) {
+            continue;
+        }
+        let duration = match rng.random_range(0..5) {
+            0 => 0,
+            _ => rng.random_range(0..6_000) / scale,
+        };
+        let mut end = CallEvent {
+            kind: EventKind::End,
+            ts_ms: e.ts_ms + duration,
+            talk_ms: Some(duration / 2),
+            ..e.clone()
+        };
+        if rng.random_bool(0.05) {
+            end.ts_ms = e.ts_ms - rng.random_range(1..1_000) / scale;
+        }
+        let own = out.iter().position(|p| p.call_id == e.call_id).unwrap_or(0);
+        let at = if rng.random_bool(0.15) {
+            // The switch's two messages reordered: the end first.
+            own
+        } else {
+            own + 1
+                + out[own + 1..]
+                    .iter()
+                    .position(|p| p.ts_ms > end.ts_ms)
+                    .unwrap_or(out.len() - own - 1)
+        };
+        if rng.random_bool(0.1) {
+            let again = rng.random_range(at..=out.len());
+            out.insert(again, end.clone());
+        }
+        out.insert(at, end);
+    }
+    for _ in 0..rng.random_range(0..3) {
+        let at = rng.random_range(0..=out.len());
+        let near = out.get(at.min(out.len().saturating_sub(1))).cloned();
+        if let Some(near) = near {
+            out.insert(
+                at,
+                CallEvent {
+                    kind: EventKind::End,
+                    call_id: format!("never{at}").into(),
+                    ..near
+                },
+            );
+        }
+    }
+    out
+}
+
+/// A random case with concurrent rules and call ends.
+pub fn concurrent_case_scaled(
+    seed: u64,
+    n: usize,
+    callers: usize,
+    scale: i64,
+) -> (RuleSet, Vec<CallEvent>) {
+    let (rules, events) = case_scaled(seed, n, callers, scale);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xc0c);
+    let rules = with_concurrent(&mut rng, &rules, scale);
+    let events = with_ends(&mut rng, &events, scale);
+    (rules, events)
+}

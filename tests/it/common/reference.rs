@@ -3,9 +3,9 @@
 //! tests compare the stores with it.
 #![allow(dead_code)]
 
-use callguard::engine::event::CallEvent;
+use callguard::engine::event::{CallEvent, EventKind};
 use callguard::engine::record::{
-    Decision, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST, REASON_OK,
+    Decision, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST, REASON_END, REASON_OK,
 };
 use callguard::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet, WindowKind};
 
@@ -23,6 +23,8 @@ pub struct Expected {
     pub duplicate: bool,
     pub retry_after_ms: Option<i64>,
     pub warn: Option<String>,
+    /// A call's end: applied, not decided.
+    pub end: bool,
 }
 
 struct Past {
@@ -39,7 +41,27 @@ struct Past {
     /// At or below the horizon `L' - R` when decided: past the retention,
     /// so no sliding-approx counter holds it.
     beyond: bool,
+    /// Per rule: a concurrent rule saw the call allowed, so holds it open.
+    opened: Vec<bool>,
+    /// The time of the first end that reached the call while it was held
+    /// (or that came before it and was kept for it).
+    end: Option<i64>,
+    /// Some concurrent rule still holds it: opened, not yet trimmed (its
+    /// close at or below a later call's horizon) nor dropped with its
+    /// caller's state (started afresh).
+    held: bool,
     expected: Expected,
+}
+
+/// An end kept for a call not seen yet: (caller, call id, end time).
+type Pending = (String, String, i64);
+
+impl Past {
+    /// When the call stops holding a slot of concurrent rule `i`.
+    fn close(&self, rules: &RuleSet, i: usize) -> i64 {
+        let longest = self.ts + rules.rules[i].window_ms;
+        self.end.map_or(longest, |e| e.max(self.ts).min(longest))
+    }
 }
 
 /// Decides `events` in order by brute force, without retry-afters (every
@@ -57,8 +79,27 @@ pub fn decide_all_with_retry(rules: &RuleSet, events: &[CallEvent]) -> Vec<Expec
 
 fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
     let mut history: Vec<Past> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
     let mut out = Vec::new();
     for e in events {
+        if e.kind == EventKind::End {
+            end_call(rules, &mut history, &mut pending, e);
+            out.push(Expected {
+                ts_ms: e.ts_ms,
+                decision: Decision::Allow,
+                reason: REASON_END.to_string(),
+                counts: vec![0; rules.rules.len()],
+                shadow: false,
+                late: false,
+                prev_ts_ms: None,
+                distinct_callees: None,
+                duplicate: false,
+                retry_after_ms: None,
+                warn: None,
+                end: true,
+            });
+            continue;
+        }
         let mut expected = decide_one(rules, &history, e);
         if expected.duplicate {
             out.push(expected);
@@ -74,7 +115,45 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
             .map_or(e.ts_ms, |l| l.max(e.ts_ms));
         let beyond = e.ts_ms <= latest - rules.retention_ms();
         let seen: Vec<bool> = rules.rules.iter().map(|r| r.filter.sees(e)).collect();
+        let opened: Vec<bool> = rules
+            .rules
+            .iter()
+            .zip(&seen)
+            .map(|(r, &s)| {
+                s && r.kind == WindowKind::Concurrent
+                    && expected.decision == Decision::Allow
+                    && !beyond
+            })
+            .collect();
+        // The caller's calls held open are trimmed at this call's horizon,
+        // or all dropped when it starts afresh; its kept ends at the
+        // idempotency horizon.
+        let afresh = expected.prev_ts_ms.is_none();
+        let horizon = latest - rules.retention_ms();
+        for p in history
+            .iter_mut()
+            .filter(|p| p.caller == e.caller && p.held)
+        {
+            p.held = !afresh
+                && (0..rules.rules.len()).any(|i| p.opened[i] && p.close(rules, i) > horizon);
+        }
+        let dedup_horizon = latest - rules.dedup_ms();
+        pending.retain(|(c, _, ts)| *c != e.caller || *ts > dedup_horizon);
+        // An end that came first, kept within the idempotency horizon, is
+        // the call's (taken once, by a call some concurrent rule holds).
+        let mut end = None;
+        if opened.contains(&true) {
+            if let Some(at) = pending
+                .iter()
+                .position(|(c, id, _)| *c == e.caller && *id == e.call_id)
+            {
+                end = Some(pending.remove(at).2);
+            }
+        }
         history.push(Past {
+            held: opened.contains(&true),
+            opened,
+            end,
             caller: e.caller.to_string(),
             call_id: e.call_id.to_string(),
             callee: e.callee.as_ref().map(|c| c.to_string()),
@@ -93,6 +172,57 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
         out.push(expected);
     }
     out
+}
+
+/// A call's end: closes the call if some concurrent rule holds it (the
+/// latest by start of that id), else is kept for a call not decided yet,
+/// else (the call was decided within the idempotency horizon) changes
+/// nothing.
+fn end_call(rules: &RuleSet, history: &mut [Past], pending: &mut Vec<Pending>, e: &CallEvent) {
+    if !rules.rules.iter().any(|r| r.kind == WindowKind::Concurrent) {
+        return;
+    }
+    let mine: Vec<usize> = (0..history.len())
+        .filter(|&k| history[k].caller == e.caller)
+        .collect();
+    let latest = mine.iter().map(|&k| history[k].ts).max();
+    let held = mine
+        .iter()
+        .copied()
+        .filter(|&k| history[k].held && history[k].call_id == e.call_id)
+        .max_by_key(|&k| (history[k].ts, k));
+    if let Some(k) = held {
+        if history[k].end.is_none() {
+            history[k].end = Some(e.ts_ms);
+        }
+        return;
+    }
+    let dedup_horizon = latest.map_or(i64::MIN, |l| l - rules.dedup_ms());
+    let seen = mine
+        .iter()
+        .rev()
+        .find(|&&k| history[k].call_id == e.call_id)
+        .is_some_and(|&k| history[k].ts > dedup_horizon);
+    let noted = pending
+        .iter()
+        .any(|(c, id, _)| *c == e.caller && *id == e.call_id);
+    if !seen && !noted {
+        pending.push((e.caller.to_string(), e.call_id.to_string(), e.ts_ms));
+    }
+}
+
+/// Where a caller's calls (`prior`, in processing order) last started afresh.
+fn epoch_start(retention: i64, prior: &[&Past]) -> usize {
+    let mut start = 0;
+    let mut l: Option<i64> = None;
+    for (i, p) in prior.iter().enumerate() {
+        let ln = l.map_or(p.ts, |l| l.max(p.ts));
+        if l.is_none_or(|l| l <= ln - retention) {
+            start = i;
+        }
+        l = Some(ln);
+    }
+    start
 }
 
 /// The smallest `d >= 1` such that a probe call at every time `>= t + d`
@@ -155,17 +285,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
     }
     let prev = latest.filter(|&l| l > h);
     // Events since the caller's state last started afresh.
-    let mut epoch_start = 0;
-    {
-        let mut l: Option<i64> = None;
-        for (i, p) in prior.iter().enumerate() {
-            let ln = l.map_or(p.ts, |l| l.max(p.ts));
-            if l.is_none_or(|l| l <= ln - retention) {
-                epoch_start = i;
-            }
-            l = Some(ln);
-        }
-    }
+    let epoch_start = epoch_start(retention, &prior);
     let live: Vec<&&Past> = if prev.is_some() {
         prior[epoch_start..].iter().collect()
     } else {
@@ -208,7 +328,17 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                     .filter(|p| p.recorded[i] && p.ts > h && p.ts > t - w && p.ts <= t)
                     .count() as u64
             }
-            WindowKind::TokenBucket | WindowKind::SlidingApprox if t <= h => 1,
+            WindowKind::TokenBucket | WindowKind::SlidingApprox | WindowKind::Concurrent
+                if t <= h =>
+            {
+                1
+            }
+            WindowKind::Concurrent => {
+                1 + live
+                    .iter()
+                    .filter(|p| p.opened[i] && p.ts <= t && t < p.close(rules, i))
+                    .count() as u64
+            }
             WindowKind::TokenBucket => token_level(rule, live, i, t),
             WindowKind::DistinctCallees => distinct_count(rules, live, i, e, h),
             WindowKind::Fixed => {
@@ -315,6 +445,7 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
         distinct_callees,
         duplicate: false,
         retry_after_ms: None,
+        end: false,
     }
 }
 
