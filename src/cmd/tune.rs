@@ -106,6 +106,12 @@ pub fn run(args: TuneArgs) -> Result<()> {
         Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
         None => Target::MaxFalseReject(args.max_false_reject),
     };
+    if rules.has_concurrent() {
+        anyhow::bail!(
+            "tune does not sweep rule sets with concurrent rules yet (their calls' ends \
+             are replayed by `replay` and `features`); tune a copy of the rules without them"
+        );
+    }
     let mut log_args = args.log.clone();
     if let Some(col) = &args.label_column {
         log_args.input.decoder.map.push(format!("label={col}"));

@@ -11,7 +11,7 @@
 
 use compact_str::CompactString;
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 
 /// Bits of a packed number's digits (10^15 < 2^50).
 const DIGIT_BITS: u32 = 50;
@@ -34,7 +34,7 @@ pub struct EventColumns {
     id_end: Vec<u64>,
     duration: Vec<i64>,
     /// 0: no duration and no label; bit 0: a duration; bits 1-2: the
-    /// label (1 legit, 2 fraud).
+    /// label (1 legit, 2 fraud); bit 3: the row is a call's end.
     flags: Vec<u8>,
     /// Numbers that are not E.164 digits, by index (pseudonyms).
     texts: Vec<CompactString>,
@@ -70,6 +70,11 @@ impl EventColumns {
     /// No events.
     pub fn is_empty(&self) -> bool {
         self.ts.is_empty()
+    }
+
+    /// Event `i`'s duration, ms (0 when it has none).
+    pub fn duration(&self, i: usize) -> i64 {
+        self.duration[i]
     }
 
     /// Event times, by index.
@@ -111,8 +116,9 @@ impl EventColumns {
             Some(false) => 1,
             Some(true) => 2,
         };
+        let end = u8::from(e.kind == EventKind::End) << 3;
         self.flags
-            .push(u8::from(e.duration_ms.is_some()) | (label << 1));
+            .push(u8::from(e.duration_ms.is_some()) | (label << 1) | end);
         if let Some(n) = &e.list_number {
             self.list_numbers.insert(i, n.clone());
         }
@@ -166,6 +172,34 @@ impl EventColumns {
             .collect()
     }
 
+    /// Event `i`'s end, when it is an attempt with a duration: a call-log
+    /// row with `duration_ms` is an attempt at `ts` and an end at
+    /// `ts + duration_ms`.
+    pub fn end_of(&self, i: usize) -> Option<CallEvent> {
+        self.has_end(i).then(|| CallEvent {
+            call_id: self.call_id(i).into(),
+            caller: self.unpack(self.caller[i]).unwrap_or_default(),
+            ts_ms: self.ts[i].saturating_add(self.duration[i]),
+            callee: self.unpack(self.callee[i]),
+            kind: EventKind::End,
+            list_number: self.list_numbers.get(&i).cloned(),
+            filter_callee: self.filter_callees.get(&i).cloned(),
+            ..Default::default()
+        })
+    }
+
+    /// Whether event `i` is an attempt with a duration (so has an end of
+    /// its own, [`EventColumns::end_of`]).
+    pub fn has_end(&self, i: usize) -> bool {
+        let flags = self.flags[i];
+        flags & 1 == 1 && flags & 8 == 0
+    }
+
+    /// Whether event `i` is a call's end row.
+    pub fn is_end(&self, i: usize) -> bool {
+        self.flags[i] & 8 == 8
+    }
+
     /// Event `i`, as it was pushed.
     pub fn event(&self, i: usize) -> CallEvent {
         let flags = self.flags[i];
@@ -174,8 +208,13 @@ impl EventColumns {
             caller: self.unpack(self.caller[i]).unwrap_or_default(),
             ts_ms: self.ts[i],
             callee: self.unpack(self.callee[i]),
+            kind: if flags & 8 == 8 {
+                EventKind::End
+            } else {
+                EventKind::Attempt
+            },
             duration_ms: (flags & 1 == 1).then_some(self.duration[i]),
-            label: match flags >> 1 {
+            label: match (flags >> 1) & 3 {
                 1 => Some(false),
                 2 => Some(true),
                 _ => None,

@@ -42,6 +42,10 @@ pub struct OrderedLog {
     /// The events' indices in processing order; `None` when that is the
     /// file order.
     order: Option<Vec<u32>>,
+    /// With call ends ([`OrderedLog::with_ends`]): the processing order of
+    /// the events and of the ends of the calls with a duration, which
+    /// replaces `order`.
+    ends: Option<Vec<Pos>>,
     /// Per event: its call id occurs on no other valid row.
     unique: Vec<bool>,
     /// Per event: its caller's number (see [`CallLog::callers`]); empty
@@ -99,10 +103,58 @@ impl OrderedLog {
         Ok(OrderedLog {
             events,
             order,
+            ends: None,
             unique,
             callers,
             invalid,
         })
+    }
+
+    /// The log with the ends of its calls: each row with a duration is an
+    /// attempt at `ts` and an end at `ts + duration_ms`, and the
+    /// processing order is by time with a call's end before an attempt at
+    /// the same millisecond (an end at `t` closes the call before a call
+    /// at `t` is counted), else file order. For rule sets with concurrent
+    /// rules; without them an end changes nothing, and the log keeps one
+    /// event per row.
+    pub fn with_ends(mut self) -> Self {
+        let n = self.events.len();
+        let ends = (0..n).filter(|&i| self.events.has_end(i)).count();
+        let has_end_rows = (0..n).any(|i| self.events.is_end(i));
+        if ends == 0 && !has_end_rows {
+            return self;
+        }
+        let mut order: Vec<Pos> = Vec::with_capacity(n + ends);
+        for i in 0..n {
+            order.push(Pos {
+                index: i as u32,
+                derived_end: false,
+            });
+            if self.events.has_end(i) {
+                order.push(Pos {
+                    index: i as u32,
+                    derived_end: true,
+                });
+            }
+        }
+        let ts = self.events.times();
+        let key = |p: &Pos| {
+            let i = p.index as usize;
+            if p.derived_end {
+                (ts[i].saturating_add(self.events.duration(i)), 0u8)
+            } else {
+                (ts[i], u8::from(!self.events.is_end(i)))
+            }
+        };
+        order.sort_by_key(key);
+        self.order = None;
+        self.ends = Some(order);
+        self
+    }
+
+    /// Events in processing order (rows' events and calls' ends).
+    fn len(&self) -> usize {
+        self.ends.as_ref().map_or(self.events.len(), Vec::len)
     }
 
     /// Rows in the file (valid or not).
@@ -115,16 +167,29 @@ impl OrderedLog {
     /// in processing order.
     fn chunk_ranges(&self, size: usize) -> impl Iterator<Item = (usize, Range<usize>)> {
         let size = size.max(1);
-        let n = self.events.len();
+        let n = self.len();
         let chunks = n.div_ceil(size).max(usize::from(!self.invalid.is_empty()));
         (0..chunks).map(move |c| (c, c * size..((c + 1) * size).min(n)))
     }
 
-    /// The index of the event at position `p` in processing order.
+    /// The index of the event at position `p` in processing order (the
+    /// row of a call's end, with [`OrderedLog::with_ends`]).
     fn at(&self, p: usize) -> usize {
+        if let Some(ends) = &self.ends {
+            return ends[p].index as usize;
+        }
         match &self.order {
             Some(order) => order[p] as usize,
             None => p,
+        }
+    }
+
+    /// The event at position `p` in processing order.
+    fn event_at(&self, p: usize) -> CallEvent {
+        let i = self.at(p);
+        match &self.ends {
+            Some(ends) if ends[p].derived_end => self.events.end_of(i).unwrap_or_default(),
+            _ => self.events.event(i),
         }
     }
 
@@ -154,7 +219,7 @@ impl OrderedLog {
         };
         for p in range {
             let i = self.at(p);
-            log.events.push((self.events.row(i), self.events.event(i)));
+            log.events.push((self.events.row(i), self.event_at(p)));
             log.unique.push(self.unique[i]);
             if let Some(&n) = self.callers.get(i) {
                 log.callers.push(n);
@@ -172,7 +237,7 @@ impl OrderedLog {
         };
         for p in range {
             let i = self.at(p);
-            chunk.events.push(self.events.event(i));
+            chunk.events.push(self.event_at(p));
             chunk.unique.push(self.unique[i]);
         }
         chunk
@@ -229,6 +294,16 @@ impl OrderedLog {
         all.invalid.sort_by_key(|r| r.row);
         all
     }
+}
+
+/// A place in the processing order of a log with its calls' ends.
+#[derive(Debug, Clone, Copy)]
+struct Pos {
+    /// The event's index (its row's).
+    index: u32,
+    /// The end of the call at `index` (at its time plus its duration),
+    /// not the row's event.
+    derived_end: bool,
 }
 
 /// Per event: whether its call id occurs on no other event. Compares

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use polars::prelude::DataFrame;
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::{Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{IoError, ReplayError, StoreError};
@@ -98,7 +98,8 @@ struct Tally {
 impl Tally {
     fn add<'a>(&mut self, verdicts: impl IntoIterator<Item = &'a Verdict>) {
         let s = &mut self.summary;
-        for v in verdicts {
+        // A call's end is no decision: not counted.
+        for v in verdicts.into_iter().filter(|v| !v.end) {
             let r = &v.record;
             s.events += 1;
             s.would_reject += u64::from(r.shadow);
@@ -163,6 +164,24 @@ pub struct DecidedChunk {
 }
 
 impl DecidedChunk {
+    /// The chunk without its call ends ([`EventKind::End`]: applied, not
+    /// decided), so no output writes them.
+    fn without_ends(self) -> Self {
+        if !self.events.iter().any(|e| e.kind == EventKind::End) {
+            return self;
+        }
+        let (events, verdicts) = self.into_parts();
+        let (events, verdicts) = events
+            .into_iter()
+            .zip(verdicts)
+            .filter(|(e, _)| e.kind != EventKind::End)
+            .unzip();
+        DecidedChunk {
+            events,
+            verdicts: Verdicts::InOrder(verdicts),
+        }
+    }
+
     /// The verdicts, in the events' order.
     pub fn verdicts(&self) -> Vec<&Verdict> {
         match &self.verdicts {
@@ -264,6 +283,7 @@ impl Replaying {
         invalid: Vec<InvalidRow>,
         sink: &mut impl FnMut(DecidedChunk) -> Result<(), IoError>,
     ) -> Result<(), IoError> {
+        let chunk = chunk.without_ends();
         self.bar
             .inc((chunk.events.len() + read::not_kept(&invalid)) as u64);
         self.invalid.extend(invalid);
@@ -495,7 +515,11 @@ pub async fn to_table<S: WindowStore>(
 ) -> Result<TableReport, ReplayError> {
     // A name of no known format is refused before the log is read.
     table::TableFormat::from_path(output)?;
-    let log = Arc::new(OrderedLog::open_unnumbered(input, read)?);
+    let mut log = OrderedLog::open_unnumbered(input, read)?;
+    if rules.has_concurrent() {
+        log = log.with_ends();
+    }
+    let log = Arc::new(log);
     create_parent(output)?;
     let empty = table::frame(&schema, &[])?.schema().as_ref().clone();
     // The writer's thread encodes and writes each chunk's frame and builds

@@ -811,3 +811,103 @@ fn mapped_units_and_time_forms_are_read_as_named() {
         assert!(e.contains(form), "{e}");
     }
 }
+
+/// A concurrent rule over a call log with durations: each row is an
+/// attempt and, at `ts + duration_ms`, an end; a call's end at the same
+/// millisecond as an attempt closes it first; a row without a duration
+/// is held until `max_duration`; an `event = end` row closes its call
+/// and gets no decision row. The same log through either Redis store is
+/// refused with a clear error (they hold no open calls yet).
+#[test]
+fn a_concurrent_rule_holds_calls_open_until_their_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"10m\"\n",
+    )
+    .unwrap();
+    let log = dir.path().join("calls.csv");
+    std::fs::write(
+        &log,
+        "call_id,caller,callee,ts,duration_ms,event\n\
+         a,+34911000001,+34910000001,2025-12-01T10:00:00Z,60000,\n\
+         b,+34911000001,+34910000002,2025-12-01T10:00:10Z,60000,\n\
+         c,+34911000001,+34910000003,2025-12-01T10:00:20Z,60000,\n\
+         d,+34911000001,+34910000004,2025-12-01T10:01:00Z,30000,\n\
+         e,+34911000001,+34910000005,2025-12-01T10:01:05Z,,\n\
+         f,+34911000001,+34910000006,2025-12-01T10:01:20Z,10000,\n\
+         n,+34911000001,+34910000007,2025-12-01T10:01:40Z,,\n\
+         n,+34911000001,,2025-12-01T10:01:45Z,,end\n\
+         g,+34911000001,+34910000008,2025-12-01T10:01:50Z,,\n\
+         h,+34911000001,+34910000009,2025-12-01T10:01:55Z,,\n\
+         i,+34911000001,+34910000010,2025-12-01T10:01:58Z,5000,\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out.csv");
+    let o = replay(&[
+        "-i",
+        log.to_str().unwrap(),
+        "--rules",
+        rules.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("events           10"), "{stdout}");
+    // a 10:00:00-10:01:00, b 10:00:10-10:01:10: c is the third; its
+    // Retry-After runs to the first close known when it is decided (a's
+    // max duration: its end comes later). d at 10:01:00 finds a closed. e
+    // (no duration) is rejected, so holds nothing. d and f have closed by
+    // n's call at 10:01:40; n's end row closes it at 10:01:45, before g.
+    // g and h (no durations) hold their slots to their max durations, so
+    // i is the third until g's runs out at 10:11:50.
+    let text = std::fs::read_to_string(&out).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = |name: &str| header.iter().position(|h| *h == name).unwrap();
+    let wanted = ["call_id", "decision", "count_channels", "retry_after_ms"].map(col);
+    let mut got = String::from("call_id,decision,count_channels,retry_after_ms\n");
+    for line in lines {
+        let fields: Vec<&str> = line.split(',').collect();
+        got.push_str(&wanted.map(|i| fields[i]).join(","));
+        got.push('\n');
+    }
+    assert_eq!(
+        got,
+        "call_id,decision,count_channels,retry_after_ms\n\
+         a,allow,1,\n\
+         b,allow,2,\n\
+         c,reject,3,580000\n\
+         d,allow,2,\n\
+         e,reject,3,545000\n\
+         f,allow,2,\n\
+         n,allow,1,\n\
+         g,allow,1,\n\
+         h,allow,2,\n\
+         i,reject,3,592000\n"
+    );
+    let redis = RedisServer::start(&[]);
+    for mode in ["script", "cached"] {
+        let o = replay(&[
+            "-i",
+            log.to_str().unwrap(),
+            "--rules",
+            rules.to_str().unwrap(),
+            "-o",
+            dir.path().join("redis.csv").to_str().unwrap(),
+            "--store",
+            "redis",
+            "--redis-mode",
+            mode,
+            "--key-prefix",
+            &format!("{mode}:"),
+            "--redis-url",
+            &redis.url(),
+        ]);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{mode}");
+        assert!(stderr.contains("--store memory only"), "{mode}: {stderr}");
+    }
+}

@@ -117,25 +117,28 @@ pub struct PendingEnds {
 }
 
 impl PendingEnds {
-    /// Remembers the end of call `id` at `end` (its first end only); the
-    /// oldest is let go past [`MAX_PENDING_ENDS`].
+    /// Remembers the end of call `id` at `end`; the oldest is let go past
+    /// [`MAX_PENDING_ENDS`]. A second end of the same call is kept behind
+    /// the first, which [`PendingEnds::take`] finds first (so the first
+    /// stands), in O(1): ends of calls that were rejected without an
+    /// idempotency record (a replay of unique ids) come here too.
     pub(super) fn note(&mut self, id: &str, end: i64) {
-        if self.ends.iter().any(|(_, e)| e == id) {
-            return;
-        }
         if self.ends.len() >= MAX_PENDING_ENDS {
             self.ends.pop_front();
         }
         self.ends.push_back((end, id.into()));
     }
 
-    /// The end of call `id`, if it came first (and is let go: the call holds it now).
+    /// The end of call `id`, if it came first (and every end of it is let
+    /// go: the call holds it now).
     pub(super) fn take(&mut self, id: &str) -> Option<i64> {
         if self.ends.is_empty() {
             return None;
         }
         let at = self.ends.iter().position(|(_, e)| e == id)?;
-        self.ends.remove(at).map(|(end, _)| end)
+        let first = self.ends[at].0;
+        self.ends.retain(|(_, e)| e != id);
+        Some(first)
     }
 
     /// Drops the ends at or below the idempotency horizon.
