@@ -485,10 +485,11 @@ impl Metrics {
     /// Counts a batch of decided calls: the counters per call, the status
     /// page once.
     pub fn count_batch<'v>(&self, verdicts: impl IntoIterator<Item = &'v Verdict> + Clone) {
-        for v in verdicts.clone() {
+        // A call's end is applied, not decided: no decision to count.
+        for v in verdicts.clone().into_iter().filter(|v| !v.end) {
             self.count_decided(v);
         }
-        self.status.decided(verdicts);
+        self.status.decided(verdicts.into_iter().filter(|v| !v.end));
     }
 
     /// Counts one decided call by decision and reason, and its flags.

@@ -627,7 +627,16 @@ fn unread_fields_are_named_in_the_answer_or_refused_when_strict() {
     assert_eq!(v["ignored"], serde_json::json!(["calee", "ts_ms"]), "{v}");
     assert_eq!(
         v["known"],
-        serde_json::json!(["call_id", "caller", "ts", "callee", "duration_ms", "label"]),
+        serde_json::json!([
+            "call_id",
+            "caller",
+            "ts",
+            "callee",
+            "duration_ms",
+            "label",
+            "event",
+            "talk_ms"
+        ]),
         "{v}"
     );
     // Refused: the call was not decided, so sent right it is new.

@@ -246,7 +246,7 @@ async fn decide_under_policy<S: WindowStore, F: Future<Output = ()>>(
 
 /// Counts a decided batch in the stats and metrics.
 pub(super) fn count(metrics: &Metrics, stats: &mut ConsumeStats, verdicts: &[Verdict]) {
-    stats.decided += verdicts.len() as u64;
+    stats.decided += verdicts.iter().filter(|v| !v.end).count() as u64;
     stats.rejected += verdicts
         .iter()
         .filter(|v| v.record.decision == Decision::Reject)

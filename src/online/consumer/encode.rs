@@ -193,9 +193,13 @@ impl Encoder {
             .or(self.schemas.front())
     }
 
-    /// One decision record and one feature record per call, keyed by caller.
+    /// One decision record and one feature record per call, keyed by
+    /// caller; none for a call's end (applied, not decided).
     pub fn encode(&self, events: &[CallEvent], verdicts: &[Verdict], out: &mut Vec<OutRecord>) {
         for (event, verdict) in events.iter().zip(verdicts) {
+            if verdict.end {
+                continue;
+            }
             let Some(schemas) = self.for_version(&verdict.record.rules_version) else {
                 continue;
             };
@@ -266,5 +270,29 @@ mod tests {
         assert!(decision(0).get("count_hour").is_none());
         assert_eq!(decision(2)["count_hour"], 7);
         assert!(decision(2).get("count_minute").is_none());
+    }
+
+    /// A call's end is applied, not decided: it produces no record.
+    #[test]
+    fn a_call_end_produces_no_record() {
+        let rules = RuleSet::from_args(None, &["minute:sliding:60s:5".into()]).unwrap();
+        let config = ConsumeConfig::new("b", "g", "calls", "d", "f", "dlq");
+        let encoder = Encoder::new(&rules, &config);
+        let attempt = CallEvent::new("c1", "+34911000001", 1_764_547_200_000);
+        let end = CallEvent {
+            kind: crate::engine::event::EventKind::End,
+            ..attempt.clone()
+        };
+        let mut out = Vec::new();
+        encoder.encode(
+            &[attempt, end.clone()],
+            &[verdict(&rules, vec![1]), Verdict::of_end(&end, &rules)],
+            &mut out,
+        );
+        assert_eq!(
+            out.len(),
+            2,
+            "one decision and one feature record: the attempt's"
+        );
     }
 }
