@@ -719,6 +719,65 @@ async fn cached_writers_of_the_same_callers_match_memory() {
     );
 }
 
+/// Concurrent rules and call ends through the cached store, alone (a
+/// small cache: callers evicted and read back with their open calls and
+/// kept ends) and as two writers of the same callers, batch by batch:
+/// the records memory gives. The window script refuses such a rule set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_rules_through_the_cached_store_match_memory() {
+    let server = RedisServer::start(&[]);
+    let mut conflicts = 0;
+    let mut rejected_by_open = 0;
+    for seed in 0..24u64 {
+        let (rules, events) = random::concurrent_case_scaled(seed, 300, 4, 1);
+        let expected = memory_run(&rules, &events).await;
+        rejected_by_open += expected
+            .iter()
+            .filter(|v| v.record.reason.starts_with("open"))
+            .count();
+        let mut alone = open(Mode::Cached, vec![server.url()], &format!("ccone{seed}:")).await;
+        assert_same(
+            &mut alone,
+            &rules,
+            &events,
+            37,
+            &format!("cached: seed {seed}"),
+        )
+        .await;
+        let prefix = format!("cctwo{seed}:");
+        let mut a = CachedStore::connect(config(vec![server.url()], &prefix), 2)
+            .await
+            .unwrap();
+        let mut b = CachedStore::connect(config(vec![server.url()], &prefix), 2)
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        for (i, batch) in random_batches(&events, seed).into_iter().enumerate() {
+            let store = if i % 2 == 0 { &mut a } else { &mut b };
+            got.extend(store.apply_batch(&rules, batch).await.unwrap());
+        }
+        assert_eq!(got.len(), expected.len());
+        for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, x, "two writers, seed {seed}: event #{i} {:?}", events[i]);
+        }
+        conflicts += a.conflicts() + b.conflicts();
+        let mut script = open(Mode::Script, vec![server.url()], &format!("cs{seed}:")).await;
+        let refused = script.apply_batch(&rules, &events[..1]).await.unwrap_err();
+        assert!(
+            refused.to_string().contains("does not hold open calls"),
+            "{refused}"
+        );
+    }
+    assert!(
+        rejected_by_open > 20,
+        "concurrent rules rarely rejected: {rejected_by_open}"
+    );
+    assert!(
+        conflicts > 10,
+        "the writers rarely met: {conflicts} conflicts"
+    );
+}
+
 /// A cached store that starts on state another wrote (a restart, a
 /// rebalance) reads it back, records included: it decides the rest of the
 /// stream, and redeliveries of calls the first one decided, exactly as one

@@ -96,9 +96,18 @@ impl OpenCalls {
     }
 
     /// The calls held, by start time.
-    #[cfg(test)]
-    fn calls(&self) -> impl Iterator<Item = &Open> {
+    pub(super) fn calls(&self) -> impl Iterator<Item = &Open> {
         self.calls.iter()
+    }
+
+    /// Puts back a call held, as [`OpenCalls::calls`] gave it (in order).
+    pub(super) fn restore(&mut self, call: Open) {
+        self.calls.push_back(call);
+    }
+
+    /// How many are held.
+    pub(super) fn len(&self) -> usize {
+        self.calls.len()
     }
 }
 
@@ -146,9 +155,18 @@ impl PendingEnds {
         self.ends.retain(|(end, _)| *end > dedup_horizon);
     }
 
+    /// Puts back an end kept, as [`PendingEnds::iter`] gave it (in order).
+    pub(super) fn restore(&mut self, end: i64, id: &str) {
+        self.ends.push_back((end, id.into()));
+    }
+
+    /// How many are kept.
+    pub(super) fn len(&self) -> usize {
+        self.ends.len()
+    }
+
     /// The ends kept, in arrival order.
-    #[cfg(test)]
-    fn iter(&self) -> impl Iterator<Item = &(i64, CompactString)> {
+    pub(super) fn iter(&self) -> impl Iterator<Item = &(i64, CompactString)> {
         self.ends.iter()
     }
 

@@ -29,6 +29,10 @@ const PACK_FORMAT: u8 = 1;
 /// The same format followed by the state of rules with state of their own.
 const PACK_FORMAT_RULES: u8 = 2;
 
+/// [`PACK_FORMAT_RULES`] followed by the calls the concurrent rules hold
+/// open and the ends that came before their calls.
+const PACK_FORMAT_OPEN: u8 = 3;
+
 /// Writes `v` as unsigned LEB128 (7 bits a byte, low first, the high
 /// bit set on every byte but the last): the one varint of callguard's
 /// byte formats (this packed state, and the cached store's state string,
@@ -166,11 +170,15 @@ impl CallerState {
     /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
     /// store keeps it apart) and only its place there is written.
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        let rule_state = !(self.own_logs.is_empty()
-            && self.buckets.is_empty()
-            && self.distinct.is_empty()
-            && self.pairs.is_empty());
-        out.push(if rule_state {
+        let open_state = !(self.open.is_empty() && self.pending_ends.is_empty());
+        let rule_state = open_state
+            || !(self.own_logs.is_empty()
+                && self.buckets.is_empty()
+                && self.distinct.is_empty()
+                && self.pairs.is_empty());
+        out.push(if open_state {
+            PACK_FORMAT_OPEN
+        } else if rule_state {
             PACK_FORMAT_RULES
         } else {
             PACK_FORMAT
@@ -224,6 +232,62 @@ impl CallerState {
         if rule_state {
             self.pack_rule_state(out, base);
         }
+        if open_state {
+            self.pack_open_state(out, base);
+        }
+    }
+
+    /// The calls held open and the ends kept, under [`PACK_FORMAT_OPEN`]:
+    /// per concurrent rule its calls (id, start, close after start,
+    /// ended), then the ends (time, id).
+    fn pack_open_state(&self, out: &mut Vec<u8>, base: i64) {
+        put_varint(out, self.open.len() as u64);
+        for (id, calls) in &self.open {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_varint(out, calls.len() as u64);
+            for c in calls.calls() {
+                put_str(out, &c.id);
+                put_signed(out, base.wrapping_sub(c.start));
+                put_signed(out, c.close.wrapping_sub(c.start));
+                out.push(u8::from(c.ended));
+            }
+        }
+        put_varint(out, self.pending_ends.len() as u64);
+        for (end, id) in self.pending_ends.iter() {
+            put_signed(out, base.wrapping_sub(*end));
+            put_str(out, id);
+        }
+    }
+
+    /// Reads what [`CallerState::pack_open_state`] wrote.
+    fn unpack_open_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
+        for _ in 0..r.len()? {
+            let rule = r.rule_id()?;
+            let mut calls = OpenCalls::default();
+            for _ in 0..r.len()? {
+                let id = CompactString::from(r.string()?);
+                let start = base.wrapping_sub(r.signed()?);
+                let close = start.wrapping_add(r.signed()?);
+                let ended = match r.byte()? {
+                    0 => false,
+                    1 => true,
+                    _ => return None,
+                };
+                calls.restore(open::Open {
+                    id,
+                    start,
+                    close,
+                    ended,
+                });
+            }
+            self.open.push((rule, calls));
+        }
+        for _ in 0..r.len()? {
+            let end = base.wrapping_sub(r.signed()?);
+            self.pending_ends.restore(end, r.string()?);
+        }
+        Some(())
     }
 
     /// The state of rules with state of their own (own logs, token
@@ -330,7 +394,7 @@ impl CallerState {
     pub fn unpack(bytes: &[u8]) -> Option<(Self, PackedLog)> {
         let mut r = Unpacker(bytes);
         let format = r.byte()?;
-        if format != PACK_FORMAT && format != PACK_FORMAT_RULES {
+        if ![PACK_FORMAT, PACK_FORMAT_RULES, PACK_FORMAT_OPEN].contains(&format) {
             return None;
         }
         let latest = r.opt()?;
@@ -386,8 +450,11 @@ impl CallerState {
             .callees_by_ts
             .make_contiguous()
             .sort_by_key(|(ts, _)| *ts);
-        if format == PACK_FORMAT_RULES {
+        if format >= PACK_FORMAT_RULES {
             state.unpack_rule_state(&mut r, base)?;
+        }
+        if format == PACK_FORMAT_OPEN {
+            state.unpack_open_state(&mut r, base)?;
         }
         r.0.is_empty().then_some((state, log))
     }
@@ -483,6 +550,12 @@ impl CallerState {
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
             + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
             + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
+            + self
+                .open
+                .iter()
+                .map(|(_, c)| size_of::<(RuleId, OpenCalls)>() + c.len() * size_of::<open::Open>())
+                .sum::<usize>()
+            + self.pending_ends.len() * size_of::<(i64, CompactString)>()
     }
 
     /// The call records the state keeps (call id and verdict), in no
@@ -591,5 +664,52 @@ mod tests {
         longer.push(0);
         assert!(CallerState::unpack(&longer).is_none());
         assert!(CallerState::unpack(&[3, 0, 0, 0, 0, 0]).is_none());
+    }
+
+    /// Calls held open (ended or not) and ends that came before their
+    /// calls read back: the copy decides every later call and end as the
+    /// state does.
+    #[test]
+    fn open_calls_and_pending_ends_read_back() {
+        use crate::engine::event::EventKind;
+        let rules = RuleSet::from_args(None, &["ch:concurrent:20s:3".into()]).unwrap();
+        let mut state = CallerState::default();
+        let mut packed_some = false;
+        for i in 0..60i64 {
+            let t = T0 + i * 900;
+            let ev = if i % 3 == 2 {
+                // The end of the call before, or (every fourth) of one to come.
+                let id = if i % 4 == 0 {
+                    format!("c{}", i + 1)
+                } else {
+                    format!("c{}", i - 1)
+                };
+                CallEvent {
+                    kind: EventKind::End,
+                    ..call(&id, t + 400)
+                }
+            } else {
+                call(&format!("c{i}"), t)
+            };
+            let mut packed = Vec::new();
+            state.pack(&mut packed, PackedLog::Inline);
+            packed_some |= packed[0] == PACK_FORMAT_OPEN;
+            let (mut copy, _) = CallerState::unpack(&packed).expect("reads back");
+            let mut again = Vec::new();
+            copy.pack(&mut again, PackedLog::Inline);
+            assert_eq!(packed, again, "call {i}: packs the same");
+            let a = state.apply(&rules, &ev);
+            let b = copy.apply(&rules, &ev);
+            assert_eq!(a, b, "call {i}");
+        }
+        assert!(packed_some && !state.open.is_empty() && !state.pending_ends.is_empty());
+        let mut packed = Vec::new();
+        state.pack(&mut packed, PackedLog::Inline);
+        for cut in 0..packed.len() {
+            assert!(
+                CallerState::unpack(&packed[..cut]).is_none(),
+                "prefix {cut}"
+            );
+        }
     }
 }

@@ -487,22 +487,23 @@ impl WindowStore for CachedStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
-        if rules.has_concurrent() {
-            return Err(StoreError::fatal(crate::store::CONCURRENT_IN_MEMORY_ONLY));
-        }
-        match crate::store::attempts_of(events) {
+        // Without a concurrent rule an end changes nothing: answered here,
+        // never sent to Redis. With one, it is applied to its caller's
+        // state like an attempt.
+        match crate::store::attempts_of(events).filter(|_| !rules.has_concurrent()) {
             Some(attempts) => {
-                let decided = self.apply_attempts(rules, &attempts).await?;
+                let decided = self.apply_events(rules, &attempts).await?;
                 Ok(crate::store::with_ends(rules, events, decided, Some))
             }
-            None => self.apply_attempts(rules, events).await,
+            None => self.apply_events(rules, events).await,
         }
     }
 }
 
 impl CachedStore {
-    /// [`WindowStore::apply_batch_partial`] of attempts only.
-    async fn apply_attempts(
+    /// [`WindowStore::apply_batch_partial`] of `events` (ends only with a
+    /// concurrent rule).
+    async fn apply_events(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],

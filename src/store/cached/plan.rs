@@ -116,7 +116,10 @@ pub(super) fn decide_caller<'a>(
             .cached
             .state
             .apply_journaled(rules, ev, !idem, &mut journal);
-        if !v.duplicate {
+        if v.end {
+            // A call's end changes the calls held open; it has no record.
+            changed = true;
+        } else if !v.duplicate {
             changed = true;
             if idem {
                 made.push((ev.call_id.clone(), v.to_reply()));

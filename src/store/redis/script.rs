@@ -183,7 +183,7 @@ impl RedisStore {
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
         if rules.has_concurrent() {
-            return Err(StoreError::fatal(crate::store::CONCURRENT_IN_MEMORY_ONLY));
+            return Err(StoreError::fatal(crate::store::CONCURRENT_NOT_IN_SCRIPT));
         }
         match crate::store::attempts_of(events) {
             Some(attempts) => {
