@@ -10,7 +10,7 @@ use futures::stream::{FuturesOrdered, StreamExt};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use serde_json::json;
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::error::KafkaError;
 use crate::online::kafka::{client_err, producer_config};
 use crate::progress::progress_bar;
@@ -29,6 +29,12 @@ pub fn event_json(e: &CallEvent) -> String {
     }
     if let Some(l) = e.label {
         v["label"] = json!(if l { "fraud" } else { "legit" });
+    }
+    if e.kind == EventKind::End {
+        v["event"] = json!(e.kind.as_str());
+    }
+    if let Some(t) = e.talk_ms {
+        v["talk_ms"] = json!(t);
     }
     v.to_string()
 }

@@ -1552,3 +1552,93 @@ fn serve_started_without_redis_waits_for_it() {
     let _ = child.wait();
     drop(redis);
 }
+
+/// Concurrent calls across two cached `serve` instances sharing Redis: a
+/// caller's calls checked on either count the calls open on both; an end
+/// (`POST /v1/end`, `GET /v1/end`, or a check saying `"event": "end"`) on
+/// either instance frees its slot; a second end changes nothing; a call
+/// whose end never comes holds its slot until `max_duration`; the window
+/// script refuses the rule set.
+#[test]
+fn two_instances_hold_a_concurrent_limit_and_free_slots_at_call_ends() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["channels:concurrent:30s:2".into()]).unwrap();
+    let a = Served::start_with(config(), redis_config(&redis), rules.clone(), true);
+    let b = Served::start_with(config(), redis_config(&redis), rules.clone(), true);
+    let (mut ca, mut cb) = (a.conn(), b.conn());
+    let check = |conn: &mut HttpConn, id: &str, dt: i64| {
+        let body = serde_json::json!({ "call_id": id, "caller": "+34911000088", "ts": T0 + dt });
+        let r = conn.post("/v1/check", &body.to_string());
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        (
+            v["decision"].as_str().unwrap().to_string(),
+            v["count_channels"].as_i64().unwrap(),
+        )
+    };
+    assert_eq!(check(&mut ca, "x1", 0), ("allow".into(), 1));
+    assert_eq!(check(&mut cb, "x2", 1_000), ("allow".into(), 2));
+    assert_eq!(
+        check(&mut ca, "x3", 2_000),
+        ("reject".into(), 3),
+        "two open on two instances"
+    );
+    // x1 ends, told to the other instance.
+    let end = serde_json::json!({ "call_id": "x1", "caller": "+34911000088", "ts": T0 + 3_000 });
+    let r = cb.post("/v1/end", &end.to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(
+        (v["ended"].as_bool(), v["call_id"].as_str()),
+        (Some(true), Some("x1")),
+        "{v}"
+    );
+    assert!(v.get("decision").is_none(), "an end is not decided: {v}");
+    assert_eq!(
+        check(&mut ca, "x4", 4_000),
+        ("allow".into(), 2),
+        "x1's slot is free"
+    );
+    assert_eq!(check(&mut cb, "x5", 5_000), ("reject".into(), 3));
+    // A second end of x1 (at an earlier time) changes nothing; x2 ends by GET.
+    let again = serde_json::json!({ "call_id": "x1", "caller": "+34911000088", "ts": T0 + 500 });
+    assert_eq!(ca.post("/v1/end", &again.to_string()).status, 200);
+    let r = ca.get(&format!(
+        "/v1/end?call_id=x2&caller=%2B34911000088&ts={}",
+        T0 + 6_000
+    ));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        check(&mut cb, "x6", 7_000),
+        ("allow".into(), 2),
+        "x4 and x6 open"
+    );
+    // An end sent to /v1/check with "event": "end" is an end too.
+    let end4 = serde_json::json!({ "call_id": "x4", "caller": "+34911000088", "ts": T0 + 8_000, "event": "end" });
+    let r = cb.post("/v1/check", &end4.to_string());
+    assert_eq!(r.json()["ended"], true, "{}", r.body);
+    assert_eq!(
+        check(&mut ca, "x7", 9_000),
+        ("allow".into(), 2),
+        "x6 and x7 open"
+    );
+    // x6 and x7 never end: they hold their slots for max_duration (30 s).
+    assert_eq!(check(&mut ca, "x8", 36_999), ("reject".into(), 3));
+    assert_eq!(
+        check(&mut cb, "x9", 37_000),
+        ("allow".into(), 2),
+        "x6 timed out"
+    );
+    // The window script holds no open calls: it refuses, clearly.
+    let script = RedisConfig {
+        key_prefix: "script:".into(),
+        ..redis_config(&redis)
+    };
+    let s = Served::start_with(config(), script, rules, false);
+    let r = s.conn().post(
+        "/v1/check",
+        &serde_json::json!({ "call_id": "y1", "caller": "+34911000089", "ts": T0 }).to_string(),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains("does not hold open calls"), "{}", r.body);
+}

@@ -275,12 +275,13 @@ fn publish(
             event: e,
             verdict: v,
         };
+        // A call's end goes to the events topic only: it has no decision.
         let out = [
-            (&topics.events, event_json(e).into_bytes()),
-            (&topics.decisions, decisions.json_bytes(row)),
-            (&topics.features, features.json_bytes(row)),
+            Some((&topics.events, event_json(e).into_bytes())),
+            (!v.end).then(|| (&topics.decisions, decisions.json_bytes(row))),
+            (!v.end).then(|| (&topics.features, features.json_bytes(row))),
         ];
-        for (topic, payload) in out {
+        for (topic, payload) in out.into_iter().flatten() {
             let record = FutureRecord::to(topic)
                 .key(e.caller.as_str())
                 .payload(&payload);

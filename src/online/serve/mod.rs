@@ -9,7 +9,14 @@
 //!   server's clock in ms; a `ts` ahead of the server's clock by more than
 //!   the rule set's grace is replaced by the clock, see `clamp_to_clock`);
 //! * `GET /v1/check?call_id=...&caller=...[&callee=...][&ts=...]` for
-//!   dialplans that can only GET.
+//!   dialplans that can only GET;
+//! * `POST /v1/end` (or `GET /v1/end?...`, or a check with `"event":
+//!   "end"`) when a call ends: the same fields, `ts` the hang-up time
+//!   (optional: the server's clock). The end is applied (it frees the
+//!   call's slot of the concurrent rules), never decided; the answer is
+//!   `{"call_id", "caller", "ts", "ended": true}`, or 503 when the store
+//!   failed (the end was not applied; `max_duration` still closes the
+//!   call).
 //!
 //! The answer is the `call-decisions` record as JSON plus `duplicate`.
 //! Rejects answer 200 unless [`ServeConfig::reject_status`] is set, then
@@ -47,7 +54,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tracing::info;
 
-use crate::engine::event::{CallEvent, Decoder};
+use crate::engine::event::{CallEvent, Decoder, EventKind};
 use crate::engine::record::{Decision, Row, Schema, Verdict};
 use crate::engine::rules::RuleSet;
 use crate::error::{EventError, KafkaError};
@@ -274,6 +281,10 @@ pub async fn run<S: WindowStore + 'static>(
             "/v1/check",
             post(check_post).get(check_get).head(method_not_allowed),
         )
+        .route(
+            "/v1/end",
+            post(end_post).get(end_get).head(method_not_allowed),
+        )
         .with_state(state)
         .merge(admin_routes.clone());
     let Listeners { api, admin } = listeners.into();
@@ -332,6 +343,44 @@ async fn check_post(State(s): State<AppState>, request: Request) -> Response {
         .decoder
         .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
     answer_check(&s, decoded, ignored).await
+}
+
+/// `POST /v1/end`: a call's end, with a check's body (whatever its
+/// `event` says).
+async fn end_post(State(s): State<AppState>, request: Request) -> Response {
+    let body = match read_body(&s, request).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    let mut ignored = Vec::new();
+    let decoded = s
+        .config
+        .decoder
+        .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
+    answer_check(&s, decoded.map(as_end), ignored).await
+}
+
+/// `GET /v1/end?call_id=...&caller=...[&ts=...]`.
+async fn end_get(
+    State(s): State<AppState>,
+    Query(mut fields): Query<HashMap<String, String>>,
+) -> Response {
+    unescaped_plus(&mut fields, s.config.decoder.map.source("caller"));
+    unescaped_plus(&mut fields, s.config.decoder.map.source("callee"));
+    let ignored = s
+        .config
+        .decoder
+        .other_fields(fields.keys().map(String::as_str));
+    let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
+    answer_check(&s, decoded.map(as_end), ignored).await
+}
+
+/// The event as a call's end.
+fn as_end(e: CallEvent) -> CallEvent {
+    CallEvent {
+        kind: EventKind::End,
+        ..e
+    }
 }
 
 /// The request's body, within `--max-body-bytes` (else 413) and the body
@@ -426,6 +475,7 @@ async fn answer_check(
             return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
         }
     };
+    let is_end = event.kind == EventKind::End;
     let (reply, answer) = oneshot::channel();
     let claim = Arc::new(Claim::default());
     let job = Job {
@@ -444,6 +494,12 @@ async fn answer_check(
         },
     };
     match answer {
+        Ok(Outcome::Decided(v, _, _)) if is_end && !v.end => {
+            // The store failed and the policy decided in its place: an end
+            // has no decision to stand in for it.
+            unavailable_applied("window store failed; the end was not applied", "no")
+        }
+        Ok(Outcome::Decided(v, _, _)) if is_end => ended(&v, &ignored),
         Ok(Outcome::Decided(v, schema, limits)) => {
             decided(&v, &schema, &limits, s.config.reject_status, &ignored)
         }
@@ -505,6 +561,21 @@ fn service_unavailable(body: serde_json::Value) -> Response {
     r.headers_mut()
         .insert(header::RETRY_AFTER, HeaderValue::from(STORE_RETRY_AFTER_S));
     r
+}
+
+/// The answer to a call's end: which call, when, and that it was applied.
+fn ended(v: &Verdict, ignored: &[String]) -> Response {
+    let r = &v.record;
+    let mut body = json!({
+        "call_id": r.call_id,
+        "caller": r.caller,
+        "ts": r.ts_ms,
+        "ended": true,
+    });
+    if !ignored.is_empty() {
+        body["ignored"] = json!(ignored);
+    }
+    (StatusCode::OK, axum::Json(body)).into_response()
 }
 
 /// The decision record as JSON, with the rate-limit headers and the
