@@ -144,6 +144,8 @@ pub struct Metrics {
     /// `serve`: fields of checks the decoder does not read (a misspelled
     /// `calee`, a switch's own), ignored and named in the answer.
     pub ignored_fields: Counter,
+    /// Calls' ends applied (not decided: not in the decision counts).
+    pub call_ends: Counter,
     /// `serve`: connections shed or closed by the server, by reason
     /// (`cap`: over `--max-connections`, closed at once; `timeout`: a
     /// request's header or body not sent in time, or idle too long).
@@ -182,6 +184,7 @@ impl Metrics {
             bad_callers: Counter::default(),
             dropped_fields: Family::default(),
             ignored_fields: Counter::default(),
+            call_ends: Counter::default(),
             connections_shed: Family::default(),
             degraded: Counter::default(),
             store_latency: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
@@ -230,6 +233,11 @@ impl Metrics {
             "dropped_fields",
             "Fields of call events that could not be read, dropped with the call kept, by field",
             self.dropped_fields.clone(),
+        );
+        r.register(
+            "call_ends",
+            "Calls' ends applied (they free the calls' slots of concurrent rules; not decisions)",
+            self.call_ends.clone(),
         );
         r.register(
             "duplicates",
@@ -486,8 +494,12 @@ impl Metrics {
     /// page once.
     pub fn count_batch<'v>(&self, verdicts: impl IntoIterator<Item = &'v Verdict> + Clone) {
         // A call's end is applied, not decided: no decision to count.
-        for v in verdicts.clone().into_iter().filter(|v| !v.end) {
-            self.count_decided(v);
+        for v in verdicts.clone() {
+            if v.end {
+                self.call_ends.inc();
+            } else {
+                self.count_decided(v);
+            }
         }
         self.status.decided(verdicts.into_iter().filter(|v| !v.end));
     }

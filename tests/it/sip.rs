@@ -568,3 +568,201 @@ fn kamailio_dispatcher_checks_each_caller_on_one_instance() {
     }
     drop(kam);
 }
+
+/// `SIPp` answering every call relayed to it (its built-in UAS: 180, 200,
+/// then waits for the BYE), on a free UDP port.
+fn start_uas(dir: &Path) -> (Proc, u16) {
+    require("sipp", "sip-tester");
+    let port = free_udp_port();
+    let log = std::fs::File::create(dir.join("uas.log")).unwrap();
+    let child = Command::new("sipp")
+        .args(["-sn", "uas", "-i", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-nostdin", "-m", "1000"])
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start sipp uas");
+    (Proc(child), port)
+}
+
+/// A call held open by `SIPp` (`uac-hold.xml`) until the test sends it an
+/// INFO: then it hangs up with a BYE through Kamailio.
+struct HeldCall {
+    sipp: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl HeldCall {
+    /// Places the call from `caller` and waits until it is answered;
+    /// the SIP status it got.
+    fn place(dir: &Path, name: &str, sip_port: u16, caller: &str) -> (Self, u16) {
+        let inf = dir.join(format!("{name}.csv"));
+        std::fs::write(&inf, format!("SEQUENTIAL\n{caller};+34600000009;\n")).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let port = free_udp_port();
+        let sipp = Command::new("sipp")
+            .arg(format!("127.0.0.1:{sip_port}"))
+            .arg("-sf")
+            .arg(repo("integrations/sipp/uac-hold.xml"))
+            .arg("-inf")
+            .arg(&inf)
+            .args(["-m", "1", "-i", "127.0.0.1", "-p", &port.to_string()])
+            .args([
+                "-nostdin",
+                "-timeout",
+                "90s",
+                "-timeout_error",
+                "-trace_logs",
+            ])
+            .arg("-log_file")
+            .arg(&log)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("run sipp");
+        let call = HeldCall { sipp, port, log };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = call.answer() {
+                return (call, status);
+            }
+            assert!(Instant::now() < deadline, "{name}: no answer in 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The logged "call_id;caller;status", once answered.
+    fn logged(&self) -> Option<Vec<String>> {
+        let text = std::fs::read_to_string(&self.log).ok()?;
+        let line = text.lines().find(|l| !l.trim().is_empty())?;
+        Some(line.trim().split(';').map(str::to_string).collect())
+    }
+
+    fn answer(&self) -> Option<u16> {
+        self.logged()?.get(2)?.parse().ok()
+    }
+
+    /// Tells the held call to hang up (an INFO in its dialog), and waits
+    /// for `SIPp` to finish the BYE.
+    fn hang_up(mut self) {
+        let call_id = self.logged().expect("answered")[0].clone();
+        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let local = sock.local_addr().unwrap();
+        let info = format!(
+            "INFO sip:uac@127.0.0.1:{port} SIP/2.0\r\nVia: SIP/2.0/UDP {local};branch=z9hG4bK-info\r\n\
+             From: <sip:test@{local}>;tag=9\r\nTo: <sip:uac@127.0.0.1:{port}>\r\nCall-ID: {call_id}\r\n\
+             CSeq: 7 INFO\r\nMax-Forwards: 70\r\nContent-Length: 0\r\n\r\n",
+            port = self.port
+        );
+        sock.send_to(info.as_bytes(), ("127.0.0.1", self.port))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(st) = self.sipp.try_wait().unwrap() {
+                assert!(st.success(), "the held call's SIPp failed: {st}");
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the held call did not hang up in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for HeldCall {
+    fn drop(&mut self) {
+        let _ = self.sipp.kill();
+        let _ = self.sipp.wait();
+    }
+}
+
+/// A counter of serve's `/metrics` (0 before its first sample).
+fn metric(port: u16, name: &str) -> u64 {
+    common::http_get(port, "/metrics")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Kamailio with the dialog module in front of `serve`, SIPp on both
+/// sides: with `limit = 2` concurrent calls per caller, the third
+/// simultaneous INVITE is declined; after a BYE (Kamailio's dialog end
+/// sends `GET /v1/end`), the next INVITE goes through; calls that never
+/// send a BYE free their slots after `max_duration` (4 s).
+#[test]
+fn kamailio_dialogs_hold_and_free_concurrent_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let redis = RedisServer::start(&[]);
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"4s\"\n",
+    )
+    .unwrap();
+    let (_serve, http) = start_serve(&redis, &rules, &["--reject-status", "429"]);
+    let (_uas, uas) = start_uas(dir.path());
+    let defines = [
+        format!("CALLGUARD_URL=\"http://127.0.0.1:{http}/v1/check\""),
+        format!("CALLGUARD_END_URL=\"http://127.0.0.1:{http}/v1/end\""),
+        format!("NEXT_HOP=\"sip:127.0.0.1:{uas}\""),
+    ];
+    let (_kam, sip) = start_kamailio(
+        dir.path(),
+        "integrations/kamailio/callguard-dialog.cfg",
+        &defines,
+    );
+    let x = "+34911000201";
+    let check = |name: &str| run_sipp(dir.path(), name, sip, &[(x, "+34600000010")], 10)[0].status;
+
+    // A call held open (it will hang up), and one that never sends a BYE.
+    let (held, status) = HeldCall::place(dir.path(), "held", sip, x);
+    assert_eq!(status, 200, "the first call connects");
+    let before_open = Instant::now();
+    assert_eq!(check("open1"), 200, "the second call connects");
+    assert_eq!(check("third"), 603, "a third simultaneous call is declined");
+
+    // The held call hangs up: Kamailio's dialog ends, and callguard hears of it.
+    held.hang_up();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(http, "callguard_call_ends_total") < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "no call end reached callguard in 30 s; Kamailio's log: {}",
+            std::fs::read_to_string(dir.path().join("kamailio.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(check("after_bye"), 200, "the BYE freed a slot");
+    assert_eq!(
+        check("full_again"),
+        603,
+        "two open again (neither will send a BYE)"
+    );
+
+    // The calls without a BYE hold their slots until max_duration.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut n = 0;
+    loop {
+        n += 1;
+        if check(&format!("poll{n}")) == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no slot came back in 40 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        before_open.elapsed() >= Duration::from_secs(4),
+        "a slot came back {:?} after the call without a BYE, before its max_duration",
+        before_open.elapsed()
+    );
+    assert!(n > 1, "the first retry should still have been declined");
+}
