@@ -163,6 +163,101 @@ async fn mock_cluster_with_a_batch_linger_decisions_equal_replay() {
     mock_cluster_parity("g-mock-linger", Duration::from_millis(5)).await;
 }
 
+/// A stream of call attempts and ends (each call's end at `ts +
+/// duration_ms`, in processing order) through the mock cluster, with a
+/// concurrent rule on the cached Redis store: every attempt decided as
+/// `replay` decides the same call log, ends applied and never written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn call_ends_through_the_mock_cluster_decide_as_replay() {
+    use callguard::engine::event::EventKind;
+    use callguard::offline::order::OrderedLog;
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
+    let (dir, path) = common::generated_csv(20_000, 17);
+    let rules_file = dir.path().join("rules.toml");
+    let stream_rules = std::fs::read_to_string(rules_path()).unwrap();
+    std::fs::write(
+        &rules_file,
+        format!(
+            "{stream_rules}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"20m\"\n"
+        ),
+    )
+    .unwrap();
+    let rules = RuleSet::from_file(&rules_file).unwrap();
+    let log = OrderedLog::open(&path, &ReadOptions::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    let ends = log
+        .events
+        .iter()
+        .filter(|(_, e)| e.kind == EventKind::End)
+        .count();
+    let attempts = log.events.len() - ends;
+    assert_eq!(attempts, 20_000);
+    assert!(ends > 15_000, "{ends} ends");
+    let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
+        .await
+        .unwrap();
+    let schema = Schema::decisions(&rules);
+    let expected: HashMap<String, Value> = verdicts
+        .iter()
+        .zip(&log.events)
+        .filter(|(v, _)| !v.end)
+        .map(|(verdict, (_, event))| {
+            (
+                verdict.record.call_id.to_string(),
+                schema.to_json(Row { event, verdict }),
+            )
+        })
+        .collect();
+    let by_channels = expected
+        .values()
+        .filter(|v| v["reason"] == "channels")
+        .count();
+    assert!(
+        by_channels > 20,
+        "the concurrent rule rejected {by_channels}"
+    );
+    let n = callguard::online::produce::produce(
+        log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
+    assert_eq!(n as usize, log.events.len());
+    let run = start_in_process(config(&brokers, "g-ends"), &redis.url(), rules).await;
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        attempts,
+        Duration::from_secs(240),
+    )
+    .await;
+    let stats = run.stop().await;
+    let got = by_call_id(&records);
+    assert_eq!(
+        got.len(),
+        attempts,
+        "one decision per attempt, none per end"
+    );
+    let diffs: Vec<&String> = expected
+        .iter()
+        .filter(|(id, want)| got.get(*id) != Some(*want))
+        .map(|(id, _)| id)
+        .collect();
+    assert!(
+        diffs.is_empty(),
+        "{} decisions differ from replay, e.g. {:?}",
+        diffs.len(),
+        diffs.first()
+    );
+    assert_eq!(stats.dead_letters, 0);
+    assert_eq!(stats.decided, attempts as u64, "ends are not decisions");
+}
+
 async fn mock_cluster_parity(group: &str, linger: Duration) {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
