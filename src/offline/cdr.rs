@@ -4,8 +4,10 @@
 //! A preset names a switch's columns (in file order, for files without a
 //! header), which of them are the call's id, caller, time, callee and
 //! duration, and the units they are written in. Times are the switch's
-//! local time (`--timezone`); durations are whole seconds of talk time
-//! (`billsec`: 0 for an unanswered call), read as milliseconds.
+//! local time (`--timezone`); durations are whole seconds, read as
+//! milliseconds: the call's whole duration (`duration`, attempt to
+//! hang-up) as `duration_ms`, so the call ends at `ts + duration_ms`, and
+//! its talk time (`billsec`, 0 for an unanswered call) as `talk_ms`.
 
 use chrono::NaiveDateTime;
 
@@ -41,8 +43,10 @@ pub struct Preset {
     /// Fewest columns a headerless row may have (those up to the last
     /// mapped one).
     pub min_width: usize,
-    /// Field to column: call_id, caller, ts, callee, duration_ms.
-    pub map: [(&'static str, &'static str); 5],
+    /// Field to column: call_id, caller, ts, callee, duration_ms (the
+    /// call's whole duration, attempt to hang-up), talk_ms (its talk
+    /// time, with its unit as `--map` takes it).
+    pub map: [(&'static str, &'static str); 6],
     /// Integer times are epoch seconds (else milliseconds, as in CSV).
     pub ts_seconds: bool,
     /// The duration column counts seconds.
@@ -85,7 +89,8 @@ pub const ASTERISK: Preset = Preset {
         ("caller", "src"),
         ("ts", "start"),
         ("callee", "dst"),
-        ("duration_ms", "billsec"),
+        ("duration_ms", "duration"),
+        ("talk_ms", "billsec:s"),
     ],
     ts_seconds: true,
     duration_seconds: true,
@@ -120,7 +125,8 @@ pub const FREESWITCH: Preset = Preset {
         ("caller", "caller_id_number"),
         ("ts", "start_stamp"),
         ("callee", "destination_number"),
-        ("duration_ms", "billsec"),
+        ("duration_ms", "duration"),
+        ("talk_ms", "billsec:s"),
     ],
     ts_seconds: true,
     duration_seconds: true,
@@ -157,8 +163,9 @@ pub const KAMAILIO_ACC: Preset = Preset {
         ("caller", "src_user"),
         ("ts", "time"),
         ("callee", "dst_user"),
-        // acc has no duration (the dialog module's CDRs do).
+        // acc has no duration nor talk time (the dialog module's CDRs do).
         ("duration_ms", "duration"),
+        ("talk_ms", "billsec:s"),
     ],
     ts_seconds: true,
     duration_seconds: true,

@@ -33,8 +33,12 @@ pub struct EventColumns {
     ids: String,
     id_end: Vec<u64>,
     duration: Vec<i64>,
+    /// Talk times, by index, once some event has one (empty before: a
+    /// log without talk times pays nothing for the column).
+    talk: Vec<i64>,
     /// 0: no duration and no label; bit 0: a duration; bits 1-2: the
-    /// label (1 legit, 2 fraud); bit 3: the row is a call's end.
+    /// label (1 legit, 2 fraud); bit 3: the row is a call's end; bit 4: a
+    /// talk time.
     flags: Vec<u8>,
     /// Numbers that are not E.164 digits, by index (pseudonyms).
     texts: Vec<CompactString>,
@@ -111,14 +115,19 @@ impl EventColumns {
         self.ids.push_str(&e.call_id);
         self.id_end.push(self.ids.len() as u64);
         self.duration.push(e.duration_ms.unwrap_or(0));
+        if let Some(talk) = e.talk_ms {
+            self.talk.resize(i, 0);
+            self.talk.push(talk);
+        }
         let label = match e.label {
             None => 0,
             Some(false) => 1,
             Some(true) => 2,
         };
         let end = u8::from(e.kind == EventKind::End) << 3;
+        let talk = u8::from(e.talk_ms.is_some()) << 4;
         self.flags
-            .push(u8::from(e.duration_ms.is_some()) | (label << 1) | end);
+            .push(u8::from(e.duration_ms.is_some()) | (label << 1) | end | talk);
         if let Some(n) = &e.list_number {
             self.list_numbers.insert(i, n.clone());
         }
@@ -136,6 +145,10 @@ impl EventColumns {
         self.ids.push_str(&other.ids);
         self.id_end.extend(other.id_end.iter().map(|e| e + id_base));
         self.duration.extend_from_slice(&other.duration);
+        if !other.talk.is_empty() {
+            self.talk.resize(base, 0);
+            self.talk.extend_from_slice(&other.talk);
+        }
         self.flags.extend_from_slice(&other.flags);
         // Numbers kept as text are indices into `other`'s table.
         let remap = |this: &mut Self, codes: &[u64]| -> Vec<u64> {
@@ -182,6 +195,7 @@ impl EventColumns {
             ts_ms: self.ts[i].saturating_add(self.duration[i]),
             callee: self.unpack(self.callee[i]),
             kind: EventKind::End,
+            talk_ms: (self.flags[i] & 16 == 16).then(|| self.talk.get(i).copied().unwrap_or(0)),
             list_number: self.list_numbers.get(&i).cloned(),
             filter_callee: self.filter_callees.get(&i).cloned(),
             ..Default::default()
@@ -214,6 +228,7 @@ impl EventColumns {
                 EventKind::Attempt
             },
             duration_ms: (flags & 1 == 1).then_some(self.duration[i]),
+            talk_ms: (flags & 16 == 16).then(|| self.talk.get(i).copied().unwrap_or(0)),
             label: match (flags >> 1) & 3 {
                 1 => Some(false),
                 2 => Some(true),

@@ -76,18 +76,33 @@ fn freeswitch_cdr_file_is_detected_and_read_in_local_time() {
     for format in [InputFormat::Auto, InputFormat::FreeSwitch] {
         let log = read_call_log(path, &madrid(format)).unwrap();
         let id = |n: u32| format!("0b2f6c1e-1d4a-4b7e-9a31-{n:012}");
+        // `duration` (attempt to hang-up) is the duration, `billsec` the
+        // talk time.
         let expected = vec![
-            (1, row(&id(1), "+34600000001", SPRING_BEFORE, Some(20_000))),
-            (2, row(&id(2), "+34600000002", SPRING_AFTER, Some(0))),
-            (3, row(&id(3), "+34600000003", SPRING_GAP, Some(0))),
+            (1, row(&id(1), "+34600000001", SPRING_BEFORE, Some(25_000))),
+            (2, row(&id(2), "+34600000002", SPRING_AFTER, Some(30_000))),
+            (3, row(&id(3), "+34600000003", SPRING_GAP, Some(1_000))),
             (
                 4,
                 unusable(row(&id(4), "+34600000004", FALL_EARLY, Some(0))),
             ),
-            (5, row(&id(5), "+34600000005", FALL_FOLD, Some(120_000))),
-            (6, row(&id(6), "+34600000006", FALL_AFTER, Some(7_000))),
+            (5, row(&id(5), "+34600000005", FALL_FOLD, Some(124_000))),
+            (6, row(&id(6), "+34600000006", FALL_AFTER, Some(9_000))),
         ];
         assert_eq!(rows(&log.events), expected, "{format:?}");
+        let talk: Vec<Option<i64>> = log.events.iter().map(|(_, e)| e.talk_ms).collect();
+        assert_eq!(
+            talk,
+            [
+                Some(20_000),
+                Some(0),
+                Some(0),
+                Some(0),
+                Some(120_000),
+                Some(7_000)
+            ],
+            "{format:?}"
+        );
         // An anonymous caller is no number: decided as the unusable
         // caller, and listed with its row as a call kept.
         assert_eq!(log.invalid.len(), 1);
@@ -184,14 +199,19 @@ fn kamailio_acc_export_with_a_header() {
 fn every_preset_reads_back_the_generated_calls() {
     let dir = tempfile::tempdir().unwrap();
     let calls = generate(5_000, 11);
-    let mut expected: Vec<(String, String, i64, i64)> = calls
+    // The switches log the whole duration (a ring of 3 s, 20 s unanswered,
+    // then the talk time) and the talk time, in whole seconds.
+    let mut expected: Vec<(String, String, i64, i64, i64)> = calls
         .iter()
         .map(|c| {
+            let talk = c.duration_ms / 1000 * 1000;
+            let ring = if c.duration_ms > 0 { 3_000 } else { 20_000 };
             (
                 c.caller.clone(),
                 c.callee.clone(),
                 c.ts_ms / 1000 * 1000,
-                c.duration_ms / 1000 * 1000,
+                ring + talk,
+                talk,
             )
         })
         .collect();
@@ -206,7 +226,7 @@ fn every_preset_reads_back_the_generated_calls() {
         let path = dir.path().join(format!("{format:?}.csv"));
         write_cdr(&path, &calls, format, MADRID).unwrap();
         let log = read_call_log(&path, &madrid(InputFormat::Auto)).unwrap();
-        let mut got: Vec<(String, String, i64, i64)> = log
+        let mut got: Vec<(String, String, i64, i64, i64)> = log
             .events
             .iter()
             .map(|(_, e)| {
@@ -215,16 +235,17 @@ fn every_preset_reads_back_the_generated_calls() {
                     e.callee.as_ref().map(|c| c.to_string()).unwrap_or_default(),
                     e.ts_ms,
                     e.duration_ms.unwrap_or(0),
+                    e.talk_ms.unwrap_or(0),
                 )
             })
             .collect();
         got.sort();
         if format == InputFormat::KamailioAcc {
-            // acc has no duration: compare the rest.
-            let strip = |v: &[(String, String, i64, i64)]| -> Vec<(String, String, i64)> {
+            // acc has no duration nor talk time: compare the rest.
+            let strip = |v: &[(String, String, i64, i64, i64)]| -> Vec<(String, String, i64)> {
                 let mut v: Vec<_> = v
                     .iter()
-                    .map(|(a, b, t, _)| (a.clone(), b.clone(), *t))
+                    .map(|(a, b, t, _, _)| (a.clone(), b.clone(), *t))
                     .collect();
                 v.sort();
                 v
@@ -236,7 +257,14 @@ fn every_preset_reads_back_the_generated_calls() {
                 .iter()
                 .all(|r| r.error.kind() == "not_a_call_attempt"));
         } else {
-            assert_eq!(got, expected, "{format:?}");
+            let differ = got.iter().zip(&expected).filter(|(g, x)| g != x).count();
+            assert_eq!(got.len(), expected.len(), "{format:?}");
+            assert_eq!(
+                differ,
+                0,
+                "{format:?}: e.g. {:?}",
+                got.iter().zip(&expected).find(|(g, x)| g != x)
+            );
             assert!(
                 log.invalid.is_empty(),
                 "{format:?}: {:?}",
