@@ -39,6 +39,13 @@
 --   :pz:<rule>:<W>  its pairs: sorted set, member callee, score the latest
 --          call to it the rule saw (at most ARGV[12] pairs: past that
 --          ZPOPMIN drops the lowest (time, callee) and its state)
+--   :o:<rule>:<W>  a concurrent rule's calls held open: hash, field
+--          "<start>|<call_id>", value "<close>,<ended 0/1>" (dropped once the
+--          close is at or below the horizon; all dropped when the caller
+--          starts afresh; src/engine/window/open.rs)
+--   :pe    ends of calls not seen yet: sorted set, member call_id, score
+--          the end time (trimmed at the idempotency horizon; at most 1024:
+--          past that ZPOPMIN drops the lowest (time, call_id))
 --   meta also holds t:<rule>:<W> = a token bucket's theoretical arrival
 --          time "<ms>,<rem>" (TAT = ms + rem / n, rate n per period)
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
@@ -55,14 +62,16 @@
 --   13 block keys: 0/1          14 key prefix
 --   15 n (number of rules), then per rule i, 7 values: kind (0 fixed,
 --   1 sliding, 2 sliding-approx, 3 token-bucket, 4 distinct-callees,
---   5 keyed by callee or global: decided before, nothing kept here),
---   window (ms; a token bucket's span), limit (a token bucket's burst),
+--   5 keyed by callee or global: decided before, nothing kept here,
+--   6 concurrent), window (ms; a token bucket's span, a concurrent rule's
+--   max_duration), limit (a token bucket's burst),
 --   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
 --   calls + 4 keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
 --   token bucket's; '' otherwise)
 -- then per event j, 6 values: t (event time, ms), call_id,
 --   listed (0 no, 1 allow, 2 deny, 3 an unusable caller allowed, 4 one
---   rejected: reason `bad_caller`), callee ('' for none), mask: '' when
+--   rejected: reason `bad_caller`; E: the event is the call's end, applied
+--   and not decided, its record "E"), callee ('' for none), mask: '' when
 --   every rule sees every call, else one character per rule: 1 the rule
 --   sees the call, 2 it does not now (time profile) but sees its callee
 --   (it counts for the retry-after), 0 neither (RuleSet::mask), and when
@@ -112,10 +121,12 @@ local n = tonumber(ARGV[15])
 local H = 15
 
 -- Rule kinds, as ARGV sends them (src/store/redis/script.rs).
-local FIXED, SLIDING, APPROX, TOKEN, DISTINCT, OUTSIDE = 0, 1, 2, 3, 4, 5
+local FIXED, SLIDING, APPROX, TOKEN, DISTINCT, OUTSIDE, CONCURRENT = 0, 1, 2, 3, 4, 5, 6
 -- An event's `listed` (src/store/redis/script.rs): none, allowlist,
 -- denylist, an unusable caller allowed, one rejected (reason bad_caller).
 local LISTED_NONE, LISTED_ALLOW, LISTED_DENY, LISTED_BAD_ALLOWED, LISTED_BAD_REJECTED = '0', '1', '2', '3', '4'
+-- Not a list code: the event is a call's end.
+local CALL_END = 'E'
 
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
@@ -166,6 +177,13 @@ local has_own_sets = false
 for i = 1, n do
   if kinds[i] == DISTINCT or paired[i] then has_own_sets = true end
 end
+-- The concurrent rules, in order, and the most ends of calls not seen
+-- yet a caller keeps (src/engine/window/open.rs MAX_PENDING_ENDS).
+local concurrent = {}
+for i = 1, n do
+  if kinds[i] == CONCURRENT then concurrent[#concurrent + 1] = i end
+end
+local MAX_PENDING_ENDS = 1024
 -- Each rule's own sorted set, as a suffix of the caller's stem (false:
 -- none): pairs' latest times, distinct callees, an own log.
 local own_suffix = {}
@@ -443,6 +461,8 @@ local c_meta, c_log, c_ids, c_callees, c_rfield, c_mv
 local c_lnew, c_horizon, c_dedup_horizon, c_prev, c_late
 local c_b_log, c_b_ids, c_b_callees, c_n_callees, c_okeys, c_distinct
 local c_counts, c_approx, c_fixed, c_fchanged, c_tats, c_pst
+-- Per concurrent rule, the calls it holds (see open_calls).
+local c_open
 
 -- A token bucket's TAT as kept, unless the caller starts afresh.
 local function read_tat(i)
@@ -465,6 +485,65 @@ local function read_outside(outside)
     repeat i = i + 1 until i > n or kinds[i] == OUTSIDE
     outside_count[i], outside_until[i] = tonumber(c), tonumber(u)
   end
+end
+
+-- A concurrent rule's calls held open, from its hash: per call
+-- {start, close, ended, call_id, field}.
+local function open_calls(key)
+  local flat = call('HGETALL', key)
+  local calls = {}
+  for j = 1, #flat, 2 do
+    local start, id = string.match(flat[j], '^(-?%d+)|(.*)$')
+    local close, ended = string.match(flat[j + 1], '^(-?%d+),(%d)$')
+    calls[#calls + 1] = {tonumber(start), tonumber(close), ended == '1', id, flat[j]}
+  end
+  return calls
+end
+
+-- A concurrent rule's count of a call at t: the calls open at t, plus one.
+local function open_count(calls, t)
+  local c = 1
+  for _, x in ipairs(calls) do
+    if x[1] <= t and t < x[2] then c = c + 1 end
+  end
+  return c
+end
+
+-- A call's end (not decided): closes the call in every concurrent rule
+-- that holds it (its latest by start); an end for a call not held is kept
+-- for the idempotency horizon, unless the call was decided within it (its
+-- record newer than L - D). Ends move no horizon.
+local function end_call(stem, t, id)
+  if #concurrent == 0 then return end
+  local held = false
+  for _, i in ipairs(concurrent) do
+    local key = stem .. ':o:' .. suffix[i]
+    local best = nil
+    for _, c in ipairs(open_calls(key)) do
+      if c[4] == id and (not best or c[1] > best[1]) then best = c end
+    end
+    if best then
+      held = true
+      if not best[3] then
+        local close = math.min(best[2], math.max(t, best[1]))
+        call('HSET', key, best[5], fmt('%d', close) .. ',1')
+      end
+    end
+  end
+  if held then return end
+  if idem then
+    local mv = call('HMGET', stem .. ':m', 'L', 'r:' .. id)
+    local latest, stored = tonumber(mv[1]), mv[2]
+    if latest and stored then
+      local sts = tonumber(string.match(stored, '^(-?%d+)|'))
+      if sts > latest - dedup then return end
+    end
+  end
+  local pe = stem .. ':pe'
+  call('ZADD', pe, 'NX', t, id)
+  local extra = call('ZCARD', pe) - MAX_PENDING_ENDS
+  if extra > 0 then call('ZPOPMIN', pe, extra) end
+  call('PEXPIRE', pe, dedup + slack)
 end
 
 -- Phase 1: the caller's meta, its times and horizons; the stored record
@@ -535,6 +614,27 @@ local function trim()
       end
     end
   end
+end
+
+-- Phase 2, concurrent rules: the calls held open, all dropped when the
+-- caller starts afresh, else those closed at or below the horizon, read
+-- into c_open; the ends kept, trimmed at the idempotency horizon.
+local function trim_open()
+  c_open = {}
+  if #concurrent == 0 then return end
+  for _, i in ipairs(concurrent) do
+    local key = c_stem .. ':o:' .. suffix[i]
+    local kept = {}
+    if not c_prev then
+      call('DEL', key)
+    else
+      for _, c in ipairs(open_calls(key)) do
+        if c[2] <= c_horizon then call('HDEL', key, c[5]) else kept[#kept + 1] = c end
+      end
+    end
+    c_open[i] = kept
+  end
+  call('ZREMRANGEBYSCORE', c_stem .. ':pe', '-inf', fmt('%d', c_dedup_horizon))
 end
 
 -- Phase 3: distinct callees: raise this callee's latest call time, count
@@ -620,6 +720,9 @@ local function count_all()
       c = 0
     elseif paired[i] then
       c = count_pair(i)
+    elseif kind == CONCURRENT then
+      -- At or below the horizon: counts 1, and the call opens nothing.
+      if t <= horizon then c = 1 else c = open_count(c_open[i], t) end
     elseif kind == DISTINCT then
       if callee == '' then
         c = 0
@@ -757,6 +860,39 @@ local function record()
   end
 end
 
+-- Phase 6, concurrent rules: an allowed call (a shadow reject too) held
+-- open by every concurrent rule that saw it, closed at its end if that
+-- came first (taken from the ends kept).
+local function open_call()
+  local t, id = c_t, c_id
+  if t <= c_horizon or #concurrent == 0 then return end
+  local taken, ended_at = false, nil
+  for _, i in ipairs(concurrent) do
+    if c_counts[i] > 0 then
+      if not taken then
+        local pe = c_stem .. ':pe'
+        local e = call('ZSCORE', pe, id)
+        if e then
+          ended_at = tonumber(e)
+          call('ZREM', pe, id)
+        end
+        taken = true
+      end
+      local close, ended = t + wins[i], '0'
+      if ended_at then
+        close = math.min(math.max(ended_at, t), close)
+        ended = '1'
+      end
+      local key = c_stem .. ':o:' .. suffix[i]
+      local field = fmt('%d', t) .. '|' .. id
+      call('HSET', key, field, fmt('%d', close) .. ',' .. ended)
+      call('PEXPIRE', key, retention + slack)
+      local list = c_open[i]
+      list[#list + 1] = {t, close, ended == '1', id, field}
+    end
+  end
+end
+
 -- Pairs touched by this call: written back, then the cap.
 local function write_pairs()
   for i = 1, n do
@@ -839,6 +975,15 @@ local function until_of(i)
     if not (tat and tat.changed) then tat = read_tat(i) end
     local u = tat and tat_until(tat, t, i, lim)
     return u and math.min(u, c_lnew + retention - 1)
+  elseif kind == CONCURRENT then
+    -- The open count drops only at a close: the last close minus one at
+    -- which the calls open still fill the limit.
+    local calls, last = c_open[i], nil
+    for _, x in ipairs(calls) do
+      local s = x[2] - 1
+      if s > t and (not last or s > last) and open_count(calls, s) > lim then last = s end
+    end
+    return last
   elseif kind == DISTINCT then
     local u = c_callee ~= '' and distinct_until(okey, c_callee, t, w, lim)
     return u and math.min(u, c_lnew + retention - 1) or nil
@@ -951,6 +1096,10 @@ end
 
 -- One call, phase by phase: duplicate (0/1) and its record.
 local function decide(stem, t, id, listed, callee, mask, outside)
+  if listed == CALL_END then
+    end_call(stem, t, id)
+    return 0, CALL_END
+  end
   read_outside(outside)
   c_stem, c_t, c_id, c_listed, c_callee, c_mask = stem, t, id, listed, callee, mask
   c_counts, c_approx, c_fixed, c_fchanged, c_tats, c_pst = {}, {}, {}, false, {}, {}
@@ -959,13 +1108,15 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   local stored = read_meta()
   if stored then return 1, stored end
   trim()
+  trim_open()
   track()
   count_all()
   local would, reason, by_shadow = judge()
   if (not admitted) or would == 0 then record() end
-  write_pairs()
   local shadow = 0
   if (shadow_mode or by_shadow) and would == 1 then shadow = 1 end
+  if would == 0 or shadow == 1 then open_call() end
+  write_pairs()
   local decision = would
   if shadow == 1 then decision = 0 end
   local retry = ''

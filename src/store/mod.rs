@@ -22,11 +22,6 @@ pub mod cached;
 pub const CONTENDED: &str =
     "a caller changed under each of its commit rounds: another writer is deciding it";
 
-/// Why the window script's store refuses a rule set with a concurrent rule.
-pub const CONCURRENT_NOT_IN_SCRIPT: &str =
-    "concurrent rules are kept by --store memory and --redis-mode cached (the default) \
-     in this version: the window script (--redis-mode script) does not hold open calls yet";
-
 /// A batch's attempts, when it holds call ends, for a store that keeps no
 /// open calls (no concurrent rule: an end changes nothing); `None` when
 /// it holds only attempts.

@@ -816,8 +816,7 @@ fn mapped_units_and_time_forms_are_read_as_named() {
 /// attempt and, at `ts + duration_ms`, an end; a call's end at the same
 /// millisecond as an attempt closes it first; a row without a duration
 /// is held until `max_duration`; an `event = end` row closes its call
-/// and gets no decision row. The cached Redis store writes the same
-/// records; the window script refuses the rule set with a clear error.
+/// and gets no decision row. Both Redis stores write the same records.
 #[test]
 fn a_concurrent_rule_holds_calls_open_until_their_ends() {
     let dir = tempfile::tempdir().unwrap();
@@ -888,8 +887,7 @@ fn a_concurrent_rule_holds_calls_open_until_their_ends() {
          h,allow,2,\n\
          i,reject,3,592000\n"
     );
-    // The cached Redis store decides it exactly as memory; the window
-    // script refuses it, clearly.
+    // Both Redis stores decide it exactly as memory.
     let redis = RedisServer::start(&[]);
     for mode in ["cached", "script"] {
         let written = dir.path().join(format!("{mode}.csv"));
@@ -909,13 +907,11 @@ fn a_concurrent_rule_holds_calls_open_until_their_ends() {
             "--redis-url",
             &redis.url(),
         ]);
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        if mode == "cached" {
-            assert!(o.status.success(), "{stderr}");
-            assert_eq!(std::fs::read_to_string(&written).unwrap(), text);
-        } else {
-            assert!(!o.status.success());
-            assert!(stderr.contains("does not hold open calls yet"), "{stderr}");
-        }
+        assert!(
+            o.status.success(),
+            "{mode}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(std::fs::read_to_string(&written).unwrap(), text, "{mode}");
     }
 }

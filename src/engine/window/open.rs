@@ -118,66 +118,80 @@ pub const MAX_PENDING_ENDS: usize = 1024;
 
 /// Ends of calls not yet seen (the switch's two messages reordered), kept
 /// for the idempotency horizon: the attempt that arrives after its own end
-/// is open only until that end.
+/// is open only until that end. A call's first end stands; past
+/// [`MAX_PENDING_ENDS`] the earliest end (then the lowest call id) goes,
+/// as a Redis sorted set scored by end time pops it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PendingEnds {
-    /// (end time, call id), in arrival order.
-    ends: VecDeque<(i64, CompactString)>,
+    /// Call id to end time.
+    by_id: foldhash::HashMap<CompactString, i64>,
+    /// (end time, call id), in order.
+    by_end: std::collections::BTreeSet<(i64, CompactString)>,
 }
 
 impl PendingEnds {
-    /// Remembers the end of call `id` at `end`; the oldest is let go past
-    /// [`MAX_PENDING_ENDS`]. A second end of the same call is kept behind
-    /// the first, which [`PendingEnds::take`] finds first (so the first
-    /// stands), in O(1): ends of calls that were rejected without an
-    /// idempotency record (a replay of unique ids) come here too.
+    /// Remembers the end of call `id` at `end`, unless one is kept already.
     pub(super) fn note(&mut self, id: &str, end: i64) {
-        if self.ends.len() >= MAX_PENDING_ENDS {
-            self.ends.pop_front();
+        if self.by_id.contains_key(id) {
+            return;
         }
-        self.ends.push_back((end, id.into()));
+        self.by_id.insert(id.into(), end);
+        self.by_end.insert((end, id.into()));
+        while self.by_id.len() > MAX_PENDING_ENDS {
+            let Some((_, first)) = self.by_end.pop_first() else {
+                break;
+            };
+            self.by_id.remove(&first);
+        }
     }
 
-    /// The end of call `id`, if it came first (and every end of it is let
-    /// go: the call holds it now).
+    /// The end of call `id`, if it came first (and is let go: the call
+    /// holds it now).
     pub(super) fn take(&mut self, id: &str) -> Option<i64> {
-        if self.ends.is_empty() {
+        if self.by_id.is_empty() {
             return None;
         }
-        let at = self.ends.iter().position(|(_, e)| e == id)?;
-        let first = self.ends[at].0;
-        self.ends.retain(|(_, e)| e != id);
-        Some(first)
+        let end = self.by_id.remove(id)?;
+        self.by_end.remove(&(end, CompactString::from(id)));
+        Some(end)
     }
 
     /// Drops the ends at or below the idempotency horizon.
     pub(super) fn trim(&mut self, dedup_horizon: i64) {
-        self.ends.retain(|(end, _)| *end > dedup_horizon);
+        while self
+            .by_end
+            .first()
+            .is_some_and(|(end, _)| *end <= dedup_horizon)
+        {
+            if let Some((_, id)) = self.by_end.pop_first() {
+                self.by_id.remove(&id);
+            }
+        }
     }
 
-    /// Puts back an end kept, as [`PendingEnds::iter`] gave it (in order).
+    /// Puts back an end kept, as [`PendingEnds::iter`] gave it.
     pub(super) fn restore(&mut self, end: i64, id: &str) {
-        self.ends.push_back((end, id.into()));
+        self.note(id, end);
     }
 
     /// How many are kept.
     pub(super) fn len(&self) -> usize {
-        self.ends.len()
+        self.by_id.len()
     }
 
-    /// The ends kept, in arrival order.
+    /// The ends kept, (end time, call id) in order.
     pub(super) fn iter(&self) -> impl Iterator<Item = &(i64, CompactString)> {
-        self.ends.iter()
+        self.by_end.iter()
     }
 
     /// Whether none is kept.
     pub fn is_empty(&self) -> bool {
-        self.ends.is_empty()
+        self.by_id.is_empty()
     }
 
     /// The latest end kept.
     pub(super) fn newest(&self) -> Option<i64> {
-        self.ends.iter().map(|(end, _)| *end).max()
+        self.by_end.last().map(|(end, _)| *end)
     }
 }
 

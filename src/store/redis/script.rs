@@ -12,7 +12,7 @@
 
 use redis::{RedisError, Value};
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::Verdict;
 use crate::engine::rules::{CountPolicy, Listed, RuleKey, RuleSet};
 use crate::error::StoreError;
@@ -157,12 +157,14 @@ impl RedisStore {
         }
         let profiled = rules.rules.iter().any(|r| r.filter.has_time());
         for ev in events {
+            // A call's end: `E` in the list code's place (see the script).
             let listed = match rules.listed(ev.number_for_lists()) {
-                Listed::No => 0,
-                Listed::Allow => 1,
-                Listed::Deny => 2,
-                Listed::BadCallerAllow => 3,
-                Listed::BadCallerReject => 4,
+                _ if ev.kind == EventKind::End => "E",
+                Listed::No => "0",
+                Listed::Allow => "1",
+                Listed::Deny => "2",
+                Listed::BadCallerAllow => "3",
+                Listed::BadCallerReject => "4",
             };
             cmd.arg(ev.ts_ms)
                 .arg(ev.call_id.as_str())
@@ -182,10 +184,9 @@ impl RedisStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
-        if rules.has_concurrent() {
-            return Err(StoreError::fatal(crate::store::CONCURRENT_NOT_IN_SCRIPT));
-        }
-        match crate::store::attempts_of(events) {
+        // Without a concurrent rule an end changes nothing: answered here,
+        // never sent to Redis.
+        match crate::store::attempts_of(events).filter(|_| !rules.has_concurrent()) {
             Some(attempts) => {
                 let decided = self.apply_attempts(rules, &attempts).await?;
                 Ok(crate::store::with_ends(rules, events, decided, |v| v))
@@ -194,7 +195,8 @@ impl RedisStore {
         }
     }
 
-    /// [`RedisStore::apply_batch`] of attempts only.
+    /// [`RedisStore::apply_batch`] of `events` (ends only with a
+    /// concurrent rule).
     async fn apply_attempts(
         &mut self,
         rules: &RuleSet,
@@ -249,7 +251,7 @@ impl RedisStore {
             .into_iter()
             .zip(events)
             .map(|(v, ev)| match v {
-                Some(v) => parse_reply(v, ev),
+                Some(v) => parse_reply(v, ev, rules),
                 None => Err(StoreError::transient(format!(
                     "no reply for call {}",
                     ev.call_id
@@ -303,7 +305,7 @@ fn per_event(replies: Vec<Value>) -> Vec<Value> {
     out
 }
 
-fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
+fn parse_reply(v: Value, ev: &CallEvent, rules: &RuleSet) -> Result<Verdict, StoreError> {
     let bad = |what: &str| {
         StoreError::fatal(format!(
             "unexpected script reply for call {}: {what}",
@@ -317,6 +319,11 @@ fn parse_reply(v: Value, ev: &CallEvent) -> Result<Verdict, StoreError> {
         [Value::Int(d), Value::BulkString(s)] => (*d == 1, String::from_utf8_lossy(s).into_owned()),
         other => return Err(bad(&format!("{other:?}"))),
     };
+    if ev.kind == EventKind::End {
+        return (encoded == "E")
+            .then(|| Verdict::of_end(ev, rules))
+            .ok_or_else(|| bad(&encoded));
+    }
     Verdict::from_reply(&encoded, ev, dup).ok_or_else(|| bad(&encoded))
 }
 
