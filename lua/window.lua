@@ -41,7 +41,7 @@
 --          ZPOPMIN drops the lowest (time, callee) and its state)
 --   :o:<rule>:<W>  a concurrent rule's calls held open: hash, field
 --          "<start>|<call_id>", value "<close>,<ended 0/1>" (dropped once the
---          close is at or below the horizon; all dropped when the caller
+--          close is at or before L' - grace; all dropped when the caller
 --          starts afresh; src/engine/window/open.rs)
 --   :pe    ends of calls not seen yet: sorted set, member call_id, score
 --          the end time (trimmed at the idempotency horizon; at most 1024:
@@ -184,6 +184,9 @@ for i = 1, n do
   if kinds[i] == CONCURRENT then concurrent[#concurrent + 1] = i end
 end
 local MAX_PENDING_ENDS = 1024
+local has_concurrent = #concurrent > 0
+-- c_open of a rule set without concurrent rules (no table per event).
+local NO_OPEN = {}
 -- Each rule's own sorted set, as a suffix of the caller's stem (false:
 -- none): pairs' latest times, distinct callees, an own log.
 local own_suffix = {}
@@ -514,7 +517,7 @@ end
 -- for the idempotency horizon, unless the call was decided within it (its
 -- record newer than L - D). Ends move no horizon.
 local function end_call(stem, t, id)
-  if #concurrent == 0 then return end
+  if not has_concurrent then return end
   local held = false
   for _, i in ipairs(concurrent) do
     local key = stem .. ':o:' .. suffix[i]
@@ -617,19 +620,25 @@ local function trim()
 end
 
 -- Phase 2, concurrent rules: the calls held open, all dropped when the
--- caller starts afresh, else those closed at or below the horizon, read
+-- caller starts afresh, else those closed at or before L' - grace, read
 -- into c_open; the ends kept, trimmed at the idempotency horizon.
 local function trim_open()
+  if not has_concurrent then
+    c_open = NO_OPEN
+    return
+  end
   c_open = {}
-  if #concurrent == 0 then return end
   for _, i in ipairs(concurrent) do
     local key = c_stem .. ':o:' .. suffix[i]
     local kept = {}
     if not c_prev then
       call('DEL', key)
     else
+      -- Closed more than the grace ago: matters only to a late call (see
+      -- the engine's trim), dropped.
+      local closed = c_lnew - grace
       for _, c in ipairs(open_calls(key)) do
-        if c[2] <= c_horizon then call('HDEL', key, c[5]) else kept[#kept + 1] = c end
+        if c[2] <= closed then call('HDEL', key, c[5]) else kept[#kept + 1] = c end
       end
     end
     c_open[i] = kept
@@ -865,7 +874,7 @@ end
 -- came first (taken from the ends kept).
 local function open_call()
   local t, id = c_t, c_id
-  if t <= c_horizon or #concurrent == 0 then return end
+  if t <= c_horizon or not has_concurrent then return end
   local taken, ended_at = false, nil
   for _, i in ipairs(concurrent) do
     if c_counts[i] > 0 then

@@ -635,8 +635,12 @@ impl CallerState {
         for (_, callees) in &mut self.distinct {
             callees.trim(horizon);
         }
+        // A call closed more than the grace ago matters only to a late
+        // call, whose count sees what is kept: dropped (so a busy trunk
+        // keeps its open calls, not every call of the last max_duration).
+        let closed = l_new.saturating_sub(rules.grace_ms);
         for (_, calls) in &mut self.open {
-            calls.trim(horizon);
+            calls.trim(closed);
         }
         self.pending_ends.trim(dedup_horizon);
         let grace = rules.grace_ms;

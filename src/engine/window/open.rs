@@ -4,8 +4,9 @@
 //! An allowed attempt `c` is open at `t` when `start(c) <= t < close(c)`,
 //! `close(c) = min(max(end(c), start(c)), start(c) + max_duration)`:
 //! `end(c)` is the time of its first end event (none yet: only
-//! `max_duration` closes it). A call whose close is at or below the
-//! caller's horizon is dropped, as every window's data is.
+//! `max_duration` closes it). A call whose close is at or below `L' -
+//! grace` is dropped: it can matter only to a late call, whose count sees
+//! what is kept (as in every window).
 
 use std::collections::VecDeque;
 
@@ -78,9 +79,9 @@ impl OpenCalls {
         true
     }
 
-    /// Drops the calls closed at or below the horizon.
-    pub(super) fn trim(&mut self, horizon: i64) {
-        self.calls.retain(|c| c.close > horizon);
+    /// Drops the calls closed at or before `closed` (`L' - grace`).
+    pub(super) fn trim(&mut self, closed: i64) {
+        self.calls.retain(|c| c.close > closed);
     }
 
     /// The last time `s > t` at which a call would still be over `limit`

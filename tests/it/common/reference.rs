@@ -125,11 +125,11 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
                     && !beyond
             })
             .collect();
-        // The caller's calls held open are trimmed at this call's horizon,
-        // or all dropped when it starts afresh; its kept ends at the
-        // idempotency horizon.
+        // The caller's calls held open are dropped once closed at or
+        // before L' - grace (only a late call could count them), or all
+        // when it starts afresh; its kept ends at the idempotency horizon.
         let afresh = expected.prev_ts_ms.is_none();
-        let horizon = latest - rules.retention_ms();
+        let horizon = latest - rules.grace_ms;
         for p in history
             .iter_mut()
             .filter(|p| p.caller == e.caller && p.held)
@@ -336,7 +336,12 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
             WindowKind::Concurrent => {
                 1 + live
                     .iter()
-                    .filter(|p| p.opened[i] && p.ts <= t && t < p.close(rules, i))
+                    .filter(|p| {
+                        // Closed at or before L' - grace: dropped (only a
+                        // late call could have counted it).
+                        let close = p.close(rules, i);
+                        p.opened[i] && p.ts <= t && t < close && close > l_new - rules.grace_ms
+                    })
                     .count() as u64
             }
             WindowKind::TokenBucket => token_level(rule, live, i, t),
