@@ -49,6 +49,10 @@ pub enum EventError {
         /// Which bound it crosses.
         why: String,
     },
+    /// `account` is too long or holds characters other than `A-Z a-z 0-9
+    /// . _ - : @ +`.
+    #[error("bad account {0}: at most 64 of A-Z a-z 0-9 . _ - : @ +")]
+    BadAccount(String),
     /// `event` is neither `attempt` nor `end`.
     #[error("bad event {0}: expected attempt or end")]
     BadEventKind(String),
@@ -102,6 +106,7 @@ impl EventError {
             EventError::BadTimestamp(_) | EventError::TsOutOfRange { .. } => Some("ts"),
             EventError::BadLabel(_) => Some("label"),
             EventError::BadEventKind(_) => Some("event"),
+            EventError::BadAccount(_) => Some("account"),
             EventError::BadCallId(_) => Some("call_id"),
             _ => None,
         }
@@ -117,6 +122,7 @@ impl EventError {
             EventError::TsOutOfRange { .. } => "ts_out_of_range",
             EventError::BadLabel(_) => "bad_label",
             EventError::BadEventKind(_) => "bad_event",
+            EventError::BadAccount(_) => "bad_account",
             EventError::BadCallId(_) => "bad_call_id",
             EventError::Json(_) => "bad_json",
             EventError::Oversized { .. } => "oversized",

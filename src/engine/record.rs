@@ -186,6 +186,7 @@ static NO_EVENT: CallEvent = CallEvent {
     kind: crate::engine::event::EventKind::Attempt,
     duration_ms: None,
     talk_ms: None,
+    account: None,
     label: None,
     list_number: None,
     filter_callee: None,

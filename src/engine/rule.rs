@@ -89,6 +89,10 @@ pub enum RuleKey {
     /// All calls the rule sees, network-wide: one window, shared like a
     /// callee's.
     Global,
+    /// All calls of one account (customer, tenant or trunk: the event's
+    /// `account`), from any of its numbers: one window per account, shared
+    /// like a callee's. A call without an account is not counted.
+    Account,
 }
 
 impl RuleKey {
@@ -99,17 +103,18 @@ impl RuleKey {
             "caller+callee" => Ok(RuleKey::CallerCallee),
             "callee" => Ok(RuleKey::Callee),
             "global" => Ok(RuleKey::Global),
+            "account" => Ok(RuleKey::Account),
             other => Err(format!(
-                "unknown key `{other}` (caller, caller+callee, callee, global)"
+                "unknown key `{other}` (caller, caller+callee, callee, global, account)"
             )),
         }
     }
 
-    /// Whether the rule counts calls of many callers (`callee`, `global`):
-    /// its state is not the caller's, and instances share it through
-    /// leased credits.
+    /// Whether the rule counts calls of many callers (`callee`, `global`,
+    /// `account`): its state is not the caller's, and instances share it
+    /// through leased credits.
     pub fn is_aggregate(self) -> bool {
-        matches!(self, RuleKey::Callee | RuleKey::Global)
+        matches!(self, RuleKey::Callee | RuleKey::Global | RuleKey::Account)
     }
 
     fn is_caller(&self) -> bool {

@@ -45,8 +45,8 @@ pub struct Preset {
     pub min_width: usize,
     /// Field to column: call_id, caller, ts, callee, duration_ms (the
     /// call's whole duration, attempt to hang-up), talk_ms (its talk
-    /// time, with its unit as `--map` takes it).
-    pub map: [(&'static str, &'static str); 6],
+    /// time, with its unit as `--map` takes it), account.
+    pub map: [(&'static str, &'static str); 7],
     /// Integer times are epoch seconds (else milliseconds, as in CSV).
     pub ts_seconds: bool,
     /// The duration column counts seconds.
@@ -91,6 +91,7 @@ pub const ASTERISK: Preset = Preset {
         ("callee", "dst"),
         ("duration_ms", "duration"),
         ("talk_ms", "billsec:s"),
+        ("account", "accountcode"),
     ],
     ts_seconds: true,
     duration_seconds: true,
@@ -127,6 +128,7 @@ pub const FREESWITCH: Preset = Preset {
         ("callee", "destination_number"),
         ("duration_ms", "duration"),
         ("talk_ms", "billsec:s"),
+        ("account", "accountcode"),
     ],
     ts_seconds: true,
     duration_seconds: true,
@@ -163,9 +165,11 @@ pub const KAMAILIO_ACC: Preset = Preset {
         ("caller", "src_user"),
         ("ts", "time"),
         ("callee", "dst_user"),
-        // acc has no duration nor talk time (the dialog module's CDRs do).
+        // acc has no duration, talk time nor account (the dialog
+        // module's CDRs do).
         ("duration_ms", "duration"),
         ("talk_ms", "billsec:s"),
+        ("account", "accountcode"),
     ],
     ts_seconds: true,
     duration_seconds: true,

@@ -36,6 +36,9 @@ pub struct EventColumns {
     /// Talk times, by index, once some event has one (empty before: a
     /// log without talk times pays nothing for the column).
     talk: Vec<i64>,
+    /// Accounts, as indices into `texts` plus one (0: none), once some
+    /// event has one (as `talk`).
+    account: Vec<u32>,
     /// 0: no duration and no label; bit 0: a duration; bits 1-2: the
     /// label (1 legit, 2 fraud); bit 3: the row is a call's end; bit 4: a
     /// talk time.
@@ -119,6 +122,11 @@ impl EventColumns {
             self.talk.resize(i, 0);
             self.talk.push(talk);
         }
+        if let Some(account) = &e.account {
+            let code = self.text_code(account);
+            self.account.resize(i, 0);
+            self.account.push(code + 1);
+        }
         let label = match e.label {
             None => 0,
             Some(false) => 1,
@@ -148,6 +156,17 @@ impl EventColumns {
         if !other.talk.is_empty() {
             self.talk.resize(base, 0);
             self.talk.extend_from_slice(&other.talk);
+        }
+        if !other.account.is_empty() {
+            self.account.resize(base, 0);
+            for (k, &code) in other.account.iter().enumerate() {
+                let mapped = match code {
+                    0 => 0,
+                    c => self.text_code(&other.texts[c as usize - 1]) + 1,
+                };
+                self.account.resize(base + k, 0);
+                self.account.push(mapped);
+            }
         }
         self.flags.extend_from_slice(&other.flags);
         // Numbers kept as text are indices into `other`'s table.
@@ -196,6 +215,7 @@ impl EventColumns {
             callee: self.unpack(self.callee[i]),
             kind: EventKind::End,
             talk_ms: (self.flags[i] & 16 == 16).then(|| self.talk.get(i).copied().unwrap_or(0)),
+            account: self.account_of(i),
             list_number: self.list_numbers.get(&i).cloned(),
             filter_callee: self.filter_callees.get(&i).cloned(),
             ..Default::default()
@@ -214,6 +234,25 @@ impl EventColumns {
         self.flags[i] & 8 == 8
     }
 
+    /// Index of `text` in the text table (added if new).
+    fn text_code(&mut self, text: &str) -> u32 {
+        if let Some(&i) = self.text_index.get(text) {
+            return i as u32;
+        }
+        let i = self.texts.len() as u64;
+        self.texts.push(text.into());
+        self.text_index.insert(text.into(), i);
+        i as u32
+    }
+
+    /// Event `i`'s account, if it has one.
+    fn account_of(&self, i: usize) -> Option<CompactString> {
+        match self.account.get(i) {
+            Some(&c) if c > 0 => self.texts.get(c as usize - 1).cloned(),
+            _ => None,
+        }
+    }
+
     /// Event `i`, as it was pushed.
     pub fn event(&self, i: usize) -> CallEvent {
         let flags = self.flags[i];
@@ -229,6 +268,7 @@ impl EventColumns {
             },
             duration_ms: (flags & 1 == 1).then_some(self.duration[i]),
             talk_ms: (flags & 16 == 16).then(|| self.talk.get(i).copied().unwrap_or(0)),
+            account: self.account_of(i),
             label: match (flags >> 1) & 3 {
                 1 => Some(false),
                 2 => Some(true),

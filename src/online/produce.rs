@@ -36,6 +36,9 @@ pub fn event_json(e: &CallEvent) -> String {
     if let Some(t) = e.talk_ms {
         v["talk_ms"] = json!(t);
     }
+    if let Some(a) = &e.account {
+        v["account"] = json!(a);
+    }
     v.to_string()
 }
 

@@ -390,3 +390,31 @@ fn a_forced_preset_on_another_file_says_what_it_expected() {
         "{err}"
     );
 }
+
+/// The switches' account codes (Asterisk and FreeSWITCH `accountcode`)
+/// are read as the call's `account`, which rules keyed by account count.
+#[test]
+fn account_codes_are_read_as_the_calls_account() {
+    let dir = tempfile::tempdir().unwrap();
+    let master = std::fs::read_to_string("tests/golden/Master.csv").unwrap();
+    let first = master.lines().next().unwrap();
+    assert!(first.starts_with("\"\","), "{first}");
+    let path = dir.path().join("Master.csv");
+    std::fs::write(&path, format!("\"acme-trunk\",{}\n", &first[3..])).unwrap();
+    let log = read_call_log(&path, &madrid(InputFormat::Asterisk)).unwrap();
+    assert_eq!(log.events.len(), 1, "{:?}", log.invalid);
+    assert_eq!(log.events[0].1.account.as_deref(), Some("acme-trunk"));
+    let fs = std::fs::read_to_string("tests/golden/freeswitch.csv").unwrap();
+    let mut fields: Vec<String> = fs
+        .lines()
+        .next()
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    fields[12] = "\"tenant:42\"".into();
+    let path = dir.path().join("freeswitch.csv");
+    std::fs::write(&path, fields.join(",") + "\n").unwrap();
+    let log = read_call_log(&path, &madrid(InputFormat::FreeSwitch)).unwrap();
+    assert_eq!(log.events[0].1.account.as_deref(), Some("tenant:42"));
+}

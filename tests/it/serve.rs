@@ -635,7 +635,8 @@ fn unread_fields_are_named_in_the_answer_or_refused_when_strict() {
             "duration_ms",
             "label",
             "event",
-            "talk_ms"
+            "talk_ms",
+            "account"
         ]),
         "{v}"
     );

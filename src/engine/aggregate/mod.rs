@@ -183,8 +183,8 @@ impl Default for Gate {
     }
 }
 
-/// The key of the counter rule `i` counts `ev` in (the callee, or empty
-/// for a global rule), if it sees it.
+/// The key of the counter rule `i` counts `ev` in (the callee, the
+/// account, or empty for a global rule), if it sees it.
 fn key_of<'a>(rules: &RuleSet, i: usize, ev: &'a CallEvent) -> Option<&'a str> {
     // A call's end is no call: no window counts it.
     if ev.kind == crate::engine::event::EventKind::End {
@@ -192,6 +192,7 @@ fn key_of<'a>(rules: &RuleSet, i: usize, ev: &'a CallEvent) -> Option<&'a str> {
     }
     let key = match rules.rules[i].key {
         RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
+        RuleKey::Account => ev.account.as_deref().filter(|a| !a.is_empty())?,
         RuleKey::Global => "",
         RuleKey::Caller | RuleKey::CallerCallee => return None,
     };

@@ -9,11 +9,14 @@ use crate::engine::rules::{Rule, RuleSpec};
 use crate::engine::window::approx_rejects_until;
 
 fn ev(id: usize, t: i64, callee: &str) -> CallEvent {
+    // Two accounts over many callers; every third call has none.
+    let account = ["pbx-a", "pbx-b", ""][id % 3];
     CallEvent {
         call_id: format!("c{id}").into(),
         caller: format!("+3460000{:04}", id % 7919).into(),
         ts_ms: t,
         callee: Some(callee.into()),
+        account: (!account.is_empty()).then(|| account.into()),
         ..Default::default()
     }
 }
@@ -42,8 +45,14 @@ fn naive(rules: &RuleSet, events: &[CallEvent]) -> Vec<Aggregated> {
             continue;
         }
         let key = match rule.key {
-            RuleKey::Global => String::new(),
-            _ => e.callee.clone().unwrap_or_default().to_string(),
+            RuleKey::Global => Some(String::new()),
+            RuleKey::Account => e.account.as_ref().map(|a| a.to_string()),
+            _ => Some(e.callee.clone().unwrap_or_default().to_string()),
+        };
+        // A call without an account is not counted by an account's rule.
+        let Some(key) = key else {
+            out.push(Aggregated::default());
+            continue;
         };
         let b = e.ts_ms.div_euclid(w);
         let r = e.ts_ms - b * w;
@@ -104,17 +113,17 @@ fn random_events_within(rng: &mut StdRng, len: usize, w: i64, late: i64) -> Vec<
 }
 
 /// A case's window kind (fixed or sliding-approx, in turn) and key
-/// (global every third case, else callee).
+/// (global every third case, account every sixth after it, else callee).
 fn kind_and_key(case: usize) -> (WindowKind, RuleKey) {
     let kind = if case.is_multiple_of(2) {
         WindowKind::Fixed
     } else {
         WindowKind::SlidingApprox
     };
-    let key = if case.is_multiple_of(3) {
-        RuleKey::Global
-    } else {
-        RuleKey::Callee
+    let key = match case % 6 {
+        0 | 3 => RuleKey::Global,
+        1 => RuleKey::Account,
+        _ => RuleKey::Callee,
     };
     (kind, key)
 }

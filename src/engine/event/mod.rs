@@ -146,6 +146,10 @@ pub struct CallEvent {
     /// Talk (answered) time in milliseconds, if present; absent or 0 means
     /// unanswered.
     pub talk_ms: Option<i64>,
+    /// The customer, tenant or SIP trunk the call is billed to (a PBX calls
+    /// from hundreds of numbers): up to 64 of `A-Z a-z 0-9 . _ - : @ +`;
+    /// rules keyed by `account` count its calls together.
+    pub account: Option<CompactString>,
     /// Ground truth for tuning: `true` for fraud, if present.
     pub label: Option<bool>,
     /// With pseudonymised numbers: the caller's real normalised number, for
@@ -281,7 +285,7 @@ impl<'a> RawValue<'a> {
 }
 
 /// The canonical field names of a call event.
-pub const FIELDS: [&str; 8] = [
+pub const FIELDS: [&str; 9] = [
     "call_id",
     "caller",
     "ts",
@@ -290,6 +294,7 @@ pub const FIELDS: [&str; 8] = [
     "label",
     "event",
     "talk_ms",
+    "account",
 ];
 
 /// Places in [`FIELDS`].
@@ -302,6 +307,7 @@ const DURATION_MS: usize = 4;
 const LABEL: usize = 5;
 const EVENT: usize = 6;
 const TALK_MS: usize = 7;
+const ACCOUNT: usize = 8;
 
 /// The unit of a time or duration field of an input (`--map
 /// duration_ms=billsec:s`).
@@ -506,6 +512,10 @@ impl Decoder {
             dropped.push(e);
             None
         });
+        let account = parse_account(get(ACCOUNT)).unwrap_or_else(|e| {
+            dropped.push(e);
+            None
+        });
         let label = parse_label(get(LABEL)).unwrap_or_else(|e| {
             dropped.push(e);
             None
@@ -555,6 +565,7 @@ impl Decoder {
             kind,
             duration_ms,
             talk_ms,
+            account,
             label,
             list_number,
             filter_callee,
@@ -904,6 +915,30 @@ fn parse_duration(
     }
 }
 
+/// Longest account id, bytes.
+pub const MAX_ACCOUNT_LEN: usize = 64;
+
+/// Parses `account`: 1 to [`MAX_ACCOUNT_LEN`] of `A-Z a-z 0-9 . _ - : @
+/// +` (a number is taken as its digits); empty means none.
+fn parse_account(v: RawValue<'_>) -> Result<Option<CompactString>, EventError> {
+    let text = match v {
+        v if v.is_null() => return Ok(None),
+        RawValue::Str(s) => CompactString::from(s.trim()),
+        RawValue::Int(i) => CompactString::from(i.to_string()),
+        v => {
+            return Err(EventError::WrongType {
+                field: "account",
+                found: v.kind(),
+            })
+        }
+    };
+    let fine = |b: u8| b.is_ascii_alphanumeric() || b".-_:@+".contains(&b);
+    if text.len() > MAX_ACCOUNT_LEN || !text.bytes().all(fine) {
+        return Err(EventError::BadAccount(printable(&text)));
+    }
+    Ok(Some(text))
+}
+
 /// Parses `event`: `attempt` (also when absent or empty) or `end`. Any
 /// other value refuses the event: read as an attempt, an end would count
 /// a call that never was.
@@ -1201,6 +1236,34 @@ mod tests {
             .decode_json(format!(r#"{{{base},"event":"end","billsec":"12.5"}}"#).as_bytes())
             .unwrap();
         assert_eq!(e.talk_ms, Some(12_500));
+    }
+
+    #[test]
+    fn decodes_accounts() {
+        let d = Decoder::default();
+        let base = r#""call_id":"x","caller":"+34911000003","ts":1764547200000"#;
+        let account = |json: &str| {
+            let e = d
+                .decode_json(format!("{{{base},{json}}}").as_bytes())
+                .unwrap();
+            (
+                e.account.map(|a| a.to_string()),
+                e.dropped.map_or(0, |d| d.len()),
+            )
+        };
+        assert_eq!(
+            account(r#""account":"trunk:acme-7""#),
+            (Some("trunk:acme-7".into()), 0)
+        );
+        assert_eq!(account(r#""account":4410"#), (Some("4410".into()), 0));
+        assert_eq!(account(r#""account":"  ""#), (None, 0));
+        // A bad account is dropped (the call kept, the field reported).
+        assert_eq!(account(r#""account":"a b""#), (None, 1));
+        assert_eq!(
+            account(&format!(r#""account":"{}""#, "x".repeat(65))),
+            (None, 1)
+        );
+        assert_eq!(account(&format!(r#""account":"{}""#, "x".repeat(64))).1, 0);
     }
 
     #[test]

@@ -140,7 +140,7 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
     if r.key.is_aggregate() && !matches!(r.kind, WindowKind::Fixed | WindowKind::SlidingApprox) {
         return bad(
             "key",
-            "a rule keyed by callee or global is `fixed` or `sliding-approx` \
+            "a rule keyed by callee, global or account is `fixed` or `sliding-approx` \
              (its count is shared between instances as leased credits)",
         );
     }

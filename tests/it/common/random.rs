@@ -176,7 +176,11 @@ pub fn random_events_scaled(
         } else {
             0
         };
-        let caller = format!("+346000000{:02}", rng.random_range(0..callers));
+        let who = rng.random_range(0..callers);
+        let caller = format!("+346000000{who:02}");
+        // Accounts shared across callers (no draw from `rng`: the other
+        // fields stay as they were); a third of the calls have none.
+        let account = ["pbx-a", "trunk:7", ""][(i * 7 + who) % 3];
         // A few callees, so some repeat; sometimes none or an empty one.
         let callee = match rng.random_range(0..10) {
             0 => None,
@@ -188,6 +192,7 @@ pub fn random_events_scaled(
             caller: caller.into(),
             ts_ms: t - jitter,
             callee,
+            account: (!account.is_empty()).then(|| account.into()),
             ..Default::default()
         });
     }
@@ -207,7 +212,7 @@ pub fn case_scaled(seed: u64, n: usize, callers: usize, scale: i64) -> (RuleSet,
     (rules, events)
 }
 
-/// `rules` with a rule keyed by callee or global added at a random place
+/// `rules` with a rule keyed by callee, global or account added at a random place
 /// (fixed or sliding-approx, maybe shadow, maybe with a warning level).
 pub fn with_aggregate(rng: &mut StdRng, rules: &RuleSet) -> RuleSet {
     let kind = [WindowKind::Fixed, WindowKind::SlidingApprox][rng.random_range(0..2)];
@@ -218,11 +223,7 @@ pub fn with_aggregate(rng: &mut StdRng, rules: &RuleSet) -> RuleSet {
         [500, 1_000, 5_000][rng.random_range(0..3)],
         limit,
     );
-    rule.key = if rng.random_bool(0.5) {
-        RuleKey::Callee
-    } else {
-        RuleKey::Global
-    };
+    rule.key = [RuleKey::Callee, RuleKey::Global, RuleKey::Account][rng.random_range(0..3)];
     rule.shadow = rng.random_bool(0.2);
     if rng.random_bool(0.3) {
         rule.warn = Some(limit - 1);
