@@ -106,12 +106,6 @@ pub fn run(args: TuneArgs) -> Result<()> {
         Some(q) => anyhow::bail!("--quantile {q}: expected 0 to 1"),
         None => Target::MaxFalseReject(args.max_false_reject),
     };
-    if rules.has_concurrent() {
-        anyhow::bail!(
-            "tune does not sweep rule sets with concurrent rules yet (their calls' ends \
-             are replayed by `replay` and `features`); tune a copy of the rules without them"
-        );
-    }
     let mut log_args = args.log.clone();
     if let Some(col) = &args.label_column {
         log_args.input.decoder.map.push(format!("label={col}"));
@@ -120,7 +114,12 @@ pub fn run(args: TuneArgs) -> Result<()> {
     let mut read = log_args.read_options(progress)?;
     // Callees matter to a sweep only where a rule decides by them.
     read.callees = rules.decides_by_callee();
-    let log = Arc::new(OrderedLog::open(&log_args.input.input, &read)?);
+    let mut log = OrderedLog::open(&log_args.input.input, &read)?;
+    if rules.has_concurrent() {
+        // Calls end: a concurrent rule's count needs their ends.
+        log = log.with_ends();
+    }
+    let log = Arc::new(log);
     let rows = log.rows();
     let started = std::time::Instant::now();
     let (result, invalid) = sweep_ordered(log, &rules, index, &limits, target, progress)?;

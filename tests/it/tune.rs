@@ -690,3 +690,66 @@ fn a_rule_swept_in_a_set_is_judged_by_its_own_effect() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("outside --limits (1..3)"), "{out}");
 }
+
+/// A concurrent rule is swept like any other, from a log's calls and their
+/// ends (`ts + duration_ms`): every N's row equals a replay with that N;
+/// with a concurrent rule in the set, a window rule's sweep replays each N
+/// too (the calls open depend on what N allows) and equals the replay;
+/// `callguard tune --sweep` of it runs and recommends.
+#[test]
+fn a_concurrent_rule_is_swept_as_replay_decides() {
+    use callguard::engine::event::EventKind;
+    use callguard::offline::order::OrderedLog;
+    let (dir, path) = common::generated_csv(20_000, 23);
+    let text = "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\n\
+                [[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 30\nmax_duration = \"1h\"\n";
+    let rules_path = dir.path().join("rules.toml");
+    std::fs::write(&rules_path, text).unwrap();
+    let rules = RuleSet::from_file(&rules_path).unwrap();
+    let log = OrderedLog::open(&path, &Default::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    assert!(log.events.iter().any(|(_, e)| e.kind == EventKind::End));
+    let limits = [1, 2, 3, 5, 8];
+    let s = sweep(&log, &rules, 1, &limits, Target::MaxFalseReject(0.01)).unwrap();
+    for r in &s.rows {
+        assert_eq!(
+            r,
+            &row_by_replay(&log, &rules, 1, r.limit).unwrap(),
+            "channels N = {}",
+            r.limit
+        );
+    }
+    let rejected: Vec<u64> = s.rows.iter().map(|r| r.rule_calls_rejected).collect();
+    assert!(rejected[0] > rejected[4] && rejected[4] > 0, "{rejected:?}");
+    // The window rule beside it: each N replayed, as replay decides.
+    let w = sweep(&log, &rules, 0, &[3, 10], Target::MaxFalseReject(0.01)).unwrap();
+    for r in &w.rows {
+        assert_eq!(
+            r,
+            &row_by_replay(&log, &rules, 0, r.limit).unwrap(),
+            "minute N = {}",
+            r.limit
+        );
+    }
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "tune",
+            "--sweep",
+            "channels",
+            "--limits",
+            "1..8",
+            "--label-column",
+            "label",
+            "--rules",
+        ])
+        .arg(&rules_path)
+        .arg("-i")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("channels"), "{out}");
+}

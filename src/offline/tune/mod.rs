@@ -33,7 +33,7 @@ pub use rows::row_by_replay;
 use rows::RowCounts;
 use shards::{number_callers, split_by_number};
 
-use crate::engine::event::CallEvent;
+use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::rules::{CountPolicy, Judgement, RuleSet};
 use crate::error::{RulesError, TuneError};
 use crate::offline::order::{OrderedLog, CHUNK_ROWS};
@@ -176,7 +176,8 @@ impl Replayed {
         for (i, (_, e)) in events.iter().enumerate() {
             let unique = unique.get(i).copied().unwrap_or(false);
             let v = self.store.apply_unique(&self.rules, e, unique);
-            if swept_reject(&self.rules, self.index, &v) {
+            // A call's end is applied, never counted.
+            if !v.end && swept_reject(&self.rules, self.index, &v) {
                 self.rejections.add_rejected(&v, e.label);
                 if rejected_alone(&self.rules, self.index, e, &v) {
                     self.alone[usize::from(e.label == Some(true))] += 1;
@@ -210,6 +211,11 @@ impl BaseShard {
     /// One event through the replay under the rule set as given.
     /// `slot` is the caller's place in this shard's tallies.
     fn feed(&mut self, rules: &RuleSet, index: usize, e: &CallEvent, unique: bool, slot: usize) {
+        if e.kind == EventKind::End {
+            // Applied (it closes its call), never counted.
+            self.store.apply_unique(rules, e, unique);
+            return;
+        }
         let t = &mut self.totals;
         t.calls += 1;
         t.labelled &= e.label.is_some();
@@ -337,7 +343,14 @@ impl Sweeper {
         // A rule keyed by callee or global counts only what it admits, so
         // its counts depend on N: every N is replayed, its gate and all.
         let aggregate = rules.rules[index].key.is_aggregate();
-        let replayed = if rules.count == CountPolicy::Admitted || retention_varies || aggregate {
+        // A concurrent rule holds open only the calls allowed, so with one
+        // in the set every count may depend on N: every N is replayed.
+        let concurrent = rules.has_concurrent();
+        let replayed = if rules.count == CountPolicy::Admitted
+            || retention_varies
+            || aggregate
+            || concurrent
+        {
             limits
                 .iter()
                 .map(|&n| {

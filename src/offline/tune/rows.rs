@@ -69,7 +69,13 @@ pub fn row_by_replay(
     limit: u64,
 ) -> Result<SweepRow, RulesError> {
     let set = rules.without_warnings()?.with_limit(index, limit)?;
-    let labelled = !log.events.is_empty() && log.events.iter().all(|(_, e)| e.label.is_some());
+    let is_end =
+        |e: &crate::engine::event::CallEvent| e.kind == crate::engine::event::EventKind::End;
+    let labelled = !log.events.is_empty()
+        && log
+            .events
+            .iter()
+            .all(|(_, e)| is_end(e) || e.label.is_some());
     let mut fraud_callers = foldhash::HashSet::default();
     let (mut fraud_calls, mut legit_calls) = (0, 0);
     let mut store = MemoryStore::new();
@@ -78,6 +84,10 @@ pub fn row_by_replay(
     let mut events = log.events.clone();
     Gate::new().run_rows(&mut MemoryLedger::new(), &set, &mut events);
     for (_, e) in &events {
+        if is_end(e) {
+            store.apply(&set, e);
+            continue;
+        }
         fraud_calls += u64::from(e.label == Some(true));
         legit_calls += u64::from(e.label == Some(false));
         if e.label == Some(true) {
@@ -98,7 +108,7 @@ pub fn row_by_replay(
         .count() as u64;
     Ok(RowCounts {
         limit,
-        calls: log.events.len() as u64,
+        calls: log.events.iter().filter(|(_, e)| !is_end(e)).count() as u64,
         fraud_calls,
         legit_calls,
         rejected_calls: rejections.calls,
