@@ -304,10 +304,14 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
     use callguard::engine::rules::RuleSet;
     use callguard::store::memory::MemoryStore;
     let rules = RuleSet::from_file(Path::new("data/rules-fraud.toml")).unwrap();
+    use callguard::engine::event::EventKind;
     let calls = callguard::offline::generate::generate(20_000, 1);
     let mut store = MemoryStore::new();
     let mut tally: std::collections::HashMap<(&str, String, bool), usize> = Default::default();
     let mut per_population: std::collections::HashMap<&str, usize> = Default::default();
+    // Each call and its end, in time order (an end before a call at the
+    // same millisecond), as a replay orders them.
+    let mut events: Vec<(i64, u8, usize, CallEvent)> = Vec::new();
     for (i, c) in calls.iter().enumerate() {
         let e = CallEvent {
             call_id: format!("c{i}").into(),
@@ -318,7 +322,26 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             label: Some(c.fraud),
             ..Default::default()
         };
-        let v = store.apply(&rules, &e);
+        let end = CallEvent {
+            kind: EventKind::End,
+            ts_ms: c.ts_ms + c.duration_ms,
+            duration_ms: None,
+            ..e.clone()
+        };
+        events.push((end.ts_ms, 0, i, end));
+        events.push((c.ts_ms, 1, i, e));
+    }
+    events.sort_by_key(|(t, kind, i, _)| (*t, *kind, *i));
+    let mut premium_peak = 0u64;
+    for (_, _, i, e) in &events {
+        let v = store.apply(&rules, e);
+        if v.end {
+            continue;
+        }
+        let c = &calls[*i];
+        if c.population == "irsf" {
+            premium_peak = premium_peak.max(*v.record.counts.last().unwrap());
+        }
         let r = &v.record;
         let key = match r.decision {
             Decision::Reject => r.reason.to_string(),
@@ -355,6 +378,28 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
         per_population["subscriber"],
         "{tally:?}"
     );
+    // `irsf_night` stops the hacked PBX after 3 calls, so few are open at
+    // once; with it report-only (shadow), the PBX holds many premium calls
+    // open and `premium_channels` rejects it past 10, and nobody else
+    // (no one else calls premium ranges).
+    assert!(premium_peak >= 1, "{premium_peak}");
+    let mut spec = rules.spec();
+    let night = rules.rule_index("irsf_night").unwrap();
+    spec.rules[night].shadow = true;
+    let shadowed = RuleSet::build(spec).unwrap();
+    let mut store = MemoryStore::new();
+    let mut by_channels: std::collections::HashMap<&str, usize> = Default::default();
+    for (_, _, i, e) in &events {
+        let v = store.apply(&shadowed, e);
+        if !v.end && v.record.reason == "premium_channels" && !v.record.shadow {
+            *by_channels.entry(calls[*i].population).or_default() += 1;
+        }
+    }
+    assert!(
+        by_channels.get("irsf").is_some_and(|&n| n > 0),
+        "{by_channels:?}"
+    );
+    assert_eq!(by_channels.len(), 1, "{by_channels:?}");
 }
 
 /// `features` exports the new counts (empty where a rule does not see the
