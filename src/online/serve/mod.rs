@@ -333,22 +333,19 @@ fn producer(t: &ServeTopics) -> Result<FutureProducer, KafkaError> {
 }
 
 async fn check_post(State(s): State<AppState>, request: Request) -> Response {
-    let body = match read_body(&s, request).await {
-        Ok(b) => b,
-        Err(r) => return r,
-    };
-    let mut ignored = Vec::new();
-    let decoded = s
-        .config
-        .decoder
-        .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
-    answer_check(&s, decoded, ignored).await
+    answer_post(&s, request, false).await
 }
 
 /// `POST /v1/end`: a call's end, with a check's body (whatever its
 /// `event` says).
 async fn end_post(State(s): State<AppState>, request: Request) -> Response {
-    let body = match read_body(&s, request).await {
+    answer_post(&s, request, true).await
+}
+
+/// A check's (or, with `end`, a call end's) JSON body, decoded and
+/// answered.
+async fn answer_post(s: &AppState, request: Request, end: bool) -> Response {
+    let body = match read_body(s, request).await {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -357,30 +354,7 @@ async fn end_post(State(s): State<AppState>, request: Request) -> Response {
         .config
         .decoder
         .decode_json_noting(&body, Some(now_ms()), Some(&mut ignored));
-    answer_check(&s, decoded.map(as_end), ignored).await
-}
-
-/// `GET /v1/end?call_id=...&caller=...[&ts=...]`.
-async fn end_get(
-    State(s): State<AppState>,
-    Query(mut fields): Query<HashMap<String, String>>,
-) -> Response {
-    unescaped_plus(&mut fields, s.config.decoder.map.source("caller"));
-    unescaped_plus(&mut fields, s.config.decoder.map.source("callee"));
-    let ignored = s
-        .config
-        .decoder
-        .other_fields(fields.keys().map(String::as_str));
-    let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
-    answer_check(&s, decoded.map(as_end), ignored).await
-}
-
-/// The event as a call's end.
-fn as_end(e: CallEvent) -> CallEvent {
-    CallEvent {
-        kind: EventKind::End,
-        ..e
-    }
+    answer_check(s, decoded.map(|e| as_end_if(e, end)), ignored).await
 }
 
 /// The request's body, within `--max-body-bytes` (else 413) and the body
@@ -417,8 +391,22 @@ fn error_answer(status: StatusCode, error: &str, kind: &str) -> Response {
 
 async fn check_get(
     State(s): State<AppState>,
-    Query(mut fields): Query<HashMap<String, String>>,
+    Query(fields): Query<HashMap<String, String>>,
 ) -> Response {
+    answer_get(&s, fields, false).await
+}
+
+/// `GET /v1/end?call_id=...&caller=...[&ts=...]`.
+async fn end_get(
+    State(s): State<AppState>,
+    Query(fields): Query<HashMap<String, String>>,
+) -> Response {
+    answer_get(&s, fields, true).await
+}
+
+/// A check's (or, with `end`, a call end's) query fields, decoded and
+/// answered.
+async fn answer_get(s: &AppState, mut fields: HashMap<String, String>, end: bool) -> Response {
     unescaped_plus(&mut fields, s.config.decoder.map.source("caller"));
     unescaped_plus(&mut fields, s.config.decoder.map.source("callee"));
     let ignored = s
@@ -426,7 +414,18 @@ async fn check_get(
         .decoder
         .other_fields(fields.keys().map(String::as_str));
     let decoded = s.config.decoder.decode_fields(&fields, Some(now_ms()));
-    answer_check(&s, decoded, ignored).await
+    answer_check(s, decoded.map(|e| as_end_if(e, end)), ignored).await
+}
+
+/// The event as a call's end when `end` (the end routes), else as sent.
+fn as_end_if(e: CallEvent, end: bool) -> CallEvent {
+    if !end {
+        return e;
+    }
+    CallEvent {
+        kind: EventKind::End,
+        ..e
+    }
 }
 
 /// A number sent in a query string with its `+` not escaped (`%2B`) reads
