@@ -155,6 +155,31 @@ fn start_kamailio(dir: &Path, config: &str, defines: &[String]) -> (Proc, u16) {
     }
 }
 
+/// SIPp as a UAC on loopback: `scenario` (in `integrations/sipp/`) sent
+/// to `sip_port`, callers from `inf`, the answers logged to `log`
+/// (`-trace_logs`); the caller adds the counts, its port and a timeout.
+fn uac(dir: &Path, sip_port: u16, scenario: &str, inf: &Path, log: &Path) -> Command {
+    let mut cmd = Command::new("sipp");
+    cmd.arg(format!("127.0.0.1:{sip_port}"))
+        .arg("-sf")
+        .arg(repo(&format!("integrations/sipp/{scenario}")))
+        .arg("-inf")
+        .arg(inf)
+        .args([
+            "-i",
+            "127.0.0.1",
+            "-nostdin",
+            "-timeout_error",
+            "-trace_logs",
+        ])
+        .arg("-log_file")
+        .arg(log)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    cmd
+}
+
 /// One SIP call as SIPp logged it.
 #[derive(Debug)]
 struct SipCall {
@@ -183,12 +208,7 @@ fn run_sipp(
     }
     std::fs::write(&inf, text).unwrap();
     let log = dir.join(format!("{name}.log"));
-    let out = Command::new("sipp")
-        .arg(format!("127.0.0.1:{sip_port}"))
-        .arg("-sf")
-        .arg(repo("integrations/sipp/uac-check.xml"))
-        .arg("-inf")
-        .arg(&inf)
+    let out = uac(dir, sip_port, "uac-check.xml", &inf, &log)
         .args([
             "-m",
             &callers.len().to_string(),
@@ -197,19 +217,7 @@ fn run_sipp(
             "-r",
             &rate.to_string(),
         ])
-        .args(["-i", "127.0.0.1", "-p", &free_udp_port().to_string()])
-        .args([
-            "-nostdin",
-            "-timeout",
-            "60s",
-            "-timeout_error",
-            "-trace_logs",
-        ])
-        .arg("-log_file")
-        .arg(&log)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
+        .args(["-p", &free_udp_port().to_string(), "-timeout", "60s"])
         .stderr(Stdio::piped())
         .output()
         .expect("run sipp");
@@ -603,25 +611,8 @@ impl HeldCall {
         std::fs::write(&inf, format!("SEQUENTIAL\n{caller};+34600000009;\n")).unwrap();
         let log = dir.join(format!("{name}.log"));
         let port = free_udp_port();
-        let sipp = Command::new("sipp")
-            .arg(format!("127.0.0.1:{sip_port}"))
-            .arg("-sf")
-            .arg(repo("integrations/sipp/uac-hold.xml"))
-            .arg("-inf")
-            .arg(&inf)
-            .args(["-m", "1", "-i", "127.0.0.1", "-p", &port.to_string()])
-            .args([
-                "-nostdin",
-                "-timeout",
-                "90s",
-                "-timeout_error",
-                "-trace_logs",
-            ])
-            .arg("-log_file")
-            .arg(&log)
-            .current_dir(dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
+        let sipp = uac(dir, sip_port, "uac-hold.xml", &inf, &log)
+            .args(["-m", "1", "-p", &port.to_string(), "-timeout", "90s"])
             .stderr(Stdio::null())
             .spawn()
             .expect("run sipp");
