@@ -24,12 +24,21 @@ pub struct ProduceArgs {
     /// Topic to write.
     #[arg(long, env = "CALLGUARD_INPUT_TOPIC", default_value = DEFAULT_INPUT_TOPIC)]
     pub topic: String,
+    /// Also write each call's end (`"event": "end"`) at `ts + duration_ms`,
+    /// in the same processing order `replay` uses for rule sets with a
+    /// concurrent rule (an end before an attempt of the same millisecond):
+    /// a `consume` of the topic then decides as `replay` of the log.
+    #[arg(long)]
+    pub ends: bool,
 }
 
 /// Runs `callguard produce`.
 pub async fn run(args: ProduceArgs) -> Result<()> {
     let progress = progress_wanted();
-    let log = OrderedLog::open(&args.input.input, &args.input.read_options(progress)?)?;
+    let mut log = OrderedLog::open(&args.input.input, &args.input.read_options(progress)?)?;
+    if args.ends {
+        log = log.with_ends();
+    }
     let settings = args.kafka.settings.parse()?;
     let mut loader = Loader::new(
         &args.kafka.brokers,

@@ -164,7 +164,8 @@ async fn mock_cluster_with_a_batch_linger_decisions_equal_replay() {
 }
 
 /// A stream of call attempts and ends (each call's end at `ts +
-/// duration_ms`, in processing order) through the mock cluster, with a
+/// duration_ms`, in processing order: `callguard produce --ends`) through
+/// the mock cluster, with a
 /// concurrent rule on the cached Redis store: every attempt decided as
 /// `replay` decides the same call log, ends applied and never written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,15 +220,26 @@ async fn call_ends_through_the_mock_cluster_decide_as_replay() {
         by_channels > 20,
         "the concurrent rule rejected {by_channels}"
     );
-    let n = callguard::online::produce::produce(
-        log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
-    assert_eq!(n as usize, log.events.len());
+    // `callguard produce --ends` writes the calls and their ends in that order.
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "produce",
+            "--ends",
+            "--topic",
+            "calls",
+            "--brokers",
+            &brokers,
+            "-i",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        stdout.contains(&format!("produced {} events", log.events.len())),
+        "{stdout}"
+    );
     let run = start_in_process(config(&brokers, "g-ends"), &redis.url(), rules).await;
     let records = read_decisions(
         &brokers,
