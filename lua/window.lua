@@ -40,7 +40,8 @@
 --          call to it the rule saw (at most ARGV[12] pairs: past that
 --          ZPOPMIN drops the lowest (time, callee) and its state)
 --   :o:<rule>:<W>  a concurrent rule's calls held open: hash, field
---          "<start>|<call_id>", value "<close>,<ended 0/1>" (dropped once the
+--          "<start>|<call_id>", value "<close>,<ended 0/1>[,<callee>]" (the
+--          callee for a rule keyed by caller and callee; dropped once the
 --          close is at or before L' - grace; all dropped when the caller
 --          starts afresh; src/engine/window/open.rs)
 --   :pe    ends of calls not seen yet: sorted set, member call_id, score
@@ -66,7 +67,8 @@
 --   6 concurrent), window (ms; a token bucket's span, a concurrent rule's
 --   max_duration), limit (a token bucket's burst),
 --   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
---   calls + 4 keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
+--   calls + 4 keyed by caller and callee, its pairs' state kept + 8 a
+--   concurrent rule keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
 --   token bucket's; '' otherwise)
 -- then per event j, 6 values: t (event time, ms), call_id,
 --   listed (0 no, 1 allow, 2 deny, 3 an unusable caller allowed, 4 one
@@ -131,6 +133,8 @@ local CALL_END = 'E'
 -- The rule set, parsed once.
 local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
 local rshadow, warns, rcalls, rper, tfield, suffix, ownlog, paired = {}, {}, {}, {}, {}, {}, {}, {}
+-- A concurrent rule keyed by caller and callee: its calls counted per callee.
+local bycallee = {}
 local PER_RULE = 7
 -- Meta fields read per event: L, the three lower bounds, approx counters.
 local mfields = {'L', 'O', 'I', 'C', 'N'}
@@ -143,7 +147,8 @@ for i = 1, n do
   local flags = tonumber(ARGV[base + 5])
   rshadow[i] = flags % 2 == 1
   ownlog[i] = flags % 4 >= 2
-  paired[i] = flags >= 4
+  paired[i] = flags % 8 >= 4
+  bycallee[i] = flags >= 8
   warns[i] = tonumber(ARGV[base + 6])
   suffix[i] = names[i] .. ':' .. fmt('%d', wins[i])
   local rc, rp = string.match(ARGV[base + 7], '^(%d+)/(%d+)$')
@@ -491,25 +496,33 @@ local function read_outside(outside)
 end
 
 -- A concurrent rule's calls held open, from its hash: per call
--- {start, close, ended, call_id, field}.
+-- {start, close, ended, call_id, field, callee ('' for none)}.
 local function open_calls(key)
   local flat = call('HGETALL', key)
   local calls = {}
   for j = 1, #flat, 2 do
     local start, id = string.match(flat[j], '^(-?%d+)|(.*)$')
-    local close, ended = string.match(flat[j + 1], '^(-?%d+),(%d)$')
-    calls[#calls + 1] = {tonumber(start), tonumber(close), ended == '1', id, flat[j]}
+    local close, ended, callee = string.match(flat[j + 1], '^(-?%d+),(%d),?(.*)$')
+    calls[#calls + 1] = {tonumber(start), tonumber(close), ended == '1', id, flat[j], callee}
   end
   return calls
 end
 
--- A concurrent rule's count of a call at t: the calls open at t, plus one.
-local function open_count(calls, t)
+-- A concurrent rule's count of a call at t: the calls open at t (to
+-- callee alone, unless nil), plus one.
+local function open_count(calls, t, callee)
   local c = 1
   for _, x in ipairs(calls) do
-    if x[1] <= t and t < x[2] then c = c + 1 end
+    if x[1] <= t and t < x[2] and (not callee or x[6] == callee) then c = c + 1 end
   end
   return c
+end
+
+-- The value a held call's hash field keeps.
+local function open_value(close, ended, callee)
+  local v = fmt('%d', close) .. ',' .. (ended and '1' or '0')
+  if callee ~= '' then v = v .. ',' .. callee end
+  return v
 end
 
 -- A call's end (not decided): closes the call in every concurrent rule
@@ -529,7 +542,7 @@ local function end_call(stem, t, id)
       held = true
       if not best[3] then
         local close = math.min(best[2], math.max(t, best[1]))
-        call('HSET', key, best[5], fmt('%d', close) .. ',1')
+        call('HSET', key, best[5], open_value(close, true, best[6]))
       end
     end
   end
@@ -730,8 +743,15 @@ local function count_all()
     elseif paired[i] then
       c = count_pair(i)
     elseif kind == CONCURRENT then
-      -- At or below the horizon: counts 1, and the call opens nothing.
-      if t <= horizon then c = 1 else c = open_count(c_open[i], t) end
+      -- At or below the horizon: counts 1, and the call opens nothing;
+      -- keyed by caller and callee, none without a callee.
+      if bycallee[i] and callee == '' then
+        c = 0
+      elseif t <= horizon then
+        c = 1
+      else
+        c = open_count(c_open[i], t, bycallee[i] and callee or nil)
+      end
     elseif kind == DISTINCT then
       if callee == '' then
         c = 0
@@ -887,17 +907,18 @@ local function open_call()
         end
         taken = true
       end
-      local close, ended = t + wins[i], '0'
+      local close, ended = t + wins[i], false
       if ended_at then
         close = math.min(math.max(ended_at, t), close)
-        ended = '1'
+        ended = true
       end
+      local callee = bycallee[i] and c_callee or ''
       local key = c_stem .. ':o:' .. suffix[i]
       local field = fmt('%d', t) .. '|' .. id
-      call('HSET', key, field, fmt('%d', close) .. ',' .. ended)
+      call('HSET', key, field, open_value(close, ended, callee))
       call('PEXPIRE', key, retention + slack)
       local list = c_open[i]
-      list[#list + 1] = {t, close, ended == '1', id, field}
+      list[#list + 1] = {t, close, ended, id, field, callee}
     end
   end
 end
@@ -987,10 +1008,16 @@ local function until_of(i)
   elseif kind == CONCURRENT then
     -- The open count drops only at a close: the last close minus one at
     -- which the calls open still fill the limit.
+    -- Keyed by caller and callee: the calls to this callee.
+    if bycallee[i] and c_callee == '' then return nil end
+    local callee = bycallee[i] and c_callee or nil
     local calls, last = c_open[i], nil
     for _, x in ipairs(calls) do
       local s = x[2] - 1
-      if s > t and (not last or s > last) and open_count(calls, s) > lim then last = s end
+      if s > t and (not callee or x[6] == callee) and (not last or s > last)
+        and open_count(calls, s, callee) > lim then
+        last = s
+      end
     end
     return last
   elseif kind == DISTINCT then

@@ -144,11 +144,11 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
              (its count is shared between instances as leased credits)",
         );
     }
-    if r.kind == WindowKind::Concurrent && r.key != RuleKey::Caller {
+    if r.kind == WindowKind::Concurrent && r.key.is_aggregate() {
         return bad(
             "key",
-            "a concurrent rule counts a caller's open calls: key must be `caller` \
-             (per callee pair, callee, global and account are not built yet)",
+            "a concurrent rule counts a caller's open calls (key `caller` or `caller+callee`): \
+             per callee, global and account are not built yet",
         );
     }
     if r.kind == WindowKind::DistinctCallees {

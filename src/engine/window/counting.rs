@@ -324,6 +324,19 @@ impl CallerState {
                 continue;
             }
             let (w, n) = (rule.window_ms, rule.limit);
+            if rule.kind == WindowKind::Concurrent {
+                // Keyed by caller and callee: the calls to this callee.
+                let by_callee = rule.key == RuleKey::CallerCallee;
+                if by_callee && own.is_none() {
+                    continue;
+                }
+                let callee = own.filter(|_| by_callee);
+                let s = slot(&mut self.open, rule).rejects_until(t, n, callee);
+                if let Some(s) = s.and_then(|s| profiled(rule, s)) {
+                    last = last.max(s);
+                }
+                continue;
+            }
             if rule.key == RuleKey::CallerCallee {
                 let pair = own.and_then(|c| slot(&mut self.pairs, rule).get(c));
                 let s = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules));
@@ -358,7 +371,8 @@ impl CallerState {
                     a.bucket
                         .and_then(|cb| approx_rejects_until(cb, a.cur, a.prev, w, n, expires))
                 }
-                WindowKind::Concurrent => slot(&mut self.open, rule).rejects_until(t, n),
+                // Taken above.
+                WindowKind::Concurrent => None,
             };
             if let Some(s) = rejects_until.and_then(|s| profiled(rule, s)) {
                 last = last.max(s);

@@ -442,6 +442,9 @@ impl CallerState {
         let l_new = h.latest;
         let rule = &rules.rules[i];
         let w = rule.window_ms;
+        if rule.kind == WindowKind::Concurrent {
+            return self.concurrent_count(rule, ev, h);
+        }
         if rule.key == RuleKey::CallerCallee {
             return match ev.callee.as_deref().filter(|c| !c.is_empty()) {
                 None => 0,
@@ -490,11 +493,25 @@ impl CallerState {
             WindowKind::SlidingApprox => {
                 slot(&mut self.approx, &rules.rules[i]).advance_and_count(t, w, h.retention)
             }
-            // At or below the horizon the calls that were open then are
-            // gone: counts 1, and the call opens nothing.
-            WindowKind::Concurrent if t <= h.retention => 1,
-            WindowKind::Concurrent => slot(&mut self.open, rule).count(t),
+            WindowKind::Concurrent => self.concurrent_count(rule, ev, h),
         }
+    }
+
+    /// A concurrent rule's count of a call that it sees: the calls open at
+    /// its time (keyed by caller and callee: to its callee alone; none
+    /// without a callee, as every such rule), plus one. At or below the
+    /// horizon the calls that were open then are gone: it counts 1, and
+    /// the call opens nothing.
+    fn concurrent_count(&mut self, rule: &Rule, ev: &CallEvent, h: &Horizons) -> u64 {
+        let callee = ev.callee.as_deref().filter(|c| !c.is_empty());
+        let by_callee = rule.key == RuleKey::CallerCallee;
+        if by_callee && callee.is_none() {
+            return 0;
+        }
+        if ev.ts_ms <= h.retention {
+            return 1;
+        }
+        slot(&mut self.open, rule).count(ev.ts_ms, callee.filter(|_| by_callee))
     }
 
     /// Holds an allowed call (shadow rejects included: they connect) open
@@ -504,14 +521,19 @@ impl CallerState {
         let mut end = None;
         let mut taken = false;
         for (rule, &count) in rules.rules.iter().zip(counts) {
-            if rule.kind != WindowKind::Concurrent || count == 0 || rule.key != RuleKey::Caller {
+            if rule.kind != WindowKind::Concurrent || count == 0 {
                 continue;
             }
             if !taken {
                 end = self.pending_ends.take(&ev.call_id);
                 taken = true;
             }
-            slot(&mut self.open, rule).open(&ev.call_id, ev.ts_ms, end, rule.window_ms);
+            // (A rule keyed by caller and callee counts 0 without a callee.)
+            let callee = ev
+                .callee
+                .as_deref()
+                .filter(|_| rule.key == RuleKey::CallerCallee);
+            slot(&mut self.open, rule).open(&ev.call_id, callee, ev.ts_ms, end, rule.window_ms);
         }
     }
 
@@ -541,8 +563,9 @@ impl CallerState {
             insert_sorted(&mut self.log, t, |&x| x <= t);
         }
         for (rule, &count) in rules.rules.iter().zip(counts) {
-            // Rules keyed by callee or global keep nothing of the caller's.
-            if count == 0 || rule.key.is_aggregate() {
+            // Rules keyed by callee or global keep nothing of the caller's;
+            // a concurrent rule's call opens by its decision (`open_call`).
+            if count == 0 || rule.key.is_aggregate() || rule.kind == WindowKind::Concurrent {
                 continue;
             }
             let w = rule.window_ms;

@@ -16,6 +16,8 @@ use compact_str::CompactString;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Open {
     pub(super) id: CompactString,
+    /// Its callee, for a rule keyed by caller and callee (else `None`).
+    pub(super) callee: Option<CompactString>,
     pub(super) start: i64,
     /// When it stops holding a slot (see the module).
     pub(super) close: i64,
@@ -38,22 +40,31 @@ fn close_of(start: i64, end: Option<i64>, max_duration: i64) -> i64 {
 }
 
 impl OpenCalls {
-    /// The count of a call at `t`: the calls open at `t`, plus one.
-    pub(super) fn count(&self, t: i64) -> u64 {
+    /// The count of a call at `t`: the calls open at `t` (to `callee`
+    /// alone, for a rule keyed by caller and callee), plus one.
+    pub(super) fn count(&self, t: i64, callee: Option<&str>) -> u64 {
         let open = self
             .calls
             .iter()
             .take_while(|c| c.start <= t)
-            .filter(|c| t < c.close)
+            .filter(|c| t < c.close && (callee.is_none() || c.callee.as_deref() == callee))
             .count();
         1 + open as u64
     }
 
     /// Holds a call allowed at `start`, closed by `end` if its end came
     /// first.
-    pub(super) fn open(&mut self, id: &str, start: i64, end: Option<i64>, max_duration: i64) {
+    pub(super) fn open(
+        &mut self,
+        id: &str,
+        callee: Option<&str>,
+        start: i64,
+        end: Option<i64>,
+        max_duration: i64,
+    ) {
         let call = Open {
             id: id.into(),
+            callee: callee.map(Into::into),
             start,
             close: close_of(start, end, max_duration),
             ended: end.is_some(),
@@ -88,11 +99,12 @@ impl OpenCalls {
     /// (`limit` calls open at `s`), given the calls held and no others.
     /// The open count drops only at a close, so that time is some close
     /// minus one.
-    pub(super) fn rejects_until(&self, t: i64, limit: u64) -> Option<i64> {
+    pub(super) fn rejects_until(&self, t: i64, limit: u64, callee: Option<&str>) -> Option<i64> {
         self.calls
             .iter()
+            .filter(|c| callee.is_none() || c.callee.as_deref() == callee)
             .map(|c| c.close - 1)
-            .filter(|&s| s > t && self.count(s) > limit)
+            .filter(|&s| s > t && self.count(s, callee) > limit)
             .max()
     }
 
@@ -203,41 +215,41 @@ mod tests {
     #[test]
     fn a_call_holds_its_slot_from_its_start_until_its_end_or_max_duration() {
         let mut o = OpenCalls::default();
-        o.open("a", 100, None, 1_000);
-        o.open("b", 200, None, 1_000);
-        assert_eq!(o.count(99), 1, "not yet started");
-        assert_eq!(o.count(150), 2);
-        assert_eq!(o.count(250), 3);
+        o.open("a", None, 100, None, 1_000);
+        o.open("b", None, 200, None, 1_000);
+        assert_eq!(o.count(99, None), 1, "not yet started");
+        assert_eq!(o.count(150, None), 2);
+        assert_eq!(o.count(250, None), 3);
         assert!(o.end("a", 300));
-        assert_eq!(o.count(299), 3);
-        assert_eq!(o.count(300), 2, "an end at t closes before t counts");
+        assert_eq!(o.count(299, None), 3);
+        assert_eq!(o.count(300, None), 2, "an end at t closes before t counts");
         assert!(o.end("a", 250), "a second end finds the call");
-        assert_eq!(o.count(260), 3, "and changes nothing");
-        assert_eq!(o.count(1_199), 2);
-        assert_eq!(o.count(1_200), 1, "b's max_duration");
+        assert_eq!(o.count(260, None), 3, "and changes nothing");
+        assert_eq!(o.count(1_199, None), 2);
+        assert_eq!(o.count(1_200, None), 1, "b's max_duration");
         assert!(!o.end("c", 300));
     }
 
     #[test]
     fn an_end_before_the_start_closes_the_call_at_its_start() {
         let mut o = OpenCalls::default();
-        o.open("a", 100, Some(50), 1_000);
-        assert_eq!(o.count(100), 1);
-        o.open("b", 100, None, 1_000);
+        o.open("a", None, 100, Some(50), 1_000);
+        assert_eq!(o.count(100, None), 1);
+        o.open("b", None, 100, None, 1_000);
         o.end("b", 40);
-        assert_eq!(o.count(100), 1);
+        assert_eq!(o.count(100, None), 1);
     }
 
     #[test]
     fn the_last_rejecting_time_is_a_close_minus_one() {
         let mut o = OpenCalls::default();
-        o.open("a", 0, Some(500), 10_000);
-        o.open("b", 10, None, 1_000);
+        o.open("a", None, 0, Some(500), 10_000);
+        o.open("b", None, 10, None, 1_000);
         // Limit 2: a third call is over while two are open, until a's end.
-        assert_eq!(o.rejects_until(20, 2), Some(499));
+        assert_eq!(o.rejects_until(20, 2, None), Some(499));
         // Limit 1: a second call is over while one is open, until b's max_duration.
-        assert_eq!(o.rejects_until(20, 1), Some(1_009));
-        assert_eq!(o.rejects_until(20, 3), None);
+        assert_eq!(o.rejects_until(20, 1, None), Some(1_009));
+        assert_eq!(o.rejects_until(20, 3, None), None);
         o.trim(600);
         assert_eq!(o.calls().count(), 1, "a is closed at or below the horizon");
     }

@@ -238,8 +238,8 @@ impl CallerState {
     }
 
     /// The calls held open and the ends kept, under [`PACK_FORMAT_OPEN`]:
-    /// per concurrent rule its calls (id, start, close after start,
-    /// ended), then the ends (time, id).
+    /// per concurrent rule its calls (id, callee or '', start, close after
+    /// start, ended), then the ends (time, id).
     fn pack_open_state(&self, out: &mut Vec<u8>, base: i64) {
         put_varint(out, self.open.len() as u64);
         for (id, calls) in &self.open {
@@ -248,6 +248,7 @@ impl CallerState {
             put_varint(out, calls.len() as u64);
             for c in calls.calls() {
                 put_str(out, &c.id);
+                put_str(out, c.callee.as_deref().unwrap_or(""));
                 put_signed(out, base.wrapping_sub(c.start));
                 put_signed(out, c.close.wrapping_sub(c.start));
                 out.push(u8::from(c.ended));
@@ -267,6 +268,9 @@ impl CallerState {
             let mut calls = OpenCalls::default();
             for _ in 0..r.len()? {
                 let id = CompactString::from(r.string()?);
+                let callee = Some(r.string()?)
+                    .filter(|c| !c.is_empty())
+                    .map(CompactString::from);
                 let start = base.wrapping_sub(r.signed()?);
                 let close = start.wrapping_add(r.signed()?);
                 let ended = match r.byte()? {
@@ -276,6 +280,7 @@ impl CallerState {
                 };
                 calls.restore(open::Open {
                     id,
+                    callee,
                     start,
                     close,
                     ended,

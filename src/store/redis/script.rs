@@ -144,11 +144,16 @@ impl RedisStore {
             .arg(rule.window_ms)
             .arg(rule.limit)
             .arg(&rule.name)
-            .arg(
+            .arg({
+                // Keyed by caller and callee: a pair's state (4), or for a
+                // concurrent rule its calls held per callee (8).
+                let by_callee = rule.key == RuleKey::CallerCallee;
+                let concurrent = rule.kind == crate::engine::rules::WindowKind::Concurrent;
                 u8::from(rule.shadow)
                     + 2 * u8::from(rule.own_log())
-                    + 4 * u8::from(rule.key == RuleKey::CallerCallee),
-            )
+                    + 4 * u8::from(by_callee && !concurrent)
+                    + 8 * u8::from(by_callee && concurrent)
+            })
             .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
             .arg(
                 rule.rate

@@ -250,7 +250,10 @@ pub fn with_concurrent(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet
         let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
         let mut rule = Rule::new(format!("open{k}"), WindowKind::Concurrent, max_ms, limit);
         random_options(rng, &mut rule);
-        rule.key = RuleKey::Caller;
+        // random_options keys a third of the rules by caller and callee.
+        if rule.key != RuleKey::CallerCallee {
+            rule.key = RuleKey::Caller;
+        }
         let at = rng.random_range(0..=spec.rules.len());
         spec.rules.insert(at, rule);
     }

@@ -120,7 +120,9 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
             .iter()
             .zip(&seen)
             .map(|(r, &s)| {
+                let named = e.callee.as_deref().is_some_and(|c| !c.is_empty());
                 s && r.kind == WindowKind::Concurrent
+                    && (r.key != RuleKey::CallerCallee || named)
                     && expected.decision == Decision::Allow
                     && !beyond
             })
@@ -309,7 +311,16 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
                 counts.push(1);
                 continue;
             }
-            pair_calls = pair_history(rules, &live, i, callee, h);
+            pair_calls = if rule.kind == WindowKind::Concurrent {
+                // The caller's calls to this callee (no pair state: the
+                // calls open are the state).
+                live.iter()
+                    .copied()
+                    .filter(|p| p.callee.as_deref() == Some(callee))
+                    .collect()
+            } else {
+                pair_history(rules, &live, i, callee, h)
+            };
             &pair_calls
         } else {
             &live
