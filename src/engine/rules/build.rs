@@ -108,10 +108,12 @@ impl RuleSet {
             callees: distinct_callees,
             max_callees: max_distinct_callees,
             filtered: false,
+            concurrent: false,
             files,
             version: String::new(),
         };
         set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
+        set.concurrent = set.rules.iter().any(|r| r.kind == WindowKind::Concurrent);
         set.version = set.compute_version();
         Ok(set)
     }

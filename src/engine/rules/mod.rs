@@ -78,6 +78,8 @@ pub struct RuleSet {
     max_callees: u64,
     /// Whether any rule sees only some calls.
     filtered: bool,
+    /// Whether any rule is concurrent (asked per call: kept, not derived).
+    concurrent: bool,
     /// Files the set was read from besides the rules file (`callees_file`s).
     files: Vec<PathBuf>,
     version: String,
@@ -348,7 +350,7 @@ impl RuleSet {
     /// Whether any rule counts calls open ([`WindowKind::Concurrent`]):
     /// only then do call ends change anything.
     pub fn has_concurrent(&self) -> bool {
-        self.rules.iter().any(|r| r.kind == WindowKind::Concurrent)
+        self.concurrent
     }
 
     /// Whether any rule counts on the caller's shared sliding log (a

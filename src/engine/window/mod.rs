@@ -307,7 +307,7 @@ impl CallerState {
         }
         let shadow = would == Decision::Reject
             && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
-        if (would == Decision::Allow || shadow) && t > h.retention {
+        if rules.has_concurrent() && (would == Decision::Allow || shadow) && t > h.retention {
             self.open_call(rules, ev, &counts);
         }
         self.cap_pairs(rules);
