@@ -652,7 +652,12 @@ fn unread_fields_are_named_in_the_answer_or_refused_when_strict() {
 #[test]
 fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
     let redis = RedisServer::start(&[]);
-    let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+    // (A concurrent rule, so call ends go to the store too.)
+    let rules = RuleSet::from_args(
+        None,
+        &["m:sliding:60s:5".into(), "ch:concurrent:1h:10".into()],
+    )
+    .unwrap();
     let blocking = Served::start(config(), redis_config(&redis), rules.clone());
     let allowing = Served::start(
         ServeConfig {
@@ -684,6 +689,13 @@ fn a_failing_store_answers_503_under_block_and_degraded_records_otherwise() {
     assert_eq!(v["decision"], "allow");
     assert_eq!(v["degraded"], true);
     assert_eq!(v["reason"], "store_error");
+    // A call's end has no degraded stand-in: 503 under either policy (the
+    // rule's max_duration frees the slot).
+    for served in [&blocking, &allowing] {
+        let r = served.conn().post("/v1/end", &body("ok"));
+        assert_eq!(r.status, 503, "{}", r.body);
+        assert_eq!(r.json()["kind"], "unavailable", "{}", r.body);
+    }
     // Back up: decided again.
     let _redis = RedisServer::start_in(port, dir, &[]);
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
