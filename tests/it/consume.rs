@@ -43,7 +43,24 @@ async fn sample(rows: usize, seed: u64) -> Sample {
 
 async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample {
     let (dir, path, log) = common::generated_log(rows, seed);
-    let rules = RuleSet::from_file(rules).unwrap();
+    sample_of(dir, path, log, RuleSet::from_file(rules).unwrap()).await
+}
+
+/// [`sample_with`] whose log also carries each call's end (at `ts +
+/// duration_ms`, in processing order, as `callguard produce --ends`
+/// writes it), the expected records those of the attempts alone.
+async fn sample_with_ends(rows: usize, seed: u64, rules: &std::path::Path) -> Sample {
+    use callguard::offline::order::OrderedLog;
+    let (dir, path) = common::generated_csv(rows, seed);
+    let log = OrderedLog::open(&path, &ReadOptions::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    sample_of(dir, path, log, RuleSet::from_file(rules).unwrap()).await
+}
+
+/// The replay's records (and feature records) of `log`'s attempts.
+async fn sample_of(dir: tempfile::TempDir, path: PathBuf, log: CallLog, rules: RuleSet) -> Sample {
     let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
@@ -51,6 +68,7 @@ async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample 
         verdicts
             .iter()
             .zip(&log.events)
+            .filter(|(verdict, _)| !verdict.end)
             .map(|(verdict, (_, event))| {
                 let row = Row { event, verdict };
                 (verdict.record.call_id.to_string(), schema.to_json(row))
@@ -513,60 +531,170 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
     // On the mock cluster (hosted by this test process, reached over TCP by the
     // consumer processes): it expires killed group members after the session
     // timeout, which tansu 0.6 does not do for members killed mid-join.
-    let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 4)));
     let s = sample_with(30_000, seed, rules).await;
-    callguard::online::produce::produce(
-        s.log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 7 + 1);
-    for round in 0..4 {
-        // Killed while consuming: once it owns partitions (a member killed
-        // earlier holds them until its session times out), a random while
-        // into the work.
-        let port = common::free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let mut extra = vec![
-            "-X",
-            "session.timeout.ms=6000",
-            "--batch-size",
-            "200",
-            "--metrics-addr",
-            &addr,
-        ];
-        extra.extend_from_slice(mode);
-        let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !common::http_get(port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
-            && Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+    let crash = Crash {
+        brokers: &brokers,
+        rules,
+        group,
+        mode,
+        rounds: 4,
+        kill_after: 300..2_500,
+        ready_within: Duration::from_secs(60),
+    };
+    crash.run(&s, seed).await;
+}
+
+/// A crash test: consumer processes SIGKILLed one after another while
+/// they consume, then a clean run.
+struct Crash<'a> {
+    brokers: &'a str,
+    rules: &'a std::path::Path,
+    group: &'a str,
+    mode: &'a [&'a str],
+    rounds: usize,
+    /// How long after a consumer owns partitions it is killed, ms (drawn
+    /// at random): it must still have work then.
+    kill_after: std::ops::Range<u64>,
+    /// How long a new consumer may take to own partitions (a killed
+    /// member holds them until the broker expires it).
+    ready_within: Duration,
+}
+
+impl Crash<'_> {
+    /// Produces the sample's events (attempts and any ends), kills
+    /// `rounds` consumers a random while after each owns partitions, and
+    /// runs one to the end: every attempt has one distinct record, equal
+    /// to the replay.
+    async fn run(&self, s: &Sample, seed: u64) {
+        let redis = RedisServer::start(&[]);
+        callguard::online::produce::produce(
+            s.log.events.iter().map(|(_, e)| e),
+            self.brokers,
+            &[],
+            "calls",
+        )
+        .await
+        .unwrap();
+        let calls = s.expected.len();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 7 + 1);
+        let mut mid_work = false;
+        for round in 0..self.rounds {
+            // Killed while consuming: once it owns partitions (a member
+            // killed while joining is never expired by tansu 0.6), a random
+            // while into the work.
+            let port = common::free_port();
+            let addr = format!("127.0.0.1:{port}");
+            let mut extra = vec![
+                "-X",
+                "session.timeout.ms=6000",
+                "--batch-size",
+                "200",
+                "--metrics-addr",
+                &addr,
+            ];
+            extra.extend_from_slice(self.mode);
+            let mut child =
+                spawn_consumer(self.brokers, &redis.url(), self.group, self.rules, &extra);
+            let deadline = Instant::now() + self.ready_within;
+            while !common::http_get(port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "round {round}: the consumer owned no partitions within {:?}",
+                    self.ready_within
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let wait = rng.random_range(self.kill_after.clone());
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            let done = common::http_get(port, "/metrics")
+                .map_or(0.0, |m| metric_sum(&m, "callguard_events_total"));
+            signal(&child, "KILL");
+            let _ = child.wait();
+            eprintln!(
+                "round {round}: killed {wait} ms after it was ready, {done:.0} events decided"
+            );
+            mid_work |= done > 0.0 && done < calls as f64;
         }
-        let wait = rng.random_range(300..2_500);
-        tokio::time::sleep(Duration::from_millis(wait)).await;
-        signal(&child, "KILL");
-        let _ = child.wait();
-        eprintln!("round {round}: killed {wait} ms after it was ready");
+        assert!(
+            mid_work,
+            "no consumer was killed with part of the work done: the kills did not hit mid-work"
+        );
+        let mut extra = vec!["-X", "session.timeout.ms=6000", "--batch-size", "200"];
+        extra.extend_from_slice(self.mode);
+        let mut child = spawn_consumer(self.brokers, &redis.url(), self.group, self.rules, &extra);
+        let records = read_decisions(
+            self.brokers,
+            "call-decisions",
+            calls,
+            Duration::from_secs(600),
+        )
+        .await;
+        signal(&child, "TERM");
+        let status = child.wait().unwrap();
+        assert!(status.success(), "consumer exit {status:?}");
+        assert!(records.len() >= calls);
+        eprintln!(
+            "{} decision records for {calls} calls (redeliveries included)",
+            records.len()
+        );
+        assert_parity(s, &records);
     }
-    let mut extra = vec!["-X", "session.timeout.ms=6000", "--batch-size", "200"];
-    extra.extend_from_slice(mode);
-    let mut child = spawn_consumer(&brokers, &redis.url(), group, rules, &extra);
-    let records =
-        read_decisions(&brokers, "call-decisions", 30_000, Duration::from_secs(600)).await;
-    signal(&child, "TERM");
-    let status = child.wait().unwrap();
-    assert!(status.success(), "consumer exit {status:?}");
-    assert!(records.len() >= 30_000);
-    eprintln!(
-        "{} decision records for 30000 calls (redeliveries included)",
-        records.len()
+}
+
+/// The sum of a Prometheus counter's samples (every label set) in a
+/// `/metrics` page.
+fn metric_sum(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|r| r.starts_with(['{', ' ']))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .fold(0.0, |a, b| a + b)
+}
+
+/// Calls and their ends through a real broker (tansu), with a concurrent
+/// rule, consumer processes SIGKILLed twice while they work: each
+/// attempt decided once, exactly as `replay` decides the same call log,
+/// so no end was lost or applied twice across the crashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_call_ends_with_sigkills_decide_as_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        format!(
+            "{}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"20m\"\n",
+            std::fs::read_to_string(rules_path()).unwrap()
+        ),
+    )
+    .unwrap();
+    let s = sample_with_ends(30_000, 23, &rules).await;
+    assert!(s.log.events.len() > 50_000, "{} events", s.log.events.len());
+    let by_channels = s
+        .expected
+        .values()
+        .filter(|v| v["reason"] == "channels")
+        .count();
+    assert!(
+        by_channels > 10,
+        "the concurrent rule rejected {by_channels}"
     );
-    assert_parity(&s, &records);
+    let (_tansu, brokers) = tansu_with_topics();
+    let crash = Crash {
+        brokers: &brokers,
+        rules: &rules,
+        group: "g-tansu-ends",
+        mode: &[],
+        rounds: 2,
+        kill_after: 100..500,
+        // tansu expires a member killed after joining once its session
+        // times out, 30-50 s.
+        ready_within: Duration::from_secs(180),
+    };
+    crash.run(&s, 23).await;
 }
 
 /// `instances` consumers in one group on a 6-partition topic; the second is
