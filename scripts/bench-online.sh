@@ -38,7 +38,9 @@
 #   leaves section 3 out. LATENCY_MEMORY=1 runs section 3 once more with
 #   `consume --store memory` (no Redis): callguard's Kafka path alone,
 #   the reference that tells the store's share of the latency from the
-#   rest of callguard's (reading, encoding, producing).
+#   rest of callguard's (reading, encoding, producing). ENDS=1 adds
+#   section 2b: consume over the calls alone against the calls and their
+#   ends (`produce --ends`), with a concurrent rule, events/s of each.
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -204,6 +206,52 @@ if [ "${AGGREGATE:-0}" = 1 ]; then
     e2e "$mode" "$work/rules-callee.toml" "-callee"
     e2e "$mode" "$work/rules-global-1s.toml" "-global-1s"
     e2e "$mode" "$work/rules-global-1m.toml" "-global-1m"
+  done
+fi
+
+# ENDS=1: consume over attempts alone against attempts and their ends
+# (one end per attempt, `produce --ends`), on data/rules.toml with a
+# concurrent rule added (a rule set without one answers ends without
+# Redis): events/s of each, counting ends as events, and the ratio
+# (issue #52's target: >= 0.8).
+ends_run() {
+  local mode="$1" topic="$2" want="$3" tag="$4"
+  redis-cli -p "$rport" flushall > /dev/null
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$work/rules-channels.toml" \
+    $(mode_flag "$mode") --group "callguard-ends-$mode-$tag" --input-topic "$topic" \
+    --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
+    --metrics-addr "127.0.0.1:$mport" ${CONSUME_ARGS:-} > "$work/consume-ends-$mode.log" 2>&1 &
+  local cpid=$! t0="" t1 n n0 done_
+  track "$cpid"
+  for _ in $(seq 1 6000); do
+    n=$(handled)
+    if [ -z "$t0" ] && [ "$n" -gt 0 ]; then t0=$(now); n0=$n; fi
+    [ "$n" -ge "$want" ] && break
+    sleep 0.05
+  done
+  t1=$(now)
+  ends_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
+  printf '| %s | %s | %.0f |\n' "$tag" "$n" "$ends_rate"
+  kill "$cpid" 2>/dev/null || true
+  wait "$cpid" 2>/dev/null || true
+}
+# Decided calls and applied ends so far.
+handled() { { curl -s "127.0.0.1:$mport/metrics" || true; } | awk '/^callguard_(events|call_ends)_total/ {s += $NF} END {print s+0}'; }
+if [ "${ENDS:-0}" = 1 ]; then
+  cp data/rules.toml "$work/rules-channels.toml"
+  printf '\n[[rule]]\nname = "channels"\nkind = "concurrent"\nlimit = 10\nmax_duration = "2h"\n' \
+    >> "$work/rules-channels.toml"
+  tansu topic create calls-ends --partitions 4 --broker "tcp://$brokers" >/dev/null
+  "$bin" produce --ends -i "$work/calls.csv" --brokers "$brokers" --topic calls-ends > "$work/produce-ends.log"
+  with_ends=$(awk '/produced/ {print $2}' "$work/produce-ends.log")
+  for mode in $modes; do
+    echo
+    echo "# 2b. Calls and their ends, $events calls ($with_ends events with ends), data/rules.toml + a concurrent rule, --redis-mode $mode"
+    printf '| input | events handled | events/s |\n|---|---|---|\n'
+    ends_run "$mode" calls "$events" "attempts alone"
+    alone=$ends_rate
+    ends_run "$mode" calls-ends "$with_ends" "attempts and ends"
+    printf 'ratio with ends / attempts alone: %.2f\n' "$(echo "$ends_rate / $alone" | bc -l)"
   done
 fi
 

@@ -115,8 +115,8 @@ pub fn run(args: TuneArgs) -> Result<()> {
     // Callees matter to a sweep only where a rule decides by them.
     read.callees = rules.decides_by_callee();
     let mut log = OrderedLog::open(&log_args.input.input, &read)?;
-    if rules.has_concurrent() {
-        // Calls end: a concurrent rule's count needs their ends.
+    if rules.uses_ends() {
+        // Calls end: a concurrent or sum rule's count needs their ends.
         log = log.with_ends();
     }
     let log = Arc::new(log);

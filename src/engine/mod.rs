@@ -17,6 +17,7 @@ pub mod aggregate;
 pub mod duration;
 pub mod event;
 pub mod filter;
+pub mod rates;
 pub mod record;
 pub mod rule;
 pub mod rule_file;

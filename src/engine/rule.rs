@@ -2,11 +2,13 @@
 //! what it is keyed by, which calls it sees, a warning level and shadow.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::engine::duration::{format_duration, parse_duration_ms};
 use crate::engine::filter::Filter;
+use crate::engine::rates::{Price, Rates};
 use crate::error::RulesError;
 
 /// How a rule counts calls in its window.
@@ -201,6 +203,59 @@ pub enum CountPolicy {
     Admitted,
 }
 
+/// What a window rule adds up instead of counting calls (`sum`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SumOf {
+    /// Talk time, whole seconds (each call's rounded up).
+    Talk,
+    /// Talk priced by a rate table, micro-units of currency.
+    Cost(Arc<Rates>),
+}
+
+/// A sum rule's measure: the key's allowed calls that ended in the
+/// window, each adding its talk time or its cost at its end.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Sum {
+    /// What each ended call adds.
+    pub of: SumOf,
+    /// How long a call waits for its end, at most: a call whose end has
+    /// not come this long after its start (and past the grace) is let go,
+    /// and its end, if it comes, adds nothing.
+    pub max_duration_ms: i64,
+}
+
+/// How long a call of a sum rule waits for its end by default.
+pub const DEFAULT_SUM_MAX_DURATION_MS: i64 = 4 * 3_600_000;
+
+impl Sum {
+    /// What a call ending with `talk_ms` of talk adds: its talk in whole
+    /// seconds, rounded up, or its cost at `price` (the price of its
+    /// callee when it started; none: it costs nothing).
+    pub fn amount(&self, price: Option<Price>, talk_ms: i64) -> u64 {
+        match self.of {
+            SumOf::Talk => u64::try_from(talk_ms.max(0)).map_or(0, |t| t.div_ceil(1_000)),
+            SumOf::Cost(_) => price.map_or(0, |p| p.cost(talk_ms)),
+        }
+    }
+
+    /// The price a call to `callee` is charged at (cost sums only).
+    pub fn price(&self, callee: Option<&str>) -> Option<Price> {
+        match &self.of {
+            SumOf::Talk => None,
+            SumOf::Cost(rates) => rates.price(callee?),
+        }
+    }
+
+    /// The unit of its counts, limit and warn level.
+    pub fn unit(&self) -> &'static str {
+        match self.of {
+            SumOf::Talk => "seconds of talk",
+            SumOf::Cost(_) => "micro-units of currency",
+        }
+    }
+}
+
 /// One rule: reject when the count in the window exceeds the limit.
 ///
 /// The fields beyond the first four are left out of the canonical form
@@ -234,6 +289,10 @@ pub struct Rule {
     /// Which calls it sees.
     #[serde(skip_serializing_if = "Filter::is_empty")]
     pub filter: Filter,
+    /// What it adds up instead of counting calls (a window rule keyed by
+    /// caller): its count, limit and warn level are in that sum's unit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sum: Option<Sum>,
 }
 
 impl Rule {
@@ -250,19 +309,26 @@ impl Rule {
             shadow: false,
             key: RuleKey::Caller,
             filter: Filter::default(),
+            sum: None,
         }
     }
 
     /// Whether it counts on the caller's shared sliding log: a sliding
     /// rule keyed by caller that sees every call.
     pub fn shares_log(&self) -> bool {
-        self.kind == WindowKind::Sliding && self.key == RuleKey::Caller && self.filter.is_empty()
+        self.kind == WindowKind::Sliding
+            && self.key == RuleKey::Caller
+            && self.filter.is_empty()
+            && self.sum.is_none()
     }
 
     /// Whether it keeps a sliding log of its own: a sliding rule keyed by
     /// caller that sees only some calls.
     pub fn own_log(&self) -> bool {
-        self.kind == WindowKind::Sliding && self.key == RuleKey::Caller && !self.filter.is_empty()
+        self.kind == WindowKind::Sliding
+            && self.key == RuleKey::Caller
+            && !self.filter.is_empty()
+            && self.sum.is_none()
     }
 
     /// Parses the shorthand `NAME:KIND:WINDOW:LIMIT`, e.g. `minute:sliding:60s:20`
@@ -301,7 +367,7 @@ impl fmt::Display for Rule {
                 self.name,
                 self.kind.as_str(),
                 self.limit
-            ),
+            )?,
             None => write!(
                 f,
                 "{}:{}:{}:{}",
@@ -309,7 +375,16 @@ impl fmt::Display for Rule {
                 self.kind.as_str(),
                 format_duration(self.window_ms),
                 self.limit
-            ),
+            )?,
+        }
+        match &self.sum {
+            Some(Sum {
+                of: SumOf::Talk, ..
+            }) => write!(f, " sum=talk (s)"),
+            Some(Sum {
+                of: SumOf::Cost(_), ..
+            }) => write!(f, " sum=cost (micro-units)"),
+            None => Ok(()),
         }
     }
 }

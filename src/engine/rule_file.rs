@@ -5,12 +5,18 @@
 //! when it changes, and its prefixes are part of the version.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
 use crate::engine::duration::parse_duration_ms;
 use crate::engine::filter::{parse_days, parse_timezone, Filter, Hours};
-use crate::engine::rule::{BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, WindowKind};
+use crate::engine::rates::{parse_money, Rates, MICROS};
+use crate::engine::rule::{
+    BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
+    DEFAULT_SUM_MAX_DURATION_MS,
+};
+use crate::engine::rules::normalize_prefix;
 use crate::engine::rules::{RuleSet, RuleSpec, DEFAULT_GRACE_MS, DEFAULT_MAX_DISTINCT_CALLEES};
 use crate::error::RulesError;
 
@@ -43,10 +49,12 @@ struct RuleEntry {
     kind: String,
     window: Option<String>,
     max_duration: Option<String>,
-    limit: Option<u64>,
+    limit: Option<Level>,
     rate: Option<String>,
     burst: Option<u64>,
-    warn: Option<u64>,
+    warn: Option<Level>,
+    sum: Option<String>,
+    rates_file: Option<String>,
     #[serde(default)]
     shadow: bool,
     key: Option<String>,
@@ -55,6 +63,39 @@ struct RuleEntry {
     hours: Option<String>,
     days: Option<Vec<String>>,
     timezone: Option<String>,
+}
+
+/// A limit or warn level as written: a whole number, or text in a sum
+/// rule's unit (`"90m"` of talk, `"50.00"` of currency).
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Level {
+    Whole(u64),
+    Text(String),
+}
+
+impl Level {
+    /// The level in the rule's count unit: calls, seconds of talk, or
+    /// micro-units of currency.
+    fn value(&self, sum: Option<&SumOf>) -> Result<u64, String> {
+        match (self, sum) {
+            (Level::Whole(n), None | Some(SumOf::Talk)) => Ok(*n),
+            (Level::Whole(n), Some(SumOf::Cost(_))) => n
+                .checked_mul(MICROS)
+                .ok_or_else(|| format!("{n}: too large")),
+            (Level::Text(t), Some(SumOf::Talk)) => {
+                let ms = parse_duration_ms(t).map_err(|e| e.to_string())?;
+                if ms % 1_000 != 0 {
+                    return Err(format!("`{t}`: talk is counted in whole seconds"));
+                }
+                Ok(ms.unsigned_abs() / 1_000)
+            }
+            (Level::Text(t), Some(SumOf::Cost(_))) => parse_money(t),
+            (Level::Text(t), None) => Err(format!(
+                "`{t}`: a whole number of calls (text is for sum rules: \"90m\" of talk, \"50.00\" of spend)"
+            )),
+        }
+    }
 }
 
 /// `rule `NAME`, FIELD: MESSAGE`.
@@ -75,6 +116,60 @@ fn read_prefix_file(path: &Path) -> Result<Vec<String>, String> {
 }
 
 impl RuleEntry {
+    /// The rule's sum (`sum`, with its `rates_file` read from `dir` and
+    /// noted in `files`, and its `max_duration`), or why not: (field,
+    /// message).
+    fn sum_of(
+        &self,
+        dir: Option<&Path>,
+        files: &mut Vec<PathBuf>,
+    ) -> Result<Option<Sum>, (&'static str, String)> {
+        let Some(what) = self.sum.as_deref() else {
+            if self.rates_file.is_some() {
+                return Err(("rates_file", "only a rule with sum = \"cost\" has one".into()));
+            }
+            return Ok(None);
+        };
+        let of = match what {
+            "talk" => {
+                if self.rates_file.is_some() {
+                    return Err(("rates_file", "only a rule with sum = \"cost\" has one".into()));
+                }
+                SumOf::Talk
+            }
+            "cost" => {
+                let file = self.rates_file.as_deref().ok_or((
+                    "rates_file",
+                    "missing: a cost sum prices talk by a rates file (prefix,price_per_minute[,increment_s])".to_string(),
+                ))?;
+                let path = dir.map(|d| d.join(file)).ok_or((
+                    "rates_file",
+                    "needs a rules file to be read relative to".to_string(),
+                ))?;
+                let text = std::fs::read_to_string(&path)
+                    .map_err(|e| ("rates_file", format!("cannot read {}: {e}", path.display())))?;
+                let rates = Rates::parse(&text, normalize_prefix)
+                    .map_err(|e| ("rates_file", format!("{}: {e}", path.display())))?;
+                files.push(path);
+                SumOf::Cost(Arc::new(rates))
+            }
+            other => {
+                return Err((
+                    "sum",
+                    format!("`{other}`: talk (seconds of talk) or cost (priced by rates_file)"),
+                ))
+            }
+        };
+        let max_duration_ms = match self.max_duration.as_deref() {
+            Some(d) => parse_duration_ms(d).map_err(|e| ("max_duration", e.to_string()))?,
+            None => DEFAULT_SUM_MAX_DURATION_MS,
+        };
+        Ok(Some(Sum {
+            of,
+            max_duration_ms,
+        }))
+    }
+
     /// The rule, with `callees_file` read from `dir` (noted in `files`)
     /// and `default_tz` for a time profile without its own zone.
     fn into_rule(
@@ -86,12 +181,21 @@ impl RuleEntry {
         let name = self.name.clone();
         let err = |field: &str, msg: String| field_error(&name, field, msg);
         let kind = WindowKind::parse(&self.kind).map_err(|e| err("kind", e.to_string()))?;
-        if kind != WindowKind::Concurrent && self.max_duration.is_some() {
+        if kind != WindowKind::Concurrent && self.sum.is_none() && self.max_duration.is_some() {
             return Err(err(
                 "max_duration",
-                "only a concurrent rule has one (a window rule has `window`)".into(),
+                "only a concurrent or a sum rule has one (a window rule has `window`)".into(),
             ));
         }
+        let sum = self.sum_of(dir, files).map_err(|(f, e)| err(f, e))?;
+        let level = |field: &str, l: &Option<Level>| -> Result<Option<u64>, RulesError> {
+            l.as_ref()
+                .map(|l| l.value(sum.as_ref().map(|s| &s.of)))
+                .transpose()
+                .map_err(|e| err(field, e))
+        };
+        let limit_value = level("limit", &self.limit)?;
+        let warn = level("warn", &self.warn)?;
         let (window_ms, limit, rate) = if kind == WindowKind::Concurrent {
             for (set, field) in [
                 (self.window.is_some(), "window"),
@@ -113,7 +217,7 @@ impl RuleEntry {
             })?;
             let max_ms =
                 parse_duration_ms(longest).map_err(|e| err("max_duration", e.to_string()))?;
-            let limit = self.limit.ok_or_else(|| err("limit", "missing".into()))?;
+            let limit = limit_value.ok_or_else(|| err("limit", "missing".into()))?;
             (max_ms, limit, None)
         } else if kind == WindowKind::TokenBucket {
             for (set, field) in [
@@ -152,7 +256,7 @@ impl RuleEntry {
                 .as_deref()
                 .ok_or_else(|| err("window", "missing".into()))?;
             let window_ms = parse_duration_ms(window).map_err(|e| err("window", e.to_string()))?;
-            let limit = self.limit.ok_or_else(|| err("limit", "missing".into()))?;
+            let limit = limit_value.ok_or_else(|| err("limit", "missing".into()))?;
             (window_ms, limit, None)
         };
         let key = match self.key.as_deref() {
@@ -198,7 +302,8 @@ impl RuleEntry {
         };
         Ok(Rule {
             rate,
-            warn: self.warn,
+            warn,
+            sum,
             shadow: self.shadow,
             key,
             filter,

@@ -516,7 +516,7 @@ pub async fn to_table<S: WindowStore>(
     // A name of no known format is refused before the log is read.
     table::TableFormat::from_path(output)?;
     let mut log = OrderedLog::open_unnumbered(input, read)?;
-    if rules.has_concurrent() {
+    if rules.uses_ends() {
         log = log.with_ends();
     }
     let log = Arc::new(log);

@@ -109,11 +109,13 @@ impl RuleSet {
             max_callees: max_distinct_callees,
             filtered: false,
             concurrent: false,
+            sums: false,
             files,
             version: String::new(),
         };
         set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
         set.concurrent = set.rules.iter().any(|r| r.kind == WindowKind::Concurrent);
+        set.sums = set.rules.iter().any(|r| r.sum.is_some());
         set.version = set.compute_version();
         Ok(set)
     }
@@ -153,6 +155,23 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
              per callee, global and account are not built yet",
         );
     }
+    if r.sum.is_some() {
+        if !matches!(
+            r.kind,
+            WindowKind::Fixed | WindowKind::Sliding | WindowKind::SlidingApprox
+        ) {
+            return bad(
+                "sum",
+                "a sum rule is `fixed`, `sliding` or `sliding-approx` (it adds up what ended calls add in its window)",
+            );
+        }
+        if r.key != RuleKey::Caller {
+            return bad(
+                "key",
+                "a sum rule adds up a caller's calls: keyed by caller+callee, callee, global or account is not built yet",
+            );
+        }
+    }
     if r.kind == WindowKind::DistinctCallees {
         if r.key != RuleKey::Caller {
             return bad(
@@ -168,6 +187,15 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
         }
     }
     Ok(())
+}
+
+/// One number prefix in the rules' spelling (`+` and 1 to 15 digits;
+/// `00` read as `+`, spaces, dashes, dots and brackets dropped).
+pub(crate) fn normalize_prefix(raw: &str) -> Result<String, String> {
+    normalize_prefixes(vec![raw.to_string()], "prefix")
+        .map_err(|e| e.to_string())?
+        .pop()
+        .ok_or_else(|| format!("`{raw}`: no prefix"))
 }
 
 fn normalize_prefixes(list: Vec<String>, which: &str) -> Result<Vec<String>, RulesError> {

@@ -27,7 +27,9 @@ use sha2::{Digest, Sha256};
 pub use crate::engine::duration::{format_duration, parse_duration_ms};
 use crate::engine::event::{CallEvent, BAD_CALLER};
 pub use crate::engine::filter::Filter;
-pub use crate::engine::rule::{BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, WindowKind};
+pub use crate::engine::rule::{
+    BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
+};
 use crate::error::RulesError;
 
 /// Reason when the caller is on the allowlist.
@@ -39,6 +41,7 @@ pub const REASON_BAD_CALLER: &str = "bad_caller";
 pub const REASON_DENYLIST: &str = "denylist";
 
 mod build;
+pub(crate) use build::normalize_prefix;
 
 /// Names a rule may not take: they are decision reasons of their own.
 pub const RESERVED_NAMES: [&str; 4] = ["ok", "allowlist", "denylist", "bad_caller"];
@@ -80,6 +83,8 @@ pub struct RuleSet {
     filtered: bool,
     /// Whether any rule is concurrent (asked per call: kept, not derived).
     concurrent: bool,
+    /// Whether any rule adds up ended calls (`sum`; kept, not derived).
+    sums: bool,
     /// Files the set was read from besides the rules file (`callees_file`s).
     files: Vec<PathBuf>,
     version: String,
@@ -351,6 +356,27 @@ impl RuleSet {
     /// only then do call ends change anything.
     pub fn has_concurrent(&self) -> bool {
         self.concurrent
+    }
+
+    /// Whether any rule adds up what ended calls add (`sum`): then call
+    /// ends change something too.
+    pub fn has_sums(&self) -> bool {
+        self.sums
+    }
+
+    /// Whether call ends change anything: a concurrent or a sum rule.
+    pub fn uses_ends(&self) -> bool {
+        self.concurrent || self.sums
+    }
+
+    /// The longest any sum rule's call waits for its end (0: no sum rule).
+    pub fn max_sum_wait_ms(&self) -> i64 {
+        self.rules
+            .iter()
+            .filter_map(|r| r.sum.as_ref())
+            .map(|s| s.max_duration_ms)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Whether any rule counts on the caller's shared sliding log (a

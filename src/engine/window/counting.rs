@@ -337,6 +337,18 @@ impl CallerState {
                 }
                 continue;
             }
+            if rule.sum.is_some() {
+                let shape = super::Shape {
+                    kind: rule.kind,
+                    w,
+                    grace: rules.grace_ms,
+                };
+                let s = slot(&mut self.sums, rule).rejects_until(shape, t, n);
+                if let Some(s) = s.and_then(|s| profiled(rule, s)) {
+                    last = last.max(s);
+                }
+                continue;
+            }
             if rule.key == RuleKey::CallerCallee {
                 let pair = own.and_then(|c| slot(&mut self.pairs, rule).get(c));
                 let s = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules));

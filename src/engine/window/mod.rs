@@ -90,6 +90,7 @@ mod distinct;
 mod open;
 mod pack;
 mod pairs;
+mod sums;
 
 pub use bucket::Tat;
 pub(crate) use counting::approx_rejects_until;
@@ -102,6 +103,8 @@ pub use open::{OpenCalls, PendingEnds, MAX_PENDING_ENDS};
 pub use pack::PackedLog;
 pub(crate) use pack::{put_varint, take_varint};
 use pairs::{Pair, Pairs};
+pub use sums::Sums;
+use sums::Shape;
 
 /// The decision and reason of a judgement, before shadow mode.
 /// (Reasons and rule names are short: kept inline, never allocated.)
@@ -122,13 +125,19 @@ fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, CompactString) {
 struct RuleId {
     name: String,
     window_ms: i64,
+    /// A sum rule's `max_duration` (else 0): how long its calls wait.
+    max_duration_ms: i64,
 }
 
 /// The state kept for rule `rule` in `slots`, created empty if missing.
 fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut T {
     let at = match slots
         .iter()
-        .position(|(id, _)| id.window_ms == rule.window_ms && id.name == rule.name)
+        .position(|(id, _)| {
+            id.window_ms == rule.window_ms
+                && id.name == rule.name
+                && id.max_duration_ms == rule.sum.as_ref().map_or(0, |s| s.max_duration_ms)
+        })
     {
         Some(at) => at,
         None => {
@@ -136,6 +145,7 @@ fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut
                 RuleId {
                     name: rule.name.clone(),
                     window_ms: rule.window_ms,
+                    max_duration_ms: rule.sum.as_ref().map_or(0, |s| s.max_duration_ms),
                 },
                 T::default(),
             ));
@@ -187,6 +197,9 @@ pub struct CallerState {
     pairs: Vec<(RuleId, Pairs)>,
     /// Per concurrent rule, by identity: the calls it holds open.
     open: Vec<(RuleId, OpenCalls)>,
+    /// Per sum rule, by identity: its calls waiting for their ends and
+    /// what ended calls added (kept when the caller starts afresh).
+    sums: Vec<(RuleId, Sums)>,
     /// Ends that came before their calls, for the idempotency horizon.
     pending_ends: PendingEnds,
     /// Idempotency: call id → the verdict it got.
@@ -219,10 +232,12 @@ impl CallerState {
     /// this is past that horizon.
     pub fn active_until(&self) -> Option<i64> {
         let pending = self.pending_ends.newest();
-        match (self.latest, pending) {
-            (Some(l), Some(p)) => Some(l.max(p)),
-            (l, p) => l.or(p),
-        }
+        let sums = self
+            .sums
+            .iter()
+            .filter_map(|(id, s)| s.kept_until(id.window_ms, id.max_duration_ms))
+            .max();
+        [self.latest, pending, sums].into_iter().flatten().max()
     }
 
     /// Applies one event and returns its verdict.
@@ -307,7 +322,7 @@ impl CallerState {
         }
         let shadow = would == Decision::Reject
             && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
-        if rules.has_concurrent() && (would == Decision::Allow || shadow) && t > h.retention {
+        if rules.uses_ends() && (would == Decision::Allow || shadow) && t > h.retention {
             self.open_call(rules, ev, &counts);
         }
         self.cap_pairs(rules);
@@ -390,6 +405,7 @@ impl CallerState {
             distinct,
             pairs,
             open,
+            sums: _,
             pending_ends: _,
             seen: _,
             seen_by_ts: _,
@@ -444,6 +460,15 @@ impl CallerState {
         let w = rule.window_ms;
         if rule.kind == WindowKind::Concurrent {
             return self.concurrent_count(rule, ev, h);
+        }
+        if let Some(sum) = &rule.sum {
+            let shape = Shape {
+                kind: rule.kind,
+                w,
+                grace: rules.grace_ms,
+            };
+            let _ = sum;
+            return slot(&mut self.sums, rule).count(shape, t, l_new);
         }
         if rule.key == RuleKey::CallerCallee {
             return match ev.callee.as_deref().filter(|c| !c.is_empty()) {
@@ -517,17 +542,37 @@ impl CallerState {
     /// Holds an allowed call (shadow rejects included: they connect) open
     /// in every concurrent rule that saw it (`counts`: 0 for exactly the
     /// rules that did not), closed at its end if that came first.
+    /// In every sum rule that sees it, the call waits for its end, or
+    /// adds what it adds at once if its end came first.
     fn open_call(&mut self, rules: &RuleSet, ev: &CallEvent, counts: &[u64]) {
         let mut end = None;
         let mut taken = false;
-        for (rule, &count) in rules.rules.iter().zip(counts) {
-            if rule.kind != WindowKind::Concurrent || count == 0 {
+        for (i, (rule, &count)) in rules.rules.iter().zip(counts).enumerate() {
+            let holds = match (&rule.sum, rule.kind) {
+                (Some(_), _) => rules.sees(i, ev),
+                (None, WindowKind::Concurrent) => count != 0,
+                (None, _) => false,
+            };
+            if !holds {
                 continue;
             }
             if !taken {
                 end = self.pending_ends.take(&ev.call_id);
                 taken = true;
             }
+            if let Some(sum) = &rule.sum {
+                let price = sum.price(ev.callee.as_deref());
+                let sums = slot(&mut self.sums, rule);
+                match end {
+                    Some((e, talk)) if e < ev.ts_ms.saturating_add(sum.max_duration_ms) => {
+                        sums.add(e.max(ev.ts_ms), sum.amount(price, talk));
+                    }
+                    Some(_) => {}
+                    None => sums.wait(&ev.call_id, ev.ts_ms, price),
+                }
+                continue;
+            }
+            let end = end.map(|(e, _)| e);
             // (A rule keyed by caller and callee counts 0 without a callee.)
             let callee = ev
                 .callee
@@ -542,15 +587,28 @@ impl CallerState {
     /// already (rejected, or seen by no concurrent rule): then it changes
     /// nothing. Ends move no horizon (they are not calls).
     fn end_call(&mut self, rules: &RuleSet, ev: &CallEvent) {
-        if !rules.has_concurrent() {
+        if !rules.uses_ends() {
             return;
         }
         let mut held = false;
         for (_, calls) in &mut self.open {
             held |= calls.end(&ev.call_id, ev.ts_ms);
         }
+        let talk = ev.talk_ms.unwrap_or(0);
+        for rule in rules.rules.iter() {
+            let Some(sum) = &rule.sum else { continue };
+            let sums = slot(&mut self.sums, rule);
+            if !sums.is_waiting(&ev.call_id) {
+                continue;
+            }
+            held = true;
+            if let Some((start, price)) = sums.end(&ev.call_id, ev.ts_ms, sum.max_duration_ms) {
+                sums.add(ev.ts_ms.max(start), sum.amount(price, talk));
+            }
+        }
         if !held && !self.seen.contains_key(&ev.call_id) {
-            self.pending_ends.note(&ev.call_id, ev.ts_ms);
+            let talk = if rules.has_sums() { talk } else { 0 };
+            self.pending_ends.note(&ev.call_id, ev.ts_ms, talk);
         }
     }
 
@@ -564,8 +622,13 @@ impl CallerState {
         }
         for (rule, &count) in rules.rules.iter().zip(counts) {
             // Rules keyed by callee or global keep nothing of the caller's;
-            // a concurrent rule's call opens by its decision (`open_call`).
-            if count == 0 || rule.key.is_aggregate() || rule.kind == WindowKind::Concurrent {
+            // a concurrent rule's call opens by its decision, and a sum
+            // rule's adds at its end (`open_call`).
+            if count == 0
+                || rule.key.is_aggregate()
+                || rule.kind == WindowKind::Concurrent
+                || rule.sum.is_some()
+            {
                 continue;
             }
             let w = rule.window_ms;
@@ -614,6 +677,36 @@ impl CallerState {
                 WindowKind::Concurrent => {}
             }
         }
+    }
+
+    /// Drops what no call at or after `L' - grace` can see from every sum
+    /// rule's state, and the state of sum rules no longer in the set.
+    fn trim_sums(&mut self, rules: &RuleSet, l_new: i64) {
+        if self.sums.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.sums.len());
+        for rule in &rules.rules {
+            let Some(sum) = &rule.sum else { continue };
+            let Some(at) = self.sums.iter().position(|(id, _)| {
+                id.name == rule.name
+                    && id.window_ms == rule.window_ms
+                    && id.max_duration_ms == sum.max_duration_ms
+            }) else {
+                continue;
+            };
+            let (id, mut sums) = self.sums.swap_remove(at);
+            let shape = Shape {
+                kind: rule.kind,
+                w: rule.window_ms,
+                grace: rules.grace_ms,
+            };
+            sums.trim(shape, sum.max_duration_ms, l_new);
+            if !sums.is_empty() {
+                kept.push((id, sums));
+            }
+        }
+        self.sums = kept;
     }
 
     /// Raises the callee's latest call time to `t` (never lowers it); a new
@@ -666,6 +759,7 @@ impl CallerState {
             calls.trim(closed);
         }
         self.pending_ends.trim(dedup_horizon);
+        self.trim_sums(rules, l_new);
         let grace = rules.grace_ms;
         for (id, pairs) in &mut self.pairs {
             let w = id.window_ms;
@@ -785,6 +879,76 @@ mod tests {
             retry("hours = \"06:00-18:00\"\n", 8 * h, 8 * h + 1),
             Some(h)
         );
+    }
+
+    fn end(id: &str, ts_ms: i64, talk_ms: i64) -> CallEvent {
+        CallEvent {
+            kind: EventKind::End,
+            talk_ms: Some(talk_ms),
+            ..call(id, ts_ms)
+        }
+    }
+
+    /// A talk cap: allowed calls add their talk (rounded up to seconds)
+    /// at their ends; a rejected call never adds; the retry-after waits
+    /// for the talk to leave the window.
+    #[test]
+    fn a_talk_sum_adds_the_talk_of_allowed_calls_at_their_ends() {
+        let rules = RuleSet::from_toml(
+            "[[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"2m\"\n",
+        )
+        .unwrap();
+        assert_eq!(rules.rules[0].limit, 120);
+        let (m, mut s) = (60_000, CallerState::default());
+        let a = s.apply(&rules, &call("a", T0));
+        assert_eq!((a.record.decision, a.record.counts[0]), (Decision::Allow, 0));
+        s.apply(&rules, &call("b", T0 + 1));
+        assert!(s.apply(&rules, &end("a", T0 + 2 * m, 90_500)).end);
+        s.apply(&rules, &end("a", T0 + 3 * m, 90_500));
+        let c = s.apply(&rules, &call("c", T0 + 3 * m));
+        assert_eq!(c.record.counts[0], 91, "a's talk, rounded up, once");
+        s.apply(&rules, &end("b", T0 + 4 * m, 30_000));
+        let d = s.apply(&rules, &call("d", T0 + 5 * m));
+        assert_eq!((d.record.counts[0], d.record.decision), (121, Decision::Reject));
+        // d was rejected: its end adds nothing.
+        s.apply(&rules, &end("d", T0 + 6 * m, 600_000));
+        // a's 91 s leave the window at T0 + 62 min; b's 30 s stay.
+        assert_eq!(d.record.retry_after_ms, Some(57 * m));
+        let e = s.apply(&rules, &call("e", T0 + 62 * m));
+        assert_eq!((e.record.counts[0], e.record.decision), (30, Decision::Allow));
+    }
+
+    /// A spend cap: talk priced by the longest prefix of the rates file,
+    /// billed in its increments; an end before its attempt (the switch's
+    /// messages reordered) adds at the attempt.
+    #[test]
+    fn a_cost_sum_prices_talk_by_the_callees_longest_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("rates.csv"), "+882,2.00\n+88216,5.00,1\n").unwrap();
+        std::fs::write(
+            dir.path().join("rules.toml"),
+            "[[rule]]\nname = \"spend\"\nkind = \"fixed\"\nwindow = \"1d\"\nsum = \"cost\"\nrates_file = \"rates.csv\"\nlimit = \"10.00\"\n",
+        )
+        .unwrap();
+        let rules = RuleSet::from_file(&dir.path().join("rules.toml")).unwrap();
+        assert_eq!(rules.rules[0].limit, 10_000_000);
+        let to = |id: &str, ts: i64, callee: &str| CallEvent {
+            callee: Some(callee.into()),
+            ..call(id, ts)
+        };
+        let mut s = CallerState::default();
+        s.apply(&rules, &to("a", T0, "+8821234"));
+        s.apply(&rules, &end("a", T0 + 70_000, 61_000));
+        // 61 s, per minute: 2 minutes at 2.00.
+        assert_eq!(s.apply(&rules, &to("x", T0 + 80_000, "+34911")).record.counts[0], 4_000_000);
+        // b's end comes first: 7 s at 5.00 a minute, per second, at b's start.
+        s.apply(&rules, &end("b", T0 + 90_000, 7_000));
+        s.apply(&rules, &to("b", T0 + 95_000, "+882161"));
+        let c = s.apply(&rules, &to("c", T0 + 96_000, "+34911"));
+        assert_eq!(c.record.counts[0], 4_000_000 + 583_334);
+        // An unpriced callee costs nothing.
+        s.apply(&rules, &end("x", T0 + 97_000, 600_000));
+        assert_eq!(s.apply(&rules, &call("y", T0 + 98_000)).record.counts[0], 4_583_334);
     }
 
     #[test]

@@ -136,19 +136,20 @@ pub const MAX_PENDING_ENDS: usize = 1024;
 /// as a Redis sorted set scored by end time pops it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PendingEnds {
-    /// Call id to end time.
-    by_id: foldhash::HashMap<CompactString, i64>,
+    /// Call id to end time and talk time (kept only for rule sets that
+    /// add up talk; else 0).
+    by_id: foldhash::HashMap<CompactString, (i64, i64)>,
     /// (end time, call id), in order.
     by_end: std::collections::BTreeSet<(i64, CompactString)>,
 }
 
 impl PendingEnds {
     /// Remembers the end of call `id` at `end`, unless one is kept already.
-    pub(super) fn note(&mut self, id: &str, end: i64) {
+    pub(super) fn note(&mut self, id: &str, end: i64, talk_ms: i64) {
         if self.by_id.contains_key(id) {
             return;
         }
-        self.by_id.insert(id.into(), end);
+        self.by_id.insert(id.into(), (end, talk_ms));
         self.by_end.insert((end, id.into()));
         while self.by_id.len() > MAX_PENDING_ENDS {
             let Some((_, first)) = self.by_end.pop_first() else {
@@ -158,15 +159,15 @@ impl PendingEnds {
         }
     }
 
-    /// The end of call `id`, if it came first (and is let go: the call
-    /// holds it now).
-    pub(super) fn take(&mut self, id: &str) -> Option<i64> {
+    /// The end of call `id` and its talk time, if it came first (and is
+    /// let go: the call holds it now).
+    pub(super) fn take(&mut self, id: &str) -> Option<(i64, i64)> {
         if self.by_id.is_empty() {
             return None;
         }
-        let end = self.by_id.remove(id)?;
+        let (end, talk) = self.by_id.remove(id)?;
         self.by_end.remove(&(end, CompactString::from(id)));
-        Some(end)
+        Some((end, talk))
     }
 
     /// Drops the ends at or below the idempotency horizon.
@@ -184,7 +185,7 @@ impl PendingEnds {
 
     /// Puts back an end kept, as [`PendingEnds::iter`] gave it.
     pub(super) fn restore(&mut self, end: i64, id: &str) {
-        self.note(id, end);
+        self.note(id, end, 0);
     }
 
     /// How many are kept.
@@ -257,12 +258,12 @@ mod tests {
     #[test]
     fn pending_ends_are_taken_once_and_bounded() {
         let mut p = PendingEnds::default();
-        p.note("a", 10);
-        p.note("a", 20);
-        assert_eq!(p.take("a"), Some(10), "the first end stands");
+        p.note("a", 10, 5);
+        p.note("a", 20, 6);
+        assert_eq!(p.take("a"), Some((10, 5)), "the first end stands");
         assert_eq!(p.take("a"), None);
         for i in 0..MAX_PENDING_ENDS + 5 {
-            p.note(&format!("x{i}"), i as i64);
+            p.note(&format!("x{i}"), i as i64, 0);
         }
         assert_eq!(p.iter().count(), MAX_PENDING_ENDS);
         assert_eq!(p.take("x0"), None, "the oldest went");

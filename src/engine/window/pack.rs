@@ -156,6 +156,7 @@ impl Unpacker<'_> {
         Some(RuleId {
             name: self.string()?.to_string(),
             window_ms: self.signed()?,
+            max_duration_ms: 0,
         })
     }
 }

@@ -345,7 +345,7 @@ impl Sweeper {
         let aggregate = rules.rules[index].key.is_aggregate();
         // A concurrent rule holds open only the calls allowed, so with one
         // in the set every count may depend on N: every N is replayed.
-        let concurrent = rules.has_concurrent();
+        let concurrent = rules.uses_ends();
         let replayed = if rules.count == CountPolicy::Admitted
             || retention_varies
             || aggregate
