@@ -202,7 +202,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!(rates.len(), 3);
-        assert_eq!(rates.price("+88216123").map(|p| p.per_minute), Some(4_000_000));
+        assert_eq!(
+            rates.price("+88216123").map(|p| p.per_minute),
+            Some(4_000_000)
+        );
         assert_eq!(rates.price("+8821").map(|p| p.increment_s), Some(60));
         assert_eq!(rates.price("+34911"), None);
         for (bad, says) in [

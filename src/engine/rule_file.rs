@@ -126,14 +126,20 @@ impl RuleEntry {
     ) -> Result<Option<Sum>, (&'static str, String)> {
         let Some(what) = self.sum.as_deref() else {
             if self.rates_file.is_some() {
-                return Err(("rates_file", "only a rule with sum = \"cost\" has one".into()));
+                return Err((
+                    "rates_file",
+                    "only a rule with sum = \"cost\" has one".into(),
+                ));
             }
             return Ok(None);
         };
         let of = match what {
             "talk" => {
                 if self.rates_file.is_some() {
-                    return Err(("rates_file", "only a rule with sum = \"cost\" has one".into()));
+                    return Err((
+                        "rates_file",
+                        "only a rule with sum = \"cost\" has one".into(),
+                    ));
                 }
                 SumOf::Talk
             }

@@ -16,7 +16,8 @@
 //!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
 //! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms`, `label`
-//! (`fraud`/`legit`) and `population`.
+//! (`fraud`/`legit`), `population` and `talk_ms` (the answered time: a
+//! generated call's duration is its talk, 0 when unanswered).
 
 use std::io::Write;
 use std::path::Path;
@@ -388,7 +389,11 @@ pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
         context: ctx(),
         source,
     };
-    writeln!(w, "call_id,caller,callee,ts,duration_ms,label,population").map_err(io)?;
+    writeln!(
+        w,
+        "call_id,caller,callee,ts,duration_ms,label,population,talk_ms"
+    )
+    .map_err(io)?;
     for (i, c) in calls.iter().enumerate() {
         let ts = DateTime::from_timestamp_millis(c.ts_ms)
             .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))
@@ -396,14 +401,15 @@ pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
         let label = if c.fraud { "fraud" } else { "legit" };
         writeln!(
             w,
-            "c{},{},{},{},{},{},{}",
+            "c{},{},{},{},{},{},{},{}",
             i + 1,
             c.caller,
             c.callee,
             ts,
             c.duration_ms,
             label,
-            c.population
+            c.population,
+            c.duration_ms
         )
         .map_err(io)?;
     }

@@ -915,3 +915,103 @@ fn a_concurrent_rule_holds_calls_open_until_their_ends() {
         assert_eq!(std::fs::read_to_string(&written).unwrap(), text, "{mode}");
     }
 }
+
+/// The example spend rules (`data/rules-spend.toml`: a talk cap to premium
+/// ranges and a spend cap priced by `data/rates.csv`) on a generated day
+/// with talk times: the sums reject only the IRSF callers, a talk cap's
+/// count is whole seconds of the caller's ended premium talk in its
+/// hour, and the Redis stores refuse sum rules with a clear error
+/// instead of running them wrong.
+#[test]
+fn the_example_spend_rules_catch_irsf_by_its_minutes_and_money() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("calls.csv");
+    callguard::offline::generate::write_csv(
+        &log,
+        &callguard::offline::generate::generate(100_000, 5),
+    )
+    .unwrap();
+    let out = dir.path().join("out.csv");
+    let o = replay(&[
+        "-i",
+        log.to_str().unwrap(),
+        "--rules",
+        "data/rules-spend.toml",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    use std::collections::HashMap;
+    let population: HashMap<String, String> = csv_rows(&log)
+        .into_iter()
+        .map(|r| (r["call_id"].clone(), r["population"].clone()))
+        .collect();
+    let rows = csv_rows(&out);
+    let mut by_sum = HashMap::<(String, String), usize>::new();
+    for r in &rows {
+        if ["premium_talk", "spend"].contains(&r["reason"].as_str()) {
+            *by_sum
+                .entry((r["reason"].clone(), population[&r["call_id"]].clone()))
+                .or_default() += 1;
+        }
+    }
+    assert!(
+        by_sum.keys().all(|(_, p)| p == "irsf"),
+        "sum rules rejected legit calls: {by_sum:?}"
+    );
+    for rule in ["premium_talk", "spend"] {
+        let n = by_sum
+            .get(&(rule.into(), "irsf".into()))
+            .copied()
+            .unwrap_or(0);
+        assert!(n > 50, "{rule} rejected {n} IRSF calls");
+    }
+    // A talk count is whole seconds; a call to no premium range is not
+    // seen by the talk cap (written empty).
+    let talk: Vec<u64> = rows
+        .iter()
+        .filter_map(|r| r["count_premium_talk"].parse().ok())
+        .collect();
+    assert!(talk.iter().any(|&s| s > 5_400), "over 90 minutes somewhere");
+    // The Redis stores do not keep sums yet: refused before anything runs.
+    let o = replay(&[
+        "-i",
+        log.to_str().unwrap(),
+        "--rules",
+        "data/rules-spend.toml",
+        "--store",
+        "redis",
+        "--redis-url",
+        "redis://127.0.0.1:1",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("premium_talk") && stderr.contains("--store memory"),
+        "{stderr}"
+    );
+}
+
+/// A CSV file's rows, by column name (no quoted commas: the files here
+/// have none).
+fn csv_rows(path: &Path) -> Vec<std::collections::HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<String> = lines
+        .next()
+        .unwrap()
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    lines
+        .map(|l| {
+            header
+                .iter()
+                .cloned()
+                .zip(l.split(',').map(str::to_string))
+                .collect()
+        })
+        .collect()
+}

@@ -279,10 +279,20 @@ impl OnlineArgs {
     /// The rule set, reloaded on SIGHUP and when its file changes: the
     /// receiver always holds the set in force.
     pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
-        let (tx, rx) = watch::channel(self.rules.rule_set()?);
+        // A set the Redis stores cannot keep is refused at start, and a
+        // reload to one keeps the set in force.
+        let redis = self.store.kind(StoreKind::Redis)? == StoreKind::Redis;
+        let load = move |args: &RuleArgs| {
+            let rules = args.rule_set()?;
+            if redis {
+                callguard::store::redis::check_rules(&rules)?;
+            }
+            Ok::<_, RulesError>(rules)
+        };
+        let (tx, rx) = watch::channel(load(&self.rules)?);
         let rule_args = self.rules.clone();
         reload::spawn(
-            move || rule_args.rule_set(),
+            move || load(&rule_args),
             self.rules.rules.clone(),
             tx,
             metrics.clone(),

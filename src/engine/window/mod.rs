@@ -103,8 +103,8 @@ pub use open::{OpenCalls, PendingEnds, MAX_PENDING_ENDS};
 pub use pack::PackedLog;
 pub(crate) use pack::{put_varint, take_varint};
 use pairs::{Pair, Pairs};
-pub use sums::Sums;
 use sums::Shape;
+pub use sums::Sums;
 
 /// The decision and reason of a judgement, before shadow mode.
 /// (Reasons and rule names are short: kept inline, never allocated.)
@@ -131,14 +131,11 @@ struct RuleId {
 
 /// The state kept for rule `rule` in `slots`, created empty if missing.
 fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut T {
-    let at = match slots
-        .iter()
-        .position(|(id, _)| {
-            id.window_ms == rule.window_ms
-                && id.name == rule.name
-                && id.max_duration_ms == rule.sum.as_ref().map_or(0, |s| s.max_duration_ms)
-        })
-    {
+    let at = match slots.iter().position(|(id, _)| {
+        id.window_ms == rule.window_ms
+            && id.name == rule.name
+            && id.max_duration_ms == rule.sum.as_ref().map_or(0, |s| s.max_duration_ms)
+    }) {
         Some(at) => at,
         None => {
             slots.push((
@@ -901,7 +898,10 @@ mod tests {
         assert_eq!(rules.rules[0].limit, 120);
         let (m, mut s) = (60_000, CallerState::default());
         let a = s.apply(&rules, &call("a", T0));
-        assert_eq!((a.record.decision, a.record.counts[0]), (Decision::Allow, 0));
+        assert_eq!(
+            (a.record.decision, a.record.counts[0]),
+            (Decision::Allow, 0)
+        );
         s.apply(&rules, &call("b", T0 + 1));
         assert!(s.apply(&rules, &end("a", T0 + 2 * m, 90_500)).end);
         s.apply(&rules, &end("a", T0 + 3 * m, 90_500));
@@ -909,13 +909,19 @@ mod tests {
         assert_eq!(c.record.counts[0], 91, "a's talk, rounded up, once");
         s.apply(&rules, &end("b", T0 + 4 * m, 30_000));
         let d = s.apply(&rules, &call("d", T0 + 5 * m));
-        assert_eq!((d.record.counts[0], d.record.decision), (121, Decision::Reject));
+        assert_eq!(
+            (d.record.counts[0], d.record.decision),
+            (121, Decision::Reject)
+        );
         // d was rejected: its end adds nothing.
         s.apply(&rules, &end("d", T0 + 6 * m, 600_000));
         // a's 91 s leave the window at T0 + 62 min; b's 30 s stay.
         assert_eq!(d.record.retry_after_ms, Some(57 * m));
         let e = s.apply(&rules, &call("e", T0 + 62 * m));
-        assert_eq!((e.record.counts[0], e.record.decision), (30, Decision::Allow));
+        assert_eq!(
+            (e.record.counts[0], e.record.decision),
+            (30, Decision::Allow)
+        );
     }
 
     /// A spend cap: talk priced by the longest prefix of the rates file,
@@ -940,7 +946,12 @@ mod tests {
         s.apply(&rules, &to("a", T0, "+8821234"));
         s.apply(&rules, &end("a", T0 + 70_000, 61_000));
         // 61 s, per minute: 2 minutes at 2.00.
-        assert_eq!(s.apply(&rules, &to("x", T0 + 80_000, "+34911")).record.counts[0], 4_000_000);
+        assert_eq!(
+            s.apply(&rules, &to("x", T0 + 80_000, "+34911"))
+                .record
+                .counts[0],
+            4_000_000
+        );
         // b's end comes first: 7 s at 5.00 a minute, per second, at b's start.
         s.apply(&rules, &end("b", T0 + 90_000, 7_000));
         s.apply(&rules, &to("b", T0 + 95_000, "+882161"));
@@ -948,7 +959,10 @@ mod tests {
         assert_eq!(c.record.counts[0], 4_000_000 + 583_334);
         // An unpriced callee costs nothing.
         s.apply(&rules, &end("x", T0 + 97_000, 600_000));
-        assert_eq!(s.apply(&rules, &call("y", T0 + 98_000)).record.counts[0], 4_583_334);
+        assert_eq!(
+            s.apply(&rules, &call("y", T0 + 98_000)).record.counts[0],
+            4_583_334
+        );
     }
 
     #[test]

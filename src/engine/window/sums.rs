@@ -64,7 +64,12 @@ impl Sums {
     /// The end of call `id` at `end`: the waiting call, if it is one and
     /// its end came within `max_duration`, stops waiting; its (start,
     /// price).
-    pub(super) fn end(&mut self, id: &str, end: i64, max_duration: i64) -> Option<(i64, Option<Price>)> {
+    pub(super) fn end(
+        &mut self,
+        id: &str,
+        end: i64,
+        max_duration: i64,
+    ) -> Option<(i64, Option<Price>)> {
         let at = self.waiting.iter().rposition(|c| c.id == id)?;
         let call = self.waiting.remove(at)?;
         (end < call.start.saturating_add(max_duration)).then_some((call.start, call.price))
