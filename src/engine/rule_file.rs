@@ -441,6 +441,49 @@ mod tests {
     }
 
     #[test]
+    fn sum_rules_take_levels_in_their_unit_and_say_what_is_wrong() {
+        let talk = "kind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\n";
+        let rules =
+            RuleSet::from_toml(&format!("{BASE}{talk}limit = \"90m\"\nwarn = 600\n")).unwrap();
+        assert_eq!(
+            (rules.rules[0].limit, rules.rules[0].warn),
+            (5_400, Some(600))
+        );
+        assert!(rules.has_sums() && rules.uses_ends() && !rules.has_concurrent());
+        for (text, field) in [
+            (format!("{talk}limit = \"90m500ms\"\n"), "limit"),
+            (
+                format!("{talk}limit = 10\nrates_file = \"r.csv\"\n"),
+                "rates_file",
+            ),
+            (
+                format!("{talk}limit = 10\nkey = \"caller+callee\"\n"),
+                "key",
+            ),
+            (format!("{talk}limit = 10\nkey = \"account\"\n"), "key"),
+            (
+                "kind = \"sliding\"\nwindow = \"1h\"\nlimit = \"10\"\n".into(),
+                "limit",
+            ),
+            (
+                "kind = \"sliding\"\nwindow = \"1h\"\nsum = \"cost\"\nlimit = \"1.00\"\n".into(),
+                "rates_file",
+            ),
+            (
+                "kind = \"sliding\"\nwindow = \"1h\"\nsum = \"calls\"\nlimit = 1\n".into(),
+                "sum",
+            ),
+            (
+                "kind = \"token-bucket\"\nrate = \"1/s\"\nburst = 3\nsum = \"talk\"\n".into(),
+                "sum",
+            ),
+        ] {
+            let e = error_of(&text);
+            assert!(e.contains("`irsf`") && e.contains(field), "{text}: {e}");
+        }
+    }
+
+    #[test]
     fn a_callees_file_is_read_merged_and_versioned() {
         let dir = tempfile::tempdir().unwrap();
         let rules = dir.path().join("rules.toml");

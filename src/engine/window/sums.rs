@@ -222,6 +222,14 @@ mod tests {
         }
     }
 
+    /// The sizes docs/rules.md gives per kept call.
+    #[test]
+    fn a_waiting_call_takes_56_bytes_and_an_ended_one_16() {
+        assert_eq!(std::mem::size_of::<Waiting>(), 56);
+        assert_eq!(std::mem::size_of::<(i64, u64)>(), 16);
+        assert_eq!(std::mem::size_of::<super::super::open::Open>(), 72);
+    }
+
     #[test]
     fn ends_add_in_the_window_of_their_end_time() {
         let mut s = Sums::default();
