@@ -178,6 +178,21 @@ proptest! {
         check_case(seed, random::concurrent_case_scaled(seed, n, callers, 100), true)?;
     }
 
+    /// Sum rules (talk and cost, fixed, sliding and sliding-approx) with
+    /// call ends: ends before their calls, twice, before the start, past
+    /// max_duration, for rejected and shadow-rejected calls; beside
+    /// concurrent rules a third of the time.
+    #[test]
+    fn sum_rules_and_call_ends_match_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..4) {
+        check_case(seed, random::sum_case_scaled(seed, n, callers, 1), false)?;
+    }
+
+    /// The same with short windows, retry-afters included.
+    #[test]
+    fn sum_retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..3) {
+        check_case(seed, random::sum_case_scaled(seed, n, callers, 100), true)?;
+    }
+
     /// Windows of 5 to 100 ms, so the reference can find each reject's
     /// retry-after by deciding a probe call at every later millisecond.
     #[test]
@@ -525,4 +540,24 @@ fn a_call_past_the_horizon_counts_once_however_often_redelivered() {
     for (x, v) in expected.iter().zip(&first) {
         assert_eq!(x.counts, v.record.counts.to_vec(), "{}", v.record.call_id);
     }
+}
+
+#[test]
+fn sum_cases_reach_rejects_of_every_sum_kind() {
+    // Guard: the random sum cases reach rejects by talk and by cost sums
+    // of each window kind, with a retry-after, and counts above zero.
+    use callguard::engine::rules::SumOf;
+    let mut seen = std::collections::HashSet::new();
+    for seed in 0..300 {
+        let (rules, events) = random::sum_case_scaled(seed, 120, 2, 100);
+        let expected = reference::decide_all_with_retry(&rules, &events);
+        for x in expected.iter().filter(|x| x.retry_after_ms.is_some()) {
+            let rule = rules.rules.iter().find(|r| r.name == x.reason).unwrap();
+            if let Some(sum) = &rule.sum {
+                let cost = matches!(sum.of, SumOf::Cost(_));
+                seen.insert((rule.kind.code(), cost));
+            }
+        }
+    }
+    assert_eq!(seen.len(), 6, "sum rejects reached: {seen:?}");
 }

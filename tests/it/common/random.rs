@@ -318,6 +318,73 @@ pub fn with_ends(rng: &mut StdRng, events: &[CallEvent], scale: i64) -> Vec<Call
     out
 }
 
+/// `rules` with one or two sum rules added at random places: talk or
+/// cost (a small rate table over the random callees: per-second and
+/// per-6-second billing, one callee unpriced), fixed, sliding or
+/// sliding-approx, short windows and max durations, maybe shadow, a
+/// warning level or a filter; keyed by caller.
+pub fn with_sums(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet {
+    use callguard::engine::rates::Rates;
+    use callguard::engine::rules::{Sum, SumOf};
+    let rates = Rates::parse(
+        "+3491000000,0.000060,1\n+34910000003,0.000600,6\n+34910000005,0.000120,1\n+34910000009,0.000000,1\n",
+        |p| Ok(p.to_string()),
+    )
+    .expect("rates");
+    let rates = std::sync::Arc::new(rates);
+    let mut spec = rules.spec();
+    for k in 0..rng.random_range(1..=2) {
+        let kind = [
+            WindowKind::Fixed,
+            WindowKind::Sliding,
+            WindowKind::SlidingApprox,
+        ][rng.random_range(0..3)];
+        let w = ([200, 1_000, 5_000, 20_000][rng.random_range(0..4)] / scale).max(1);
+        let talk = rng.random_bool(0.5);
+        let limit = rng.random_range(1..=if talk { 6 } else { 40 });
+        let mut rule = Rule::new(format!("sum{k}"), kind, w, limit);
+        random_options(rng, &mut rule);
+        rule.key = RuleKey::Caller;
+        rule.sum = Some(Sum {
+            of: if talk {
+                SumOf::Talk
+            } else {
+                SumOf::Cost(rates.clone())
+            },
+            max_duration_ms: ([300, 2_000, 8_000][rng.random_range(0..3)] / scale).max(1),
+        });
+        let at = rng.random_range(0..=spec.rules.len());
+        spec.rules.insert(at, rule);
+    }
+    RuleSet::build(spec).expect("a valid rule set")
+}
+
+/// A random case with sum rules (and sometimes concurrent rules) and
+/// call ends, talk times of up to 3 s (at scale 1).
+pub fn sum_case_scaled(
+    seed: u64,
+    n: usize,
+    callers: usize,
+    scale: i64,
+) -> (RuleSet, Vec<CallEvent>) {
+    let (rules, events) = case_scaled(seed, n, callers, scale);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5a5);
+    let rules = if rng.random_bool(0.3) {
+        with_concurrent(&mut rng, &rules, scale)
+    } else {
+        rules
+    };
+    let rules = with_sums(&mut rng, &rules, scale);
+    let mut events = with_ends(&mut rng, &events, scale);
+    // Talk times from 0 to 3 s, whatever the scale: sums need seconds.
+    for e in &mut events {
+        if e.talk_ms.is_some() {
+            e.talk_ms = Some(rng.random_range(0..3_000));
+        }
+    }
+    (rules, events)
+}
+
 /// A random case with concurrent rules and call ends.
 pub fn concurrent_case_scaled(
     seed: u64,

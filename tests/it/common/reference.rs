@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use callguard::engine::event::{CallEvent, EventKind};
+use callguard::engine::rates::Price;
 use callguard::engine::record::{
     Decision, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST, REASON_END, REASON_OK,
 };
@@ -50,11 +51,19 @@ struct Past {
     /// close at or below a later call's horizon) nor dropped with its
     /// caller's state (started afresh).
     held: bool,
+    /// Per sum rule: the call waits for its end (seen allowed, no end yet,
+    /// not let go by a later call's `L' - grace`).
+    waits: Vec<bool>,
+    /// Per sum rule: its price for the call (cost sums).
+    prices: Vec<Option<Price>>,
+    /// Per sum rule: what its end added, and when.
+    adds: Vec<Option<(i64, u64)>>,
     expected: Expected,
 }
 
-/// An end kept for a call not seen yet: (caller, call id, end time).
-type Pending = (String, String, i64);
+/// An end kept for a call not seen yet: (caller, call id, end time, talk
+/// time: kept only when the rule set adds up talk, else 0).
+type Pending = (String, String, i64, i64);
 
 impl Past {
     /// When the call stops holding a slot of concurrent rule `i`.
@@ -140,20 +149,58 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
                 && (0..rules.rules.len()).any(|i| p.opened[i] && p.close(rules, i) > horizon);
         }
         let dedup_horizon = latest - rules.dedup_ms();
-        pending.retain(|(c, _, ts)| *c != e.caller || *ts > dedup_horizon);
-        // An end that came first, kept within the idempotency horizon, is
-        // the call's (taken once, by a call some concurrent rule holds).
-        let mut end = None;
-        if opened.contains(&true) {
-            if let Some(at) = pending
-                .iter()
-                .position(|(c, id, _)| *c == e.caller && *id == e.call_id)
-            {
-                end = Some(pending.remove(at).2);
+        pending.retain(|(c, _, ts, _)| *c != e.caller || *ts > dedup_horizon);
+        // A call waiting for its end in a sum rule is let go once its
+        // start plus max_duration is at or below a later call's L' - grace.
+        for p in history.iter_mut().filter(|p| p.caller == e.caller) {
+            for (i, rule) in rules.rules.iter().enumerate() {
+                if let Some(sum) = &rule.sum {
+                    p.waits[i] &= p.ts + sum.max_duration_ms > latest - rules.grace_ms;
+                }
             }
         }
+        let mut waits: Vec<bool> = rules
+            .rules
+            .iter()
+            .zip(&seen)
+            .map(|(r, &s)| r.sum.is_some() && s && expected.decision == Decision::Allow && !beyond)
+            .collect();
+        // An end that came first, kept within the idempotency horizon, is
+        // the call's (taken once, by a call some concurrent rule holds or
+        // some sum rule waits on).
+        let mut taken = None;
+        if opened.contains(&true) || waits.contains(&true) {
+            if let Some(at) = pending
+                .iter()
+                .position(|(c, id, _, _)| *c == e.caller && *id == e.call_id)
+            {
+                let (_, _, end, talk) = pending.remove(at);
+                taken = Some((end, talk));
+            }
+        }
+        let prices: Vec<Option<Price>> = rules
+            .rules
+            .iter()
+            .map(|r| r.sum.as_ref().and_then(|s| s.price(e.callee.as_deref())))
+            .collect();
+        let mut adds = vec![None; rules.rules.len()];
+        if let Some((end, talk)) = taken {
+            for (i, rule) in rules.rules.iter().enumerate() {
+                let Some(sum) = rule.sum.as_ref().filter(|_| waits[i]) else {
+                    continue;
+                };
+                waits[i] = false;
+                if end < e.ts_ms + sum.max_duration_ms {
+                    adds[i] = Some((end.max(e.ts_ms), sum.amount(prices[i], talk)));
+                }
+            }
+        }
+        let end = taken.map(|(end, _)| end);
         history.push(Past {
             held: opened.contains(&true),
+            waits,
+            prices,
+            adds,
             opened,
             end,
             caller: e.caller.to_string(),
@@ -181,7 +228,8 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
 /// else (the call was decided within the idempotency horizon) changes
 /// nothing.
 fn end_call(rules: &RuleSet, history: &mut [Past], pending: &mut Vec<Pending>, e: &CallEvent) {
-    if !rules.rules.iter().any(|r| r.kind == WindowKind::Concurrent) {
+    let sums = rules.rules.iter().any(|r| r.sum.is_some());
+    if !sums && !rules.rules.iter().any(|r| r.kind == WindowKind::Concurrent) {
         return;
     }
     let mine: Vec<usize> = (0..history.len())
@@ -193,10 +241,32 @@ fn end_call(rules: &RuleSet, history: &mut [Past], pending: &mut Vec<Pending>, e
         .copied()
         .filter(|&k| history[k].held && history[k].call_id == e.call_id)
         .max_by_key(|&k| (history[k].ts, k));
+    let mut found = held.is_some();
     if let Some(k) = held {
         if history[k].end.is_none() {
             history[k].end = Some(e.ts_ms);
         }
+    }
+    // Each sum rule's latest waiting call of that id stops waiting; its
+    // end adds if it came within max_duration.
+    let talk = e.talk_ms.unwrap_or(0);
+    for (i, rule) in rules.rules.iter().enumerate() {
+        let Some(sum) = &rule.sum else { continue };
+        let waiting = mine
+            .iter()
+            .copied()
+            .filter(|&k| history[k].waits[i] && history[k].call_id == e.call_id)
+            .max_by_key(|&k| (history[k].ts, k));
+        if let Some(k) = waiting {
+            found = true;
+            let p = &mut history[k];
+            p.waits[i] = false;
+            if e.ts_ms < p.ts + sum.max_duration_ms {
+                p.adds[i] = Some((e.ts_ms.max(p.ts), sum.amount(p.prices[i], talk)));
+            }
+        }
+    }
+    if found {
         return;
     }
     let dedup_horizon = latest.map_or(i64::MIN, |l| l - rules.dedup_ms());
@@ -207,9 +277,10 @@ fn end_call(rules: &RuleSet, history: &mut [Past], pending: &mut Vec<Pending>, e
         .is_some_and(|&k| history[k].ts > dedup_horizon);
     let noted = pending
         .iter()
-        .any(|(c, id, _)| *c == e.caller && *id == e.call_id);
+        .any(|(c, id, _, _)| *c == e.caller && *id == e.call_id);
     if !seen && !noted {
-        pending.push((e.caller.to_string(), e.call_id.to_string(), e.ts_ms));
+        let talk = if sums { talk } else { 0 };
+        pending.push((e.caller.to_string(), e.call_id.to_string(), e.ts_ms, talk));
     }
 }
 
@@ -237,8 +308,21 @@ fn retry_after(rules: &RuleSet, history: &[Past], e: &CallEvent) -> i64 {
         .map(|p| p.ts)
         .max()
         .unwrap_or(t);
-    // From latest + retention on, the caller starts afresh: every call counts 1.
-    let end = latest + rules.retention_ms();
+    // From latest + retention on, the caller starts afresh: every call
+    // counts 1, but for what ended calls added to sums (kept past it: the
+    // last of them leaves every window two windows after it).
+    let sums_end = history
+        .iter()
+        .filter(|p| p.caller == e.caller)
+        .flat_map(|p| {
+            p.adds
+                .iter()
+                .zip(&rules.rules)
+                .filter_map(|(a, r)| a.map(|(at, _)| at + 2 * r.window_ms + 1))
+        })
+        .max()
+        .unwrap_or(i64::MIN);
+    let end = (latest + rules.retention_ms()).max(sums_end);
     // The same call again; shadow rules never reject, and a rule with a
     // time profile sees (so rejects) only the probes in its profile, up to
     // t + grace + retention; past it (a late call's) the profile is taken
@@ -297,6 +381,10 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
     for (i, rule) in rules.rules.iter().enumerate() {
         if !rule.filter.sees(e) {
             counts.push(0);
+            continue;
+        }
+        if rule.sum.is_some() {
+            counts.push(sum_count(rules, i, &prior, t, l_new));
             continue;
         }
         // The calls the rule counts on: the caller's, or its calls to this
@@ -462,6 +550,46 @@ fn decide_one(rules: &RuleSet, history: &[Past], e: &CallEvent) -> Expected {
         duplicate: false,
         retry_after_ms: None,
         end: false,
+    }
+}
+
+/// A sum rule's count for a call at `t` (`l_new`: `L'`): what the
+/// caller's ended calls added and the rule still keeps (what no call at or
+/// after `L' - grace` could see is gone), in the window of `t`.
+fn sum_count(rules: &RuleSet, i: usize, prior: &[&Past], t: i64, l_new: i64) -> u64 {
+    let rule = &rules.rules[i];
+    let (w, grace) = (rule.window_ms, rules.grace_ms);
+    let bucket = |x: i64| x.div_euclid(w);
+    let gone = |at: i64| match rule.kind {
+        WindowKind::Fixed => (bucket(at) + 1) * w + grace <= l_new,
+        WindowKind::SlidingApprox => bucket(at) < bucket(l_new - grace) - 1,
+        _ => at <= l_new - grace - w,
+    };
+    let kept: Vec<(i64, u64)> = prior
+        .iter()
+        .filter_map(|p| p.adds[i])
+        .filter(|&(at, _)| !gone(at))
+        .collect();
+    let in_bucket = |b: i64| -> u64 {
+        kept.iter()
+            .filter(|(at, _)| bucket(*at) == b)
+            .map(|(_, a)| a)
+            .sum()
+    };
+    let b = bucket(t);
+    match rule.kind {
+        WindowKind::Fixed if (b + 1) * w + grace <= l_new => 0,
+        WindowKind::Fixed => in_bucket(b),
+        WindowKind::SlidingApprox => {
+            let r = t - b * w;
+            (in_bucket(b - 1) as u128 * (w - r - 1).max(0) as u128 / w as u128) as u64
+                + in_bucket(b)
+        }
+        _ => kept
+            .iter()
+            .filter(|(at, _)| *at > t - w && *at <= t)
+            .map(|(_, a)| a)
+            .sum(),
     }
 }
 
