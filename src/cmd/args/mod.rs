@@ -281,11 +281,12 @@ impl OnlineArgs {
     pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
         // A set the Redis stores cannot keep is refused at start, and a
         // reload to one keeps the set in force.
-        let redis = self.store.kind(StoreKind::Redis)? == StoreKind::Redis;
+        let script = self.store.kind(StoreKind::Redis)? == StoreKind::Redis
+            && self.store.cache_limit().is_none();
         let load = move |args: &RuleArgs| {
             let rules = args.rule_set()?;
-            if redis {
-                callguard::store::redis::check_rules(&rules)?;
+            if script {
+                callguard::store::redis::check_script_rules(&rules)?;
             }
             Ok::<_, RulesError>(rules)
         };

@@ -379,6 +379,22 @@ impl RuleSet {
             .unwrap_or(0)
     }
 
+    /// How long after its latest write a caller's state may still matter
+    /// to its sum rules: a waiting call's `max_duration`, an ended call's
+    /// two windows (a sliding-approx count weighs the bucket before), plus
+    /// the grace (0 without sum rules). A store whose keys expire keeps
+    /// them at least this long.
+    pub fn sums_span_ms(&self) -> i64 {
+        self.rules
+            .iter()
+            .filter_map(|r| {
+                let sum = r.sum.as_ref()?;
+                Some(sum.max_duration_ms.max(r.window_ms.saturating_mul(2)))
+            })
+            .max()
+            .map_or(0, |span| span.saturating_add(self.grace_ms))
+    }
+
     /// Whether any rule counts on the caller's shared sliding log (a
     /// sliding rule keyed by caller that sees every call).
     pub fn has_sliding(&self) -> bool {

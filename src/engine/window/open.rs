@@ -193,6 +193,23 @@ impl PendingEnds {
         self.by_id.len()
     }
 
+    /// The talk time of each end kept, in [`PendingEnds::iter`]'s order.
+    pub(super) fn talks(&self) -> impl Iterator<Item = i64> + '_ {
+        self.by_end
+            .iter()
+            .map(|(_, id)| self.by_id.get(id).map_or(0, |&(_, talk)| talk))
+    }
+
+    /// Sets the talk times of the ends kept, in [`PendingEnds::iter`]'s
+    /// order (after [`PendingEnds::restore`]).
+    pub(super) fn restore_talks(&mut self, talks: &[i64]) {
+        for ((_, id), &talk) in self.by_end.iter().zip(talks) {
+            if let Some(kept) = self.by_id.get_mut(id) {
+                kept.1 = talk;
+            }
+        }
+    }
+
     /// The ends kept, (end time, call id) in order.
     pub(super) fn iter(&self) -> impl Iterator<Item = &(i64, CompactString)> {
         self.by_end.iter()

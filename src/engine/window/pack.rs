@@ -33,6 +33,10 @@ const PACK_FORMAT_RULES: u8 = 2;
 /// open and the ends that came before their calls.
 const PACK_FORMAT_OPEN: u8 = 3;
 
+/// [`PACK_FORMAT_OPEN`] followed by the sum rules' state (calls waiting
+/// for their ends, what ended calls added) and the kept ends' talk times.
+const PACK_FORMAT_SUMS: u8 = 4;
+
 /// Writes `v` as unsigned LEB128 (7 bits a byte, low first, the high
 /// bit set on every byte but the last): the one varint of callguard's
 /// byte formats (this packed state, and the cached store's state string,
@@ -171,13 +175,16 @@ impl CallerState {
     /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
     /// store keeps it apart) and only its place there is written.
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        let open_state = !(self.open.is_empty() && self.pending_ends.is_empty());
+        let sums_state = !self.sums.is_empty() || self.pending_ends.talks().any(|t| t != 0);
+        let open_state = sums_state || !(self.open.is_empty() && self.pending_ends.is_empty());
         let rule_state = open_state
             || !(self.own_logs.is_empty()
                 && self.buckets.is_empty()
                 && self.distinct.is_empty()
                 && self.pairs.is_empty());
-        out.push(if open_state {
+        out.push(if sums_state {
+            PACK_FORMAT_SUMS
+        } else if open_state {
             PACK_FORMAT_OPEN
         } else if rule_state {
             PACK_FORMAT_RULES
@@ -236,6 +243,82 @@ impl CallerState {
         if open_state {
             self.pack_open_state(out, base);
         }
+        if sums_state {
+            self.pack_sums_state(out, base);
+        }
+    }
+
+    /// The sum rules' state under [`PACK_FORMAT_SUMS`]: per rule (name,
+    /// window, max duration) its waiting calls (id, start, price: 0 none,
+    /// 1 then per minute and increment) and its ended ones (time, amount);
+    /// then the talk time of each kept end, in the order the ends were
+    /// written.
+    fn pack_sums_state(&self, out: &mut Vec<u8>, base: i64) {
+        put_varint(out, self.sums.len() as u64);
+        for (id, sums) in &self.sums {
+            put_str(out, &id.name);
+            put_signed(out, id.window_ms);
+            put_signed(out, id.max_duration_ms);
+            put_varint(out, sums.waiting_len() as u64);
+            for (call, start, price) in sums.waiting() {
+                put_str(out, call);
+                put_signed(out, base.wrapping_sub(start));
+                match price {
+                    Some(p) => {
+                        out.push(1);
+                        put_varint(out, p.per_minute);
+                        put_varint(out, u64::from(p.increment_s));
+                    }
+                    None => out.push(0),
+                }
+            }
+            put_varint(out, sums.ended_len() as u64);
+            for (at, amount) in sums.ended() {
+                put_signed(out, base.wrapping_sub(at));
+                put_varint(out, amount);
+            }
+        }
+        for talk in self.pending_ends.talks() {
+            put_signed(out, talk);
+        }
+    }
+
+    /// Reads what [`CallerState::pack_sums_state`] wrote.
+    fn unpack_sums_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
+        for _ in 0..r.len()? {
+            let name = r.string()?.to_string();
+            let window_ms = r.signed()?;
+            let max_duration_ms = r.signed()?;
+            let mut sums = Sums::default();
+            for _ in 0..r.len()? {
+                let call = CompactString::from(r.string()?);
+                let start = base.wrapping_sub(r.signed()?);
+                let price = match r.byte()? {
+                    0 => None,
+                    1 => Some(crate::engine::rates::Price {
+                        per_minute: r.varint()?,
+                        increment_s: u32::try_from(r.varint()?).ok()?,
+                    }),
+                    _ => return None,
+                };
+                sums.wait(&call, start, price);
+            }
+            for _ in 0..r.len()? {
+                let at = base.wrapping_sub(r.signed()?);
+                sums.add(at, r.varint()?);
+            }
+            let id = RuleId {
+                name,
+                window_ms,
+                max_duration_ms,
+            };
+            self.sums.push((id, sums));
+        }
+        let talks = (0..self.pending_ends.len())
+            .map(|_| r.signed())
+            .collect::<Option<Vec<i64>>>()?;
+        self.pending_ends.restore_talks(&talks);
+        Some(())
     }
 
     /// The calls held open and the ends kept, under [`PACK_FORMAT_OPEN`]:
@@ -400,7 +483,14 @@ impl CallerState {
     pub fn unpack(bytes: &[u8]) -> Option<(Self, PackedLog)> {
         let mut r = Unpacker(bytes);
         let format = r.byte()?;
-        if ![PACK_FORMAT, PACK_FORMAT_RULES, PACK_FORMAT_OPEN].contains(&format) {
+        if ![
+            PACK_FORMAT,
+            PACK_FORMAT_RULES,
+            PACK_FORMAT_OPEN,
+            PACK_FORMAT_SUMS,
+        ]
+        .contains(&format)
+        {
             return None;
         }
         let latest = r.opt()?;
@@ -459,8 +549,11 @@ impl CallerState {
         if format >= PACK_FORMAT_RULES {
             state.unpack_rule_state(&mut r, base)?;
         }
-        if format == PACK_FORMAT_OPEN {
+        if format >= PACK_FORMAT_OPEN {
             state.unpack_open_state(&mut r, base)?;
+        }
+        if format == PACK_FORMAT_SUMS {
+            state.unpack_sums_state(&mut r, base)?;
         }
         r.0.is_empty().then_some((state, log))
     }
@@ -562,6 +655,11 @@ impl CallerState {
                 .map(|(_, c)| size_of::<(RuleId, OpenCalls)>() + c.len() * size_of::<open::Open>())
                 .sum::<usize>()
             + self.pending_ends.len() * size_of::<(i64, CompactString)>()
+            + self
+                .sums
+                .iter()
+                .map(|(_, s)| size_of::<(RuleId, Sums)>() + s.approx_bytes())
+                .sum::<usize>()
     }
 
     /// The call records the state keeps (call id and verdict), in no
@@ -670,6 +768,58 @@ mod tests {
         longer.push(0);
         assert!(CallerState::unpack(&longer).is_none());
         assert!(CallerState::unpack(&[3, 0, 0, 0, 0, 0]).is_none());
+    }
+
+    /// Sum rules' waiting calls, what ended calls added and the talk of
+    /// ends that came first read back: the copy decides every later call
+    /// and end as the state does; every truncation is refused.
+    #[test]
+    fn sums_read_back() {
+        use crate::engine::event::EventKind;
+        let rules = RuleSet::from_toml(
+            "[[rule]]\nname = \"talk\"\nkind = \"sliding-approx\"\nwindow = \"20s\"\nsum = \"talk\"\nlimit = 30\nmax_duration = \"5s\"\n",
+        )
+        .unwrap();
+        let mut state = CallerState::default();
+        let mut packed_sums = false;
+        for i in 0..60i64 {
+            let t = T0 + i * 900;
+            let ev = if i % 3 == 2 {
+                let id = if i % 4 == 0 {
+                    format!("c{}", i + 1)
+                } else {
+                    format!("c{}", i - 1)
+                };
+                CallEvent {
+                    kind: EventKind::End,
+                    talk_ms: Some(1_000 + i * 100),
+                    ..call(&id, t + 400)
+                }
+            } else {
+                call(&format!("c{i}"), t)
+            };
+            let mut packed = Vec::new();
+            state.pack(&mut packed, PackedLog::Inline);
+            packed_sums |= packed[0] == PACK_FORMAT_SUMS;
+            let (mut copy, _) = CallerState::unpack(&packed).expect("reads back");
+            let mut again = Vec::new();
+            copy.pack(&mut again, PackedLog::Inline);
+            assert_eq!(packed, again, "event {i}: packs the same");
+            assert_eq!(
+                state.apply(&rules, &ev),
+                copy.apply(&rules, &ev),
+                "event {i}"
+            );
+        }
+        assert!(packed_sums && !state.sums.is_empty() && !state.pending_ends.is_empty());
+        let mut packed = Vec::new();
+        state.pack(&mut packed, PackedLog::Inline);
+        for cut in 0..packed.len() {
+            assert!(
+                CallerState::unpack(&packed[..cut]).is_none(),
+                "prefix {cut}"
+            );
+        }
     }
 
     /// Calls held open (ended or not) and ends that came before their

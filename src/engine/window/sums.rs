@@ -166,6 +166,34 @@ impl Sums {
         }
     }
 
+    /// The waiting calls (id, start, price), by start.
+    pub(super) fn waiting(&self) -> impl Iterator<Item = (&str, i64, Option<Price>)> {
+        self.waiting
+            .iter()
+            .map(|c| (c.id.as_str(), c.start, c.price))
+    }
+
+    /// How many calls wait.
+    pub(super) fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The ended calls (time, amount), by time.
+    pub(super) fn ended(&self) -> impl Iterator<Item = (i64, u64)> + '_ {
+        self.ended.iter().copied()
+    }
+
+    /// How many ended calls are kept.
+    pub(super) fn ended_len(&self) -> usize {
+        self.ended.len()
+    }
+
+    /// About how many bytes it holds.
+    pub(super) fn approx_bytes(&self) -> usize {
+        self.waiting.len() * std::mem::size_of::<Waiting>()
+            + self.ended.len() * std::mem::size_of::<(i64, u64)>()
+    }
+
     /// Whether it keeps nothing.
     pub(super) fn is_empty(&self) -> bool {
         self.waiting.is_empty() && self.ended.is_empty()

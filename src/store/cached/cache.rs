@@ -35,6 +35,7 @@ impl TtlPlan {
         } else {
             rules.retention_ms()
         }
+        .max(rules.sums_span_ms())
         .max(1) as u64
             + config.ttl_slack.as_millis() as u64;
         TtlPlan {
