@@ -47,6 +47,17 @@
 --   :pe    ends of calls not seen yet: sorted set, member call_id, score
 --          the end time (trimmed at the idempotency horizon; at most 1024:
 --          past that ZPOPMIN drops the lowest (time, call_id))
+--   :pt    with sum rules, the talk time of each end in :pe: hash, field
+--          call_id (dropped with it)
+--   :sw:<rule>:<W>:<M>  a sum rule's calls waiting for their ends (M its
+--          max_duration): hash, field "<start>|<call_id>", value
+--          "<k>,<price per minute>,<increment>" (k calls alike; the price
+--          empty for a talk sum or an unpriced callee); a waiting call is
+--          let go once start + M is at or below L' - grace
+--   :se:<rule>:<W>:<M>  what a sum rule's ended calls added: sorted set,
+--          member "<amount>|<start>|<call_id>|<end>|<k>", score the time
+--          it was added at (src/engine/window/sums.rs); trimmed once no
+--          call at or after L' - grace can see it
 --   meta also holds t:<rule>:<W> = a token bucket's theoretical arrival
 --          time "<ms>,<rem>" (TAT = ms + rem / n, rate n per period)
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
@@ -68,8 +79,9 @@
 --   max_duration), limit (a token bucket's burst),
 --   name, flags (1 shadow + 2 own log: a sliding rule that sees only some
 --   calls + 4 keyed by caller and callee, its pairs' state kept + 8 a
---   concurrent rule keyed by caller and callee), warn level ('' none), rate "<n>/<period ms>" (a
---   token bucket's; '' otherwise)
+--   concurrent rule keyed by caller and callee + 16 a sum rule + 32 a cost
+--   sum), warn level ('' none), rate "<n>/<period ms>" (a token bucket's;
+--   a sum rule's max_duration (ms); '' otherwise)
 -- then per event j, 6 values: t (event time, ms), call_id,
 --   listed (0 no, 1 allow, 2 deny, 3 an unusable caller allowed, 4 one
 --   rejected: reason `bad_caller`; E: the event is the call's end, applied
@@ -82,7 +94,10 @@
 --   (empty for a rule without one): a rule rejects only calls it sees, so
 --   its part of the retry-after ends at the last of them; outside:
 --   per kind-5 rule in order, "<count>:<until>" joined by ',' (until, the
---   rule's last rejecting time, '' for none; src/engine/aggregate/mod.rs).
+--   rule's last rejecting time, '' for none; src/engine/aggregate/mod.rs),
+--   then, when the rule set has a cost sum, '#' and per rule (';' between
+--   them) the price of a call to this callee, "<per minute>/<increment>"
+--   ('' none). For a call's end (listed E) this value is its talk time (ms).
 --   A reject by a kind-5 rule sets no block key (the caller is not the
 --   one over the limit).
 -- Returns: per event j, in order, duplicate (0/1) then record, where record is
@@ -135,6 +150,9 @@ local kinds, wins, lims, names, ffield, afield = {}, {}, {}, {}, {}, {}
 local rshadow, warns, rcalls, rper, tfield, suffix, ownlog, paired = {}, {}, {}, {}, {}, {}, {}, {}
 -- A concurrent rule keyed by caller and callee: its calls counted per callee.
 local bycallee = {}
+-- Sum rules: whether a rule is one, a cost one, its max_duration, and
+-- its keys' suffix (name, window, max_duration).
+local summed, costed, smax, ssuffix = {}, {}, {}, {}
 local PER_RULE = 7
 -- Meta fields read per event: L, the three lower bounds, approx counters.
 local mfields = {'L', 'O', 'I', 'C', 'N'}
@@ -148,12 +166,17 @@ for i = 1, n do
   rshadow[i] = flags % 2 == 1
   ownlog[i] = flags % 4 >= 2
   paired[i] = flags % 8 >= 4
-  bycallee[i] = flags >= 8
+  bycallee[i] = flags % 16 >= 8
+  summed[i] = flags % 32 >= 16
+  costed[i] = flags >= 32
   warns[i] = tonumber(ARGV[base + 6])
   suffix[i] = names[i] .. ':' .. fmt('%d', wins[i])
   local rc, rp = string.match(ARGV[base + 7], '^(%d+)/(%d+)$')
   rcalls[i], rper[i] = tonumber(rc), tonumber(rp)
-  if paired[i] then
+  if summed[i] then
+    smax[i] = tonumber(ARGV[base + 7])
+    ssuffix[i] = suffix[i] .. ':' .. fmt('%d', smax[i])
+  elseif paired[i] then
     -- Kept per pair, not in meta.
   elseif kinds[i] == FIXED then
     ffield[i] = #mfields + 1
@@ -190,6 +213,12 @@ for i = 1, n do
 end
 local MAX_PENDING_ENDS = 1024
 local has_concurrent = #concurrent > 0
+local sums = {}
+for i = 1, n do
+  if summed[i] then sums[#sums + 1] = i end
+end
+local has_sums = #sums > 0
+local has_ends = has_concurrent or has_sums
 -- c_open of a rule set without concurrent rules (no table per event).
 local NO_OPEN = {}
 -- Each rule's own sorted set, as a suffix of the caller's stem (false:
@@ -471,6 +500,9 @@ local c_b_log, c_b_ids, c_b_callees, c_n_callees, c_okeys, c_distinct
 local c_counts, c_approx, c_fixed, c_fchanged, c_tats, c_pst
 -- Per concurrent rule, the calls it holds (see open_calls).
 local c_open
+-- Per cost sum rule, the price of a call to this callee {per minute,
+-- increment} (see read_prices).
+local c_prices
 
 -- A token bucket's TAT as kept, unless the caller starts afresh.
 local function read_tat(i)
@@ -525,12 +557,110 @@ local function open_value(close, ended, callee)
   return v
 end
 
+-- Sum rules (src/engine/window/sums.rs, src/engine/rates.rs), in exact
+-- integers: a quotient and remainder, corrected for the division's
+-- rounding (operands below 2^53).
+local function divmod(a, b)
+  local q = floor(a / b)
+  local r = a - q * b
+  if r < 0 then
+    q, r = q - 1, r + b
+  elseif r >= b then
+    q, r = q + 1, r - b
+  end
+  return q, r
+end
+
+-- floor(p * x / w) exactly, for 0 <= x < w < 2^32 and p < 2^53: p split
+-- at w and x at 2^16, so no product reaches 2^49.
+local function mul_div(p, x, w)
+  local a, b = divmod(p, w)
+  local xh, xl = divmod(x, 65536)
+  local q1, r1 = divmod(b * xh, w)
+  local q2 = divmod(r1 * 65536 + b * xl, w)
+  return a * x + q1 * 65536 + q2
+end
+
+-- What a call ending with `talk` ms adds to sum rule i: whole seconds of
+-- talk, or its cost at `per` micro-units a minute billed in `inc`-second
+-- steps (nil: unpriced, nothing).
+local function sum_amount(i, talk, per, inc)
+  if talk <= 0 then return 0 end
+  if not costed[i] then return (divmod(talk + 999, 1000)) end
+  if not per then return 0 end
+  local step = inc * 1000
+  local billed = divmod(talk + step - 1, step) * inc
+  return (divmod(billed * per + 59, 60))
+end
+
+-- How long a sum rule's keys must outlive their latest write.
+local function sum_ttl(i)
+  return math.max(smax[i], 2 * wins[i]) + grace + slack
+end
+
+-- A sum rule's waiting calls, from its hash: per field {start, call_id,
+-- k, per minute, increment, field}.
+local function sum_waiting(key)
+  local flat = call('HGETALL', key)
+  local calls = {}
+  for j = 1, #flat, 2 do
+    local start, id = string.match(flat[j], '^(-?%d+)|(.*)$')
+    local k, per, inc = string.match(flat[j + 1], '^(%d+),(%d*),(%d*)$')
+    calls[#calls + 1] = {tonumber(start), id, tonumber(k), tonumber(per), tonumber(inc), flat[j]}
+  end
+  return calls
+end
+
+-- The waiting value of k calls at a price.
+local function sum_wait_value(k, per, inc)
+  return fmt('%d', k) .. ',' .. (per and fmt('%d', per) or '') .. ',' .. (inc and fmt('%d', inc) or '')
+end
+
+-- What an ended call adds to sum rule i, at `at`.
+local function sum_add(stem, i, at, amount, start, id, tag)
+  local key = stem .. ':se:' .. ssuffix[i]
+  call('ZADD', key, at, fmt('%d', amount) .. '|' .. fmt('%d', start) .. '|' .. id .. '|' .. tag)
+  call('PEXPIRE', key, sum_ttl(i))
+end
+
+-- The sum of what was added in [lo, hi].
+local function sum_between(key, lo, hi)
+  local s = 0
+  for _, m in ipairs(call('ZRANGEBYSCORE', key, fmt('%d', lo), fmt('%d', hi))) do
+    s = s + tonumber(string.match(m, '^(%d+)|'))
+  end
+  return s
+end
+
+-- Phase 2, sum rules: waiting calls whose start + max_duration is at or
+-- below L' - grace let go; what no call at or after L' - grace can see
+-- dropped (fixed: dead buckets; sliding-approx: before the bucket before;
+-- sliding: out of the window).
+local function trim_sums()
+  local let_go = c_lnew - grace
+  for _, i in ipairs(sums) do
+    local wkey = c_stem .. ':sw:' .. ssuffix[i]
+    for _, c in ipairs(sum_waiting(wkey)) do
+      if c[1] + smax[i] <= let_go then call('HDEL', wkey, c[6]) end
+    end
+    local w, bound = wins[i], nil
+    if kinds[i] == FIXED then
+      bound = '(' .. fmt('%d', floor(let_go / w) * w)
+    elseif kinds[i] == APPROX then
+      bound = '(' .. fmt('%d', (floor(let_go / w) - 1) * w)
+    else
+      bound = fmt('%d', let_go - w)
+    end
+    call('ZREMRANGEBYSCORE', c_stem .. ':se:' .. ssuffix[i], '-inf', bound)
+  end
+end
+
 -- A call's end (not decided): closes the call in every concurrent rule
 -- that holds it (its latest by start); an end for a call not held is kept
 -- for the idempotency horizon, unless the call was decided within it (its
 -- record newer than L - D). Ends move no horizon.
-local function end_call(stem, t, id)
-  if not has_concurrent then return end
+local function end_call(stem, t, id, talk)
+  if not has_ends then return end
   local held = false
   for _, i in ipairs(concurrent) do
     local key = stem .. ':o:' .. suffix[i]
@@ -546,6 +676,27 @@ local function end_call(stem, t, id)
       end
     end
   end
+  -- Each sum rule's latest waiting call of that id stops waiting; its
+  -- end adds if it came within max_duration.
+  for _, i in ipairs(sums) do
+    local key = stem .. ':sw:' .. ssuffix[i]
+    local best = nil
+    for _, c in ipairs(sum_waiting(key)) do
+      if c[2] == id and (not best or c[1] > best[1]) then best = c end
+    end
+    if best then
+      held = true
+      if best[3] > 1 then
+        call('HSET', key, best[6], sum_wait_value(best[3] - 1, best[4], best[5]))
+      else
+        call('HDEL', key, best[6])
+      end
+      if t < best[1] + smax[i] then
+        sum_add(stem, i, math.max(t, best[1]), sum_amount(i, talk, best[4], best[5]), best[1], id,
+          fmt('%d,%d', t, best[3]))
+      end
+    end
+  end
   if held then return end
   if idem then
     local mv = call('HMGET', stem .. ':m', 'L', 'r:' .. id)
@@ -555,11 +706,126 @@ local function end_call(stem, t, id)
       if sts > latest - dedup then return end
     end
   end
-  local pe = stem .. ':pe'
-  call('ZADD', pe, 'NX', t, id)
+  local pe, pt = stem .. ':pe', stem .. ':pt'
+  local added = call('ZADD', pe, 'NX', t, id)
+  if has_sums and added == 1 then call('HSET', pt, id, fmt('%d', talk)) end
   local extra = call('ZCARD', pe) - MAX_PENDING_ENDS
-  if extra > 0 then call('ZPOPMIN', pe, extra) end
+  if extra > 0 then
+    local popped = call('ZPOPMIN', pe, extra)
+    if has_sums then
+      for j = 1, #popped, 2 do call('HDEL', pt, popped[j]) end
+    end
+  end
   call('PEXPIRE', pe, dedup + slack)
+  if has_sums then call('PEXPIRE', pt, dedup + slack) end
+end
+
+-- The prices of a call to this callee, per rule ("<per>/<inc>" or '',
+-- ';' between rules).
+local NO_PRICES = {}
+local function read_prices(s)
+  c_prices = {}
+  local r = 0
+  for part in string.gmatch(s .. ';', '([^;]*);') do
+    r = r + 1
+    local per, inc = string.match(part, '^(%d+)/(%d+)$')
+    if per then c_prices[r] = {tonumber(per), tonumber(inc)} end
+  end
+end
+
+-- Phase 4, sum rules: what the kept ends add up to in the window of the
+-- call at t (the call itself adds nothing).
+local function sum_count(i)
+  local t, w, key = c_t, wins[i], c_stem .. ':se:' .. ssuffix[i]
+  local b = floor(t / w)
+  local kind = kinds[i]
+  if kind == FIXED then
+    if (b + 1) * w + grace <= c_lnew then return 0 end
+    return sum_between(key, b * w, b * w + w - 1)
+  elseif kind == APPROX then
+    local prev = sum_between(key, (b - 1) * w, b * w - 1)
+    local cur = sum_between(key, b * w, b * w + w - 1)
+    return mul_div(prev, w - (t - b * w) - 1, w) + cur
+  end
+  return sum_between(key, t - w + 1, t)
+end
+
+-- The last offset r in a bucket (sums prev before, cur in it) at which
+-- the sliding-approx estimate is over lim, or nil; it falls as r grows.
+local function sum_last_over(prev, cur, w, lim)
+  if cur > lim then return w - 1 end
+  if mul_div(prev, w - 1, w) + cur <= lim then return nil end
+  local lo, hi = 0, w - 1
+  while lo < hi do
+    local mid = lo + floor((hi - lo + 1) / 2)
+    if mul_div(prev, w - mid - 1, w) + cur > lim then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+
+-- Phase 7, sum rules: the last time s > t at which a call would be over
+-- the limit, given what is kept (see Sums::rejects_until), or nil.
+local function sum_until(i)
+  local t, w, lim = c_t, wins[i], lims[i]
+  local flat = call('ZRANGE', c_stem .. ':se:' .. ssuffix[i], 0, -1, 'WITHSCORES')
+  if #flat == 0 then return nil end
+  local ats, amts = {}, {}
+  for j = 1, #flat, 2 do
+    ats[#ats + 1] = tonumber(flat[j + 1])
+    amts[#amts + 1] = tonumber(string.match(flat[j], '^(%d+)|'))
+  end
+  local kind = kinds[i]
+  if kind == SLIDING then
+    -- The sum changes only as an end enters or leaves the window.
+    for j = #ats, 1, -1 do
+      local s = ats[j] + w - 1
+      if s <= t then return nil end
+      local sum = 0
+      for q = 1, #ats do
+        if ats[q] > s - w and ats[q] <= s then sum = sum + amts[q] end
+      end
+      if sum > lim then return s end
+    end
+    return nil
+  end
+  local bsum, blist = {}, {}
+  for j = 1, #ats do
+    local b = floor(ats[j] / w)
+    if not bsum[b] then
+      bsum[b] = 0
+      blist[#blist + 1] = b
+    end
+    bsum[b] = bsum[b] + amts[j]
+  end
+  local from = floor(t / w)
+  if kind == FIXED then
+    for j = #blist, 1, -1 do
+      local b = blist[j]
+      if b < from then return nil end
+      if bsum[b] > lim then
+        local s = (b + 1) * w - 1
+        if s > t then return s end
+        return nil
+      end
+    end
+    return nil
+  end
+  local cands, seen = {}, {}
+  for j = #blist, 1, -1 do
+    for _, b in ipairs({blist[j] + 1, blist[j]}) do
+      if not seen[b] then
+        seen[b] = true
+        cands[#cands + 1] = b
+      end
+    end
+  end
+  table.sort(cands, function(x, y) return x > y end)
+  for _, b in ipairs(cands) do
+    if b < from then return nil end
+    local r = sum_last_over(bsum[b - 1] or 0, bsum[b] or 0, w, lim)
+    if r and b * w + r > t then return b * w + r end
+  end
+  return nil
 end
 
 -- Phase 1: the caller's meta, its times and horizons; the stored record
@@ -636,11 +902,8 @@ end
 -- caller starts afresh, else those closed at or before L' - grace, read
 -- into c_open; the ends kept, trimmed at the idempotency horizon.
 local function trim_open()
-  if not has_concurrent then
-    c_open = NO_OPEN
-    return
-  end
-  c_open = {}
+  c_open = NO_OPEN
+  if has_concurrent then c_open = {} end
   for _, i in ipairs(concurrent) do
     local key = c_stem .. ':o:' .. suffix[i]
     local kept = {}
@@ -656,7 +919,15 @@ local function trim_open()
     end
     c_open[i] = kept
   end
-  call('ZREMRANGEBYSCORE', c_stem .. ':pe', '-inf', fmt('%d', c_dedup_horizon))
+  if not has_ends then return end
+  local pe, hz = c_stem .. ':pe', fmt('%d', c_dedup_horizon)
+  if has_sums then
+    local gone = call('ZRANGEBYSCORE', pe, '-inf', hz)
+    for s0 = 1, #gone, 1000 do
+      call('HDEL', c_stem .. ':pt', unpack(gone, s0, math.min(s0 + 999, #gone)))
+    end
+  end
+  call('ZREMRANGEBYSCORE', pe, '-inf', hz)
 end
 
 -- Phase 3: distinct callees: raise this callee's latest call time, count
@@ -740,6 +1011,8 @@ local function count_all()
       c = outside_count[i] or 0
     elseif not (every or string.byte(mask, i) == 49) then
       c = 0
+    elseif summed[i] then
+      c = sum_count(i)
     elseif paired[i] then
       c = count_pair(i)
     elseif kind == CONCURRENT then
@@ -859,6 +1132,8 @@ local function record()
     local kind, okey = kinds[i], c_okeys[i]
     if not (every or string.byte(mask, i) == 49) then
       -- Not seen: nothing of the rule's changes.
+    elseif summed[i] then
+      -- A sum rule's call adds at its end (open_call, end_call).
     elseif paired[i] then
       record_pair(i)
     elseif kind == FIXED then
@@ -889,24 +1164,51 @@ local function record()
   end
 end
 
--- Phase 6, concurrent rules: an allowed call (a shadow reject too) held
--- open by every concurrent rule that saw it, closed at its end if that
--- came first (taken from the ends kept).
+-- Phase 6, concurrent and sum rules: an allowed call (a shadow reject
+-- too) held open by every concurrent rule that saw it, closed at its end
+-- if that came first (taken from the ends kept); in every sum rule that
+-- sees it, waiting for its end, or adding at once if its end came first.
 local function open_call()
   local t, id = c_t, c_id
-  if t <= c_horizon or not has_concurrent then return end
-  local taken, ended_at = false, nil
-  for _, i in ipairs(concurrent) do
-    if c_counts[i] > 0 then
-      if not taken then
-        local pe = c_stem .. ':pe'
-        local e = call('ZSCORE', pe, id)
-        if e then
-          ended_at = tonumber(e)
-          call('ZREM', pe, id)
+  if t <= c_horizon or not has_ends then return end
+  local taken, ended_at, talk = false, nil, 0
+  local every = c_mask == ''
+  for i = 1, n do
+    local holds = false
+    if summed[i] then
+      holds = every or string.byte(c_mask, i) == 49
+    elseif kinds[i] == CONCURRENT then
+      holds = c_counts[i] > 0
+    end
+    if holds and not taken then
+      local pe = c_stem .. ':pe'
+      local e = call('ZSCORE', pe, id)
+      if e then
+        ended_at = tonumber(e)
+        call('ZREM', pe, id)
+        if has_sums then
+          talk = tonumber(call('HGET', c_stem .. ':pt', id)) or 0
+          call('HDEL', c_stem .. ':pt', id)
         end
-        taken = true
       end
+      taken = true
+    end
+    if holds and summed[i] then
+      local price = c_prices[i]
+      local per, inc = price and price[1], price and price[2]
+      if ended_at then
+        if ended_at < t + smax[i] then
+          sum_add(c_stem, i, math.max(ended_at, t), sum_amount(i, talk, per, inc), t, id, 'p')
+        end
+      else
+        local key = c_stem .. ':sw:' .. ssuffix[i]
+        local field = fmt('%d', t) .. '|' .. id
+        local was = call('HGET', key, field)
+        local k = was and tonumber(string.match(was, '^(%d+)')) or 0
+        call('HSET', key, field, sum_wait_value(k + 1, per, inc))
+        call('PEXPIRE', key, sum_ttl(i))
+      end
+    elseif holds then
       local close, ended = t + wins[i], false
       if ended_at then
         close = math.min(math.max(ended_at, t), close)
@@ -997,6 +1299,8 @@ local function until_of(i)
     return outside_until[i]
   elseif paired[i] then
     return until_pair(i)
+  elseif summed[i] then
+    return sum_until(i)
   elseif kind == SLIDING and okey then
     return sliding_until(okey, t, w, lim)
   elseif kind == TOKEN then
@@ -1133,8 +1437,16 @@ end
 -- One call, phase by phase: duplicate (0/1) and its record.
 local function decide(stem, t, id, listed, callee, mask, outside)
   if listed == CALL_END then
-    end_call(stem, t, id)
+    -- An end's last value is its talk time.
+    end_call(stem, t, id, tonumber(outside) or 0)
     return 0, CALL_END
+  end
+  local hash = string.find(outside, '#', 1, true)
+  if hash then
+    read_prices(string.sub(outside, hash + 1))
+    outside = string.sub(outside, 1, hash - 1)
+  else
+    c_prices = NO_PRICES
   end
   read_outside(outside)
   c_stem, c_t, c_id, c_listed, c_callee, c_mask = stem, t, id, listed, callee, mask
@@ -1145,6 +1457,7 @@ local function decide(stem, t, id, listed, callee, mask, outside)
   if stored then return 1, stored end
   trim()
   trim_open()
+  if has_sums then trim_sums() end
   track()
   count_all()
   local would, reason, by_shadow = judge()

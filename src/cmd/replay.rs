@@ -67,9 +67,6 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
     let rules = args.log.rule_set()?;
     let read = args.log.read_options(progress_wanted())?;
     if args.store.kind(StoreKind::Memory)? == StoreKind::Redis {
-        if args.store.cache_limit().is_none() {
-            callguard::store::redis::check_script_rules(&rules)?;
-        }
         claim_prefix(&args, rules.version()).await?;
     } else if args.resume || args.fresh {
         anyhow::bail!("--resume and --fresh are for --store redis (the memory store starts empty)");

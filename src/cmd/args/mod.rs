@@ -279,21 +279,10 @@ impl OnlineArgs {
     /// The rule set, reloaded on SIGHUP and when its file changes: the
     /// receiver always holds the set in force.
     pub fn watch_rules(&self, metrics: &Arc<Metrics>) -> Result<watch::Receiver<RuleSet>> {
-        // A set the Redis stores cannot keep is refused at start, and a
-        // reload to one keeps the set in force.
-        let script = self.store.kind(StoreKind::Redis)? == StoreKind::Redis
-            && self.store.cache_limit().is_none();
-        let load = move |args: &RuleArgs| {
-            let rules = args.rule_set()?;
-            if script {
-                callguard::store::redis::check_script_rules(&rules)?;
-            }
-            Ok::<_, RulesError>(rules)
-        };
-        let (tx, rx) = watch::channel(load(&self.rules)?);
+        let (tx, rx) = watch::channel(self.rules.rule_set()?);
         let rule_args = self.rules.clone();
         reload::spawn(
-            move || load(&rule_args),
+            move || rule_args.rule_set(),
             self.rules.rules.clone(),
             tx,
             metrics.clone(),

@@ -135,24 +135,39 @@ impl Sums {
     /// (its count above it), given the ends kept and no others.
     pub(super) fn rejects_until(&self, shape: Shape, t: i64, limit: u64) -> Option<i64> {
         let Shape { kind, w, .. } = shape;
-        let (&(last, _), &(first, _)) = (self.ended.back()?, self.ended.front()?);
+        if self.ended.is_empty() {
+            return None;
+        }
+        // The buckets holding ends, latest first (the others hold nothing).
+        let buckets = || {
+            let mut bs: Vec<i64> = self.ended.iter().map(|&(at, _)| bucket_of(at, w)).collect();
+            bs.dedup();
+            bs.into_iter().rev()
+        };
         match kind {
             // Each kept bucket over the limit rejects to its end (a bucket
             // alive at t lives on to its end).
-            WindowKind::Fixed => (bucket_of(t, w)..=bucket_of(last, w))
-                .rev()
+            WindowKind::Fixed => buckets()
+                .take_while(|&b| b >= bucket_of(t, w))
                 .find(|&b| self.bucket(b, w) > limit)
                 .map(|b| (b + 1) * w - 1)
                 .filter(|&s| s > t),
             // Within a bucket the estimate falls as it goes on: from the
-            // latest bucket back, the last instant it is over the limit.
+            // latest bucket back, the last instant it is over the limit (a
+            // bucket with ends, or the one after it).
             WindowKind::SlidingApprox => {
-                let from = bucket_of(t, w).max(bucket_of(first, w));
-                (from..=bucket_of(last, w) + 1).rev().find_map(|b| {
-                    let (prev, cur) = (self.bucket(b - 1, w), self.bucket(b, w));
-                    let r = last_over(prev, cur, w, limit)?;
-                    Some(b * w + r).filter(|&s| s > t)
-                })
+                let from = bucket_of(t, w);
+                let mut candidates: Vec<i64> = buckets().flat_map(|b| [b + 1, b]).collect();
+                candidates.sort_unstable_by(|a, b| b.cmp(a));
+                candidates.dedup();
+                candidates
+                    .into_iter()
+                    .take_while(|&b| b >= from)
+                    .find_map(|b| {
+                        let (prev, cur) = (self.bucket(b - 1, w), self.bucket(b, w));
+                        let r = last_over(prev, cur, w, limit)?;
+                        Some(b * w + r).filter(|&s| s > t)
+                    })
             }
             // The count changes only as an end enters or leaves the
             // window: the last time over is some end's last instant in it.

@@ -14,21 +14,6 @@
 //!
 //! The cached store (`store::cached`) uses the same connection and config.
 
-/// Refuses a rule set the window script (`--redis-mode script`) cannot
-/// keep yet: sum rules (`sum = "talk"` or `"cost"`) run on the in-memory
-/// stores and the cached Redis store (the default).
-pub fn check_script_rules(
-    rules: &crate::engine::rules::RuleSet,
-) -> Result<(), crate::error::RulesError> {
-    match rules.rules.iter().find(|r| r.sum.is_some()) {
-        Some(r) => Err(crate::error::RulesError::Invalid(format!(
-            "rule `{}`: sum rules are not built yet for --redis-mode script; use the default --redis-mode cached, or --store memory",
-            r.name
-        ))),
-        None => Ok(()),
-    }
-}
-
 pub mod aggregate;
 pub mod cluster;
 pub mod config;

@@ -149,18 +149,38 @@ impl RedisStore {
                 // concurrent rule its calls held per callee (8).
                 let by_callee = rule.key == RuleKey::CallerCallee;
                 let concurrent = rule.kind == crate::engine::rules::WindowKind::Concurrent;
+                // A sum rule (16), a cost sum (32).
+                let cost = matches!(
+                    rule.sum,
+                    Some(crate::engine::rules::Sum {
+                        of: crate::engine::rules::SumOf::Cost(_),
+                        ..
+                    })
+                );
                 u8::from(rule.shadow)
                     + 2 * u8::from(rule.own_log())
                     + 4 * u8::from(by_callee && !concurrent)
                     + 8 * u8::from(by_callee && concurrent)
+                    + 16 * u8::from(rule.sum.is_some())
+                    + 32 * u8::from(cost)
             })
             .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
-            .arg(
-                rule.rate
-                    .map_or_else(String::new, |r| format!("{}/{}", r.calls, r.per_ms)),
-            );
+            .arg(match (&rule.sum, rule.rate) {
+                (Some(sum), _) => sum.max_duration_ms.to_string(),
+                (None, Some(r)) => format!("{}/{}", r.calls, r.per_ms),
+                (None, None) => String::new(),
+            });
         }
         let profiled = rules.rules.iter().any(|r| r.filter.has_time());
+        let priced = rules.rules.iter().any(|r| {
+            matches!(
+                r.sum,
+                Some(crate::engine::rules::Sum {
+                    of: crate::engine::rules::SumOf::Cost(_),
+                    ..
+                })
+            )
+        });
         for ev in events {
             // A call's end: `E` in the list code's place (see the script).
             let listed = match rules.listed(ev.number_for_lists()) {
@@ -176,7 +196,14 @@ impl RedisStore {
                 .arg(listed)
                 .arg(ev.callee.as_deref().unwrap_or(""))
                 .arg(mask_with_profiles(rules, ev, profiled))
-                .arg(outside(rules, ev));
+                .arg(match ev.kind {
+                    // An end's talk time in the last value.
+                    EventKind::End => ev.talk_ms.unwrap_or(0).max(0).to_string(),
+                    EventKind::Attempt if priced => {
+                        format!("{}#{}", outside(rules, ev), prices(rules, ev))
+                    }
+                    EventKind::Attempt => outside(rules, ev),
+                });
         }
         cmd
     }
@@ -189,9 +216,9 @@ impl RedisStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
-        // Without a concurrent rule an end changes nothing: answered here,
-        // never sent to Redis.
-        match crate::store::attempts_of(events).filter(|_| !rules.has_concurrent()) {
+        // Without a concurrent or sum rule an end changes nothing:
+        // answered here, never sent to Redis.
+        match crate::store::attempts_of(events).filter(|_| !rules.uses_ends()) {
             Some(attempts) => {
                 let decided = self.apply_attempts(rules, &attempts).await?;
                 Ok(crate::store::with_ends(rules, events, decided, |v| v))
@@ -365,6 +392,25 @@ fn mask_with_profiles(rules: &RuleSet, ev: &CallEvent, profiled: bool) -> String
         }
     }
     out
+}
+
+/// The price of a call to `ev`'s callee per rule, for the script: per
+/// minute (micro-units) and increment of each cost sum rule, `per/inc`, ''
+/// for others or an unpriced callee, `;` between rules.
+fn prices(rules: &RuleSet, ev: &CallEvent) -> String {
+    rules
+        .rules
+        .iter()
+        .map(|r| {
+            r.sum
+                .as_ref()
+                .and_then(|s| s.price(ev.callee.as_deref()))
+                .map_or_else(String::new, |p| {
+                    format!("{}/{}", p.per_minute, p.increment_s)
+                })
+        })
+        .collect::<Vec<_>>()
+        .join(";")
 }
 
 fn outside(rules: &RuleSet, ev: &CallEvent) -> String {
