@@ -326,6 +326,8 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             kind: EventKind::End,
             ts_ms: c.ts_ms + c.duration_ms,
             duration_ms: None,
+            // A generated call's duration is its talk.
+            talk_ms: Some(c.duration_ms),
             ..e.clone()
         };
         events.push((end.ts_ms, 0, i, end));
@@ -333,6 +335,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
     }
     events.sort_by_key(|(t, kind, i, _)| (*t, *kind, *i));
     let mut premium_peak = 0u64;
+    let channels = rules.rule_index("premium_channels").unwrap();
     for (_, _, i, e) in &events {
         let v = store.apply(&rules, e);
         if v.end {
@@ -340,7 +343,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
         }
         let c = &calls[*i];
         if c.population == "irsf" {
-            premium_peak = premium_peak.max(*v.record.counts.last().unwrap());
+            premium_peak = premium_peak.max(v.record.counts[channels]);
         }
         let r = &v.record;
         let key = match r.decision {
@@ -389,12 +392,26 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
     let shadowed = RuleSet::build(spec).unwrap();
     let mut store = MemoryStore::new();
     let mut by_channels: std::collections::HashMap<&str, usize> = Default::default();
+    let mut by_sums: std::collections::HashMap<(String, &str), usize> = Default::default();
     for (_, _, i, e) in &events {
         let v = store.apply(&shadowed, e);
         if !v.end && v.record.reason == "premium_channels" && !v.record.shadow {
             *by_channels.entry(calls[*i].population).or_default() += 1;
         }
+        if !v.end && ["premium_talk", "spend"].contains(&v.record.reason.as_str()) {
+            *by_sums
+                .entry((v.record.reason.to_string(), calls[*i].population))
+                .or_default() += 1;
+        }
     }
+    // So do the talk and spend caps, the IRSF callers' minutes and money
+    // (everyone else's stays below them).
+    assert!(
+        by_sums.keys().all(|(_, p)| *p == "irsf")
+            && by_sums.keys().any(|(r, _)| r == "premium_talk")
+            && by_sums.keys().any(|(r, _)| r == "spend"),
+        "{by_sums:?}"
+    );
     assert!(
         by_channels.get("irsf").is_some_and(|&n| n > 0),
         "{by_channels:?}"
