@@ -10,7 +10,7 @@ use callguard::error::IoError;
 use callguard::offline::order::OrderedLog;
 use callguard::offline::read::not_kept;
 use callguard::offline::table::{write_frame, write_invalid, TableFormat};
-use callguard::offline::tune::{render_table, sweep_frame, sweep_ordered, Target};
+use callguard::offline::tune::{observed_limits, render_table, sweep_frame, sweep_ordered, Target};
 
 use crate::cmd::args::LogArgs;
 use crate::cmd::{progress_wanted, report_invalid};
@@ -27,9 +27,13 @@ pub struct TuneArgs {
     /// Which rule to sweep (default: the first).
     #[arg(long)]
     pub sweep: Option<String>,
-    /// Range of N, inclusive: `A..B`.
-    #[arg(long, default_value = "1..200")]
-    pub limits: String,
+    /// The limits N to sweep: `A..B` (every whole number from A to B), or
+    /// values `V1,V2,...`. For a sum rule they are in its unit (`5m,90m`
+    /// of talk, `20.00,50` of spend), and without this option the sweep
+    /// takes quantiles of its callers' observed sums (50% to 99.9%, the
+    /// largest, and a log-spaced tail). Default for other rules: 1..200.
+    #[arg(long)]
+    pub limits: Option<String>,
     /// Column holding the ground truth (1/0, true/false, fraud/legit).
     #[arg(long)]
     pub label_column: Option<String>,
@@ -60,9 +64,19 @@ fn invalid_home(input: &Path) -> PathBuf {
     PathBuf::from(format!("{stem}.csv"))
 }
 
-/// Parses `A..B` (inclusive) into the limits A, A+1, ..., B.
+/// Parses `A..B` (inclusive) into the limits A, A+1, ..., B, or a list
+/// `V1,V2,...` of whole numbers; ascending and distinct.
 pub fn parse_limits(s: &str) -> Result<Vec<u64>> {
-    let bad = || anyhow::anyhow!("limits `{s}`: expected A..B with 1 <= A <= B <= 1000000");
+    if !s.contains("..") {
+        return parse_values(s, |v| {
+            v.parse::<u64>()
+                .ok()
+                .filter(|&n| n >= 1)
+                .ok_or_else(|| format!("`{v}`: a whole number from 1"))
+        });
+    }
+    let bad =
+        || anyhow::anyhow!("limits `{s}`: expected A..B with 1 <= A <= B <= 1000000, or V1,V2,...");
     let (a, b) = s.split_once("..").ok_or_else(bad)?;
     let a: u64 = a.trim().parse().map_err(|_| bad())?;
     let b: u64 = b
@@ -76,9 +90,23 @@ pub fn parse_limits(s: &str) -> Result<Vec<u64>> {
     Ok((a..=b).collect())
 }
 
+/// Parses a list `V1,V2,...` by `one`: ascending and distinct.
+fn parse_values(s: &str, one: impl Fn(&str) -> Result<u64, String>) -> Result<Vec<u64>> {
+    let mut values = s
+        .split(',')
+        .map(|v| one(v.trim()))
+        .collect::<Result<Vec<u64>, String>>()
+        .map_err(|e| anyhow::anyhow!("limits `{s}`: {e}"))?;
+    values.sort_unstable();
+    values.dedup();
+    anyhow::ensure!(!values.is_empty(), "limits `{s}`: no value");
+    Ok(values)
+}
+
 /// Runs `callguard tune`.
 pub fn run(args: TuneArgs) -> Result<()> {
-    let limits = parse_limits(&args.limits)?;
+    // A window rule's limits; a sum rule's are read in its unit below.
+    let limits = parse_limits(args.limits.as_deref().unwrap_or("1..200"));
     // Output names are checked before the sweep, not after it.
     if let Some(out) = &args.output {
         TableFormat::from_path(out)?;
@@ -86,7 +114,11 @@ pub fn run(args: TuneArgs) -> Result<()> {
     if let Some(plot) = &args.plot {
         callguard::offline::plot::check_path(plot)?;
     }
-    let max_n = limits.last().copied().unwrap_or(1);
+    let max_n = limits
+        .as_ref()
+        .ok()
+        .and_then(|l| l.last().copied())
+        .unwrap_or(200);
     // NAME:KIND:WINDOW without a limit: the sweep varies it.
     let mut rule_args = args.log.rules.clone();
     for r in &mut rule_args.rule {
@@ -120,6 +152,24 @@ pub fn run(args: TuneArgs) -> Result<()> {
         log = log.with_ends();
     }
     let log = Arc::new(log);
+    let limits = match (&rules.rules[index].sum, &args.limits) {
+        (Some(sum), Some(given)) => parse_values(given, |v| sum.parse_level(v))?,
+        (Some(sum), None) => {
+            let observed = observed_limits(log.clone(), &rules, index, progress)?;
+            println!(
+                "limits of {} ({}), from its callers' sums: {}",
+                rules.rules[index].name,
+                sum.unit(),
+                observed
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            observed
+        }
+        (None, _) => limits?,
+    };
     let rows = log.rows();
     let started = std::time::Instant::now();
     let (result, invalid) = sweep_ordered(log, &rules, index, &limits, target, progress)?;

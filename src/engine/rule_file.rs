@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use crate::engine::duration::parse_duration_ms;
 use crate::engine::filter::{parse_days, parse_timezone, Filter, Hours};
-use crate::engine::rates::{parse_money, Rates, MICROS};
+use crate::engine::rates::{Rates, MICROS};
 use crate::engine::rule::{
     BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
     DEFAULT_SUM_MAX_DURATION_MS,
@@ -83,14 +83,11 @@ impl Level {
             (Level::Whole(n), Some(SumOf::Cost(_))) => n
                 .checked_mul(MICROS)
                 .ok_or_else(|| format!("{n}: too large")),
-            (Level::Text(t), Some(SumOf::Talk)) => {
-                let ms = parse_duration_ms(t).map_err(|e| e.to_string())?;
-                if ms % 1_000 != 0 {
-                    return Err(format!("`{t}`: talk is counted in whole seconds"));
-                }
-                Ok(ms.unsigned_abs() / 1_000)
+            (Level::Text(t), Some(of)) => Sum {
+                of: of.clone(),
+                max_duration_ms: 0,
             }
-            (Level::Text(t), Some(SumOf::Cost(_))) => parse_money(t),
+            .parse_level(t),
             (Level::Text(t), None) => Err(format!(
                 "`{t}`: a whole number of calls (text is for sum rules: \"90m\" of talk, \"50.00\" of spend)"
             )),

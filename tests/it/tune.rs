@@ -753,3 +753,88 @@ fn a_concurrent_rule_is_swept_as_replay_decides() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("channels"), "{out}");
 }
+
+/// A sum rule's limit (talk seconds here) is swept as replay decides each
+/// N; the command takes the limits in the rule's unit, or finds them from
+/// the callers' observed sums, tail included.
+#[test]
+fn a_sum_rule_is_swept_as_replay_decides() {
+    use callguard::offline::order::OrderedLog;
+    let (dir, path) = common::generated_csv(20_000, 29);
+    let text = "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\n\
+                [[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"90m\"\n";
+    let rules_path = dir.path().join("rules.toml");
+    std::fs::write(&rules_path, text).unwrap();
+    let rules = RuleSet::from_file(&rules_path).unwrap();
+    let log = OrderedLog::open(&path, &Default::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    let limits = [600, 1_800, 3_600, 5_400];
+    let s = sweep(&log, &rules, 1, &limits, Target::MaxFalseReject(0.01)).unwrap();
+    for r in &s.rows {
+        assert_eq!(
+            r,
+            &row_by_replay(&log, &rules, 1, r.limit).unwrap(),
+            "talk N = {}",
+            r.limit
+        );
+    }
+    let rejected: Vec<u64> = s.rows.iter().map(|r| r.rule_calls_rejected).collect();
+    assert!(rejected[0] > rejected[3] && rejected[3] > 0, "{rejected:?}");
+    let tune = |limits: Option<&str>| {
+        let mut cmd = std::process::Command::new(common::bin());
+        cmd.args([
+            "tune",
+            "--sweep",
+            "talk",
+            "--label-column",
+            "label",
+            "--rules",
+        ])
+        .arg(&rules_path)
+        .arg("-i")
+        .arg(&path);
+        if let Some(l) = limits {
+            cmd.args(["--limits", l]);
+        }
+        let o = cmd.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    // In the rule's unit: 10m and 90m are 600 and 5400 seconds.
+    let out = tune(Some("10m,1800,1h,90m"));
+    for n in limits {
+        assert!(out.contains(&format!(" {n} ")), "N = {n}: {out}");
+    }
+    // Without limits: from the observed sums, up to the largest.
+    let out = tune(None);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("limits of talk"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let found: Vec<u64> = line
+        .rsplit(": ")
+        .next()
+        .unwrap()
+        .split(", ")
+        .map(|v| v.parse().unwrap())
+        .collect();
+    assert!(
+        found.len() >= 8 && found.windows(2).all(|w| w[0] < w[1]),
+        "{line}"
+    );
+    // The largest is the biggest talk sum any caller reached.
+    let open = rules.with_limit(1, u64::MAX / 4).unwrap();
+    let mut store = callguard::store::memory::MemoryStore::new();
+    let peak = log
+        .events
+        .iter()
+        .map(|(_, e)| store.apply(&open, e))
+        .filter(|v| !v.end)
+        .map(|v| v.record.counts[1])
+        .max()
+        .unwrap();
+    assert_eq!(found.last(), Some(&peak), "{line}");
+    assert!(out.contains("recommendation: N = "), "{out}");
+}

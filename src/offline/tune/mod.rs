@@ -389,9 +389,14 @@ impl Sweeper {
         self
     }
 
-    /// Empty base-replay shards.
+    /// Empty base-replay shards (their histograms only when the sweep is
+    /// read from them: no N replayed).
     fn shards(&self, shards: usize) -> Vec<BaseShard> {
-        let cap = self.limits.iter().copied().max().unwrap_or(0) as usize + 1;
+        let cap = if self.replayed.is_empty() {
+            self.limits.iter().copied().max().unwrap_or(0) as usize + 1
+        } else {
+            0
+        };
         (0..shards.max(1))
             .map(|_| BaseShard {
                 store: MemoryStore::new(),
@@ -649,6 +654,57 @@ pub fn sweep_ordered(
     bar.finish_and_clear();
     invalid.sort_by_key(|r| r.row);
     Ok((sweeper.finish(), invalid))
+}
+
+/// The limits to sweep a sum rule over when none are given: quantiles of
+/// its callers' peak sums (50%, 90%, 99%, 99.9% and the largest) and 11
+/// steps evenly spaced on a log scale from the 99th percentile to the
+/// largest (fraud is in the tail), from one replay with the rule never
+/// rejecting; distinct and ascending, at least one.
+pub fn observed_limits(
+    log: Arc<OrderedLog>,
+    rules: &RuleSet,
+    index: usize,
+    progress: bool,
+) -> Result<Vec<u64>, TuneError> {
+    let open = rules.with_limit(index, u64::MAX / 4)?;
+    let mut sweeper = Sweeper::new(&open, index, &[], Target::Quantile(1.0))?;
+    let bar = progress_bar(log.rows() as u64, progress, "observing sums");
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+    for mut chunk in chunks {
+        bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
+        gate.run_rows(&mut ledger, &open, &mut chunk.events);
+        sweeper.feed_log(&chunk);
+    }
+    bar.finish_and_clear();
+    let merged = sweeper.merge_shards();
+    let mut peaks: Vec<u64> = merged
+        .callers
+        .iter()
+        .map(|t| t.peak)
+        .filter(|&p| p > 0)
+        .collect();
+    peaks.sort_unstable();
+    let quantile = |q: f64| {
+        let at = ((peaks.len() as f64 - 1.0) * q).round() as usize;
+        peaks.get(at).copied().unwrap_or(1).max(1)
+    };
+    let mut limits: Vec<u64> = [0.5, 0.9, 0.99, 0.999, 1.0]
+        .into_iter()
+        .map(quantile)
+        .collect();
+    // The tail, where fraud is, finer: 12 steps evenly spaced on a log
+    // scale from the 99th percentile to the largest.
+    let (lo, hi) = (quantile(0.99) as f64, quantile(1.0) as f64);
+    limits.extend((1..12).map(|k| (lo * (hi / lo).powf(f64::from(k) / 12.0)).round() as u64));
+    limits.sort_unstable();
+    limits.dedup();
+    if limits.is_empty() {
+        limits.push(1);
+    }
+    Ok(limits)
 }
 
 /// Events a [`sweep_ordered`] hands on at once: larger than a replay's
