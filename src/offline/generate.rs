@@ -9,7 +9,7 @@
 //! | dialer | legit | call centre on one caller ID: ~8 calls/min in shifts (allowlist candidate) |
 //! | robocaller | fraud | one number at 5-10 calls/min for 10-60 min, short calls |
 //! | wangiri | fraud | one-ring bursts at 3-5 calls/s for 30 s to 3 min, at night, every callee distinct, some calls in the same millisecond |
-//! | irsf | fraud | a hacked PBX at night (Madrid time): a few short test calls, then long calls to premium ranges ([`IRSF_RANGES`]) every 10-60 s for 1-3 h, a new number every ~10 calls |
+//! | irsf | fraud | a hacked PBX at night (Madrid time): a few short test calls, then 5-30 min calls to premium ranges ([`IRSF_RANGES`]) holding 20-60 open at once for 20-120 min, a new number every ~10 calls |
 //! | pbx_burst | legit | a PBX dialing its queue: 10-25 calls within seconds at 09:00 Madrid time and two or three more bursts in the day, quiet in between |
 //! | harasser | fraud | one caller calling one callee again and again: 8-30 calls, 2-10 min apart, mostly unanswered |
 //! | tdos | fraud | only with `--tdos N`: N calls at ~40/s to one victim ([`TDOS_VICTIM`]) from N/8 spoofed callers, from 11:00 UTC |
@@ -299,10 +299,14 @@ fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let caller = number(rng, "+3491", 5) + "00";
     // 22:00 to 05:00 in Madrid (UTC+1 in December).
     let mut t = DAY_START_MS + (21 * HOUR_MS + rng.random_range(0..7 * HOUR_MS)) % DAY_MS;
-    let end = t + rng.random_range(HOUR_MS..3 * HOUR_MS);
+    // The attack lasts 20 to 120 minutes and holds 20 to 60 premium calls
+    // open at once: calls of 5 to 30 minutes (17.5 on average), one every
+    // 17.5 minutes / the calls held.
+    let end = t + rng.random_range(20 * 60_000..120 * 60_000);
     let range = IRSF_RANGES[rng.random_range(0..IRSF_RANGES.len())];
     let mut callee = number(rng, range, 7);
-    let mean_gap = rng.random_range(10_000.0..60_000.0);
+    let held: f64 = rng.random_range(20.0..60.0);
+    let mean_gap = 17.5 * 60_000.0 / held;
     let mut n = 0;
     while t < end {
         // A few short test calls first, then long ones; a new number
@@ -318,7 +322,7 @@ fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             duration_ms: if test_call {
                 rng.random_range(5_000..20_000)
             } else {
-                rng.random_range(60_000..1_200_000)
+                rng.random_range(300_000..1_800_000)
             },
             fraud: true,
             population: "irsf",
