@@ -156,41 +156,67 @@ async fn main() {
         ))
         .expect("rules")
     };
+    // (name, rules, callees, ends: each call ends 1 ms later with 30 s
+    // of talk).
     let kinds = [
-        ("fixed 60s", shorthand("m:fixed:60s:100"), false),
-        ("sliding 60s", shorthand("m:sliding:60s:100"), false),
+        ("fixed 60s", shorthand("m:fixed:60s:100"), false, false),
+        ("sliding 60s", shorthand("m:sliding:60s:100"), false, false),
         (
             "sliding-approx 60s",
             shorthand("m:sliding-approx:60s:100"),
+            false,
             false,
         ),
         (
             "sliding 60s, 20 distinct callees",
             shorthand("m:sliding:60s:100"),
             true,
+            false,
         ),
         (
             "token-bucket 1/s, burst 100",
             toml("kind = \"token-bucket\"\nrate = \"1/s\"\nburst = 100\n"),
+            false,
             false,
         ),
         (
             "distinct-callees 60s, 20 callees (feature off)",
             toml("kind = \"distinct-callees\"\nwindow = \"60s\"\nlimit = 100\n"),
             true,
+            false,
         ),
         (
             "sliding 60s seeing callees +3491 (own log; feature off)",
             toml("kind = \"sliding\"\nwindow = \"60s\"\nlimit = 100\ncallees = [\"+3491\"]\n"),
             true,
+            false,
         ),
         (
             "sliding 60s keyed caller+callee, 20 callees (feature off)",
             toml("kind = \"sliding\"\nwindow = \"60s\"\nlimit = 100\nkey = \"caller+callee\"\n"),
             true,
+            false,
+        ),
+        (
+            "concurrent 4h, 20 calls open (feature off)",
+            toml("kind = \"concurrent\"\nmax_duration = \"4h\"\nlimit = 100\n"),
+            false,
+            false,
+        ),
+        (
+            "sum talk sliding 60s, 20 calls waiting for their ends (feature off)",
+            toml("kind = \"sliding\"\nwindow = \"60s\"\nsum = \"talk\"\nlimit = 100000\n"),
+            false,
+            false,
+        ),
+        (
+            "sum talk sliding 60s, 20 ended calls (feature off)",
+            toml("kind = \"sliding\"\nwindow = \"60s\"\nsum = \"talk\"\nlimit = 100000\n"),
+            false,
+            true,
         ),
     ];
-    for (name, rules, callees) in kinds {
+    for (name, rules, callees, ends) in kinds {
         let mut row = format!("| {name} |");
         for (cached, idem) in [(false, true), (false, false), (true, true), (true, false)] {
             let _: () = redis::cmd("FLUSHALL").query(&mut con).expect("flush");
@@ -211,8 +237,15 @@ async fn main() {
                     if callees {
                         e.callee = Some(format!("+3491{i:07}").into());
                     }
+                    let end = ends.then(|| CallEvent {
+                        kind: callguard::engine::event::EventKind::End,
+                        ts_ms: e.ts_ms + 1,
+                        talk_ms: Some(30_000),
+                        ..e.clone()
+                    });
                     batch.push(e);
-                    if batch.len() == PIPELINE {
+                    batch.extend(end);
+                    if batch.len() >= PIPELINE {
                         store.apply_batch(&rules, &batch).await.expect("apply");
                         batch.clear();
                     }

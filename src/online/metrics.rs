@@ -119,6 +119,9 @@ pub struct Metrics {
     pub lag: Family<PartitionLabels, Gauge>,
     /// Rebalances by kind (`assign`, `revoke`, `error`).
     pub rebalances: Family<KindLabel, Counter>,
+    /// Partitions of the input topic this consumer owns (after each
+    /// rebalance).
+    pub assigned_partitions: Gauge,
     /// Rule reloads by result (`ok`, `error`).
     pub rule_reloads: Family<KindLabel, Counter>,
     /// `serve`: records of decided calls that could not be produced to
@@ -200,6 +203,7 @@ impl Metrics {
             in_flight: Gauge::default(),
             lag: Family::default(),
             rebalances: Family::default(),
+            assigned_partitions: Gauge::default(),
             rule_reloads: Family::default(),
             publish_failures: Counter::default(),
             status: Status::default(),
@@ -354,6 +358,11 @@ impl Metrics {
             "rebalances",
             "Consumer group rebalances",
             self.rebalances.clone(),
+        );
+        r.register(
+            "assigned_partitions",
+            "Partitions of the input topic this consumer owns",
+            self.assigned_partitions.clone(),
         );
         r.register(
             "rule_reloads",

@@ -423,10 +423,10 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
         .collect()
 }
 
-/// A tansu broker with the four topics, 4 partitions each, and its address.
+/// A tansu broker with the four topics, [`PARTITIONS`] partitions each, and its address.
 fn tansu_with_topics() -> (Tansu, String) {
     let tansu = Tansu::start();
-    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, 4)));
+    let brokers = tansu.with_topics(&TOPICS.map(|t| (t, PARTITIONS)));
     (tansu, brokers)
 }
 
@@ -531,7 +531,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
     // On the mock cluster (hosted by this test process, reached over TCP by the
     // consumer processes): it expires killed group members after the session
     // timeout, which tansu 0.6 does not do for members killed mid-join.
-    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 4)));
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, PARTITIONS as i32)));
     let s = sample_with(30_000, seed, rules).await;
     let crash = Crash {
         brokers: &brokers,
@@ -544,6 +544,9 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
     };
     crash.run(&s, seed).await;
 }
+
+/// Partitions of the input topic in the crash tests.
+const PARTITIONS: u32 = 4;
 
 /// A crash test: consumer processes SIGKILLed one after another while
 /// they consume, then a clean run.
@@ -596,12 +599,20 @@ impl Crash<'_> {
             extra.extend_from_slice(self.mode);
             let mut child =
                 spawn_consumer(self.brokers, &redis.url(), self.group, self.rules, &extra);
+            // Killed once it owns every partition: the member killed
+            // before it has been expired and the group has settled (a
+            // member killed while the group rebalances, joining, is never
+            // expired by tansu 0.6).
             let deadline = Instant::now() + self.ready_within;
-            while !common::http_get(port, "/readyz").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
-            {
+            let owns_all = || {
+                common::http_get(port, "/metrics").is_some_and(|m| {
+                    metric_sum(&m, "callguard_assigned_partitions") == f64::from(PARTITIONS)
+                })
+            };
+            while !owns_all() {
                 assert!(
                     Instant::now() < deadline,
-                    "round {round}: the consumer owned no partitions within {:?}",
+                    "round {round}: the consumer did not own all {PARTITIONS} partitions within {:?}",
                     self.ready_within
                 );
                 tokio::time::sleep(Duration::from_millis(50)).await;

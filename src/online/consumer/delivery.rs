@@ -294,6 +294,10 @@ impl ConsumerContext for ConsumerCtx {
             .health
             .assigned
             .store(owned > 0, Ordering::Relaxed);
+        self.shared
+            .metrics
+            .assigned_partitions
+            .set(i64::try_from(owned).unwrap_or(i64::MAX));
     }
 }
 
