@@ -50,14 +50,18 @@
 --   :pt    with sum rules, the talk time of each end in :pe: hash, field
 --          call_id (dropped with it)
 --   :sw:<rule>:<W>:<M>  a sum rule's calls waiting for their ends (M its
---          max_duration): hash, field "<start>|<call_id>", value
---          "<k>,<price per minute>,<increment>" (k calls alike; the price
---          empty for a talk sum or an unpriced callee); a waiting call is
---          let go once start + M is at or below L' - grace
---   :se:<rule>:<W>:<M>  what a sum rule's ended calls added: sorted set,
---          member "<amount>|<start>|<call_id>|<end>|<k>", score the time
---          it was added at (src/engine/window/sums.rs); trimmed once no
---          call at or after L' - grace can see it
+--          max_duration): hash, field call_id, value its waiting calls
+--          (usually one) "<start>,<k>,<price per minute>,<increment>"
+--          joined by ';' (k calls alike; the price empty for a talk sum or
+--          an unpriced callee); field '' a lower bound of start + M over
+--          them, so the hash is scanned only when a call may be let go
+--          (once start + M is at or below L' - grace)
+--   :se:<rule>:<W>:<M>  what a sliding sum rule's ended calls added:
+--          sorted set, member "<amount>|<start>|<call_id>|<end>|<k>",
+--          score the time it was added at (src/engine/window/sums.rs)
+--   :sb:<rule>:<W>:<M>  a fixed or sliding-approx sum rule's: hash, field
+--          bucket, value the sum added in it (the count needs no more);
+--          either trimmed once no call at or after L' - grace can see it
 --   meta also holds t:<rule>:<W> = a token bucket's theoretical arrival
 --          time "<ms>,<rem>" (TAT = ms + rem / n, rate n per period)
 --   and <prefix>block:{<caller>}: on a reject with a retry-after (and ARGV[13]),
@@ -598,32 +602,46 @@ local function sum_ttl(i)
   return math.max(smax[i], 2 * wins[i]) + grace + slack
 end
 
--- A sum rule's waiting calls, from its hash: per field {start, call_id,
--- k, per minute, increment, field}.
-local function sum_waiting(key)
-  local flat = call('HGETALL', key)
+-- Whether sum rule i keeps bucket sums (fixed, sliding-approx) rather
+-- than each ended call (sliding).
+local function bucketed(i)
+  return kinds[i] ~= SLIDING
+end
+
+-- A waiting field's calls: {start, k, per minute, increment} each.
+local function waiting_of(v)
   local calls = {}
-  for j = 1, #flat, 2 do
-    local start, id = string.match(flat[j], '^(-?%d+)|(.*)$')
-    local k, per, inc = string.match(flat[j + 1], '^(%d+),(%d*),(%d*)$')
-    calls[#calls + 1] = {tonumber(start), id, tonumber(k), tonumber(per), tonumber(inc), flat[j]}
+  if not v then return calls end
+  for start, k, per, inc in string.gmatch(v, '(-?%d+),(%d+),(%d*),(%d*)') do
+    calls[#calls + 1] = {tonumber(start), tonumber(k), tonumber(per), tonumber(inc)}
   end
   return calls
 end
 
--- The waiting value of k calls at a price.
-local function sum_wait_value(k, per, inc)
-  return fmt('%d', k) .. ',' .. (per and fmt('%d', per) or '') .. ',' .. (inc and fmt('%d', inc) or '')
+-- A waiting field's value from its calls.
+local function waiting_value(calls)
+  local parts = {}
+  for j, c in ipairs(calls) do
+    parts[j] = fmt('%d', c[1]) .. ',' .. fmt('%d', c[2]) .. ',' .. (c[3] and fmt('%d', c[3]) or '')
+      .. ',' .. (c[4] and fmt('%d', c[4]) or '')
+  end
+  return table.concat(parts, ';')
 end
 
 -- What an ended call adds to sum rule i, at `at`.
 local function sum_add(stem, i, at, amount, start, id, tag)
+  if bucketed(i) then
+    local key = stem .. ':sb:' .. ssuffix[i]
+    call('HINCRBY', key, fmt('%d', floor(at / wins[i])), amount)
+    call('PEXPIRE', key, sum_ttl(i))
+    return
+  end
   local key = stem .. ':se:' .. ssuffix[i]
   call('ZADD', key, at, fmt('%d', amount) .. '|' .. fmt('%d', start) .. '|' .. id .. '|' .. tag)
   call('PEXPIRE', key, sum_ttl(i))
 end
 
--- The sum of what was added in [lo, hi].
+-- The sum of what was added in [lo, hi] (a sliding sum rule's).
 local function sum_between(key, lo, hi)
   local s = 0
   for _, m in ipairs(call('ZRANGEBYSCORE', key, fmt('%d', lo), fmt('%d', hi))) do
@@ -633,25 +651,49 @@ local function sum_between(key, lo, hi)
 end
 
 -- Phase 2, sum rules: waiting calls whose start + max_duration is at or
--- below L' - grace let go; what no call at or after L' - grace can see
--- dropped (fixed: dead buckets; sliding-approx: before the bucket before;
--- sliding: out of the window).
+-- below L' - grace let go (the hash scanned only when its bound says one
+-- may be); what no call at or after L' - grace can see dropped (fixed:
+-- dead buckets; sliding-approx: before the bucket before; sliding: out
+-- of the window).
 local function trim_sums()
   local let_go = c_lnew - grace
   for _, i in ipairs(sums) do
     local wkey = c_stem .. ':sw:' .. ssuffix[i]
-    for _, c in ipairs(sum_waiting(wkey)) do
-      if c[1] + smax[i] <= let_go then call('HDEL', wkey, c[6]) end
+    local bound = tonumber(call('HGET', wkey, ''))
+    if bound and bound <= let_go then
+      local flat = call('HGETALL', wkey)
+      local low = nil
+      for j = 1, #flat, 2 do
+        if flat[j] ~= '' then
+          local kept = {}
+          for _, c in ipairs(waiting_of(flat[j + 1])) do
+            local go = c[1] + smax[i]
+            if go > let_go then
+              kept[#kept + 1] = c
+              if not low or go < low then low = go end
+            end
+          end
+          if #kept == 0 then
+            call('HDEL', wkey, flat[j])
+          else
+            call('HSET', wkey, flat[j], waiting_value(kept))
+          end
+        end
+      end
+      if low then call('HSET', wkey, '', fmt('%d', low)) else call('HDEL', wkey, '') end
     end
-    local w, bound = wins[i], nil
-    if kinds[i] == FIXED then
-      bound = '(' .. fmt('%d', floor(let_go / w) * w)
-    elseif kinds[i] == APPROX then
-      bound = '(' .. fmt('%d', (floor(let_go / w) - 1) * w)
+    local w = wins[i]
+    if bucketed(i) then
+      -- Buckets below B (fixed: dead) or B - 1 (sliding-approx).
+      local first = floor(let_go / w)
+      if kinds[i] == APPROX then first = first - 1 end
+      local bkey = c_stem .. ':sb:' .. ssuffix[i]
+      for _, b in ipairs(call('HKEYS', bkey)) do
+        if tonumber(b) < first then call('HDEL', bkey, b) end
+      end
     else
-      bound = fmt('%d', let_go - w)
+      call('ZREMRANGEBYSCORE', c_stem .. ':se:' .. ssuffix[i], '-inf', fmt('%d', let_go - w))
     end
-    call('ZREMRANGEBYSCORE', c_stem .. ':se:' .. ssuffix[i], '-inf', bound)
   end
 end
 
@@ -680,20 +722,23 @@ local function end_call(stem, t, id, talk)
   -- end adds if it came within max_duration.
   for _, i in ipairs(sums) do
     local key = stem .. ':sw:' .. ssuffix[i]
+    local calls = waiting_of(call('HGET', key, id))
     local best = nil
-    for _, c in ipairs(sum_waiting(key)) do
-      if c[2] == id and (not best or c[1] > best[1]) then best = c end
+    for j, c in ipairs(calls) do
+      if not best or c[1] > calls[best][1] then best = j end
     end
     if best then
       held = true
-      if best[3] > 1 then
-        call('HSET', key, best[6], sum_wait_value(best[3] - 1, best[4], best[5]))
+      local c = calls[best]
+      local k = c[2]
+      if k > 1 then
+        c[2] = k - 1
       else
-        call('HDEL', key, best[6])
+        table.remove(calls, best)
       end
-      if t < best[1] + smax[i] then
-        sum_add(stem, i, math.max(t, best[1]), sum_amount(i, talk, best[4], best[5]), best[1], id,
-          fmt('%d,%d', t, best[3]))
+      if #calls == 0 then call('HDEL', key, id) else call('HSET', key, id, waiting_value(calls)) end
+      if t < c[1] + smax[i] then
+        sum_add(stem, i, math.max(t, c[1]), sum_amount(i, talk, c[3], c[4]), c[1], id, fmt('%d,%d', t, k))
       end
     end
   end
@@ -736,18 +781,20 @@ end
 -- Phase 4, sum rules: what the kept ends add up to in the window of the
 -- call at t (the call itself adds nothing).
 local function sum_count(i)
-  local t, w, key = c_t, wins[i], c_stem .. ':se:' .. ssuffix[i]
+  local t, w = c_t, wins[i]
   local b = floor(t / w)
   local kind = kinds[i]
+  if kind == SLIDING then
+    return sum_between(c_stem .. ':se:' .. ssuffix[i], t - w + 1, t)
+  end
+  local bkey = c_stem .. ':sb:' .. ssuffix[i]
   if kind == FIXED then
     if (b + 1) * w + grace <= c_lnew then return 0 end
-    return sum_between(key, b * w, b * w + w - 1)
-  elseif kind == APPROX then
-    local prev = sum_between(key, (b - 1) * w, b * w - 1)
-    local cur = sum_between(key, b * w, b * w + w - 1)
-    return mul_div(prev, w - (t - b * w) - 1, w) + cur
+    return tonumber(call('HGET', bkey, fmt('%d', b))) or 0
   end
-  return sum_between(key, t - w + 1, t)
+  local v = call('HMGET', bkey, fmt('%d', b - 1), fmt('%d', b))
+  local prev, cur = tonumber(v[1]) or 0, tonumber(v[2]) or 0
+  return mul_div(prev, w - (t - b * w) - 1, w) + cur
 end
 
 -- The last offset r in a bucket (sums prev before, cur in it) at which
@@ -767,15 +814,14 @@ end
 -- the limit, given what is kept (see Sums::rejects_until), or nil.
 local function sum_until(i)
   local t, w, lim = c_t, wins[i], lims[i]
-  local flat = call('ZRANGE', c_stem .. ':se:' .. ssuffix[i], 0, -1, 'WITHSCORES')
-  if #flat == 0 then return nil end
-  local ats, amts = {}, {}
-  for j = 1, #flat, 2 do
-    ats[#ats + 1] = tonumber(flat[j + 1])
-    amts[#amts + 1] = tonumber(string.match(flat[j], '^(%d+)|'))
-  end
   local kind = kinds[i]
   if kind == SLIDING then
+    local flat = call('ZRANGE', c_stem .. ':se:' .. ssuffix[i], 0, -1, 'WITHSCORES')
+    local ats, amts = {}, {}
+    for j = 1, #flat, 2 do
+      ats[#ats + 1] = tonumber(flat[j + 1])
+      amts[#amts + 1] = tonumber(string.match(flat[j], '^(%d+)|'))
+    end
     -- The sum changes only as an end enters or leaves the window.
     for j = #ats, 1, -1 do
       local s = ats[j] + w - 1
@@ -789,14 +835,16 @@ local function sum_until(i)
     return nil
   end
   local bsum, blist = {}, {}
-  for j = 1, #ats do
-    local b = floor(ats[j] / w)
-    if not bsum[b] then
-      bsum[b] = 0
+  local flat = call('HGETALL', c_stem .. ':sb:' .. ssuffix[i])
+  for j = 1, #flat, 2 do
+    local b, v = tonumber(flat[j]), tonumber(flat[j + 1])
+    if v > 0 then
+      bsum[b] = v
       blist[#blist + 1] = b
     end
-    bsum[b] = bsum[b] + amts[j]
   end
+  if #blist == 0 then return nil end
+  table.sort(blist)
   local from = floor(t / w)
   if kind == FIXED then
     for j = #blist, 1, -1 do
@@ -1202,10 +1250,18 @@ local function open_call()
         end
       else
         local key = c_stem .. ':sw:' .. ssuffix[i]
-        local field = fmt('%d', t) .. '|' .. id
-        local was = call('HGET', key, field)
-        local k = was and tonumber(string.match(was, '^(%d+)')) or 0
-        call('HSET', key, field, sum_wait_value(k + 1, per, inc))
+        local mv = call('HMGET', key, id, '')
+        local calls, found = waiting_of(mv[1]), false
+        for _, c in ipairs(calls) do
+          if c[1] == t then
+            c[2] = c[2] + 1
+            found = true
+          end
+        end
+        if not found then calls[#calls + 1] = {t, 1, per, inc} end
+        local bound, go = tonumber(mv[2]), t + smax[i]
+        if bound and bound < go then go = bound end
+        call('HSET', key, id, waiting_value(calls), '', fmt('%d', go))
         call('PEXPIRE', key, sum_ttl(i))
       end
     elseif holds then

@@ -15,6 +15,7 @@
 #
 #   scripts/probe-window-lua.sh [ROWS]
 #   INSTRUCTIONS=1 scripts/probe-window-lua.sh 10000
+#   RULES="a.toml b.toml" scripts/probe-window-lua.sh   (other rule sets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rows="${1:-200000}"
@@ -57,4 +58,4 @@ probe() {
   echo "$rules: $stats"
 }
 
-for rules in data/rules.toml data/rules-fraud.toml; do probe "$rules"; done
+for rules in ${RULES:-data/rules.toml data/rules-fraud.toml}; do probe "$rules"; done

@@ -351,6 +351,35 @@ async fn large_sums_stay_exact_in_the_script() {
     }
 }
 
+/// A waiting call is let go exactly when its start + max_duration reaches
+/// a later call's `L' - grace`: its end, arriving late after that, adds
+/// nothing in any store; one millisecond earlier it still adds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_let_go_at_max_duration_adds_nothing_in_every_store() {
+    use callguard::engine::event::EventKind;
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_toml(
+        "grace = \"1s\"\n[[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = 100\nmax_duration = \"10s\"\n",
+    )
+    .unwrap();
+    for (n, later) in [(0, 11_000i64), (1, 10_999)] {
+        let call = |id: &str, t: i64| ev("+34911000001", id, T0 + t);
+        let end = CallEvent {
+            kind: EventKind::End,
+            talk_ms: Some(5_000),
+            ..call("a", 5_000)
+        };
+        let events = vec![call("a", 0), call("b", later), end, call("c", later + 1)];
+        let expected = memory_run(&rules, &events).await;
+        let c = expected[3].record.counts[0];
+        assert_eq!(c, if later == 11_000 { 0 } else { 5 }, "later {later}");
+        for mode in MODES {
+            let mut redis = open(mode, vec![server.url()], &format!("lg{mode:?}{n}:")).await;
+            assert_same(&mut redis, &rules, &events, 1, &format!("{mode:?} {later}")).await;
+        }
+    }
+}
+
 /// Sum rules through both Redis modes on a standalone server, many seeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sum_rules_in_both_modes_match_memory() {
