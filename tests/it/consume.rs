@@ -183,9 +183,9 @@ async fn mock_cluster_with_a_batch_linger_decisions_equal_replay() {
 
 /// A stream of call attempts and ends (each call's end at `ts +
 /// duration_ms`, in processing order: `callguard produce --ends`) through
-/// the mock cluster, with a
-/// concurrent rule on the cached Redis store: every attempt decided as
-/// `replay` decides the same call log, ends applied and never written.
+/// the mock cluster, with a concurrent rule and talk and spend caps on the
+/// cached Redis store: every attempt decided as `replay` decides the same
+/// call log, ends applied and never written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn call_ends_through_the_mock_cluster_decide_as_replay() {
     use callguard::engine::event::EventKind;
@@ -193,16 +193,7 @@ async fn call_ends_through_the_mock_cluster_decide_as_replay() {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
     let (dir, path) = common::generated_csv(20_000, 17);
-    let rules_file = dir.path().join("rules.toml");
-    let stream_rules = std::fs::read_to_string(rules_path()).unwrap();
-    std::fs::write(
-        &rules_file,
-        format!(
-            "{stream_rules}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"20m\"\n"
-        ),
-    )
-    .unwrap();
-    let rules = RuleSet::from_file(&rules_file).unwrap();
+    let rules = RuleSet::from_file(&rules_with_ends(dir.path())).unwrap();
     let log = OrderedLog::open(&path, &ReadOptions::default())
         .unwrap()
         .with_ends()
@@ -230,14 +221,10 @@ async fn call_ends_through_the_mock_cluster_decide_as_replay() {
             )
         })
         .collect();
-    let by_channels = expected
-        .values()
-        .filter(|v| v["reason"] == "channels")
-        .count();
-    assert!(
-        by_channels > 20,
-        "the concurrent rule rejected {by_channels}"
-    );
+    for rule in ["channels", "talk", "spend"] {
+        let n = expected.values().filter(|v| v["reason"] == rule).count();
+        assert!(n > 10, "{rule} rejected {n}");
+    }
     // `callguard produce --ends` writes the calls and their ends in that order.
     let o = std::process::Command::new(common::bin())
         .args([
@@ -666,33 +653,44 @@ fn metric_sum(page: &str, name: &str) -> f64 {
         .fold(0.0, |a, b| a + b)
 }
 
-/// Calls and their ends through a real broker (tansu), with a concurrent
-/// rule, consumer processes SIGKILLed twice while they work: each
-/// attempt decided once, exactly as `replay` decides the same call log,
-/// so no end was lost or applied twice across the crashes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tansu_call_ends_with_sigkills_decide_as_replay() {
-    let dir = tempfile::tempdir().unwrap();
-    let rules = dir.path().join("rules.toml");
+/// The stream rules with rules that need call ends: a concurrent rule,
+/// a talk cap and a spend cap (priced by `data/rates.csv`), written to
+/// `dir`.
+fn rules_with_ends(dir: &std::path::Path) -> PathBuf {
+    std::fs::copy("data/rates.csv", dir.join("rates.csv")).unwrap();
+    let rules = dir.join("rules.toml");
     std::fs::write(
         &rules,
         format!(
-            "{}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"20m\"\n",
+            "{}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"20m\"\n\
+             \n[[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"2h\"\n\
+             \n[[rule]]\nname = \"spend\"\nkind = \"sliding-approx\"\nwindow = \"6h\"\nsum = \"cost\"\nrates_file = \"rates.csv\"\nlimit = \"20.00\"\n",
             std::fs::read_to_string(rules_path()).unwrap()
         ),
     )
     .unwrap();
+    rules
+}
+
+/// Each of the rules that need ends rejected some of `s`'s calls.
+fn assert_ends_matter(s: &Sample) {
+    for rule in ["channels", "talk", "spend"] {
+        let n = s.expected.values().filter(|v| v["reason"] == rule).count();
+        assert!(n > 10, "{rule} rejected {n}");
+    }
+}
+
+/// Calls and their ends through a real broker (tansu), with a concurrent
+/// rule and talk and spend caps, consumer processes SIGKILLed twice while
+/// they work: each attempt decided once, exactly as `replay` decides the
+/// same call log, so no end was lost or applied twice across the crashes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_call_ends_with_sigkills_decide_as_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = rules_with_ends(dir.path());
     let s = sample_with_ends(30_000, 23, &rules).await;
     assert!(s.log.events.len() > 50_000, "{} events", s.log.events.len());
-    let by_channels = s
-        .expected
-        .values()
-        .filter(|v| v["reason"] == "channels")
-        .count();
-    assert!(
-        by_channels > 10,
-        "the concurrent rule rejected {by_channels}"
-    );
+    assert_ends_matter(&s);
     let (_tansu, brokers) = tansu_with_topics();
     let crash = Crash {
         brokers: &brokers,
