@@ -1656,3 +1656,53 @@ fn two_instances_hold_a_concurrent_limit_and_free_slots_at_call_ends() {
     assert_eq!(cs.post("/v1/end", &end.to_string()).json()["ended"], true);
     assert_eq!(check(&mut cs, "y4", 4_000), ("allow".into(), 2));
 }
+
+/// A talk cap through the switch's API, on both Redis modes: an allowed
+/// call's end (`POST /v1/end` with its `talk_ms`, told to the other
+/// instance) adds its talk; the next check sees it and is rejected with
+/// the time until the talk leaves the window; a rejected call's end adds
+/// nothing.
+#[test]
+fn a_talk_cap_counts_the_talk_of_ended_calls_across_instances() {
+    for cached in [true, false] {
+        let redis = RedisServer::start(&[]);
+        let rules = RuleSet::from_toml(
+            "[[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"2m\"\n",
+        )
+        .unwrap();
+        let a = Served::start_with(config(), redis_config(&redis), rules.clone(), cached);
+        let b = Served::start_with(config(), redis_config(&redis), rules.clone(), cached);
+        let (mut ca, mut cb) = (a.conn(), b.conn());
+        let check = |conn: &mut HttpConn, id: &str, dt: i64| {
+            let body =
+                serde_json::json!({ "call_id": id, "caller": "+34911000077", "ts": T0 + dt });
+            let r = conn.post("/v1/check", &body.to_string());
+            let v = r.json();
+            (
+                v["decision"].as_str().unwrap().to_string(),
+                v["count_talk"].as_i64().unwrap_or(0),
+                v["retry_after_ms"].as_i64(),
+            )
+        };
+        let end = |conn: &mut HttpConn, id: &str, dt: i64, talk_ms: i64| {
+            let body = serde_json::json!({ "call_id": id, "caller": "+34911000077", "ts": T0 + dt, "talk_ms": talk_ms });
+            let r = conn.post("/v1/end", &body.to_string());
+            assert_eq!(r.status, 200, "{}", r.body);
+        };
+        assert_eq!(check(&mut ca, "t1", 0).0, "allow");
+        end(&mut cb, "t1", 100_000, 90_500);
+        assert_eq!(check(&mut cb, "t2", 110_000), ("allow".into(), 91, None));
+        end(&mut ca, "t2", 150_000, 30_000);
+        // 121 s of talk in the hour: over; t1's 91 s leave at 100 s + 1 h.
+        let (decision, count, retry) = check(&mut ca, "t3", 160_000);
+        assert_eq!(
+            (decision.as_str(), count),
+            ("reject", 121),
+            "cached {cached}"
+        );
+        assert_eq!(retry, Some(3_600_000 + 100_000 - 160_000));
+        // t3 was rejected: its end adds nothing.
+        end(&mut cb, "t3", 170_000, 600_000);
+        assert_eq!(check(&mut cb, "t4", 180_000).1, 121, "cached {cached}");
+    }
+}
