@@ -696,7 +696,8 @@ fn kamailio_dialogs_hold_and_free_concurrent_slots() {
     let rules = dir.path().join("rules.toml");
     std::fs::write(
         &rules,
-        "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"4s\"\n",
+        "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"4s\"\n\
+         \n[[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = 100000\n",
     )
     .unwrap();
     let (_serve, http) = start_serve(&redis, &rules, &["--reject-status", "429"]);
@@ -721,7 +722,9 @@ fn kamailio_dialogs_hold_and_free_concurrent_slots() {
     assert_eq!(check("open1"), 200, "the second call connects");
     assert_eq!(check("third"), 603, "a third simultaneous call is declined");
 
-    // The held call hangs up: Kamailio's dialog ends, and callguard hears of it.
+    // The held call hangs up after at least 2 s of talk: Kamailio's
+    // dialog ends, and callguard hears of it, talk time and all.
+    std::thread::sleep(Duration::from_millis(2_100));
     held.hang_up();
     let deadline = Instant::now() + Duration::from_secs(30);
     while metric(http, "callguard_call_ends_total") < 1 {
@@ -756,4 +759,27 @@ fn kamailio_dialogs_hold_and_free_concurrent_slots() {
         before_open.elapsed()
     );
     assert!(n > 1, "the first retry should still have been declined");
+    // The talk cap counted the held call's talk (whole seconds from the
+    // answer to the BYE, as Kamailio's dialog sends it), and only it: the
+    // other calls never hung up.
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let answer = common::http_get(
+        http,
+        &format!(
+            "/v1/check?call_id=talk-probe&caller={}&ts={now}",
+            x.replace('+', "%2B")
+        ),
+    )
+    .unwrap_or_default();
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let talk = v["count_talk"].as_i64().unwrap_or(0);
+    assert!(
+        (2..30).contains(&talk),
+        "the held call's talk: {talk} s; Kamailio's log: {}",
+        std::fs::read_to_string(dir.path().join("kamailio.log")).unwrap_or_default()
+    );
 }
