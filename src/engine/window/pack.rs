@@ -770,18 +770,16 @@ mod tests {
         assert!(CallerState::unpack(&[3, 0, 0, 0, 0, 0]).is_none());
     }
 
-    /// Sum rules' waiting calls, what ended calls added and the talk of
-    /// ends that came first read back: the copy decides every later call
-    /// and end as the state does; every truncation is refused.
-    #[test]
-    fn sums_read_back() {
+    /// Decides 60 calls and ends under `rules` (every third event the end
+    /// of the call before, or every fourth of one to come, with talk),
+    /// packing the state before each and reading it back: the copy packs
+    /// the same and decides the event as the state does; some state
+    /// packed under `format`, and every truncation of the last is
+    /// refused. The state after them.
+    fn reads_back(rules: &RuleSet, format: u8) -> CallerState {
         use crate::engine::event::EventKind;
-        let rules = RuleSet::from_toml(
-            "[[rule]]\nname = \"talk\"\nkind = \"sliding-approx\"\nwindow = \"20s\"\nsum = \"talk\"\nlimit = 30\nmax_duration = \"5s\"\n",
-        )
-        .unwrap();
         let mut state = CallerState::default();
-        let mut packed_sums = false;
+        let mut packed_some = false;
         for i in 0..60i64 {
             let t = T0 + i * 900;
             let ev = if i % 3 == 2 {
@@ -800,18 +798,14 @@ mod tests {
             };
             let mut packed = Vec::new();
             state.pack(&mut packed, PackedLog::Inline);
-            packed_sums |= packed[0] == PACK_FORMAT_SUMS;
+            packed_some |= packed[0] == format;
             let (mut copy, _) = CallerState::unpack(&packed).expect("reads back");
             let mut again = Vec::new();
             copy.pack(&mut again, PackedLog::Inline);
             assert_eq!(packed, again, "event {i}: packs the same");
-            assert_eq!(
-                state.apply(&rules, &ev),
-                copy.apply(&rules, &ev),
-                "event {i}"
-            );
+            assert_eq!(state.apply(rules, &ev), copy.apply(rules, &ev), "event {i}");
         }
-        assert!(packed_sums && !state.sums.is_empty() && !state.pending_ends.is_empty());
+        assert!(packed_some, "nothing packed under format {format}");
         let mut packed = Vec::new();
         state.pack(&mut packed, PackedLog::Inline);
         for cut in 0..packed.len() {
@@ -820,52 +814,27 @@ mod tests {
                 "prefix {cut}"
             );
         }
+        state
+    }
+
+    /// Sum rules' waiting calls, what ended calls added and the talk of
+    /// ends that came first read back.
+    #[test]
+    fn sums_read_back() {
+        let rules = RuleSet::from_toml(
+            "[[rule]]\nname = \"talk\"\nkind = \"sliding-approx\"\nwindow = \"20s\"\nsum = \"talk\"\nlimit = 30\nmax_duration = \"5s\"\n",
+        )
+        .unwrap();
+        let state = reads_back(&rules, PACK_FORMAT_SUMS);
+        assert!(!state.sums.is_empty() && !state.pending_ends.is_empty());
     }
 
     /// Calls held open (ended or not) and ends that came before their
-    /// calls read back: the copy decides every later call and end as the
-    /// state does.
+    /// calls read back.
     #[test]
     fn open_calls_and_pending_ends_read_back() {
-        use crate::engine::event::EventKind;
         let rules = RuleSet::from_args(None, &["ch:concurrent:20s:3".into()]).unwrap();
-        let mut state = CallerState::default();
-        let mut packed_some = false;
-        for i in 0..60i64 {
-            let t = T0 + i * 900;
-            let ev = if i % 3 == 2 {
-                // The end of the call before, or (every fourth) of one to come.
-                let id = if i % 4 == 0 {
-                    format!("c{}", i + 1)
-                } else {
-                    format!("c{}", i - 1)
-                };
-                CallEvent {
-                    kind: EventKind::End,
-                    ..call(&id, t + 400)
-                }
-            } else {
-                call(&format!("c{i}"), t)
-            };
-            let mut packed = Vec::new();
-            state.pack(&mut packed, PackedLog::Inline);
-            packed_some |= packed[0] == PACK_FORMAT_OPEN;
-            let (mut copy, _) = CallerState::unpack(&packed).expect("reads back");
-            let mut again = Vec::new();
-            copy.pack(&mut again, PackedLog::Inline);
-            assert_eq!(packed, again, "call {i}: packs the same");
-            let a = state.apply(&rules, &ev);
-            let b = copy.apply(&rules, &ev);
-            assert_eq!(a, b, "call {i}");
-        }
-        assert!(packed_some && !state.open.is_empty() && !state.pending_ends.is_empty());
-        let mut packed = Vec::new();
-        state.pack(&mut packed, PackedLog::Inline);
-        for cut in 0..packed.len() {
-            assert!(
-                CallerState::unpack(&packed[..cut]).is_none(),
-                "prefix {cut}"
-            );
-        }
+        let state = reads_back(&rules, PACK_FORMAT_OPEN);
+        assert!(!state.open.is_empty() && !state.pending_ends.is_empty());
     }
 }
