@@ -526,7 +526,6 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
         group,
         mode,
         rounds: 4,
-        kill_after: 300..2_500,
         ready_within: Duration::from_secs(60),
     };
     crash.run(&s, seed).await;
@@ -543,9 +542,6 @@ struct Crash<'a> {
     group: &'a str,
     mode: &'a [&'a str],
     rounds: usize,
-    /// How long after a consumer owns partitions it is killed, ms (drawn
-    /// at random): it must still have work then.
-    kill_after: std::ops::Range<u64>,
     /// How long a new consumer may take to own partitions (a killed
     /// member holds them until the broker expires it).
     ready_within: Duration,
@@ -604,14 +600,23 @@ impl Crash<'_> {
                 );
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            let wait = rng.random_range(self.kill_after.clone());
-            tokio::time::sleep(Duration::from_millis(wait)).await;
-            let done = common::http_get(port, "/metrics")
-                .map_or(0.0, |m| metric_sum(&m, "callguard_events_total"));
+            // Killed mid-work: once it has decided a random share of the
+            // calls (a twentieth to a third), or, when no work is left for
+            // it, a few seconds on.
+            let target = rng.random_range(calls / 20..calls / 3) as f64;
+            let decided = || {
+                common::http_get(port, "/metrics")
+                    .map_or(0.0, |m| metric_sum(&m, "callguard_events_total"))
+            };
+            let give_up = Instant::now() + Duration::from_secs(5);
+            while decided() < target && Instant::now() < give_up {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let done = decided();
             signal(&child, "KILL");
             let _ = child.wait();
             eprintln!(
-                "round {round}: killed {wait} ms after it was ready, {done:.0} events decided"
+                "round {round}: killed after {done:.0} events decided (aimed at {target:.0})"
             );
             mid_work |= done > 0.0 && done < calls as f64;
         }
@@ -698,7 +703,6 @@ async fn tansu_call_ends_with_sigkills_decide_as_replay() {
         group: "g-tansu-ends",
         mode: &[],
         rounds: 2,
-        kill_after: 100..500,
         // tansu expires a member killed after joining once its session
         // times out, 30-50 s.
         ready_within: Duration::from_secs(180),
