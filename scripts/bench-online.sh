@@ -40,7 +40,9 @@
 #   the reference that tells the store's share of the latency from the
 #   rest of callguard's (reading, encoding, producing). ENDS=1 adds
 #   section 2b: consume over the calls alone against the calls and their
-#   ends (`produce --ends`), with a concurrent rule, events/s of each.
+#   ends (`produce --ends`), with a concurrent rule, events/s of each
+#   (ENDS_RULES: another rule set, e.g. data/rules-fraud.toml with its
+#   talk and spend caps).
 #
 #   scripts/bench-online.sh [EVENTS] [RATE] [SECONDS] [LOW]
 set -euo pipefail
@@ -217,7 +219,7 @@ fi
 ends_run() {
   local mode="$1" topic="$2" want="$3" tag="$4"
   redis-cli -p "$rport" flushall > /dev/null
-  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$work/rules-channels.toml" \
+  "$bin" consume --brokers "$brokers" --redis-url "$redis" --rules "$ends_rules" \
     $(mode_flag "$mode") --group "callguard-ends-$mode-$tag" --input-topic "$topic" \
     --decisions-topic "call-decisions-$mode" --features-topic "call-features-$mode" \
     --metrics-addr "127.0.0.1:$mport" ${CONSUME_ARGS:-} > "$work/consume-ends-$mode.log" 2>&1 &
@@ -238,15 +240,22 @@ ends_run() {
 # Decided calls and applied ends so far.
 handled() { { curl -s "127.0.0.1:$mport/metrics" || true; } | awk '/^callguard_(events|call_ends)_total/ {s += $NF} END {print s+0}'; }
 if [ "${ENDS:-0}" = 1 ]; then
-  cp data/rules.toml "$work/rules-channels.toml"
-  printf '\n[[rule]]\nname = "channels"\nkind = "concurrent"\nlimit = 10\nmax_duration = "2h"\n' \
-    >> "$work/rules-channels.toml"
+  # Another rule set (with a concurrent or sum rule) is read where it is,
+  # its callees and rates files beside it.
+  ends_rules="$work/rules-channels.toml"
+  if [ -n "${ENDS_RULES:-}" ]; then
+    ends_rules="$(realpath "$ENDS_RULES")"
+  else
+    cp data/rules.toml "$ends_rules"
+    printf '\n[[rule]]\nname = "channels"\nkind = "concurrent"\nlimit = 10\nmax_duration = "2h"\n' \
+      >> "$ends_rules"
+  fi
   tansu topic create calls-ends --partitions 4 --broker "tcp://$brokers" >/dev/null
   "$bin" produce --ends -i "$work/calls.csv" --brokers "$brokers" --topic calls-ends > "$work/produce-ends.log"
   with_ends=$(awk '/produced/ {print $2}' "$work/produce-ends.log")
   for mode in $modes; do
     echo
-    echo "# 2b. Calls and their ends, $events calls ($with_ends events with ends), data/rules.toml + a concurrent rule, --redis-mode $mode"
+    echo "# 2b. Calls and their ends, $events calls ($with_ends events with ends), ${ENDS_RULES:-data/rules.toml + a concurrent rule}, --redis-mode $mode"
     printf '| input | events handled | events/s |\n|---|---|---|\n'
     ends_run "$mode" calls "$events" "attempts alone"
     alone=$ends_rate
