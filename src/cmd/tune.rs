@@ -153,7 +153,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
     }
     let log = Arc::new(log);
     let limits = match (&rules.rules[index].sum, &args.limits) {
-        (Some(sum), Some(given)) => parse_values(given, |v| sum.parse_level(v))?,
+        (Some(sum), Some(given)) => parse_values(given, |v| sum.of.parse_level(v))?,
         (Some(sum), None) => {
             let observed = observed_limits(log.clone(), &rules, index, progress)?;
             println!(

@@ -213,6 +213,28 @@ pub enum SumOf {
     Cost(Arc<Rates>),
 }
 
+impl SumOf {
+    /// A level (limit, warn, a limit to sweep) written in its unit: a
+    /// whole number is seconds of talk or whole units of currency; else
+    /// a duration of talk (`"90m"`) or an amount (`"50.00"`).
+    pub fn parse_level(&self, s: &str) -> Result<u64, String> {
+        let s = s.trim();
+        let whole = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        match self {
+            SumOf::Talk if whole => s.parse().map_err(|_| format!("`{s}`: too large")),
+            SumOf::Talk => {
+                let ms =
+                    crate::engine::duration::parse_duration_ms(s).map_err(|e| e.to_string())?;
+                if ms % 1_000 != 0 {
+                    return Err(format!("`{s}`: talk is counted in whole seconds"));
+                }
+                Ok(ms.unsigned_abs() / 1_000)
+            }
+            SumOf::Cost(_) => crate::engine::rates::parse_money(s),
+        }
+    }
+}
+
 /// A sum rule's measure: the key's allowed calls that ended in the
 /// window, each adding its talk time or its cost at its end.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -244,26 +266,6 @@ impl Sum {
         match &self.of {
             SumOf::Talk => None,
             SumOf::Cost(rates) => rates.price(callee?),
-        }
-    }
-
-    /// A level (limit, warn, a limit to sweep) written in its unit: a
-    /// whole number is seconds of talk or whole units of currency; else
-    /// a duration of talk (`"90m"`) or an amount (`"50.00"`).
-    pub fn parse_level(&self, s: &str) -> Result<u64, String> {
-        let s = s.trim();
-        let whole = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-        match self.of {
-            SumOf::Talk if whole => s.parse().map_err(|_| format!("`{s}`: too large")),
-            SumOf::Talk => {
-                let ms =
-                    crate::engine::duration::parse_duration_ms(s).map_err(|e| e.to_string())?;
-                if ms % 1_000 != 0 {
-                    return Err(format!("`{s}`: talk is counted in whole seconds"));
-                }
-                Ok(ms.unsigned_abs() / 1_000)
-            }
-            SumOf::Cost(_) => crate::engine::rates::parse_money(s),
         }
     }
 

@@ -83,11 +83,7 @@ impl Level {
             (Level::Whole(n), Some(SumOf::Cost(_))) => n
                 .checked_mul(MICROS)
                 .ok_or_else(|| format!("{n}: too large")),
-            (Level::Text(t), Some(of)) => Sum {
-                of: of.clone(),
-                max_duration_ms: 0,
-            }
-            .parse_level(t),
+            (Level::Text(t), Some(of)) => of.parse_level(t),
             (Level::Text(t), None) => Err(format!(
                 "`{t}`: a whole number of calls (text is for sum rules: \"90m\" of talk, \"50.00\" of spend)"
             )),

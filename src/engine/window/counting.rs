@@ -338,11 +338,7 @@ impl CallerState {
                 continue;
             }
             if rule.sum.is_some() {
-                let shape = super::Shape {
-                    kind: rule.kind,
-                    w,
-                    grace: rules.grace_ms,
-                };
+                let shape = super::Shape::of(rule, rules.grace_ms);
                 let s = slot(&mut self.sums, rule).rejects_until(shape, t, n);
                 if let Some(s) = s.and_then(|s| profiled(rule, s)) {
                     last = last.max(s);

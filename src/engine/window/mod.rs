@@ -129,13 +129,24 @@ struct RuleId {
     max_duration_ms: i64,
 }
 
-/// The state kept for rule `rule` in `slots`, created empty if missing.
-fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut T {
-    let at = match slots.iter().position(|(id, _)| {
+/// Where rule `rule`'s state is in `slots`, if it has some.
+fn slot_index<T>(slots: &[(RuleId, T)], rule: &Rule) -> Option<usize> {
+    slots.iter().position(|(id, _)| {
         id.window_ms == rule.window_ms
             && id.name == rule.name
             && id.max_duration_ms == rule.sum.as_ref().map_or(0, |s| s.max_duration_ms)
-    }) {
+    })
+}
+
+/// The state kept for rule `rule` in `slots`, if any (none is made).
+fn existing_slot<'a, T>(slots: &'a mut [(RuleId, T)], rule: &Rule) -> Option<&'a mut T> {
+    let at = slot_index(slots, rule)?;
+    Some(&mut slots[at].1)
+}
+
+/// The state kept for rule `rule` in `slots`, created empty if missing.
+fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut T {
+    let at = match slot_index(slots, rule) {
         Some(at) => at,
         None => {
             slots.push((
@@ -458,13 +469,8 @@ impl CallerState {
         if rule.kind == WindowKind::Concurrent {
             return self.concurrent_count(rule, ev, h);
         }
-        if let Some(sum) = &rule.sum {
-            let shape = Shape {
-                kind: rule.kind,
-                w,
-                grace: rules.grace_ms,
-            };
-            let _ = sum;
+        if rule.sum.is_some() {
+            let shape = Shape::of(rule, rules.grace_ms);
             return slot(&mut self.sums, rule).count(shape, t, l_new);
         }
         if rule.key == RuleKey::CallerCallee {
@@ -594,13 +600,15 @@ impl CallerState {
         let talk = ev.talk_ms.unwrap_or(0);
         for rule in rules.rules.iter() {
             let Some(sum) = &rule.sum else { continue };
-            let sums = slot(&mut self.sums, rule);
-            if !sums.is_waiting(&ev.call_id) {
+            let Some(sums) = existing_slot(&mut self.sums, rule) else {
                 continue;
-            }
+            };
+            let Some(ended) = sums.end(&ev.call_id, ev.ts_ms, sum.max_duration_ms) else {
+                continue;
+            };
             held = true;
-            if let Some((start, price)) = sums.end(&ev.call_id, ev.ts_ms, sum.max_duration_ms) {
-                sums.add(ev.ts_ms.max(start), sum.amount(price, talk));
+            if let Some((at, price)) = ended {
+                sums.add(at, sum.amount(price, talk));
             }
         }
         if !held && !self.seen.contains_key(&ev.call_id) {
@@ -693,12 +701,7 @@ impl CallerState {
                 continue;
             };
             let (id, mut sums) = self.sums.swap_remove(at);
-            let shape = Shape {
-                kind: rule.kind,
-                w: rule.window_ms,
-                grace: rules.grace_ms,
-            };
-            sums.trim(shape, sum.max_duration_ms, l_new);
+            sums.trim(Shape::of(rule, rules.grace_ms), sum.max_duration_ms, l_new);
             if !sums.is_empty() {
                 kept.push((id, sums));
             }

@@ -50,6 +50,17 @@ pub(super) struct Shape {
     pub(super) grace: i64,
 }
 
+impl Shape {
+    /// The shape of `rule` in a set with `grace`.
+    pub(super) fn of(rule: &crate::engine::rules::Rule, grace: i64) -> Self {
+        Shape {
+            kind: rule.kind,
+            w: rule.window_ms,
+            grace,
+        }
+    }
+}
+
 impl Sums {
     /// A call allowed at `start` waits for its end.
     pub(super) fn wait(&mut self, id: &str, start: i64, price: Option<Price>) {
@@ -61,22 +72,25 @@ impl Sums {
         insert_sorted(&mut self.waiting, call, |c| c.start <= start);
     }
 
-    /// The end of call `id` at `end`: the waiting call, if it is one and
-    /// its end came within `max_duration`, stops waiting; its (start,
-    /// price).
+    /// The end of call `id` at `end`: `None` when no such call waits;
+    /// else the call stops waiting, and what its end adds at, and at which
+    /// price, if the end came within `max_duration` (`Some(None)`: too
+    /// late, it adds nothing).
     pub(super) fn end(
         &mut self,
         id: &str,
         end: i64,
         max_duration: i64,
-    ) -> Option<(i64, Option<Price>)> {
+    ) -> Option<Option<(i64, Option<Price>)>> {
         let at = self.waiting.iter().rposition(|c| c.id == id)?;
         let call = self.waiting.remove(at)?;
-        (end < call.start.saturating_add(max_duration)).then_some((call.start, call.price))
+        let in_time = end < call.start.saturating_add(max_duration);
+        Some(in_time.then_some((end.max(call.start), call.price)))
     }
 
     /// Whether call `id` waits for its end.
-    pub(super) fn is_waiting(&self, id: &str) -> bool {
+    #[cfg(test)]
+    fn is_waiting(&self, id: &str) -> bool {
         self.waiting.iter().any(|c| c.id == id)
     }
 
@@ -296,9 +310,13 @@ mod tests {
         let mut s = Sums::default();
         s.wait("a", 100, None);
         s.wait("b", 200, None);
-        assert_eq!(s.end("a", 150, 1_000), Some((100, None)));
+        assert_eq!(s.end("a", 150, 1_000), Some(Some((150, None))));
         assert_eq!(s.end("a", 160, 1_000), None, "a second end");
-        assert_eq!(s.end("b", 1_200, 1_000), None, "past its max duration");
+        assert_eq!(
+            s.end("b", 1_200, 1_000),
+            Some(None),
+            "past its max duration"
+        );
         assert!(!s.is_waiting("b"));
     }
 
