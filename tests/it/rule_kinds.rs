@@ -318,16 +318,15 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             caller: c.caller.as_str().into(),
             ts_ms: c.ts_ms,
             callee: Some(c.callee.as_str().into()),
-            duration_ms: Some(c.duration_ms),
+            duration_ms: Some(c.duration_ms()),
             label: Some(c.fraud),
             ..Default::default()
         };
         let end = CallEvent {
             kind: EventKind::End,
-            ts_ms: c.ts_ms + c.duration_ms,
+            ts_ms: c.ts_ms + c.duration_ms(),
             duration_ms: None,
-            // A generated call's duration is its talk.
-            talk_ms: Some(c.duration_ms),
+            talk_ms: Some(c.talk_ms),
             ..e.clone()
         };
         events.push((end.ts_ms, 0, i, end));
@@ -470,9 +469,10 @@ fn features_export_the_new_counts_and_warnings() {
     );
 }
 
-/// Under `--hash-numbers` a rule's callee prefixes still match the real
-/// callees: `replay` of the fraud rules with pseudonymised numbers decides
-/// every call as it does without (the pseudonyms aside).
+/// Under `--hash-numbers` a rule's callee prefixes and a rate table's
+/// prefixes still match the real callees: `replay` of the fraud rules with
+/// pseudonymised numbers decides and prices every call as it does without
+/// (the pseudonyms aside).
 #[test]
 fn callee_prefixes_match_real_callees_under_pseudonyms() {
     let dir = tempfile::tempdir().unwrap();
@@ -521,6 +521,12 @@ fn callee_prefixes_match_real_callees_under_pseudonyms() {
         irsf_rejects > 300,
         "{irsf_rejects} IRSF rejects under pseudonyms"
     );
+    // Calls priced by the rate table (an empty count is a sum of 0).
+    let priced = hashed
+        .iter()
+        .filter(|r| r.contains("count_spend=") && !r.contains("count_spend=,"))
+        .count();
+    assert!(priced > 100, "{priced} calls with a spend under pseudonyms");
     for (p, h) in plain.iter().zip(&hashed) {
         assert_eq!(p, h);
     }

@@ -156,7 +156,8 @@ pub struct CallEvent {
     /// allow- and denylist matching only (it is never stored or emitted).
     pub list_number: Option<String>,
     /// With pseudonymised numbers: the callee's real normalised number, for
-    /// rules' callee prefixes only (it is never stored or emitted).
+    /// rules' callee prefixes and rate tables only (it is never stored or
+    /// emitted).
     pub filter_callee: Option<CompactString>,
     /// What the rules keyed by callee or global found for this call, one
     /// entry per rule of the set (others zero), filled in by
@@ -206,8 +207,8 @@ impl CallEvent {
         self.list_number.as_deref().unwrap_or(&self.caller)
     }
 
-    /// The callee rules' callee prefixes are matched against: the real
-    /// one, also when `callee` is a pseudonym.
+    /// The callee rules' callee prefixes and rate tables are matched
+    /// against: the real one, also when `callee` is a pseudonym.
     pub fn callee_for_filters(&self) -> Option<&str> {
         self.filter_callee.as_deref().or(self.callee.as_deref())
     }

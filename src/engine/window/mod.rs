@@ -564,7 +564,7 @@ impl CallerState {
                 taken = true;
             }
             if let Some(sum) = &rule.sum {
-                let price = sum.price(ev.callee.as_deref());
+                let price = sum.price(ev.callee_for_filters());
                 let sums = slot(&mut self.sums, rule);
                 match end {
                     Some((e, talk)) if e < ev.ts_ms.saturating_add(sum.max_duration_ms) => {

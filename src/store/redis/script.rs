@@ -404,7 +404,7 @@ fn prices(rules: &RuleSet, ev: &CallEvent) -> String {
         .map(|r| {
             r.sum
                 .as_ref()
-                .and_then(|s| s.price(ev.callee.as_deref()))
+                .and_then(|s| s.price(ev.callee_for_filters()))
                 .map_or_else(String::new, |p| {
                     format!("{}/{}", p.per_minute, p.increment_s)
                 })

@@ -181,7 +181,7 @@ fn decide(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
         let prices: Vec<Option<Price>> = rules
             .rules
             .iter()
-            .map(|r| r.sum.as_ref().and_then(|s| s.price(e.callee.as_deref())))
+            .map(|r| r.sum.as_ref().and_then(|s| s.price(e.callee_for_filters())))
             .collect();
         let mut adds = vec![None; rules.rules.len()];
         if let Some((end, talk)) = taken {
