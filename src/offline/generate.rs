@@ -14,10 +14,16 @@
 //! | harasser | fraud | one caller calling one callee again and again: 8-30 calls, 2-10 min apart, mostly unanswered |
 //! | tdos | fraud | only with `--tdos N`: N calls at ~40/s to one victim ([`TDOS_VICTIM`]) from N/8 spoofed callers, from 11:00 UTC |
 //!
+//! Every call rings before it is answered or given up: an answered call
+//! 2-12 s, an unanswered one 8-40 s (a wangiri call one ring, 1-4 s).
+//! Ordinary calls (subscribers, PBXs) go unanswered 30% of the time and
+//! talk a log-normal while otherwise, median 2 min: three in four last 30 s
+//! to 5 min.
+//!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
-//! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms`, `label`
-//! (`fraud`/`legit`), `population` and `talk_ms` (the answered time: a
-//! generated call's duration is its talk, 0 when unanswered).
+//! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms` (attempt
+//! to hang-up: ringing and talk), `label` (`fraud`/`legit`), `population`
+//! and `talk_ms` (the answered time, 0 when unanswered).
 
 use std::io::Write;
 use std::path::Path;
@@ -43,12 +49,46 @@ pub struct GenCall {
     pub callee: String,
     /// Event time, epoch ms.
     pub ts_ms: i64,
-    /// Duration in ms (0: unanswered).
-    pub duration_ms: i64,
+    /// Ringing time before the answer or the hang-up, ms.
+    pub ring_ms: i64,
+    /// Talk time, ms (0: unanswered).
+    pub talk_ms: i64,
     /// Fraud or not.
     pub fraud: bool,
     /// Population name.
     pub population: &'static str,
+}
+
+impl GenCall {
+    /// Attempt to hang-up, ms: ringing and talk.
+    pub fn duration_ms(&self) -> i64 {
+        self.ring_ms + self.talk_ms
+    }
+
+    /// Whether the call was answered.
+    pub fn answered(&self) -> bool {
+        self.talk_ms > 0
+    }
+}
+
+/// An answered call's ringing and talk times: it rings 2-12 s first.
+fn answered(rng: &mut StdRng, talk_ms: i64) -> (i64, i64) {
+    (rng.random_range(2_000..12_000), talk_ms)
+}
+
+/// An unanswered call's ringing and talk times: rung 8-40 s, given up.
+fn unanswered(rng: &mut StdRng) -> (i64, i64) {
+    (rng.random_range(8_000..40_000), 0)
+}
+
+/// Answered with probability `p`, talking a uniform `talk` ms then.
+fn maybe_answered(rng: &mut StdRng, p: f64, talk: std::ops::Range<i64>) -> (i64, i64) {
+    if rng.random_bool(p) {
+        let t = rng.random_range(talk);
+        answered(rng, t)
+    } else {
+        unanswered(rng)
+    }
 }
 
 /// The callee of the TDoS attack [`add_tdos`] writes (a hospital's
@@ -71,15 +111,13 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
     let mut t = TDOS_START_MS;
     for _ in 0..count {
         t += rng.random_range(0..50);
+        let (ring_ms, talk_ms) = maybe_answered(&mut rng, 0.3, 1_000..20_000);
         calls.push(GenCall {
             caller: callers[rng.random_range(0..callers.len())].clone(),
             callee: TDOS_VICTIM.into(),
             ts_ms: t,
-            duration_ms: if rng.random_bool(0.3) {
-                rng.random_range(1_000..20_000)
-            } else {
-                0
-            },
+            ring_ms,
+            talk_ms,
             fraud: true,
             population: "tdos",
         });
@@ -158,13 +196,19 @@ fn daytime_ts(rng: &mut StdRng) -> i64 {
     }
 }
 
-fn legit_duration(rng: &mut StdRng) -> i64 {
-    if rng.random_bool(0.25) {
-        return 0;
+/// An ordinary call's ringing and talk: unanswered 30% of the time;
+/// answered, a log-normal talk of median 2 min and sigma 1 (three in four
+/// between 30 s and 5 min), 3 s to 2 h.
+fn legit_call(rng: &mut StdRng) -> (i64, i64) {
+    if rng.random_bool(0.3) {
+        return unanswered(rng);
     }
-    // Log-uniform between 5 s and 20 min: about 60% under 90 s.
-    let ln = rng.random_range((5_000f64).ln()..(1_200_000f64).ln());
-    ln.exp() as i64
+    // A standard normal (Box-Muller).
+    let u: f64 = rng.random_range(f64::EPSILON..1.0);
+    let v: f64 = rng.random();
+    let z = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+    let talk = (120_000.0 * z.exp()).clamp(3_000.0, 7_200_000.0) as i64;
+    answered(rng, talk)
 }
 
 fn subscriber(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
@@ -179,11 +223,13 @@ fn subscriber(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             0
         };
         for _ in 0..=redials {
+            let (ring_ms, talk_ms) = legit_call(rng);
             out.push(GenCall {
                 caller: caller.clone(),
                 callee: callee.clone(),
                 ts_ms: t,
-                duration_ms: legit_duration(rng),
+                ring_ms,
+                talk_ms,
                 fraud: false,
                 population: "subscriber",
             });
@@ -199,11 +245,13 @@ fn pbx(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let mut t = DAY_START_MS + 9 * 3_600_000 + rng.random_range(0..1_800_000);
     let end = DAY_START_MS + 18 * 3_600_000;
     while t < end {
+        let (ring_ms, talk_ms) = legit_call(rng);
         out.push(GenCall {
             caller: caller.clone(),
             callee: subscriber_number(rng),
             ts_ms: t,
-            duration_ms: legit_duration(rng),
+            ring_ms,
+            talk_ms,
             fraud: false,
             population: "pbx",
         });
@@ -218,16 +266,13 @@ fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let mean_gap = 60_000.0 / rng.random_range(6.0..10.0);
     let mut t = shift_start;
     while t < end {
-        let answered = rng.random_bool(0.3);
+        let (ring_ms, talk_ms) = maybe_answered(rng, 0.3, 10_000..300_000);
         out.push(GenCall {
             caller: caller.clone(),
             callee: subscriber_number(rng),
             ts_ms: t,
-            duration_ms: if answered {
-                rng.random_range(10_000..300_000)
-            } else {
-                0
-            },
+            ring_ms,
+            talk_ms,
             fraud: false,
             population: "dialer",
         });
@@ -246,16 +291,13 @@ fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let mean_gap = 60_000.0 / rng.random_range(5.0..10.0);
     let mut t = start;
     while t < end {
-        let answered = rng.random_bool(0.15);
+        let (ring_ms, talk_ms) = maybe_answered(rng, 0.15, 3_000..40_000);
         out.push(GenCall {
             caller: caller.clone(),
             callee: subscriber_number(rng),
             ts_ms: t,
-            duration_ms: if answered {
-                rng.random_range(3_000..40_000)
-            } else {
-                0
-            },
+            ring_ms,
+            talk_ms,
             fraud: true,
             population: "robocaller",
         });
@@ -279,7 +321,9 @@ fn wangiri(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
                 caller: caller.clone(),
                 callee: subscriber_number(rng),
                 ts_ms: t,
-                duration_ms: 0,
+                // One ring, then hung up.
+                ring_ms: rng.random_range(1_000..4_000),
+                talk_ms: 0,
                 fraud: true,
                 population: "wangiri",
             });
@@ -319,7 +363,9 @@ fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
             caller: caller.clone(),
             callee: callee.clone(),
             ts_ms: t,
-            duration_ms: if test_call {
+            // (Premium numbers answer at once.)
+            ring_ms: rng.random_range(1_000..4_000),
+            talk_ms: if test_call {
                 rng.random_range(5_000..20_000)
             } else {
                 rng.random_range(300_000..1_800_000)
@@ -342,11 +388,13 @@ fn pbx_burst(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     for start in starts {
         let mut t = start;
         for _ in 0..rng.random_range(10..=25) {
+            let (ring_ms, talk_ms) = legit_call(rng);
             out.push(GenCall {
                 caller: caller.clone(),
                 callee: subscriber_number(rng),
                 ts_ms: t,
-                duration_ms: legit_duration(rng),
+                ring_ms,
+                talk_ms,
                 fraud: false,
                 population: "pbx_burst",
             });
@@ -360,15 +408,13 @@ fn harasser(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     let callee = subscriber_number(rng);
     let mut t = daytime_ts(rng);
     for _ in 0..rng.random_range(8..=30) {
+        let (ring_ms, talk_ms) = maybe_answered(rng, 0.2, 2_000..15_000);
         out.push(GenCall {
             caller: caller.clone(),
             callee: callee.clone(),
             ts_ms: t,
-            duration_ms: if rng.random_bool(0.2) {
-                rng.random_range(2_000..15_000)
-            } else {
-                0
-            },
+            ring_ms,
+            talk_ms,
             fraud: true,
             population: "harasser",
         });
@@ -410,10 +456,10 @@ pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
             c.caller,
             c.callee,
             ts,
-            c.duration_ms,
+            c.duration_ms(),
             label,
             c.population,
-            c.duration_ms
+            c.talk_ms
         )
         .map_err(io)?;
     }
@@ -422,8 +468,8 @@ pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
 
 /// Writes `calls` as a switch's call records (`format` one of the
 /// presets), times in the switch's local time `tz`: what that switch would
-/// have logged for them. Every call rings 3 s (unanswered: 20 s); talk
-/// time is the call's duration in whole seconds. Asterisk and FreeSWITCH
+/// have logged for them, its ringing and talk in whole seconds (as
+/// switches log them: `billsec` the talk, `duration` both). Asterisk and FreeSWITCH
 /// write a row at hangup, so rows are in order of end; Kamailio `acc`
 /// logs the INVITE transaction when it ends and, for an answered call,
 /// the BYE at hangup.
@@ -472,10 +518,9 @@ fn cdr_rows(i: usize, c: &GenCall, format: InputFormat, tz: Tz) -> Vec<(i64, Vec
             .map(|d| d.with_timezone(&tz).format("%Y-%m-%d %H:%M:%S").to_string())
             .unwrap_or_default()
     };
-    let answered = c.duration_ms > 0;
-    let billsec = c.duration_ms / 1000;
-    let ring_ms = if answered { 3_000 } else { 20_000 };
-    let answer_ms = c.ts_ms + ring_ms;
+    let answered = c.answered();
+    let billsec = c.talk_ms / 1000;
+    let answer_ms = c.ts_ms + c.ring_ms / 1000 * 1000;
     let end_ms = answer_ms + if answered { billsec * 1000 } else { 0 };
     let total = (end_ms - c.ts_ms) / 1000;
     let start = local(c.ts_ms);

@@ -199,13 +199,13 @@ fn kamailio_acc_export_with_a_header() {
 fn every_preset_reads_back_the_generated_calls() {
     let dir = tempfile::tempdir().unwrap();
     let calls = generate(5_000, 11);
-    // The switches log the whole duration (a ring of 3 s, 20 s unanswered,
-    // then the talk time) and the talk time, in whole seconds.
+    // The switches log the whole duration (the ring, then the talk time)
+    // and the talk time, in whole seconds.
     let mut expected: Vec<(String, String, i64, i64, i64)> = calls
         .iter()
         .map(|c| {
-            let talk = c.duration_ms / 1000 * 1000;
-            let ring = if c.duration_ms > 0 { 3_000 } else { 20_000 };
+            let talk = c.talk_ms / 1000 * 1000;
+            let ring = c.ring_ms / 1000 * 1000;
             (
                 c.caller.clone(),
                 c.callee.clone(),
@@ -216,7 +216,7 @@ fn every_preset_reads_back_the_generated_calls() {
         })
         .collect();
     expected.sort();
-    let answered = calls.iter().filter(|c| c.duration_ms > 0).count();
+    let answered = calls.iter().filter(|c| c.answered()).count();
     assert!(answered > 0 && answered < calls.len());
     for format in [
         InputFormat::Asterisk,
