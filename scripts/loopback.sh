@@ -28,6 +28,10 @@ start_tansu() {
   command -v tansu >/dev/null || { echo "tansu is not installed (scripts/test-all.sh installs it)" >&2; return 1; }
   kport=$(free_port)
   brokers="127.0.0.1:$kport"
+  # In-memory storage: the benchmarks' consumers read from the beginning
+  # and never resume. (tansu 0.6's memory storage serves a fetch from an
+  # offset inside a record batch from the next batch on: a consumer resumed
+  # there would skip calls. The tests run tansu on sqlite.)
   tansu broker --listener-url "tcp://$brokers" --advertised-listener-url "tcp://$brokers" \
     --storage-engine memory://tansu/ > "$work/tansu.log" 2>&1 &
   track $!
