@@ -2,7 +2,7 @@
 # Offline benchmark: `callguard tune` (one rule swept over N = 1..200) and
 # `callguard features` on a generated call log, beside DuckDB computing the
 # same sliding-window counts in the same run (and polars' rolling group-by
-# computing the counts). `features` runs twice: the whole feature table (17
+# computing the counts). `features` runs twice: the whole feature table (19
 # columns), and `--columns call_id,count_minute,count_hour`, the table the
 # peers write. Prints wall time and peak memory (max RSS) of each, the
 # ratios, and checks that the peers' counts and sweep equal callguard's.

@@ -15,7 +15,8 @@
 //! milliseconds and `Z` in JSON and CSV (the same text), a UTC-aware
 //! millisecond timestamp (`timestamp[ms, tz=UTC]`) in Parquet.
 
-use chrono::{DateTime, SecondsFormat};
+use chrono::{DateTime, Datelike, SecondsFormat, Timelike};
+use chrono_tz::Tz;
 use compact_str::CompactString;
 use serde_json::{json, Map};
 
@@ -223,6 +224,12 @@ pub enum Field {
     SincePrevMs,
     /// `distinct_callees`: see [`Verdict::distinct_callees`].
     DistinctCallees,
+    /// `local_hour`: the hour of the event time (0-23) in the rule set's
+    /// time zone (UTC without one).
+    LocalHour(Tz),
+    /// `local_weekday`: the day of the week of the event time in the rule
+    /// set's time zone, ISO 8601 (1 Monday to 7 Sunday).
+    LocalWeekday(Tz),
     /// `callee` as given.
     Callee,
     /// `duration_ms`.
@@ -290,7 +297,10 @@ impl Field {
             | Field::RulesVersion
             | Field::Warn => Kind::Text,
             Field::TsMs | Field::SincePrevMs | Field::DurationMs | Field::RetryAfterMs => Kind::Int,
-            Field::Count(_) | Field::DistinctCallees => Kind::UInt,
+            Field::Count(_)
+            | Field::DistinctCallees
+            | Field::LocalHour(_)
+            | Field::LocalWeekday(_) => Kind::UInt,
             Field::Shadow | Field::Late | Field::Degraded | Field::Label => Kind::Bool,
             Field::EventTime => Kind::Time,
         }
@@ -308,6 +318,10 @@ impl Field {
             Field::Count(i) => Value::UInt(r.counts.get(i).copied().filter(|&c| c > 0)),
             Field::SincePrevMs => Value::Int(v.since_prev_ms()),
             Field::DistinctCallees => Value::UInt(v.distinct_callees),
+            Field::LocalHour(tz) => Value::UInt(local(r.ts_ms, tz).map(|d| u64::from(d.hour()))),
+            Field::LocalWeekday(tz) => {
+                Value::UInt(local(r.ts_ms, tz).map(|d| u64::from(d.weekday().number_from_monday())))
+            }
             Field::Callee => Value::Text(row.event.callee.as_deref()),
             Field::DurationMs => Value::Int(row.event.duration_ms),
             Field::Decision => Value::Text(Some(r.decision.as_str())),
@@ -321,6 +335,12 @@ impl Field {
             Field::Warn => Value::Text(r.warn.as_deref()),
         }
     }
+}
+
+/// Epoch milliseconds `ms` as a local time in `tz` (`None` past chrono's
+/// range, which no valid event time is).
+fn local(ms: i64, tz: Tz) -> Option<DateTime<Tz>> {
+    DateTime::from_timestamp_millis(ms).map(|d| d.with_timezone(&tz))
 }
 
 impl Value<'_> {
@@ -379,6 +399,8 @@ impl Schema {
                 Field::EventTime => "event_time",
                 Field::SincePrevMs => "since_prev_ms",
                 Field::DistinctCallees => "distinct_callees",
+                Field::LocalHour(_) => "local_hour",
+                Field::LocalWeekday(_) => "local_weekday",
                 Field::Callee => "callee",
                 Field::DurationMs => "duration_ms",
                 Field::Decision => "decision",
@@ -450,9 +472,11 @@ impl Schema {
 
     /// Point-in-time features (`call-features`, `features`): `call_id,
     /// caller, event_time, ts_ms, count_<rule>..., since_prev_ms,
-    /// distinct_callees, callee, duration_ms, decision, reason, retry_after_ms, late,
-    /// degraded, label, rules_version`.
+    /// distinct_callees, local_hour, local_weekday, callee, duration_ms,
+    /// decision, reason, retry_after_ms, late, degraded, label,
+    /// rules_version`.
     pub fn features(rules: &RuleSet) -> Self {
+        let tz = rules.timezone.unwrap_or(Tz::UTC);
         Self::build(
             rules,
             &[
@@ -463,6 +487,8 @@ impl Schema {
                 Field::Count(0),
                 Field::SincePrevMs,
                 Field::DistinctCallees,
+                Field::LocalHour(tz),
+                Field::LocalWeekday(tz),
                 Field::Callee,
                 Field::DurationMs,
                 Field::Decision,
@@ -697,6 +723,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// `local_hour` and `local_weekday` are the event time's hour and ISO
+    /// weekday in the set's time zone (UTC without one), across midnight
+    /// and a summer-time change.
+    #[test]
+    fn local_time_features_follow_the_set_s_time_zone() {
+        let utc = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+        let madrid =
+            RuleSet::from_toml("timezone = \"Europe/Madrid\"\n[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 5\n")
+                .unwrap();
+        assert_ne!(utc.version(), madrid.version(), "the zone changes features");
+        let at = |rules: &RuleSet, ts: &str| -> (u64, u64) {
+            let ts_ms = DateTime::parse_from_rfc3339(ts).unwrap().timestamp_millis();
+            let ev = CallEvent::new("c1", "+34911000001", ts_ms);
+            let v = Verdict::degraded(&ev, rules, Decision::Allow);
+            let row = Row {
+                event: &ev,
+                verdict: &v,
+            };
+            let json = Schema::features(rules).to_json(row);
+            (
+                json["local_hour"].as_u64().unwrap(),
+                json["local_weekday"].as_u64().unwrap(),
+            )
+        };
+        // Monday 1 December 2025, 23:30 UTC: 00:30 on Tuesday in Madrid.
+        assert_eq!(at(&utc, "2025-12-01T23:30:00Z"), (23, 1));
+        assert_eq!(at(&madrid, "2025-12-01T23:30:00Z"), (0, 2));
+        // Sunday 30 March 2025, 01:30 UTC: 03:30 in Madrid, on summer time
+        // from 01:00 UTC (02:30 before it would be, on winter time).
+        assert_eq!(at(&madrid, "2025-03-30T01:30:00Z"), (3, 7));
+        assert_eq!(at(&madrid, "2025-03-30T00:30:00Z"), (1, 7));
     }
 
     /// Times and strings are written as `serde_json` writes chrono's text

@@ -346,6 +346,7 @@ impl RuleSet {
                 .max_distinct_callees
                 .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
             files,
+            timezone: default_tz,
         })
     }
 

@@ -20,6 +20,7 @@ impl RuleSet {
             distinct_callees,
             max_distinct_callees,
             files,
+            timezone,
         } = spec;
         if rules.is_empty() {
             return Err(RulesError::Invalid(
@@ -107,6 +108,7 @@ impl RuleSet {
             dedup: dedup_ms,
             callees: distinct_callees,
             max_callees: max_distinct_callees,
+            timezone,
             filtered: false,
             concurrent: false,
             sums: false,

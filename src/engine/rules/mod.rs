@@ -85,6 +85,9 @@ pub struct RuleSet {
     concurrent: bool,
     /// Whether any rule adds up ended calls (`sum`; kept, not derived).
     sums: bool,
+    /// The set's time zone (`timezone`): its rules' default, and the zone
+    /// of the `local_hour` and `local_weekday` features (UTC without one).
+    pub timezone: Option<chrono_tz::Tz>,
     /// Files the set was read from besides the rules file (`callees_file`s).
     files: Vec<PathBuf>,
     version: String,
@@ -117,6 +120,8 @@ pub struct RuleSpec {
     pub max_distinct_callees: u64,
     /// Files the rules were read from besides the rules file (`callees_file`s).
     pub files: Vec<PathBuf>,
+    /// The set's time zone (`timezone`), if set.
+    pub timezone: Option<chrono_tz::Tz>,
 }
 
 impl RuleSpec {
@@ -135,6 +140,7 @@ impl RuleSpec {
             distinct_callees: true,
             max_distinct_callees: DEFAULT_MAX_DISTINCT_CALLEES,
             files: Vec::new(),
+            timezone: None,
         }
     }
 }
@@ -209,6 +215,7 @@ impl RuleSet {
             distinct_callees: self.callees,
             max_distinct_callees: self.max_callees,
             files: self.files.clone(),
+            timezone: self.timezone,
         }
     }
 
@@ -544,6 +551,10 @@ impl RuleSet {
             }
             if self.bad_caller != BadCallerPolicy::Shared {
                 m.insert("bad_caller".into(), serde_json::json!(self.bad_caller));
+            }
+            // (The zone of the local-time features.)
+            if let Some(tz) = self.timezone {
+                m.insert("timezone".into(), tz.name().into());
             }
         }
         let digest = Sha256::digest(canonical.to_string().as_bytes());
