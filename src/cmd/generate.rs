@@ -12,9 +12,15 @@ use callguard::offline::generate;
 /// centres, robocallers, wangiri bursts) for trying and testing callguard.
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
-    /// Number of calls.
+    /// Number of calls (a day, with --days).
     #[arg(long, default_value_t = 20_000)]
     pub rows: usize,
+    /// Days of traffic, from 2025-12-01, each of --rows calls: the same
+    /// subscribers, PBXs and call centres every day (their calls differ),
+    /// fraud from new numbers every day. Written a day at a time, so
+    /// memory holds one day whatever the number of days.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=3660))]
+    pub days: u64,
     /// Random seed (the same seed gives the same log).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -31,8 +37,9 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "UTC")]
     pub timezone: chrono_tz::Tz,
     /// Add a telephony denial-of-service attack of this many calls: ~40
-    /// calls/s from 11:00 UTC to one victim number from many spoofed
-    /// callers (population `tdos`; stopped by a rule keyed by callee).
+    /// calls/s from 11:00 UTC on the first day to one victim number from
+    /// many spoofed callers (population `tdos`; stopped by a rule keyed by
+    /// callee).
     #[arg(long, default_value_t = 0)]
     pub tdos: usize,
 }
@@ -52,25 +59,25 @@ pub enum CdrFormat {
 
 /// Runs `callguard generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let mut calls = generate::generate(args.rows, args.seed);
-    if args.tdos > 0 {
-        generate::add_tdos(&mut calls, args.tdos, args.seed);
-    }
     let cdr = match args.format {
         CdrFormat::Csv => None,
         CdrFormat::Asterisk => Some(InputFormat::Asterisk),
         CdrFormat::Freeswitch => Some(InputFormat::FreeSwitch),
         CdrFormat::KamailioAcc => Some(InputFormat::KamailioAcc),
     };
-    match cdr {
-        Some(format) => generate::write_cdr(&args.output, &calls, format, args.timezone)?,
-        None => generate::write_csv(&args.output, &calls)?,
-    }
-    let fraud = calls.iter().filter(|c| c.fraud).count();
+    let written = generate::write_days(
+        &args.output,
+        args.rows,
+        args.seed,
+        args.days,
+        args.tdos,
+        cdr,
+        args.timezone,
+    )?;
     println!(
         "wrote {} calls ({} labelled fraud) to {}",
-        calls.len(),
-        fraud,
+        written.calls,
+        written.fraud,
         args.output.display()
     );
     Ok(())

@@ -127,33 +127,69 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
 
 /// Generates about `rows` calls (exactly `rows` unless `rows` is tiny), sorted by time.
 pub fn generate(rows: usize, seed: u64) -> Vec<GenCall> {
-    let mut rng = StdRng::seed_from_u64(seed);
+    generate_day(rows, seed, 0)
+}
+
+/// The populations and their shares of the calls, in the order they are
+/// made.
+const SHARES: [(&str, f64); 8] = [
+    ("subscriber", 0.51),
+    ("pbx", 0.18),
+    ("dialer", 0.10),
+    ("robocaller", 0.11),
+    ("wangiri", 0.06),
+    ("irsf", 0.02),
+    ("pbx_burst", 0.01),
+    ("harasser", 0.01),
+];
+
+/// Whether a population is fraud: a fraudster calls from new numbers every
+/// day, an ordinary caller from the same ones.
+fn rotates(population: &str) -> bool {
+    matches!(population, "robocaller" | "wangiri" | "irsf" | "harasser")
+}
+
+/// A generator seeded by `parts` (SplitMix64 over them), so each caller's
+/// number and each caller's day have a stream of their own.
+fn rng_of(parts: &[u64]) -> StdRng {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    for &p in parts {
+        x ^= p;
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 31;
+    }
+    StdRng::seed_from_u64(x)
+}
+
+/// Day `day` (0 from [`DAY_START_MS`]) of a log of `rows` calls a day,
+/// sorted by time. The callers of a population are numbered from 1 every
+/// day, and caller `n` of an ordinary population has the same number on
+/// every day (its calls differ): the same subscribers, PBXs and call
+/// centres day after day, while fraud comes from new numbers.
+pub fn generate_day(rows: usize, seed: u64, day: u64) -> Vec<GenCall> {
+    let day0 = DAY_START_MS.saturating_add((day as i64).saturating_mul(DAY_MS));
     let mut calls = Vec::with_capacity(rows + 1024);
-    let shares = [
-        ("subscriber", 0.51),
-        ("pbx", 0.18),
-        ("dialer", 0.10),
-        ("robocaller", 0.11),
-        ("wangiri", 0.06),
-        ("irsf", 0.02),
-        ("pbx_burst", 0.01),
-        ("harasser", 0.01),
-    ];
-    let mut id = 0u64;
-    for (pop, share) in shares {
+    for (k, (pop, share)) in SHARES.into_iter().enumerate() {
         let target = ((rows as f64) * share).round() as usize;
         let start = calls.len();
+        let mut id = 0u64;
         while calls.len() - start < target {
             id += 1;
+            let identity = if rotates(pop) { day + 1 } else { 0 };
+            let mut who = rng_of(&[seed, k as u64, id, identity]);
+            let mut rng = rng_of(&[seed, k as u64, id, identity, day, 1]);
+            let (who, rng, out) = (&mut who, &mut rng, &mut calls);
             match pop {
-                "subscriber" => subscriber(&mut rng, id, &mut calls),
-                "pbx" => pbx(&mut rng, id, &mut calls),
-                "dialer" => dialer(&mut rng, id, &mut calls),
-                "robocaller" => robocaller(&mut rng, id, &mut calls),
-                "wangiri" => wangiri(&mut rng, id, &mut calls),
-                "irsf" => irsf(&mut rng, id, &mut calls),
-                "pbx_burst" => pbx_burst(&mut rng, id, &mut calls),
-                _ => harasser(&mut rng, id, &mut calls),
+                "subscriber" => subscriber(who, rng, day0, out),
+                "pbx" => pbx(who, rng, day0, out),
+                "dialer" => dialer(who, rng, day0, out),
+                "robocaller" => robocaller(who, rng, day0, out),
+                "wangiri" => wangiri(who, rng, day0, out),
+                "irsf" => irsf(who, rng, day0, out),
+                "pbx_burst" => pbx_burst(who, rng, day0, out),
+                _ => harasser(who, rng, day0, out),
             }
         }
         calls.truncate(start + target);
@@ -187,11 +223,11 @@ fn hour_weight(hour: i64) -> f64 {
     W[(hour.rem_euclid(24)) as usize]
 }
 
-fn daytime_ts(rng: &mut StdRng) -> i64 {
+fn daytime_ts(rng: &mut StdRng, day0: i64) -> i64 {
     loop {
         let t = rng.random_range(0..DAY_MS);
         if rng.random::<f64>() < hour_weight(t / 3_600_000) {
-            return DAY_START_MS + t;
+            return day0 + t;
         }
     }
 }
@@ -211,11 +247,11 @@ fn legit_call(rng: &mut StdRng) -> (i64, i64) {
     answered(rng, talk)
 }
 
-fn subscriber(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = subscriber_number(rng);
+fn subscriber(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = subscriber_number(who);
     let n = rng.random_range(1..=6);
     for _ in 0..n {
-        let mut t = daytime_ts(rng);
+        let mut t = daytime_ts(rng, day0);
         let callee = subscriber_number(rng);
         let redials = if rng.random_bool(0.2) {
             rng.random_range(1..=2)
@@ -238,12 +274,13 @@ fn subscriber(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn pbx(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = number(rng, "+3491", 5) + "00";
-    let per_min = rng.random_range(0.5..5.0);
+fn pbx(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = number(who, "+3491", 5) + "00";
+    // (A PBX's size is its own: the same rate every day.)
+    let per_min = who.random_range(0.5..5.0);
     let mean_gap = 60_000.0 / per_min;
-    let mut t = DAY_START_MS + 9 * 3_600_000 + rng.random_range(0..1_800_000);
-    let end = DAY_START_MS + 18 * 3_600_000;
+    let mut t = day0 + 9 * 3_600_000 + rng.random_range(0..1_800_000);
+    let end = day0 + 18 * 3_600_000;
     while t < end {
         let (ring_ms, talk_ms) = legit_call(rng);
         out.push(GenCall {
@@ -259,9 +296,9 @@ fn pbx(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = number(rng, "+34900", 6);
-    let shift_start = DAY_START_MS + rng.random_range(8..13) * 3_600_000;
+fn dialer(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = number(who, "+34900", 6);
+    let shift_start = day0 + rng.random_range(8..13) * 3_600_000;
     let end = shift_start + 4 * 3_600_000;
     let mean_gap = 60_000.0 / rng.random_range(6.0..10.0);
     let mut t = shift_start;
@@ -280,13 +317,13 @@ fn dialer(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = if rng.random_bool(0.5) {
-        number(rng, "+1", 10)
+fn robocaller(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = if who.random_bool(0.5) {
+        number(who, "+1", 10)
     } else {
-        number(rng, "+3461", 7)
+        number(who, "+3461", 7)
     };
-    let start = daytime_ts(rng);
+    let start = daytime_ts(rng, day0);
     let end = start + rng.random_range(10..60) * 60_000;
     let mean_gap = 60_000.0 / rng.random_range(5.0..10.0);
     let mut t = start;
@@ -305,11 +342,11 @@ fn robocaller(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn wangiri(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let prefix = ["+882", "+216", "+373", "+269"][rng.random_range(0..4)];
-    let caller = number(rng, prefix, 8);
+fn wangiri(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let prefix = ["+882", "+216", "+373", "+269"][who.random_range(0..4)];
+    let caller = number(who, prefix, 8);
     // At night: 22:00 to 04:00.
-    let start = DAY_START_MS + (22 * 3_600_000 + rng.random_range(0..6 * 3_600_000)) % DAY_MS;
+    let start = day0 + (22 * 3_600_000 + rng.random_range(0..6 * 3_600_000)) % DAY_MS;
     let end = start + rng.random_range(30_000..180_000);
     let mean_gap = 1_000.0 / rng.random_range(3.0..5.0);
     let mut t = start;
@@ -339,10 +376,10 @@ pub const IRSF_RANGES: [&str; 6] = ["+881", "+882", "+883", "+53", "+252", "+232
 
 const HOUR_MS: i64 = 3_600_000;
 
-fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = number(rng, "+3491", 5) + "00";
+fn irsf(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = number(who, "+3491", 5) + "00";
     // 22:00 to 05:00 in Madrid (UTC+1 in December).
-    let mut t = DAY_START_MS + (21 * HOUR_MS + rng.random_range(0..7 * HOUR_MS)) % DAY_MS;
+    let mut t = day0 + (21 * HOUR_MS + rng.random_range(0..7 * HOUR_MS)) % DAY_MS;
     // The attack lasts 20 to 120 minutes and holds 20 to 60 premium calls
     // open at once: calls of 5 to 30 minutes (17.5 on average), one every
     // 17.5 minutes / the calls held.
@@ -378,12 +415,12 @@ fn irsf(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn pbx_burst(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = number(rng, "+3493", 5) + "00";
+fn pbx_burst(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = number(who, "+3493", 5) + "00";
     // 09:00 in Madrid, then two or three more bursts in business hours.
-    let mut starts = vec![DAY_START_MS + 8 * HOUR_MS + rng.random_range(0..60_000)];
+    let mut starts = vec![day0 + 8 * HOUR_MS + rng.random_range(0..60_000)];
     for _ in 0..rng.random_range(2..=3) {
-        starts.push(DAY_START_MS + rng.random_range(9 * HOUR_MS..17 * HOUR_MS));
+        starts.push(day0 + rng.random_range(9 * HOUR_MS..17 * HOUR_MS));
     }
     for start in starts {
         let mut t = start;
@@ -403,10 +440,10 @@ fn pbx_burst(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
     }
 }
 
-fn harasser(rng: &mut StdRng, _id: u64, out: &mut Vec<GenCall>) {
-    let caller = subscriber_number(rng);
-    let callee = subscriber_number(rng);
-    let mut t = daytime_ts(rng);
+fn harasser(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
+    let caller = subscriber_number(who);
+    let callee = subscriber_number(who);
+    let mut t = daytime_ts(rng, day0);
     for _ in 0..rng.random_range(8..=30) {
         let (ring_ms, talk_ms) = maybe_answered(rng, 0.2, 2_000..15_000);
         out.push(GenCall {
@@ -427,43 +464,62 @@ fn exp_gap(rng: &mut StdRng, mean_ms: f64) -> i64 {
     (-u.ln() * mean_ms).max(1.0) as i64
 }
 
+/// What [`write_days`] wrote.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Written {
+    /// Calls.
+    pub calls: u64,
+    /// Of which labelled fraud.
+    pub fraud: u64,
+}
+
+/// Writes `days` days of `rows` calls each ([`generate_day`]; `tdos`
+/// calls of a TDoS attack added to the first, see [`add_tdos`]) as
+/// callguard's CSV (`format` `None`) or a switch's call records, a day at
+/// a time: memory holds one day's calls (and those after midnight, which
+/// go with the next day's), whatever the number of days. The log is in
+/// time order throughout; call ids run on across days.
+pub fn write_days(
+    path: &Path,
+    rows: usize,
+    seed: u64,
+    days: u64,
+    tdos: usize,
+    format: Option<InputFormat>,
+    tz: Tz,
+) -> Result<Written, IoError> {
+    let mut out = Out::create(path, format, tz)?;
+    let mut written = Written::default();
+    // Calls of the days before that start after midnight.
+    let mut carried: Vec<GenCall> = Vec::new();
+    for day in 0..days {
+        let mut calls = generate_day(rows, seed, day);
+        if day == 0 && tdos > 0 {
+            add_tdos(&mut calls, tdos, seed);
+        }
+        written.calls += calls.len() as u64;
+        written.fraud += calls.iter().filter(|c| c.fraud).count() as u64;
+        if !carried.is_empty() {
+            calls.append(&mut carried);
+            calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
+        }
+        // Every later call starts, and is written, after this day ends.
+        let next_day = DAY_START_MS.saturating_add(((day + 1) as i64).saturating_mul(DAY_MS));
+        let until = (day + 1 < days).then_some(next_day);
+        if let Some(u) = until {
+            carried = calls.split_off(calls.partition_point(|c| c.ts_ms < u));
+        }
+        out.calls(&calls, until)?;
+    }
+    out.finish()?;
+    Ok(written)
+}
+
 /// Writes calls as CSV; call ids are `c<row>` in time order.
 pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
-    let ctx = || format!("writing {}", path.display());
-    let file = std::fs::File::create(path).map_err(|source| IoError::Io {
-        context: ctx(),
-        source,
-    })?;
-    let mut w = std::io::BufWriter::new(file);
-    let io = |source| IoError::Io {
-        context: ctx(),
-        source,
-    };
-    writeln!(
-        w,
-        "call_id,caller,callee,ts,duration_ms,label,population,talk_ms"
-    )
-    .map_err(io)?;
-    for (i, c) in calls.iter().enumerate() {
-        let ts = DateTime::from_timestamp_millis(c.ts_ms)
-            .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))
-            .unwrap_or_else(|| c.ts_ms.to_string());
-        let label = if c.fraud { "fraud" } else { "legit" };
-        writeln!(
-            w,
-            "c{},{},{},{},{},{},{},{}",
-            i + 1,
-            c.caller,
-            c.callee,
-            ts,
-            c.duration_ms(),
-            label,
-            c.population,
-            c.talk_ms
-        )
-        .map_err(io)?;
-    }
-    w.flush().map_err(io)
+    let mut out = Out::create(path, None, Tz::UTC)?;
+    out.calls(calls, None)?;
+    out.finish()
 }
 
 /// Writes `calls` as a switch's call records (`format` one of the
@@ -479,36 +535,154 @@ pub fn write_cdr(
     format: InputFormat,
     tz: Tz,
 ) -> Result<(), IoError> {
-    let ctx = || format!("writing {}", path.display());
-    let quote = match format {
-        // Asterisk also leaves `duration` and `billsec` unquoted; readers
-        // take either.
-        InputFormat::FreeSwitch | InputFormat::Asterisk => csv::QuoteStyle::Always,
-        _ => csv::QuoteStyle::Necessary,
-    };
-    let mut w = csv::WriterBuilder::new()
-        .quote_style(quote)
-        .flexible(true)
-        .from_path(path)
-        .map_err(|e| IoError::Io {
-            context: ctx(),
-            source: e.into(),
-        })?;
-    let mut rows: Vec<(i64, Vec<String>)> = Vec::with_capacity(calls.len() * 2);
-    for (i, c) in calls.iter().enumerate() {
-        rows.extend(cdr_rows(i, c, format, tz));
+    let mut out = Out::create(path, Some(format), tz)?;
+    out.calls(calls, None)?;
+    out.finish()
+}
+
+/// A generated log being written: callguard's CSV, or a switch's call
+/// records with the rows not yet due (a switch writes a row when the call
+/// ends).
+struct Out {
+    path: std::path::PathBuf,
+    /// Calls written so far (the next call id's number, less one).
+    n: usize,
+    to: To,
+}
+
+enum To {
+    Csv(std::io::BufWriter<std::fs::File>),
+    Cdr {
+        w: Box<csv::Writer<std::fs::File>>,
+        format: InputFormat,
+        tz: Tz,
+        /// Rows not written yet, each with the time the switch writes it.
+        pending: Vec<(i64, Vec<String>)>,
+    },
+}
+
+impl Out {
+    fn create(path: &Path, format: Option<InputFormat>, tz: Tz) -> Result<Self, IoError> {
+        let err = |source| IoError::Io {
+            context: format!("writing {}", path.display()),
+            source,
+        };
+        let file = std::fs::File::create(path).map_err(err)?;
+        let to = match format {
+            None => {
+                let mut w = std::io::BufWriter::new(file);
+                writeln!(
+                    w,
+                    "call_id,caller,callee,ts,duration_ms,label,population,talk_ms"
+                )
+                .map_err(err)?;
+                To::Csv(w)
+            }
+            Some(format) => {
+                let quote = match format {
+                    // Asterisk also leaves `duration` and `billsec` unquoted;
+                    // readers take either.
+                    InputFormat::FreeSwitch | InputFormat::Asterisk => csv::QuoteStyle::Always,
+                    _ => csv::QuoteStyle::Necessary,
+                };
+                let w = Box::new(
+                    csv::WriterBuilder::new()
+                        .quote_style(quote)
+                        .flexible(true)
+                        .from_writer(file),
+                );
+                To::Cdr {
+                    w,
+                    format,
+                    tz,
+                    pending: Vec::new(),
+                }
+            }
+        };
+        Ok(Out {
+            path: path.to_path_buf(),
+            n: 0,
+            to,
+        })
     }
-    rows.sort_by_key(|(written, _)| *written);
-    for (_, row) in rows {
-        w.write_record(&row).map_err(|e| IoError::Io {
-            context: ctx(),
-            source: e.into(),
-        })?;
+
+    fn err(&self, source: std::io::Error) -> IoError {
+        IoError::Io {
+            context: format!("writing {}", self.path.display()),
+            source,
+        }
     }
-    w.flush().map_err(|source| IoError::Io {
-        context: ctx(),
-        source,
-    })
+
+    /// Writes `calls` (sorted by time, after every call written before);
+    /// call records due before `until` (all without it) are written, the
+    /// rest kept for later.
+    fn calls(&mut self, calls: &[GenCall], until: Option<i64>) -> Result<(), IoError> {
+        let first = self.n;
+        self.n += calls.len();
+        match &mut self.to {
+            To::Csv(w) => {
+                let mut res = Ok(());
+                for (i, c) in calls.iter().enumerate() {
+                    res = csv_row(w, first + i, c);
+                    if res.is_err() {
+                        break;
+                    }
+                }
+                res.map_err(|e| self.err(e))
+            }
+            To::Cdr {
+                w,
+                format,
+                tz,
+                pending,
+            } => {
+                for (i, c) in calls.iter().enumerate() {
+                    pending.extend(cdr_rows(first + i, c, *format, *tz));
+                }
+                // (Stable: rows written at the same time keep call order.)
+                pending.sort_by_key(|(written, _)| *written);
+                let due = until.map_or(pending.len(), |u| {
+                    pending.partition_point(|(written, _)| *written < u)
+                });
+                let mut res = Ok(());
+                for (_, row) in pending.drain(..due) {
+                    res = w.write_record(&row).map_err(std::io::Error::from);
+                    if res.is_err() {
+                        break;
+                    }
+                }
+                res.map_err(|e| self.err(e))
+            }
+        }
+    }
+
+    fn finish(mut self) -> Result<(), IoError> {
+        let res = match &mut self.to {
+            To::Csv(w) => w.flush(),
+            To::Cdr { w, .. } => w.flush(),
+        };
+        res.map_err(|e| self.err(e))
+    }
+}
+
+/// One row of callguard's CSV: call `i` (0-based; its id is `c<i + 1>`).
+fn csv_row(w: &mut impl Write, i: usize, c: &GenCall) -> std::io::Result<()> {
+    let ts = DateTime::from_timestamp_millis(c.ts_ms)
+        .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))
+        .unwrap_or_else(|| c.ts_ms.to_string());
+    let label = if c.fraud { "fraud" } else { "legit" };
+    writeln!(
+        w,
+        "c{},{},{},{},{},{},{},{}",
+        i + 1,
+        c.caller,
+        c.callee,
+        ts,
+        c.duration_ms(),
+        label,
+        c.population,
+        c.talk_ms
+    )
 }
 
 /// The rows a switch logs for call `i`, each with the time it is written.
@@ -638,6 +812,100 @@ mod tests {
             .windows(2)
             .any(|w| w[0].ts_ms == w[1].ts_ms && w[0].caller == w[1].caller));
         assert_ne!(generate(5_000, 8), a);
+    }
+
+    /// Over several days the ordinary callers are the same people, fraud
+    /// comes from new numbers, and the first day is the one-day log.
+    #[test]
+    fn days_keep_their_population_and_rotate_fraud() {
+        let callers = |day: u64, fraud: bool| -> std::collections::HashSet<String> {
+            generate_day(20_000, 5, day)
+                .into_iter()
+                .filter(|c| c.fraud == fraud && c.population != "subscriber")
+                .map(|c| c.caller)
+                .collect()
+        };
+        let (legit0, legit1) = (callers(0, false), callers(1, false));
+        let kept = legit0.intersection(&legit1).count();
+        assert!(
+            kept * 10 >= legit0.len() * 9,
+            "{kept} of {} PBXs and call centres call again the next day",
+            legit0.len()
+        );
+        let (fraud0, fraud1) = (callers(0, true), callers(1, true));
+        assert!(fraud0.len() > 10, "{}", fraud0.len());
+        assert_eq!(fraud0.intersection(&fraud1).count(), 0);
+        let day1 = generate_day(20_000, 5, 1);
+        assert_eq!(day1.len(), 20_000);
+        // (A burst or an attack that starts late runs past midnight.)
+        assert!(day1.iter().all(|c| (DAY_START_MS + DAY_MS
+            ..DAY_START_MS + 2 * DAY_MS + 3 * HOUR_MS)
+            .contains(&c.ts_ms)));
+        assert_eq!(generate_day(3_000, 5, 0), generate(3_000, 5));
+    }
+
+    /// `write_days` writes the days in time order, ids running on, the
+    /// first day's calls before midnight as in the one-day log; a switch's
+    /// records stay in the order the switch writes them across midnight.
+    #[test]
+    fn written_days_run_on_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let three = dir.path().join("3.csv");
+        let w = write_days(&three, 2_000, 9, 3, 0, None, Tz::UTC).unwrap();
+        assert_eq!(w.calls, 6_000);
+        let text = std::fs::read_to_string(&three).unwrap();
+        let rows: Vec<Vec<&str>> = text
+            .lines()
+            .skip(1)
+            .map(|l| l.split(',').collect())
+            .collect();
+        assert_eq!(rows.len(), 6_000);
+        for (i, r) in rows.iter().enumerate() {
+            assert_eq!(r[0], format!("c{}", i + 1));
+        }
+        assert!(
+            rows.windows(2).all(|w| w[0][3] <= w[1][3]),
+            "out of time order"
+        );
+        // (RFC 3339 text in UTC sorts as the times do.)
+        let midnight = "2025-12-02T";
+        let before: Vec<(&str, &str, &str)> = rows
+            .iter()
+            .filter(|r| r[3] < midnight)
+            .map(|r| (r[1], r[2], r[3]))
+            .collect();
+        let one: Vec<(String, String, i64)> = generate(2_000, 9)
+            .into_iter()
+            .filter(|c| c.ts_ms < DAY_START_MS + DAY_MS)
+            .map(|c| (c.caller, c.callee, c.ts_ms))
+            .collect();
+        assert!(one.len() > 1_900);
+        let pairs = |v: Vec<(String, String)>| v;
+        assert_eq!(
+            pairs(
+                before
+                    .iter()
+                    .map(|(a, b, _)| (a.to_string(), b.to_string()))
+                    .collect()
+            ),
+            pairs(one.iter().map(|(a, b, _)| (a.clone(), b.clone())).collect())
+        );
+        let cdr = dir.path().join("a.csv");
+        write_days(&cdr, 2_000, 9, 2, 0, Some(InputFormat::Asterisk), Tz::UTC).unwrap();
+        let ends: Vec<String> = csv::ReaderBuilder::new()
+            .has_headers(false)
+            .flexible(true)
+            .from_path(&cdr)
+            .unwrap()
+            .records()
+            .map(|r| r.unwrap()[11].to_string())
+            .collect();
+        assert_eq!(ends.len(), 4_000);
+        assert!(
+            ends.windows(2).all(|w| w[0] <= w[1]),
+            "rows out of end order"
+        );
+        assert!(ends.iter().any(|e| e.starts_with("2025-12-02")));
     }
 
     #[test]
