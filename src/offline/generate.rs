@@ -57,6 +57,9 @@ pub struct GenCall {
     pub fraud: bool,
     /// Population name.
     pub population: &'static str,
+    /// The customer or SIP trunk billed for the call: a PBX's trunk, which
+    /// calls from several numbers (DIDs); `None` for a subscriber's call.
+    pub account: Option<String>,
 }
 
 impl GenCall {
@@ -120,6 +123,7 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
             talk_ms,
             fraud: true,
             population: "tdos",
+            account: None,
         });
     }
     calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
@@ -268,15 +272,40 @@ fn subscriber(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCa
                 talk_ms,
                 fraud: false,
                 population: "subscriber",
+                account: None,
             });
             t += rng.random_range(10_000..60_000);
         }
     }
 }
 
+/// A PBX's SIP trunk: its account and the numbers (DIDs) it calls from,
+/// `base` followed by `00`, `01`, ... (at least one).
+struct Trunk {
+    account: String,
+    dids: Vec<String>,
+}
+
+impl Trunk {
+    /// A trunk of `dids` numbers on `+3491` and five random digits.
+    fn new(who: &mut StdRng, dids: usize) -> Self {
+        let base = number(who, "+3491", 5);
+        Trunk {
+            account: format!("trunk-{}", &base[1..]),
+            dids: (0..dids.max(1)).map(|k| format!("{base}{k:02}")).collect(),
+        }
+    }
+
+    /// The number a call goes out from.
+    fn did(&self, rng: &mut StdRng) -> String {
+        self.dids[rng.random_range(0..self.dids.len())].clone()
+    }
+}
+
 fn pbx(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
-    let caller = number(who, "+3491", 5) + "00";
-    // (A PBX's size is its own: the same rate every day.)
+    // (A PBX's size is its own: the same numbers and rate every day.)
+    let dids = who.random_range(1..=6);
+    let trunk = Trunk::new(who, dids);
     let per_min = who.random_range(0.5..5.0);
     let mean_gap = 60_000.0 / per_min;
     let mut t = day0 + 9 * 3_600_000 + rng.random_range(0..1_800_000);
@@ -284,13 +313,14 @@ fn pbx(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
     while t < end {
         let (ring_ms, talk_ms) = legit_call(rng);
         out.push(GenCall {
-            caller: caller.clone(),
+            caller: trunk.did(rng),
             callee: subscriber_number(rng),
             ts_ms: t,
             ring_ms,
             talk_ms,
             fraud: false,
             population: "pbx",
+            account: Some(trunk.account.clone()),
         });
         t += exp_gap(rng, mean_gap);
     }
@@ -312,6 +342,7 @@ fn dialer(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>)
             talk_ms,
             fraud: false,
             population: "dialer",
+            account: None,
         });
         t += exp_gap(rng, mean_gap);
     }
@@ -337,6 +368,7 @@ fn robocaller(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCa
             talk_ms,
             fraud: true,
             population: "robocaller",
+            account: None,
         });
         t += exp_gap(rng, mean_gap);
     }
@@ -363,6 +395,7 @@ fn wangiri(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>
                 talk_ms: 0,
                 fraud: true,
                 population: "wangiri",
+                account: None,
             });
         }
         t += exp_gap(rng, mean_gap);
@@ -377,7 +410,9 @@ pub const IRSF_RANGES: [&str; 6] = ["+881", "+882", "+883", "+53", "+252", "+232
 const HOUR_MS: i64 = 3_600_000;
 
 fn irsf(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
-    let caller = number(who, "+3491", 5) + "00";
+    // A hacked PBX: the attacker dials out from its trunk's 2-4 numbers.
+    let dids = who.random_range(2..=4);
+    let trunk = Trunk::new(who, dids);
     // 22:00 to 05:00 in Madrid (UTC+1 in December).
     let mut t = day0 + (21 * HOUR_MS + rng.random_range(0..7 * HOUR_MS)) % DAY_MS;
     // The attack lasts 20 to 120 minutes and holds 20 to 60 premium calls
@@ -397,7 +432,7 @@ fn irsf(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
             callee = number(rng, range, 7);
         }
         out.push(GenCall {
-            caller: caller.clone(),
+            caller: trunk.did(rng),
             callee: callee.clone(),
             ts_ms: t,
             // (Premium numbers answer at once.)
@@ -409,6 +444,7 @@ fn irsf(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall>) {
             },
             fraud: true,
             population: "irsf",
+            account: Some(trunk.account.clone()),
         });
         n += 1;
         t += exp_gap(rng, mean_gap);
@@ -434,6 +470,7 @@ fn pbx_burst(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCal
                 talk_ms,
                 fraud: false,
                 population: "pbx_burst",
+                account: None,
             });
             t += rng.random_range(50..800);
         }
@@ -454,6 +491,7 @@ fn harasser(who: &mut StdRng, rng: &mut StdRng, day0: i64, out: &mut Vec<GenCall
             talk_ms,
             fraud: true,
             population: "harasser",
+            account: None,
         });
         t += rng.random_range(120_000..600_000);
     }
@@ -573,7 +611,7 @@ impl Out {
                 let mut w = std::io::BufWriter::new(file);
                 writeln!(
                     w,
-                    "call_id,caller,callee,ts,duration_ms,label,population,talk_ms"
+                    "call_id,caller,callee,ts,duration_ms,label,population,talk_ms,account"
                 )
                 .map_err(err)?;
                 To::Csv(w)
@@ -673,7 +711,7 @@ fn csv_row(w: &mut impl Write, i: usize, c: &GenCall) -> std::io::Result<()> {
     let label = if c.fraud { "fraud" } else { "legit" };
     writeln!(
         w,
-        "c{},{},{},{},{},{},{},{}",
+        "c{},{},{},{},{},{},{},{},{}",
         i + 1,
         c.caller,
         c.callee,
@@ -681,7 +719,8 @@ fn csv_row(w: &mut impl Write, i: usize, c: &GenCall) -> std::io::Result<()> {
         c.duration_ms(),
         label,
         c.population,
-        c.talk_ms
+        c.talk_ms,
+        c.account.as_deref().unwrap_or("")
     )
 }
 
@@ -704,12 +743,14 @@ fn cdr_rows(i: usize, c: &GenCall, format: InputFormat, tz: Tz) -> Vec<(i64, Vec
         String::new()
     };
     let end = local(end_ms);
+    let account = c.account.clone().unwrap_or_default();
     let n = |v: i64| v.to_string();
     match format {
         InputFormat::Asterisk => vec![(
             end_ms,
             vec![
-                String::new(),
+                // accountcode
+                account.clone(),
                 c.caller.clone(),
                 c.callee.clone(),
                 "from-trunk".into(),
@@ -758,7 +799,8 @@ fn cdr_rows(i: usize, c: &GenCall, format: InputFormat, tz: Tz) -> Vec<(i64, Vec
                     i
                 ),
                 String::new(),
-                String::new(),
+                // accountcode
+                account,
                 "PCMA".into(),
                 "PCMA".into(),
             ],

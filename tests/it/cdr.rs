@@ -201,7 +201,9 @@ fn every_preset_reads_back_the_generated_calls() {
     let calls = generate(5_000, 11);
     // The switches log the whole duration (the ring, then the talk time)
     // and the talk time, in whole seconds.
-    let mut expected: Vec<(String, String, i64, i64, i64)> = calls
+    // (The account too: the PBX trunks' accountcode.)
+    type Row = (String, String, i64, i64, i64, String);
+    let mut expected: Vec<Row> = calls
         .iter()
         .map(|c| {
             let talk = c.talk_ms / 1000 * 1000;
@@ -212,9 +214,11 @@ fn every_preset_reads_back_the_generated_calls() {
                 c.ts_ms / 1000 * 1000,
                 ring + talk,
                 talk,
+                c.account.clone().unwrap_or_default(),
             )
         })
         .collect();
+    assert!(expected.iter().any(|r| !r.5.is_empty()), "no trunk calls");
     expected.sort();
     let answered = calls.iter().filter(|c| c.answered()).count();
     assert!(answered > 0 && answered < calls.len());
@@ -226,7 +230,7 @@ fn every_preset_reads_back_the_generated_calls() {
         let path = dir.path().join(format!("{format:?}.csv"));
         write_cdr(&path, &calls, format, MADRID).unwrap();
         let log = read_call_log(&path, &madrid(InputFormat::Auto)).unwrap();
-        let mut got: Vec<(String, String, i64, i64, i64)> = log
+        let mut got: Vec<Row> = log
             .events
             .iter()
             .map(|(_, e)| {
@@ -236,16 +240,17 @@ fn every_preset_reads_back_the_generated_calls() {
                     e.ts_ms,
                     e.duration_ms.unwrap_or(0),
                     e.talk_ms.unwrap_or(0),
+                    e.account.as_deref().unwrap_or_default().to_string(),
                 )
             })
             .collect();
         got.sort();
         if format == InputFormat::KamailioAcc {
-            // acc has no duration nor talk time: compare the rest.
-            let strip = |v: &[(String, String, i64, i64, i64)]| -> Vec<(String, String, i64)> {
+            // acc has no duration, talk time nor account: compare the rest.
+            let strip = |v: &[Row]| -> Vec<(String, String, i64)> {
                 let mut v: Vec<_> = v
                     .iter()
-                    .map(|(a, b, t, _, _)| (a.clone(), b.clone(), *t))
+                    .map(|(a, b, t, _, _, _)| (a.clone(), b.clone(), *t))
                     .collect();
                 v.sort();
                 v

@@ -320,6 +320,7 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
             callee: Some(c.callee.as_str().into()),
             duration_ms: Some(c.duration_ms()),
             label: Some(c.fraud),
+            account: c.account.as_deref().map(Into::into),
             ..Default::default()
         };
         let end = CallEvent {
@@ -333,9 +334,20 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
         events.push((c.ts_ms, 1, i, e));
     }
     events.sort_by_key(|(t, kind, i, _)| (*t, *kind, *i));
+    // The rules keyed by account decided first, in processing order, as a
+    // replay does.
+    let gated = |set: &RuleSet| -> Vec<(usize, CallEvent)> {
+        let mut evs: Vec<CallEvent> = events.iter().map(|(_, _, _, e)| e.clone()).collect();
+        callguard::engine::aggregate::Gate::new().run(
+            &mut callguard::engine::aggregate::MemoryLedger::new(),
+            set,
+            &mut evs,
+        );
+        events.iter().map(|(_, _, i, _)| *i).zip(evs).collect()
+    };
     let mut premium_peak = 0u64;
     let channels = rules.rule_index("premium_channels").unwrap();
-    for (_, _, i, e) in &events {
+    for (i, e) in &gated(&rules) {
         let v = store.apply(&rules, e);
         if v.end {
             continue;
@@ -364,6 +376,16 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
     };
     let share = |pop: &str, key: &str| count(pop, key) as f64 / per_population[pop] as f64;
     assert!(share("irsf", "irsf_night") > 0.9, "{tally:?}");
+    // A hacked PBX dials from several of its trunk's numbers: the trunk's
+    // account rule stops what each number's limit lets through, and only
+    // that (ordinary PBX trunks call no premium range).
+    assert!(count("irsf", "trunk_night") > 0, "{tally:?}");
+    assert!(
+        tally
+            .keys()
+            .all(|(p, k, _)| k != "trunk_night" || *p == "irsf"),
+        "{tally:?}"
+    );
     assert!(share("harasser", "shadow:same_callee") > 0.5, "{tally:?}");
     assert_eq!(count("pbx_burst", "pbx_burst"), 0, "{tally:?}");
     let warned_irsf: usize = tally
@@ -380,19 +402,21 @@ fn the_example_fraud_rules_catch_the_traffic_they_are_for() {
         per_population["subscriber"],
         "{tally:?}"
     );
-    // `irsf_night` stops the hacked PBX after 3 calls, so few are open at
-    // once; with it report-only (shadow), the PBX holds many premium calls
-    // open and `premium_channels` rejects it past 10, and nobody else
-    // (no one else calls premium ranges).
+    // `irsf_night` and `trunk_night` stop the hacked PBX after 3 calls, so
+    // few are open at once; with them report-only (shadow), the PBX holds
+    // many premium calls open and `premium_channels` rejects it past 10,
+    // and nobody else (no one else calls premium ranges).
     assert!(premium_peak >= 1, "{premium_peak}");
     let mut spec = rules.spec();
-    let night = rules.rule_index("irsf_night").unwrap();
-    spec.rules[night].shadow = true;
+    for name in ["irsf_night", "trunk_night"] {
+        let night = rules.rule_index(name).unwrap();
+        spec.rules[night].shadow = true;
+    }
     let shadowed = RuleSet::build(spec).unwrap();
     let mut store = MemoryStore::new();
     let mut by_channels: std::collections::HashMap<&str, usize> = Default::default();
     let mut by_sums: std::collections::HashMap<(String, &str), usize> = Default::default();
-    for (_, _, i, e) in &events {
+    for (i, e) in &gated(&shadowed) {
         let v = store.apply(&shadowed, e);
         if !v.end && v.record.reason == "premium_channels" && !v.record.shadow {
             *by_channels.entry(calls[*i].population).or_default() += 1;
