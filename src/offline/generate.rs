@@ -860,23 +860,38 @@ mod tests {
     /// comes from new numbers, and the first day is the one-day log.
     #[test]
     fn days_keep_their_population_and_rotate_fraud() {
-        let callers = |day: u64, fraud: bool| -> std::collections::HashSet<String> {
+        let numbers = |day: u64, pop: &str| -> std::collections::HashSet<String> {
             generate_day(20_000, 5, day)
                 .into_iter()
-                .filter(|c| c.fraud == fraud && c.population != "subscriber")
+                .filter(|c| c.population == pop)
                 .map(|c| c.caller)
                 .collect()
         };
-        let (legit0, legit1) = (callers(0, false), callers(1, false));
-        let kept = legit0.intersection(&legit1).count();
+        let accounts = |day: u64| -> std::collections::HashSet<String> {
+            generate_day(20_000, 5, day)
+                .into_iter()
+                .filter(|c| c.population == "pbx")
+                .filter_map(|c| c.account)
+                .collect()
+        };
+        let (subs0, subs1) = (numbers(0, "subscriber"), numbers(1, "subscriber"));
+        let kept = subs0.intersection(&subs1).count();
         assert!(
-            kept * 10 >= legit0.len() * 9,
-            "{kept} of {} PBXs and call centres call again the next day",
-            legit0.len()
+            kept * 10 >= subs0.len() * 9,
+            "{kept} of {} subscribers call again the next day",
+            subs0.len()
         );
-        let (fraud0, fraud1) = (callers(0, true), callers(1, true));
-        assert!(fraud0.len() > 10, "{}", fraud0.len());
-        assert_eq!(fraud0.intersection(&fraud1).count(), 0);
+        let (trunks0, trunks1) = (accounts(0), accounts(1));
+        assert!(!trunks0.is_empty());
+        assert!(
+            trunks0.intersection(&trunks1).count() + 1 >= trunks0.len(),
+            "{trunks0:?} {trunks1:?}"
+        );
+        for pop in ["robocaller", "wangiri", "irsf"] {
+            let (f0, f1) = (numbers(0, pop), numbers(1, pop));
+            assert!(!f0.is_empty(), "{pop}");
+            assert_eq!(f0.intersection(&f1).count(), 0, "{pop}");
+        }
         let day1 = generate_day(20_000, 5, 1);
         assert_eq!(day1.len(), 20_000);
         // (A burst or an attack that starts late runs past midnight.)
