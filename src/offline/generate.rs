@@ -5,11 +5,11 @@
 //! | population | label | shape |
 //! |---|---|---|
 //! | subscriber | legit | a few calls a day, daytime-heavy; redials in 2-3 call bursts 10-60 s apart |
-//! | pbx | legit | business number: 0.5-5 calls/min in business hours, steady |
+//! | pbx | legit | business PBX trunk (an `account`) calling from 1-6 numbers: 0.5-5 calls/min in business hours, steady |
 //! | dialer | legit | call centre on one caller ID: ~8 calls/min in shifts (allowlist candidate) |
 //! | robocaller | fraud | one number at 5-10 calls/min for 10-60 min, short calls |
 //! | wangiri | fraud | one-ring bursts at 3-5 calls/s for 30 s to 3 min, at night, every callee distinct, some calls in the same millisecond |
-//! | irsf | fraud | a hacked PBX at night (Madrid time): a few short test calls, then 5-30 min calls to premium ranges ([`IRSF_RANGES`]) holding 20-60 open at once for 20-120 min, a new number every ~10 calls |
+//! | irsf | fraud | a hacked PBX trunk at night (Madrid time), dialing out from 2-4 of its numbers: a few short test calls, then 5-30 min calls to premium ranges ([`IRSF_RANGES`]) holding 20-60 open at once for 20-120 min, a new number every ~10 calls |
 //! | pbx_burst | legit | a PBX dialing its queue: 10-25 calls within seconds at 09:00 Madrid time and two or three more bursts in the day, quiet in between |
 //! | harasser | fraud | one caller calling one callee again and again: 8-30 calls, 2-10 min apart, mostly unanswered |
 //! | tdos | fraud | only with `--tdos N`: N calls at ~40/s to one victim ([`TDOS_VICTIM`]) from N/8 spoofed callers, from 11:00 UTC |
@@ -22,8 +22,9 @@
 //!
 //! The log covers one day from 2025-12-01T00:00:00Z. Columns: `call_id`,
 //! `caller`, `callee`, `ts` (RFC 3339, milliseconds), `duration_ms` (attempt
-//! to hang-up: ringing and talk), `label` (`fraud`/`legit`), `population`
-//! and `talk_ms` (the answered time, 0 when unanswered).
+//! to hang-up: ringing and talk), `label` (`fraud`/`legit`), `population`,
+//! `talk_ms` (the answered time, 0 when unanswered) and `account` (the PBX
+//! trunk, empty for calls made through none).
 
 use std::io::Write;
 use std::path::Path;
