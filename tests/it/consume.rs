@@ -643,7 +643,48 @@ impl Crash<'_> {
             "{} decision records for {calls} calls (redeliveries included)",
             records.len()
         );
+        if by_call_id(&records).len() < calls {
+            self.report_missing(s, &records).await;
+        }
         assert_parity(s, &records);
+    }
+
+    /// Where the calls without a decision sit in the input topic: their
+    /// partitions and offset ranges (a range the consumers never got is a
+    /// broker's loss; scattered ones, callguard's).
+    async fn report_missing(&self, s: &Sample, records: &[Value]) {
+        let decided = by_call_id(records);
+        let inputs = s.log.events.len();
+        let mut seen = 0;
+        let input = read_topic(self.brokers, "calls", Duration::from_secs(120), |_| {
+            seen += 1;
+            seen >= inputs
+        })
+        .await;
+        let mut missing: std::collections::BTreeMap<i32, Vec<i64>> = Default::default();
+        for m in &input {
+            let Ok(v) = serde_json::from_slice::<Value>(&m.payload) else {
+                continue;
+            };
+            let attempt = v["event"].as_str().is_none_or(|e| e == "attempt");
+            let id = v["call_id"].as_str().unwrap_or_default();
+            if attempt && !decided.contains_key(id) {
+                missing.entry(m.partition).or_default().push(m.offset);
+            }
+        }
+        for (p, offsets) in &missing {
+            let (lo, hi) = (offsets.iter().min(), offsets.iter().max());
+            eprintln!(
+                "partition {p}: {} calls without a decision, offsets {lo:?}..={hi:?}",
+                offsets.len()
+            );
+        }
+        eprintln!(
+            "consumer logs: {}/callguard-test-{}-{}-*.log",
+            std::env::temp_dir().display(),
+            std::process::id(),
+            self.group
+        );
     }
 }
 
