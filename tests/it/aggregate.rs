@@ -87,6 +87,68 @@ fn spawn_serve(port: u16, redis: &str, rules: &Path, extra: &[&str]) -> Child {
         .expect("start callguard serve")
 }
 
+/// A trunk's numbers split between two `serve` instances on one Redis:
+/// its account rule counts them together (the account as a query
+/// parameter or in the body), never past the limit, and a check without
+/// an account is not counted by it.
+#[test]
+fn two_instances_hold_an_account_limit_over_a_trunk_s_numbers() {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        "[[rule]]\nname = \"trunk\"\nkey = \"account\"\nkind = \"fixed\"\nwindow = \"1h\"\nlimit = 3\n",
+    )
+    .unwrap();
+    let ports = [free_port(), free_port()];
+    let mut children: Vec<Child> = ports
+        .iter()
+        .map(|&p| spawn_serve(p, &redis.url(), &rules, &[]))
+        .collect();
+    for p in ports {
+        wait_ready(p, "serve");
+    }
+    let t0 = 1_764_590_400_000i64;
+    let mut conns: Vec<HttpConn> = ports.iter().map(|&p| HttpConn::connect(p)).collect();
+    let mut decided = Vec::new();
+    for k in 0..6i64 {
+        // Numbers 00-03 of the trunk, the even ones on the first instance.
+        let caller = format!("%2B349110001{:02}", k % 4);
+        let path = format!(
+            "/v1/check?call_id=t{k}&caller={caller}&ts={}&account=trunk-7",
+            t0 + k
+        );
+        let r = conns[(k % 2) as usize].get(&path);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        decided.push((
+            v["decision"].as_str().unwrap().to_string(),
+            v["reason"].clone(),
+        ));
+    }
+    let allowed = decided.iter().filter(|(d, _)| d == "allow").count();
+    assert_eq!(allowed, 3, "{decided:?}");
+    assert!(
+        decided[..3].iter().all(|(d, _)| d == "allow")
+            && decided[3..].iter().all(|(_, r)| r == "trunk"),
+        "{decided:?}"
+    );
+    // In the body too, and another trunk is counted apart.
+    let body = serde_json::json!({"call_id": "u1", "caller": "+34911000200", "ts": t0 + 10, "account": "trunk-8"});
+    let v = conns[0].post("/v1/check", &body.to_string()).json();
+    assert_eq!(v["count_trunk"], 1, "{v}");
+    // No account: the rule does not see the call.
+    let body = serde_json::json!({"call_id": "u2", "caller": "+34911000100", "ts": t0 + 11});
+    let v = conns[1].post("/v1/check", &body.to_string()).json();
+    assert_eq!(v["decision"], "allow", "{v}");
+    assert_eq!(v["count_trunk"], serde_json::Value::Null, "{v}");
+    for c in &mut children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
 fn wait_ready(port: u16, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(90);
     while !http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
