@@ -74,7 +74,7 @@ fn to_serve(e: &CallEvent) -> bool {
     e.caller.bytes().map(u64::from).sum::<u64>() % 3 == 0
 }
 
-fn spawn_serve(port: u16, redis: &str, rules: &Path, extra: &[&str]) -> Child {
+pub(crate) fn spawn_serve(port: u16, redis: &str, rules: &Path, extra: &[&str]) -> Child {
     Command::new(common::bin())
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--store", "redis", "--redis-url", redis])
@@ -149,7 +149,7 @@ fn two_instances_hold_an_account_limit_over_a_trunk_s_numbers() {
     }
 }
 
-fn wait_ready(port: u16, what: &str) {
+pub(crate) fn wait_ready(port: u16, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(90);
     while !http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
         assert!(Instant::now() < deadline, "{what} not ready on {port}");

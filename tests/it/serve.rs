@@ -1566,6 +1566,65 @@ fn serve_started_without_redis_waits_for_it() {
     drop(redis);
 }
 
+/// `serve` SIGKILLed with calls open, on both Redis modes: the instance
+/// that takes over counts them (the slots live in Redis), frees one at its
+/// end and the other at its `max_duration`, with nothing of the killed
+/// process's.
+#[test]
+fn slots_held_by_a_killed_instance_come_back_at_their_ends_or_max_duration() {
+    use crate::aggregate::{spawn_serve, wait_ready};
+    for mode in ["cached", "script"] {
+        let redis = RedisServer::start(&[]);
+        let dir = tempfile::tempdir().unwrap();
+        let rules = dir.path().join("rules.toml");
+        std::fs::write(
+            &rules,
+            "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"30s\"\n",
+        )
+        .unwrap();
+        let extra = ["--redis-mode", mode];
+        let check = |port: u16, id: &str, dt: i64| -> (String, i64) {
+            let body =
+                serde_json::json!({ "call_id": id, "caller": "+34911000077", "ts": T0 + dt });
+            let r = HttpConn::connect(port).post("/v1/check", &body.to_string());
+            assert_eq!(r.status, 200, "{mode}: {}", r.body);
+            let v = r.json();
+            (
+                v["decision"].as_str().unwrap().to_string(),
+                v["count_channels"].as_i64().unwrap(),
+            )
+        };
+        let first = common::free_port();
+        let mut killed = spawn_serve(first, &redis.url(), &rules, &extra);
+        wait_ready(first, "serve");
+        assert_eq!(check(first, "k1", 0), ("allow".into(), 1), "{mode}");
+        assert_eq!(check(first, "k2", 1_000), ("allow".into(), 2), "{mode}");
+        // Answered, so applied: then killed with both calls open.
+        let _ = killed.kill();
+        let _ = killed.wait();
+        let next = common::free_port();
+        let mut taken_over = spawn_serve(next, &redis.url(), &rules, &extra);
+        wait_ready(next, "serve");
+        assert_eq!(
+            check(next, "k3", 2_000),
+            ("reject".into(), 3),
+            "{mode}: the killed instance's two calls hold their slots"
+        );
+        // k1 ends: its slot comes back.
+        let end =
+            serde_json::json!({ "call_id": "k1", "caller": "+34911000077", "ts": T0 + 3_000 });
+        let r = HttpConn::connect(next).post("/v1/end", &end.to_string());
+        assert_eq!(r.status, 200, "{mode}: {}", r.body);
+        assert_eq!(check(next, "k4", 4_000), ("allow".into(), 2), "{mode}");
+        assert_eq!(check(next, "k5", 5_000), ("reject".into(), 3), "{mode}");
+        // k2 never ends: free from its start + 30 s (k4 still open).
+        assert_eq!(check(next, "k6", 30_999), ("reject".into(), 3), "{mode}");
+        assert_eq!(check(next, "k7", 31_000), ("allow".into(), 2), "{mode}");
+        let _ = taken_over.kill();
+        let _ = taken_over.wait();
+    }
+}
+
 /// Concurrent calls across two cached `serve` instances sharing Redis: a
 /// caller's calls checked on either count the calls open on both; an end
 /// (`POST /v1/end`, `GET /v1/end`, or a check saying `"event": "end"`) on
