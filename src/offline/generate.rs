@@ -127,6 +127,11 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
             account: None,
         });
     }
+    sort_by_time(calls);
+}
+
+/// The log's order: by time, calls at the same millisecond by caller.
+fn sort_by_time(calls: &mut [GenCall]) {
     calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
 }
 
@@ -199,7 +204,7 @@ pub fn generate_day(rows: usize, seed: u64, day: u64) -> Vec<GenCall> {
         }
         calls.truncate(start + target);
     }
-    calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
+    sort_by_time(&mut calls);
     calls
 }
 
@@ -540,7 +545,7 @@ pub fn write_days(
         written.fraud += calls.iter().filter(|c| c.fraud).count() as u64;
         if !carried.is_empty() {
             calls.append(&mut carried);
-            calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
+            sort_by_time(&mut calls);
         }
         // Every later call starts, and is written, after this day ends.
         let next_day = DAY_START_MS.saturating_add(((day + 1) as i64).saturating_mul(DAY_MS));
@@ -556,9 +561,7 @@ pub fn write_days(
 
 /// Writes calls as CSV; call ids are `c<row>` in time order.
 pub fn write_csv(path: &Path, calls: &[GenCall]) -> Result<(), IoError> {
-    let mut out = Out::create(path, None, Tz::UTC)?;
-    out.calls(calls, None)?;
-    out.finish()
+    Out::write_all(path, calls, None, Tz::UTC)
 }
 
 /// Writes `calls` as a switch's call records (`format` one of the
@@ -574,9 +577,7 @@ pub fn write_cdr(
     format: InputFormat,
     tz: Tz,
 ) -> Result<(), IoError> {
-    let mut out = Out::create(path, Some(format), tz)?;
-    out.calls(calls, None)?;
-    out.finish()
+    Out::write_all(path, calls, Some(format), tz)
 }
 
 /// A generated log being written: callguard's CSV, or a switch's call
@@ -645,6 +646,18 @@ impl Out {
         })
     }
 
+    /// `calls` written whole to `path`.
+    fn write_all(
+        path: &Path,
+        calls: &[GenCall],
+        format: Option<InputFormat>,
+        tz: Tz,
+    ) -> Result<(), IoError> {
+        let mut out = Out::create(path, format, tz)?;
+        out.calls(calls, None)?;
+        out.finish()
+    }
+
     fn err(&self, source: std::io::Error) -> IoError {
         IoError::Io {
             context: format!("writing {}", self.path.display()),
@@ -660,13 +673,8 @@ impl Out {
         self.n += calls.len();
         match &mut self.to {
             To::Csv(w) => {
-                let mut res = Ok(());
-                for (i, c) in calls.iter().enumerate() {
-                    res = csv_row(w, first + i, c);
-                    if res.is_err() {
-                        break;
-                    }
-                }
+                let res =
+                    (calls.iter().enumerate()).try_for_each(|(i, c)| csv_row(w, first + i, c));
                 res.map_err(|e| self.err(e))
             }
             To::Cdr {
@@ -683,14 +691,8 @@ impl Out {
                 let due = until.map_or(pending.len(), |u| {
                     pending.partition_point(|(written, _)| *written < u)
                 });
-                let mut res = Ok(());
-                for (_, row) in pending.drain(..due) {
-                    res = w.write_record(&row).map_err(std::io::Error::from);
-                    if res.is_err() {
-                        break;
-                    }
-                }
-                res.map_err(|e| self.err(e))
+                let res = (pending.drain(..due)).try_for_each(|(_, row)| w.write_record(&row));
+                res.map_err(|e| self.err(e.into()))
             }
         }
     }

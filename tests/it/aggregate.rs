@@ -95,12 +95,7 @@ pub(crate) fn spawn_serve(port: u16, redis: &str, rules: &Path, extra: &[&str]) 
 fn two_instances_hold_an_account_limit_over_a_trunk_s_numbers() {
     let redis = RedisServer::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
-        "[[rule]]\nname = \"trunk\"\nkey = \"account\"\nkind = \"fixed\"\nwindow = \"1h\"\nlimit = 3\n",
-    )
-    .unwrap();
+    let rules = common::rules_file(dir.path(), "[[rule]]\nname = \"trunk\"\nkey = \"account\"\nkind = \"fixed\"\nwindow = \"1h\"\nlimit = 3\n");
     let ports = [free_port(), free_port()];
     let mut children: Vec<Child> = ports
         .iter()
@@ -265,8 +260,7 @@ async fn three_instances(kill_serve: bool) {
     let tansu = Tansu::start();
     let brokers = tansu.with_topics(&TOPICS.map(|t| (t, if t == "calls" { 4 } else { 1 })));
     let dir = tempfile::tempdir().unwrap();
-    let rules_path = dir.path().join("rules.toml");
-    std::fs::write(&rules_path, RULES).unwrap();
+    let rules_path = common::rules_file(dir.path(), RULES);
     let rules = RuleSet::from_file(&rules_path).unwrap();
     let all = events();
     let (served, kafka): (Vec<CallEvent>, Vec<CallEvent>) = all.iter().cloned().partition(to_serve);
@@ -505,8 +499,7 @@ async fn three_instances_hold_a_callee_limit_with_one_killed_midway() {
 fn the_local_fallback_takes_its_share_of_a_callee_limit() {
     let redis = RedisServer::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let rules_path = dir.path().join("rules.toml");
-    std::fs::write(&rules_path, RULES.replace("limit = 50", "limit = 30")).unwrap();
+    let rules_path = common::rules_file(dir.path(), &RULES.replace("limit = 50", "limit = 30"));
     let port = free_port();
     let mut serve = spawn_serve(
         port,

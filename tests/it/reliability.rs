@@ -650,12 +650,7 @@ async fn hashed_numbers_agree_online_and_offline_and_never_leave_the_process() {
     use callguard::store::redis::{RedisConfig, RedisStore};
     const KEY: &str = "a test key of thirty-two bytes!!";
     let dir = tempfile::tempdir().unwrap();
-    let rules_path = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules_path,
-        "deny = [\"+34911000009\"]\n[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
-    )
-    .unwrap();
+    let rules_path = common::rules_file(dir.path(), "deny = [\"+34911000009\"]\n[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n");
     let start = now_ms() - 600_000;
     let mut csv = String::from("call_id,caller,callee,ts\n");
     let mut messages = Vec::new();

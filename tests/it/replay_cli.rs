@@ -820,12 +820,10 @@ fn mapped_units_and_time_forms_are_read_as_named() {
 #[test]
 fn a_concurrent_rule_holds_calls_open_until_their_ends() {
     let dir = tempfile::tempdir().unwrap();
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"10m\"\n",
-    )
-    .unwrap();
+    );
     let log = dir.path().join("calls.csv");
     std::fs::write(
         &log,

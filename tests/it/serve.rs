@@ -1576,12 +1576,7 @@ fn slots_held_by_a_killed_instance_come_back_at_their_ends_or_max_duration() {
     for mode in ["cached", "script"] {
         let redis = RedisServer::start(&[]);
         let dir = tempfile::tempdir().unwrap();
-        let rules = dir.path().join("rules.toml");
-        std::fs::write(
-            &rules,
-            "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"30s\"\n",
-        )
-        .unwrap();
+        let rules = common::rules_file(dir.path(), "[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"30s\"\n");
         let extra = ["--redis-mode", mode];
         let check = |port: u16, id: &str, dt: i64| -> (String, i64) {
             let body =

@@ -263,12 +263,10 @@ fn kamailio_declines_exactly_the_calls_callguard_rejects_in_script_mode() {
 fn declines_exactly_the_rejected_calls(mode: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start(&[]);
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
-    )
-    .unwrap();
+    );
     let mut extra = vec!["--reject-status", "429"];
     extra.extend_from_slice(mode);
     let (_serve, http) = start_serve(&redis, &rules, &extra);
@@ -396,12 +394,10 @@ fn kamailio_alone_declines_a_blocked_caller_in_script_mode() {
 fn blocked_until_the_key_expires(mode: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start(&[]);
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"3s\"\nlimit = 2\n",
-    )
-    .unwrap();
+    );
     let mut extra = vec!["--block-keys"];
     extra.extend_from_slice(mode);
     let (_serve, http) = start_serve(&redis, &rules, &extra);
@@ -484,12 +480,10 @@ fn blocked_until_the_key_expires(mode: &[&str]) {
 fn kamailio_dispatcher_checks_each_caller_on_one_instance() {
     let dir = tempfile::tempdir().unwrap();
     let redis = RedisServer::start(&[]);
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"burst\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 3\n",
-    )
-    .unwrap();
+    );
     let extra = ["--reject-status", "429"];
     let (serve_a, http_a) = start_serve(&redis, &rules, &extra);
     let (_serve_b, http_b) = start_serve(&redis, &rules, &extra);

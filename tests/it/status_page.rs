@@ -114,12 +114,10 @@ async fn the_page_renders_what_stats_and_metrics_say() {
     let tansu = Tansu::start();
     let brokers = tansu.with_topics(&TOPICS.map(|t| (t, if t == "calls" { 2 } else { 1 })));
     let dir = tempfile::tempdir().unwrap();
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 5\n",
-    )
-    .unwrap();
+    );
     // A robocaller (30 calls), a redialler (12) and 20 callers once each,
     // at the wall clock (the page counts per second of decision); three
     // malformed messages.
@@ -348,12 +346,10 @@ async fn the_page_renders_what_stats_and_metrics_say() {
 fn the_serve_page_shows_warnings_fallbacks_and_no_lag() {
     let redis = common::RedisServer::start(&[]);
     let dir = tempfile::tempdir().unwrap();
-    let rules = dir.path().join("rules.toml");
-    std::fs::write(
-        &rules,
+    let rules = common::rules_file(
+        dir.path(),
         "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 5\nwarn = 2\n",
-    )
-    .unwrap();
+    );
     let port = common::free_port();
     let mut serve = Command::new(common::bin())
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])

@@ -703,8 +703,7 @@ fn a_concurrent_rule_is_swept_as_replay_decides() {
     let (dir, path) = common::generated_csv(20_000, 23);
     let text = "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\n\
                 [[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 30\nmax_duration = \"1h\"\n";
-    let rules_path = dir.path().join("rules.toml");
-    std::fs::write(&rules_path, text).unwrap();
+    let rules_path = common::rules_file(dir.path(), text);
     let rules = RuleSet::from_file(&rules_path).unwrap();
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()
@@ -763,8 +762,7 @@ fn a_sum_rule_is_swept_as_replay_decides() {
     let (dir, path) = common::generated_csv(20_000, 29);
     let text = "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\n\
                 [[rule]]\nname = \"talk\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"90m\"\n";
-    let rules_path = dir.path().join("rules.toml");
-    std::fs::write(&rules_path, text).unwrap();
+    let rules_path = common::rules_file(dir.path(), text);
     let rules = RuleSet::from_file(&rules_path).unwrap();
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()

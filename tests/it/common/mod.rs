@@ -18,6 +18,13 @@ use callguard::engine::event::CallEvent;
 
 /// A free loopback port whose cluster bus port (+10000) is free as well.
 ///
+/// `text` written as `rules.toml` in `dir`: its path.
+pub fn rules_file(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
+    let path = dir.join("rules.toml");
+    std::fs::write(&path, text).expect("write rules.toml");
+    path
+}
+
 /// A port is handed out at most once per test process: tests run in
 /// parallel threads, and two of them starting a server on the same port
 /// would talk to each other's server.
