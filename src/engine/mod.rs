@@ -10,6 +10,8 @@
 //!   contract every store implements.
 //! * [`aggregate`]: rules keyed by callee or global, decided from leased
 //!   credits before the caller's rules.
+//! * [`pool`]: concurrent rules keyed by account, callee or global,
+//!   decided after the caller's rules for the calls they allow.
 //! * [`record`]: decision records, verdicts and the one column schema of
 //!   every output.
 
@@ -17,6 +19,7 @@ pub mod aggregate;
 pub mod duration;
 pub mod event;
 pub mod filter;
+pub mod pool;
 pub mod rates;
 pub mod record;
 pub mod rule;

@@ -122,6 +122,17 @@ impl RuleKey {
     fn is_caller(&self) -> bool {
         *self == RuleKey::Caller
     }
+
+    /// Its name in a rules file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuleKey::Caller => "caller",
+            RuleKey::CallerCallee => "caller+callee",
+            RuleKey::Callee => "callee",
+            RuleKey::Global => "global",
+            RuleKey::Account => "account",
+        }
+    }
 }
 
 /// A token bucket's rate: `calls` per `per_ms` milliseconds. Its emission
@@ -318,6 +329,19 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// A concurrent rule keyed by account, callee or global: its open
+    /// calls are a pool many callers share, decided after the caller's
+    /// rules ([`crate::engine::pool`]).
+    pub fn is_pooled(&self) -> bool {
+        self.kind == WindowKind::Concurrent && self.key.is_aggregate()
+    }
+
+    /// A rule keyed by callee, global or account counted through the
+    /// gate's credits ([`crate::engine::aggregate`]): not a pool.
+    pub fn is_gated(&self) -> bool {
+        self.key.is_aggregate() && !self.is_pooled()
+    }
+
     /// A window rule seeing every call, keyed by caller, enforcing, without
     /// a warning level.
     pub fn new(name: impl Into<String>, kind: WindowKind, window_ms: i64, limit: u64) -> Self {

@@ -302,7 +302,7 @@ fn keep_ms(rules: &RuleSet) -> i64 {
     rules
         .rules
         .iter()
-        .filter(|r| r.key.is_aggregate())
+        .filter(|r| r.is_gated())
         .map(|r| r.window_ms.saturating_mul(3).saturating_add(rules.grace_ms))
         .max()
         .unwrap_or(0)

@@ -76,7 +76,7 @@ impl MemoryStore {
             self.evict_idle(rules);
             self.next_eviction = self.applied + EVICT_EVERY.max(self.callers.len() as u64);
         }
-        if ev.kind == EventKind::End && !rules.uses_ends() {
+        if ev.kind == EventKind::End && !rules.caller_uses_ends() {
             // Nothing holds calls open: the end changes nothing.
             return Verdict::of_end(ev, rules);
         }

@@ -190,6 +190,9 @@ fn key_of<'a>(rules: &RuleSet, i: usize, ev: &'a CallEvent) -> Option<&'a str> {
     if ev.kind == crate::engine::event::EventKind::End {
         return None;
     }
+    if rules.rules[i].is_pooled() {
+        return None;
+    }
     let key = match rules.rules[i].key {
         RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
         RuleKey::Account => ev.account.as_deref().filter(|a| !a.is_empty())?,
@@ -222,7 +225,7 @@ fn ttl_of(rules: &RuleSet, i: usize) -> i64 {
 /// The rules keyed by callee or global, by index.
 fn aggregate_rules(rules: &RuleSet) -> Vec<usize> {
     (0..rules.rules.len())
-        .filter(|&i| rules.rules[i].key.is_aggregate())
+        .filter(|&i| rules.rules[i].is_gated())
         .collect()
 }
 

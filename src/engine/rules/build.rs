@@ -1,7 +1,7 @@
 //! Building a rule set from its spec: every check a rule, a list and the
 //! set's options must pass, and the prefix lists in their one spelling.
 
-use super::{RuleKey, RuleSet, RuleSpec, WindowKind, MAX_RULES, RESERVED_NAMES};
+use super::{CountPolicy, RuleKey, RuleSet, RuleSpec, WindowKind, MAX_RULES, RESERVED_NAMES};
 use crate::engine::rule::Rule;
 use crate::error::RulesError;
 
@@ -111,15 +111,49 @@ impl RuleSet {
             timezone,
             filtered: false,
             concurrent: false,
+            pools: false,
             sums: false,
             files,
             version: String::new(),
         };
         set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
-        set.concurrent = set.rules.iter().any(|r| r.kind == WindowKind::Concurrent);
+        set.concurrent = set
+            .rules
+            .iter()
+            .any(|r| r.kind == WindowKind::Concurrent && !r.is_pooled());
+        set.pools = set.rules.iter().any(Rule::is_pooled);
+        check_pools(&set)?;
         set.sums = set.rules.iter().any(|r| r.sum.is_some());
         set.version = set.compute_version();
         Ok(set)
+    }
+}
+
+/// Checks what pools (concurrent rules keyed by account, callee or
+/// global) need of the rest of the set: they decide after the caller's
+/// rules, only the calls those allow, so nothing of the caller's may
+/// depend on the final decision.
+fn check_pools(set: &RuleSet) -> Result<(), RulesError> {
+    let Some(pool) = set.rules.iter().find(|r| r.is_pooled()) else {
+        return Ok(());
+    };
+    let clash = if set.count == CountPolicy::Admitted {
+        Some("`count = \"admitted\"`".to_string())
+    } else {
+        set.rules
+            .iter()
+            .find(|r| !r.key.is_aggregate() && (r.kind == WindowKind::Concurrent || r.sum.is_some()))
+            .map(|r| format!("rule `{}` (a caller's concurrent or sum rule)", r.name))
+    };
+    match clash {
+        None => Ok(()),
+        Some(what) => Err(RulesError::Invalid(format!(
+            "rule `{}`: a concurrent rule keyed by {} decides after the caller's rules, so it \
+             cannot be combined with {what}, whose state would keep calls it rejects \
+             (not built yet: use a caller's concurrent rule, or key this one by caller)",
+            pool.name,
+            pool.key.as_str()
+        ))),
     }
 }
 
@@ -143,18 +177,11 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
             "a token bucket needs one, and only a token bucket has one",
         );
     }
-    if r.key.is_aggregate() && !matches!(r.kind, WindowKind::Fixed | WindowKind::SlidingApprox) {
+    if r.is_gated() && !matches!(r.kind, WindowKind::Fixed | WindowKind::SlidingApprox) {
         return bad(
             "key",
-            "a rule keyed by callee, global or account is `fixed` or `sliding-approx` \
-             (its count is shared between instances as leased credits)",
-        );
-    }
-    if r.kind == WindowKind::Concurrent && r.key.is_aggregate() {
-        return bad(
-            "key",
-            "a concurrent rule counts a caller's open calls (key `caller` or `caller+callee`): \
-             per callee, global and account are not built yet",
+            "a rule keyed by callee, global or account is `fixed`, `sliding-approx` or \
+             `concurrent` (its count is shared between instances)",
         );
     }
     if r.sum.is_some() {

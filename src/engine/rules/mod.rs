@@ -81,8 +81,11 @@ pub struct RuleSet {
     max_callees: u64,
     /// Whether any rule sees only some calls.
     filtered: bool,
-    /// Whether any rule is concurrent (asked per call: kept, not derived).
+    /// Whether any rule keyed by caller is concurrent (asked per call:
+    /// kept, not derived).
     concurrent: bool,
+    /// Whether any rule is a pool ([`Rule::is_pooled`]; kept, not derived).
+    pools: bool,
     /// Whether any rule adds up ended calls (`sum`; kept, not derived).
     sums: bool,
     /// The set's time zone (`timezone`): its rules' default, and the zone
@@ -348,10 +351,17 @@ impl RuleSet {
             .unwrap_or(0)
     }
 
-    /// Whether any rule is keyed by callee or global (decided through
+    /// Whether any rule is counted through the gate's credits (keyed by
+    /// callee, global or account, not concurrent: decided through
     /// [`crate::engine::aggregate::Gate`] before the caller's state).
     pub fn has_aggregates(&self) -> bool {
-        self.rules.iter().any(|r| r.key.is_aggregate())
+        self.rules.iter().any(Rule::is_gated)
+    }
+
+    /// Whether any rule is a pool: concurrent, keyed by account, callee or
+    /// global (decided after the caller's rules, [`crate::engine::pool`]).
+    pub fn has_pools(&self) -> bool {
+        self.pools
     }
 
     /// How long state must be kept after a caller's latest call: longest window + grace.
@@ -359,8 +369,8 @@ impl RuleSet {
         self.max_window_ms() + self.grace_ms
     }
 
-    /// Whether any rule counts calls open ([`WindowKind::Concurrent`]):
-    /// only then do call ends change anything.
+    /// Whether any rule keyed by caller counts calls open
+    /// ([`WindowKind::Concurrent`]): its ends change the caller's state.
     pub fn has_concurrent(&self) -> bool {
         self.concurrent
     }
@@ -371,8 +381,15 @@ impl RuleSet {
         self.sums
     }
 
-    /// Whether call ends change anything: a concurrent or a sum rule.
+    /// Whether call ends change anything: a concurrent or a sum rule (of
+    /// the caller's, or a pool).
     pub fn uses_ends(&self) -> bool {
+        self.concurrent || self.sums || self.pools
+    }
+
+    /// Whether call ends change a caller's state: a concurrent or sum rule
+    /// keyed by caller (a pool's ends are the pool's).
+    pub fn caller_uses_ends(&self) -> bool {
         self.concurrent || self.sums
     }
 

@@ -330,7 +330,7 @@ impl CallerState {
         }
         let shadow = would == Decision::Reject
             && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
-        if rules.uses_ends() && (would == Decision::Allow || shadow) && t > h.retention {
+        if rules.caller_uses_ends() && (would == Decision::Allow || shadow) && t > h.retention {
             self.open_call(rules, ev, &counts);
         }
         self.cap_pairs(rules);
@@ -590,7 +590,7 @@ impl CallerState {
     /// already (rejected, or seen by no concurrent rule): then it changes
     /// nothing. Ends move no horizon (they are not calls).
     fn end_call(&mut self, rules: &RuleSet, ev: &CallEvent) {
-        if !rules.uses_ends() {
+        if !rules.caller_uses_ends() {
             return;
         }
         let mut held = false;

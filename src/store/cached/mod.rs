@@ -490,7 +490,7 @@ impl WindowStore for CachedStore {
         // Without a concurrent or sum rule an end changes nothing:
         // answered here, never sent to Redis. With one, it is applied to
         // its caller's state like an attempt.
-        match crate::store::attempts_of(events).filter(|_| !rules.uses_ends()) {
+        match crate::store::attempts_of(events).filter(|_| !rules.caller_uses_ends()) {
             Some(attempts) => {
                 let decided = self.apply_events(rules, &attempts).await?;
                 Ok(crate::store::with_ends(rules, events, decided, Some))

@@ -218,7 +218,7 @@ impl RedisStore {
     ) -> Result<Vec<Verdict>, StoreError> {
         // Without a concurrent or sum rule an end changes nothing:
         // answered here, never sent to Redis.
-        match crate::store::attempts_of(events).filter(|_| !rules.uses_ends()) {
+        match crate::store::attempts_of(events).filter(|_| !rules.caller_uses_ends()) {
             Some(attempts) => {
                 let decided = self.apply_attempts(rules, &attempts).await?;
                 Ok(crate::store::with_ends(rules, events, decided, |v| v))

@@ -1,0 +1,453 @@
+//! Pools: concurrent rules keyed by account, callee or global. The calls
+//! they hold open belong to many callers, so a pool is decided after the
+//! caller's rules, for the calls in processing order.
+//!
+//! The contract (also in docs/rules.md, "Concurrent calls per account"):
+//!
+//! * A pool is one rule's open calls for one key (the account, the callee,
+//!   or everyone's for `global`). A call with no value for the key (no
+//!   account) is not seen by it, nor one its filters leave out.
+//! * An attempt's count is the calls open in the pool at its time `t`,
+//!   plus one; a call `c` is open at `t` when
+//!   `start(c) <= t < min(max(end(c), start(c)), start(c) + max_duration)`,
+//!   `end(c)` the time of its first end seen (as for a caller's rule).
+//! * The count is taken for every attempt the pool sees. The decision is
+//!   the caller's rules' first: a call they reject (or a list denies)
+//!   stays rejected, for its own reason. A call they allow is then judged
+//!   with every rule in order, the pools' counts included: over a pool's
+//!   limit it is rejected for that pool (or flagged, for a shadow rule),
+//!   warned as for every rule. A call allowed in the end (shadow
+//!   included) opens in each pool that sees it; a call rejected opens in
+//!   none.
+//! * The Retry-After of a call a pool rejects is when its pools' counts
+//!   would drop to their limits, given the ends known and `max_duration`
+//!   (the caller's rules, which allowed it, are not asked again). A pool's
+//!   reject writes no block key (it is no caller's).
+//! * Time: `L'` is the newest attempt any pool has seen. A call closed at
+//!   or before `L' - grace` is dropped (it could count only for a call
+//!   later than the grace). What a call got is remembered until its time
+//!   is at or before `L' - dedup`: a call id seen again gets it again
+//!   (whatever the caller's store says of it) and changes nothing.
+//! * Ends: an end closes the call in every pool holding it (a second end
+//!   changes nothing; an end before the start closes it at its start). An
+//!   end for a call not seen yet is kept until `L' - dedup` (at most
+//!   [`MAX_PENDING_ENDS`], the earliest let go first), and the call, if
+//!   it comes, opens only until then. An end for a call decided but not
+//!   held changes nothing.
+//!
+//! A rule set with pools counts every attempt (`count = "attempts"`) and
+//! has no concurrent or sum rule of the caller's: those keep state by the
+//! caller's decision, which a pool may still turn into a reject.
+//!
+//! [`Pools`] is the in-process form (offline work, one instance); the
+//! Redis form (`src/store/redis/aggregate/pool.rs`) runs the same steps in
+//! one script per batch and shares the pools between instances.
+
+use std::collections::BTreeSet;
+
+use compact_str::CompactString;
+use foldhash::HashMap;
+
+use crate::engine::event::{CallEvent, EventKind};
+use crate::engine::record::{Decision, Verdict, REASON_OK};
+use crate::engine::rules::{Judgement, Listed, RuleKey, RuleSet};
+
+/// Most ends of calls not seen yet the pools keep (the earliest goes
+/// first past this).
+pub const MAX_PENDING_ENDS: usize = 1 << 16;
+
+/// What one pool found for a call: the rule's index, its count (this call
+/// included) and the last time a call of the same key would still be over
+/// the limit (see [`rejects_until`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    pub rule: usize,
+    pub count: u64,
+    pub until: Option<i64>,
+}
+
+/// How a call opens in its pools, as the caller's rules left it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// Rejected already: opens nowhere.
+    Never,
+    /// Allowed whatever the pools say (an allowlisted caller, or the set
+    /// in shadow mode).
+    Always,
+    /// Allowed unless an enforcing pool is over its limit.
+    Unless,
+}
+
+impl Opening {
+    /// How the call `v` the caller's rules decided opens.
+    pub fn of(rules: &RuleSet, ev: &CallEvent, v: &Verdict) -> Self {
+        if v.record.decision == Decision::Reject || v.record.degraded || v.end {
+            return Opening::Never;
+        }
+        let listed = matches!(
+            rules.listed(ev.number_for_lists()),
+            Listed::Allow | Listed::BadCallerAllow
+        );
+        if listed || rules.shadow {
+            Opening::Always
+        } else {
+            Opening::Unless
+        }
+    }
+
+    /// Whether the call opens, given what its pools found.
+    pub fn opens(self, rules: &RuleSet, found: &[Found]) -> bool {
+        match self {
+            Opening::Never => false,
+            Opening::Always => true,
+            Opening::Unless => !found.iter().any(|f| {
+                let r = &rules.rules[f.rule];
+                !r.shadow && f.count > r.limit
+            }),
+        }
+    }
+}
+
+/// The pool rule `i` holds `ev` in, if it sees it: `rule:max_duration:key`
+/// (the key empty for a global rule).
+pub fn pool_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<String> {
+    let rule = &rules.rules[i];
+    if !rule.is_pooled() || ev.kind == EventKind::End || !rules.sees(i, ev) {
+        return None;
+    }
+    let key = match rule.key {
+        RuleKey::Account => ev.account.as_deref().filter(|a| !a.is_empty())?,
+        RuleKey::Callee => ev.callee.as_deref().filter(|c| !c.is_empty())?,
+        RuleKey::Global => "",
+        RuleKey::Caller | RuleKey::CallerCallee => return None,
+    };
+    Some(format!("{}:{}:{key}", rule.name, rule.window_ms))
+}
+
+/// The pools that see `ev`, with their rules' indices.
+pub fn pools_of(rules: &RuleSet, ev: &CallEvent) -> Vec<(usize, String)> {
+    if !rules.has_pools() {
+        return Vec::new();
+    }
+    (0..rules.rules.len())
+        .filter_map(|i| pool_of(rules, i, ev).map(|p| (i, p)))
+        .collect()
+}
+
+/// A call's identity in the pools: its caller and id (as a caller's store
+/// keys its records).
+pub fn call_key(ev: &CallEvent) -> CompactString {
+    let mut k = CompactString::with_capacity(ev.caller.len() + ev.call_id.len() + 1);
+    k.push_str(&ev.caller);
+    k.push(' ');
+    k.push_str(&ev.call_id);
+    k
+}
+
+/// When a call started at `start` stops holding its slot, given its end
+/// (if seen): an end before the start closes it at its start.
+pub fn close_of(start: i64, end: Option<i64>, max_duration: i64) -> i64 {
+    let longest = start.saturating_add(max_duration);
+    end.map_or(longest, |e| e.max(start).min(longest))
+}
+
+/// The last time `s > t` at which a call would still be over `limit`
+/// (more than `limit - 1` calls open at `s`), given the calls held
+/// (`(start, close)`) and no others. The count drops only at a close, so
+/// that time is some close minus one.
+pub fn rejects_until(slots: &[(i64, i64)], t: i64, limit: u64) -> Option<i64> {
+    let mut starts: Vec<i64> = slots.iter().map(|s| s.0).collect();
+    let mut closes: Vec<i64> = slots.iter().map(|s| s.1).collect();
+    starts.sort_unstable();
+    closes.sort_unstable();
+    // Open at s: started at or before s, not closed at or before s.
+    let open_at = |s: i64| {
+        let started = starts.partition_point(|&x| x <= s);
+        let closed = closes.partition_point(|&x| x <= s);
+        (started - closed) as u64
+    };
+    closes
+        .iter()
+        .rev()
+        .map(|&c| c - 1)
+        .filter(|&s| s > t)
+        .find(|&s| open_at(s) + 1 > limit)
+}
+
+/// The verdict of a call the caller's rules decided (`v`), given what its
+/// pools found: their counts written in, and, for a call those rules
+/// allowed, judged again with every rule (see the module).
+pub fn settle(rules: &RuleSet, ev: &CallEvent, v: &mut Verdict, found: &[Found]) {
+    if v.end || v.record.degraded || found.is_empty() {
+        return;
+    }
+    for f in found {
+        if let Some(c) = v.record.counts.get_mut(f.rule) {
+            *c = f.count;
+        }
+    }
+    if v.record.decision == Decision::Reject {
+        return;
+    }
+    let counts = &v.record.counts;
+    let judgement = rules.judge(ev.number_for_lists(), counts, None);
+    let reason = match judgement {
+        Judgement::Exceeded(i) | Judgement::ShadowExceeded(i) => {
+            CompactString::from(rules.rules[i].name.as_str())
+        }
+        Judgement::Allowlisted(r) | Judgement::Denylisted(r) => CompactString::const_new(r),
+        Judgement::Within => CompactString::const_new(REASON_OK),
+    };
+    let would_reject = matches!(
+        judgement,
+        Judgement::Exceeded(_) | Judgement::ShadowExceeded(_) | Judgement::Denylisted(_)
+    );
+    let shadow = would_reject && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
+    let t = ev.ts_ms;
+    let r = &mut v.record;
+    r.retry_after_ms = (would_reject && !shadow).then(|| {
+        let last = found
+            .iter()
+            .filter(|f| !rules.rules[f.rule].shadow)
+            .filter_map(|f| f.until)
+            .fold(t, i64::max);
+        last.saturating_add(1).saturating_sub(t)
+    });
+    r.warn = rules
+        .warning(judgement, shadow, &r.counts)
+        .map(|i| CompactString::from(rules.rules[i].name.as_str()));
+    r.decision = if would_reject && !shadow {
+        Decision::Reject
+    } else {
+        Decision::Allow
+    };
+    r.reason = reason;
+    r.shadow = shadow;
+}
+
+/// One call a pool holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    start: i64,
+    close: i64,
+    ended: bool,
+}
+
+/// The pools in process: every pool's open calls, the ends that came
+/// first, and what each call got (see the module).
+#[derive(Debug, Default)]
+pub struct Pools {
+    /// Pool → call → its slot.
+    pools: HashMap<String, HashMap<CompactString, Slot>>,
+    /// Call → the pools holding it.
+    held_in: HashMap<CompactString, Vec<String>>,
+    /// (close, call, pool), for dropping the closed.
+    by_close: BTreeSet<(i64, CompactString, String)>,
+    /// Ends of calls not seen yet: call → end, and (end, call).
+    pending: HashMap<CompactString, i64>,
+    pending_by_end: BTreeSet<(i64, CompactString)>,
+    /// What each call got, and (time, call) for forgetting it.
+    results: HashMap<CompactString, Vec<Found>>,
+    results_by_ts: BTreeSet<(i64, CompactString)>,
+    /// The newest attempt seen (`L'`).
+    latest: Option<i64>,
+}
+
+impl Pools {
+    /// No pool yet.
+    pub fn new() -> Self {
+        Pools::default()
+    }
+
+    /// Applies events the caller's rules decided (`verdicts`, index for
+    /// index, `None` for a call left undecided), in order: each attempt's
+    /// verdict settled by its pools, each end applied.
+    pub fn apply(&mut self, rules: &RuleSet, events: &[CallEvent], verdicts: &mut [Option<Verdict>]) {
+        if !rules.has_pools() {
+            return;
+        }
+        for (ev, v) in events.iter().zip(verdicts.iter_mut()) {
+            if let Some(v) = v {
+                self.apply_one(rules, ev, v);
+            }
+        }
+    }
+
+    /// [`Pools::apply`] of one event.
+    pub fn apply_one(&mut self, rules: &RuleSet, ev: &CallEvent, v: &mut Verdict) {
+        if !rules.has_pools() || v.record.degraded {
+            return;
+        }
+        if ev.kind == EventKind::End {
+            self.end(rules, ev);
+            return;
+        }
+        let key = call_key(ev);
+        if let Some(found) = self.results.get(&key) {
+            settle(rules, ev, v, found);
+            return;
+        }
+        let pools = pools_of(rules, ev);
+        if pools.is_empty() {
+            return;
+        }
+        let t = ev.ts_ms;
+        self.advance(rules, t);
+        let found: Vec<Found> = pools
+            .iter()
+            .map(|(i, pool)| self.count(rules, *i, pool, t))
+            .collect();
+        let opening = Opening::of(rules, ev, v);
+        settle(rules, ev, v, &found);
+        if opening.opens(rules, &found) {
+            let end = self.take_pending(&key);
+            for (i, pool) in &pools {
+                let start = t;
+                let close = close_of(start, end, rules.rules[*i].window_ms);
+                self.open(&key, pool, Slot {
+                    start,
+                    close,
+                    ended: end.is_some(),
+                });
+            }
+        }
+        self.results_by_ts.insert((t, key.clone()));
+        self.results.insert(key, found);
+    }
+
+    /// What pool `pool` (of rule `i`) finds for a call at `t`.
+    fn count(&self, rules: &RuleSet, i: usize, pool: &str, t: i64) -> Found {
+        let rule = &rules.rules[i];
+        let slots: Vec<(i64, i64)> = self
+            .pools
+            .get(pool)
+            .map(|p| p.values().map(|s| (s.start, s.close)).collect())
+            .unwrap_or_default();
+        let open = slots.iter().filter(|&&(s, c)| s <= t && t < c).count() as u64;
+        let until = rejects_until(&slots, t, rule.limit)
+            .and_then(|u| rule.filter.last_seen_within(t, u));
+        Found {
+            rule: i,
+            count: open + 1,
+            until,
+        }
+    }
+
+    /// A call held from now on in `pool`.
+    fn open(&mut self, key: &CompactString, pool: &str, slot: Slot) {
+        self.pools
+            .entry(pool.to_string())
+            .or_default()
+            .insert(key.clone(), slot);
+        self.held_in
+            .entry(key.clone())
+            .or_default()
+            .push(pool.to_string());
+        self.by_close
+            .insert((slot.close, key.clone(), pool.to_string()));
+    }
+
+    /// The end kept for call `key`, if it came first (let go: the call
+    /// holds it now).
+    fn take_pending(&mut self, key: &CompactString) -> Option<i64> {
+        let end = self.pending.remove(key)?;
+        self.pending_by_end.remove(&(end, key.clone()));
+        Some(end)
+    }
+
+    /// Moves `L'` to `t` if later, and drops what falls behind it: calls
+    /// closed at or before `L' - grace`, ends kept and results at or
+    /// before `L' - dedup`.
+    fn advance(&mut self, rules: &RuleSet, t: i64) {
+        let latest = self.latest.map_or(t, |l| l.max(t));
+        self.latest = Some(latest);
+        let closed = latest.saturating_sub(rules.grace_ms);
+        while let Some((close, key, pool)) = self.by_close.first().cloned() {
+            if close > closed {
+                break;
+            }
+            self.by_close.pop_first();
+            self.drop_slot(&key, &pool);
+        }
+        let horizon = latest.saturating_sub(rules.dedup_ms());
+        while let Some((end, key)) = self.pending_by_end.first().cloned() {
+            if end > horizon {
+                break;
+            }
+            self.pending_by_end.pop_first();
+            self.pending.remove(&key);
+        }
+        while let Some((ts, key)) = self.results_by_ts.first().cloned() {
+            if ts > horizon {
+                break;
+            }
+            self.results_by_ts.pop_first();
+            self.results.remove(&key);
+        }
+    }
+
+    /// Forgets call `key`'s slot in `pool`.
+    fn drop_slot(&mut self, key: &CompactString, pool: &str) {
+        if let Some(p) = self.pools.get_mut(pool) {
+            p.remove(key);
+            if p.is_empty() {
+                self.pools.remove(pool);
+            }
+        }
+        if let Some(held) = self.held_in.get_mut(key) {
+            held.retain(|h| h != pool);
+            if held.is_empty() {
+                self.held_in.remove(key);
+            }
+        }
+    }
+
+    /// A call's end: closes it in every pool holding it; kept if the call
+    /// has not come (see the module).
+    fn end(&mut self, rules: &RuleSet, ev: &CallEvent) {
+        let key = call_key(ev);
+        if let Some(held) = self.held_in.get(&key).cloned() {
+            for pool in held {
+                self.close(rules, &key, &pool, ev.ts_ms);
+            }
+            return;
+        }
+        if self.results.contains_key(&key) || self.pending.contains_key(&key) {
+            return;
+        }
+        self.pending.insert(key.clone(), ev.ts_ms);
+        self.pending_by_end.insert((ev.ts_ms, key));
+        while self.pending.len() > MAX_PENDING_ENDS {
+            let Some((_, first)) = self.pending_by_end.pop_first() else {
+                break;
+            };
+            self.pending.remove(&first);
+        }
+    }
+
+    /// Closes call `key` in `pool` at `end`, if no end came before.
+    fn close(&mut self, _rules: &RuleSet, key: &CompactString, pool: &str, end: i64) {
+        let Some(slot) = self.pools.get_mut(pool).and_then(|p| p.get_mut(key)) else {
+            return;
+        };
+        if slot.ended {
+            return;
+        }
+        let old = slot.close;
+        slot.ended = true;
+        slot.close = old.min(end.max(slot.start));
+        let new = slot.close;
+        if new != old {
+            self.by_close.remove(&(old, key.clone(), pool.to_string()));
+            self.by_close.insert((new, key.clone(), pool.to_string()));
+        }
+    }
+
+    /// Calls held, over every pool.
+    pub fn held(&self) -> usize {
+        self.pools.values().map(HashMap::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests;
