@@ -6,6 +6,7 @@
 //! (Redis), in batches, which must produce the same records.
 
 use crate::engine::aggregate::{Gate, MemoryLedger};
+use crate::engine::pool::Pools;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -260,6 +261,18 @@ pub async fn run_ordered<S: WindowStore>(
     Ok(replaying.finish())
 }
 
+/// A chunk's verdicts settled by the pools (in processing order), the
+/// chunk handed on in order.
+fn settle_pools(pools: &mut Pools, rules: &RuleSet, chunk: DecidedChunk) -> DecidedChunk {
+    let (events, verdicts) = chunk.into_parts();
+    let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
+    pools.apply(rules, &events, &mut verdicts);
+    DecidedChunk {
+        events,
+        verdicts: Verdicts::InOrder(verdicts.into_iter().flatten().collect()),
+    }
+}
+
 /// A streamed replay's progress: the bar, the tally and the invalid rows.
 struct Replaying {
     bar: indicatif::ProgressBar,
@@ -348,7 +361,10 @@ fn run_sharded(
                     for job in job_rx {
                         let verdicts =
                             decide_share(shard, rules, &job.events, &job.unique, &job.idx);
-                        tally.add(&verdicts);
+                        // (Pools may still change them: tallied once settled.)
+                        if !rules.has_pools() {
+                            tally.add(&verdicts);
+                        }
                         // The chunk's events go back to their owner whole.
                         drop(job);
                         if out_tx.send(verdicts).is_err() {
@@ -365,16 +381,21 @@ fn run_sharded(
             results.push(out_rx);
             threads.push(thread);
         }
+        let mut pools = Pools::new();
         let mut finish = |c: InFlight| -> Result<(), ReplayError> {
             let mut shares = Vec::with_capacity(n);
             for r in &results {
                 shares.push(r.recv().map_err(|_| lost())?);
             }
             let events = Arc::try_unwrap(c.events).unwrap_or_else(|shared| (*shared).clone());
-            let chunk = DecidedChunk {
+            let mut chunk = DecidedChunk {
                 events,
                 verdicts: Verdicts::Shares { of: c.of, shares },
             };
+            if rules.has_pools() {
+                chunk = settle_pools(&mut pools, rules, chunk);
+                replaying.tally.add(chunk.verdicts());
+            }
             replaying.decided(chunk, c.invalid, &mut sink)?;
             Ok(())
         };
@@ -384,6 +405,7 @@ fn run_sharded(
         // Rules keyed by callee or global: decided in processing order
         // before the chunk is split by caller.
         let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+        // (Pools: decided after the shards, in processing order.)
         for mut chunk in chunks {
             gate.run(&mut ledger, rules, &mut chunk.events);
             let (of, parts) = split_by_caller(chunk.events.iter().map(|e| e.caller.as_str()), n);
@@ -455,7 +477,8 @@ impl fmt::Display for ReplaySummary {
     }
 }
 
-/// Applies a time-sorted call log through a store, in batches (for logs
+/// Applies a time-sorted call log through a store of the caller's rules
+/// (not gated: the gate and the pools run here), in batches (for logs
 /// already decoded whole; files stream through [`run_ordered`]).
 pub async fn run<S: WindowStore>(
     log: &CallLog,
@@ -464,7 +487,13 @@ pub async fn run<S: WindowStore>(
 ) -> Result<Vec<Verdict>, StoreError> {
     let mut events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
     Gate::new().run(&mut MemoryLedger::new(), rules, &mut events);
-    apply_events(&events, rules, store).await
+    let verdicts = apply_events(&events, rules, store).await?;
+    if !rules.has_pools() {
+        return Ok(verdicts);
+    }
+    let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
+    Pools::new().apply(rules, &events, &mut verdicts);
+    Ok(verdicts.into_iter().flatten().collect())
 }
 
 /// Applies events through a store in batches of [`REPLAY_BATCH`].

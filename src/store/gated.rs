@@ -4,6 +4,8 @@
 //! them with the caller's rules (see [`crate::engine::aggregate`]).
 
 use crate::engine::aggregate::{Gate, Lease, LeaseRequest, MemoryLedger};
+use crate::engine::pool::Pools;
+use crate::store::redis::aggregate::pool::RedisPools;
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
@@ -46,10 +48,45 @@ impl Ledger {
     }
 }
 
-/// `S` behind the gate.
+/// Where the pools are (concurrent rules keyed by account, callee or
+/// global, decided after the store: [`crate::engine::pool`]): beside the
+/// credits.
+#[derive(Debug)]
+enum PoolStore {
+    Memory(Pools),
+    Redis(Box<RedisPools>),
+}
+
+impl PoolStore {
+    fn for_ledger(ledger: &Ledger) -> Self {
+        match ledger {
+            Ledger::Memory(_) => PoolStore::Memory(Pools::new()),
+            Ledger::Redis(r) => PoolStore::Redis(Box::new(RedisPools::new(r.config().clone()))),
+        }
+    }
+
+    /// Settles the store's verdicts by the pools.
+    async fn apply(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        verdicts: &mut [Option<Verdict>],
+    ) -> Result<(), StoreError> {
+        match self {
+            PoolStore::Memory(p) => {
+                p.apply(rules, events, verdicts);
+                Ok(())
+            }
+            PoolStore::Redis(p) => p.apply(rules, events, verdicts).await,
+        }
+    }
+}
+
+/// `S` behind the gate, and before the pools.
 #[derive(Debug)]
 pub struct Gated<S> {
     inner: S,
+    pools: PoolStore,
     /// The gate: the store's task takes it for the batch it decides, a
     /// blocking-pool thread for the batch queued behind.
     gate: Arc<Mutex<Gate>>,
@@ -98,6 +135,7 @@ impl<S: WindowStore> Gated<S> {
     pub fn new(inner: S, ledger: Ledger) -> Self {
         Gated {
             inner,
+            pools: PoolStore::for_ledger(&ledger),
             gate: Arc::new(Mutex::new(Gate::new())),
             ledger,
             leased: LeaseStats::default(),
@@ -182,7 +220,9 @@ impl<S: WindowStore> Gated<S> {
         let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let Some(n) = next.peek().filter(|n| n.rules.has_aggregates()) else {
-            return self.inner.apply_batch_partial(rules, batch).await;
+            let mut verdicts = self.inner.apply_batch_partial(rules, batch).await?;
+            self.pools.apply(rules, batch, &mut verdicts).await?;
+            return Ok(verdicts);
         };
         let next_rules = match self.ahead_rules.take() {
             Some(r) if r.version() == n.rules.version() => r,
@@ -200,7 +240,9 @@ impl<S: WindowStore> Gated<S> {
             ahead.decide_ahead(ledger, leased)
         );
         self.ahead = ahead;
-        verdicts
+        let mut verdicts = verdicts?;
+        self.pools.apply(rules, batch, &mut verdicts).await?;
+        Ok(verdicts)
     }
 }
 
@@ -322,10 +364,15 @@ impl<S: WindowStore> WindowStore for Gated<S> {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Verdict>, StoreError> {
-        match self.gate(rules, events, None).await? {
-            Some(gated) => self.inner.apply_batch(rules, &gated).await,
-            None => self.inner.apply_batch(rules, events).await,
+        let gated = self.gate(rules, events, None).await?;
+        let batch = gated.as_deref().unwrap_or(events);
+        let verdicts = self.inner.apply_batch(rules, batch).await?;
+        if !rules.has_pools() {
+            return Ok(verdicts);
         }
+        let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
+        self.pools.apply(rules, batch, &mut verdicts).await?;
+        Ok(verdicts.into_iter().flatten().collect())
     }
 
     async fn apply_batch_partial(

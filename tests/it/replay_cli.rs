@@ -609,7 +609,8 @@ fn an_unknown_output_extension_is_refused() {
 /// `replay --store redis` on a key prefix that holds records of another
 /// rule set refuses it, naming the version found; `--fresh` deletes only
 /// that prefix's keys and replays afresh, `--resume` continues on them.
-/// The same rule set continues: every record comes back as a duplicate.
+/// The same rule set continues: every record comes back as a duplicate
+/// (unless asked `--fresh`).
 #[test]
 fn redis_replay_refuses_a_prefix_of_another_rule_set() {
     let server = RedisServer::start(&[]);
@@ -706,6 +707,14 @@ fn redis_replay_refuses_a_prefix_of_another_rule_set() {
         Some("1"),
         "--fresh deleted another prefix's key"
     );
+
+    // --fresh on the prefix of the same rule set replays afresh too.
+    let (o, again) = run(b, "b3.csv", &["--fresh"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("keys deleted first (--fresh)"), "{stdout}");
+    assert!(stdout.contains("duplicates       1\n"), "{stdout}");
+    assert_eq!(again, memory, "a second fresh replay of the same rules");
 
     let (o, _) = run(a, "a3.csv", &["--resume"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -25,6 +25,7 @@ mod rows;
 mod shards;
 
 use crate::engine::aggregate::{Gate, MemoryLedger};
+use crate::engine::pool::Pools;
 use std::sync::Arc;
 
 pub use report::{render_table, sweep_frame};
@@ -133,6 +134,8 @@ struct Replayed {
     store: MemoryStore,
     gate: Gate,
     ledger: MemoryLedger,
+    /// Pools, settled after the store (each N its own).
+    pools: Pools,
     rejections: Rejections,
     /// The calls the swept rule alone rejects: `[legit or unlabelled, fraud]`.
     alone: [u64; 2],
@@ -175,7 +178,8 @@ impl Replayed {
         };
         for (i, (_, e)) in events.iter().enumerate() {
             let unique = unique.get(i).copied().unwrap_or(false);
-            let v = self.store.apply_unique(&self.rules, e, unique);
+            let mut v = self.store.apply_unique(&self.rules, e, unique);
+            self.pools.apply_one(&self.rules, e, &mut v);
             // A call's end is applied, never counted.
             if !v.end && swept_reject(&self.rules, self.index, &v) {
                 self.rejections.add_rejected(&v, e.label);
@@ -360,6 +364,7 @@ impl Sweeper {
                         store: MemoryStore::new(),
                         gate: Gate::new(),
                         ledger: MemoryLedger::new(),
+                        pools: Pools::new(),
                         rejections: Rejections::default(),
                         alone: [0; 2],
                     })

@@ -393,7 +393,10 @@ impl Conn {
         let key = format!("{prefix}replay");
         let recorded: Option<String> = self.run(redis::cmd("GET").arg(&key)).await?;
         let found = match &recorded {
-            Some(v) if v == version => return Ok(ReplayClaim::Same),
+            // (Asked for afresh, the same rule set's records go too.)
+            Some(v) if v == version && !matches!(reuse, PrefixReuse::Fresh) => {
+                return Ok(ReplayClaim::Same)
+            }
             Some(v) => Some(v.clone()),
             // Keys without a record of their rule set: an online command's,
             // or a replay's from before the record was kept.

@@ -81,6 +81,11 @@ impl RedisLedger {
         }
     }
 
+    /// The Redis it leases from.
+    pub fn config(&self) -> &RedisConfig {
+        &self.config
+    }
+
     /// The reserves for a batch whose newest call is at `newest`; the
     /// slot's keys outlive the last call by `keep_ms` plus the TTL slack.
     pub async fn reserves(&mut self, newest: i64, keep_ms: i64) -> Result<Reserves, StoreError> {

@@ -4,8 +4,11 @@
 //!
 //! - [`lease`]: credits leased per counter (`lua/lease.lua`, or plain
 //!   increments for a counter nobody holds), never past the limit.
+//! - [`pool`]: concurrent rules keyed by account, callee or global, one
+//!   script call per batch after the caller's rules (`lua/pool.lua`).
 //! - [`slot`]: reserve slots, the credits an instance may spend without
 //!   asking, fenced per slot (`lua/slot.lua`).
 
 pub mod lease;
+pub mod pool;
 pub mod slot;
