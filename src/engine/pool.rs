@@ -202,7 +202,8 @@ pub fn settle(rules: &RuleSet, ev: &CallEvent, v: &mut Verdict, found: &[Found])
         judgement,
         Judgement::Exceeded(_) | Judgement::ShadowExceeded(_) | Judgement::Denylisted(_)
     );
-    let shadow = would_reject && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
+    let shadow =
+        would_reject && (rules.shadow || matches!(judgement, Judgement::ShadowExceeded(_)));
     let t = ev.ts_ms;
     let r = &mut v.record;
     r.retry_after_ms = (would_reject && !shadow).then(|| {
@@ -262,7 +263,12 @@ impl Pools {
     /// Applies events the caller's rules decided (`verdicts`, index for
     /// index, `None` for a call left undecided), in order: each attempt's
     /// verdict settled by its pools, each end applied.
-    pub fn apply(&mut self, rules: &RuleSet, events: &[CallEvent], verdicts: &mut [Option<Verdict>]) {
+    pub fn apply(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        verdicts: &mut [Option<Verdict>],
+    ) {
         if !rules.has_pools() {
             return;
         }
@@ -304,11 +310,15 @@ impl Pools {
             for (i, pool) in &pools {
                 let start = t;
                 let close = close_of(start, end, rules.rules[*i].window_ms);
-                self.open(&key, pool, Slot {
-                    start,
-                    close,
-                    ended: end.is_some(),
-                });
+                self.open(
+                    &key,
+                    pool,
+                    Slot {
+                        start,
+                        close,
+                        ended: end.is_some(),
+                    },
+                );
             }
         }
         self.results_by_ts.insert((t, key.clone()));
@@ -324,8 +334,8 @@ impl Pools {
             .map(|p| p.values().map(|s| (s.start, s.close)).collect())
             .unwrap_or_default();
         let open = slots.iter().filter(|&&(s, c)| s <= t && t < c).count() as u64;
-        let until = rejects_until(&slots, t, rule.limit)
-            .and_then(|u| rule.filter.last_seen_within(t, u));
+        let until =
+            rejects_until(&slots, t, rule.limit).and_then(|u| rule.filter.last_seen_within(t, u));
         Found {
             rule: i,
             count: open + 1,

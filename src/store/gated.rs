@@ -4,14 +4,14 @@
 //! them with the caller's rules (see [`crate::engine::aggregate`]).
 
 use crate::engine::aggregate::{Gate, Lease, LeaseRequest, MemoryLedger};
-use crate::engine::pool::Pools;
-use crate::store::redis::aggregate::pool::RedisPools;
 use crate::engine::event::CallEvent;
+use crate::engine::pool::Pools;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::aggregate::lease::{is_plain, RedisLedger};
+use crate::store::redis::aggregate::pool::RedisPools;
 use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
 use std::sync::Arc;
 use tokio::sync::Mutex;
@@ -53,14 +53,14 @@ impl Ledger {
 /// credits.
 #[derive(Debug)]
 enum PoolStore {
-    Memory(Pools),
+    Memory(Box<Pools>),
     Redis(Box<RedisPools>),
 }
 
 impl PoolStore {
     fn for_ledger(ledger: &Ledger) -> Self {
         match ledger {
-            Ledger::Memory(_) => PoolStore::Memory(Pools::new()),
+            Ledger::Memory(_) => PoolStore::Memory(Box::default()),
             Ledger::Redis(r) => PoolStore::Redis(Box::new(RedisPools::new(r.config().clone()))),
         }
     }

@@ -58,8 +58,14 @@ fn an_account_s_calls_from_many_numbers_share_its_channels() {
     let mut b = Both::default();
     let a = call("a", "+34911000001", "trunk-1", T0);
     let c = call("b", "+34911000002", "trunk-1", T0 + S);
-    assert_eq!(brief(&b.apply(&rules, &a)), (Decision::Allow, "ok", 1, None));
-    assert_eq!(brief(&b.apply(&rules, &c)), (Decision::Allow, "ok", 2, None));
+    assert_eq!(
+        brief(&b.apply(&rules, &a)),
+        (Decision::Allow, "ok", 1, None)
+    );
+    assert_eq!(
+        brief(&b.apply(&rules, &c)),
+        (Decision::Allow, "ok", 2, None)
+    );
     // Two open: the third number's call is over, until the first closes
     // (its max_duration, an hour after it started).
     let third = b.apply(&rules, &call("c", "+34911000003", "trunk-1", T0 + 2 * S));
@@ -93,7 +99,10 @@ fn a_call_the_caller_s_rules_reject_keeps_its_reason_and_opens_nowhere() {
     assert_eq!(brief(&v), (Decision::Reject, "minute", 1, Some(60_001 - 3)));
     assert_eq!(b.pools.held(), 0);
     // Its end changes nothing.
-    b.apply(&rules, &end_of(&call("c3", "+34911000001", "trunk-1", 0), T0 + 4));
+    b.apply(
+        &rules,
+        &end_of(&call("c3", "+34911000001", "trunk-1", 0), T0 + 4),
+    );
     assert_eq!(b.pools.held(), 0);
     let v = b.apply(&rules, &call("x", "+34911000002", "trunk-1", T0 + 5));
     assert_eq!(brief(&v), (Decision::Allow, "ok", 1, None));
@@ -144,7 +153,8 @@ fn a_call_seen_again_gets_the_same_and_changes_nothing() {
     assert_eq!(brief(&first), brief(&again));
     // Even from a store that forgot it (a fresh caller state).
     let mut v = CallerState::default().apply(&rules, &call("c", "+34911000003", "t", T0 + 2));
-    b.pools.apply_one(&rules, &call("c", "+34911000003", "t", T0 + 2), &mut v);
+    b.pools
+        .apply_one(&rules, &call("c", "+34911000003", "t", T0 + 2), &mut v);
     assert_eq!(brief(&first), brief(&v));
     assert_eq!(b.pools.held(), 2);
 }
@@ -158,7 +168,10 @@ fn warnings_and_rule_order_hold_with_pools() {
     let v = b.apply(&rules, &call("b", "+34911000002", "t", T0 + 1));
     assert_eq!(v.record.warn.as_deref(), Some("channels"));
     let v = b.apply(&rules, &call("c", "+34911000002", "t", T0 + 2));
-    assert_eq!((v.record.decision, v.record.warn.as_deref()), (Decision::Reject, None));
+    assert_eq!(
+        (v.record.decision, v.record.warn.as_deref()),
+        (Decision::Reject, None)
+    );
 }
 
 #[test]

@@ -142,7 +142,9 @@ fn check_pools(set: &RuleSet) -> Result<(), RulesError> {
     } else {
         set.rules
             .iter()
-            .find(|r| !r.key.is_aggregate() && (r.kind == WindowKind::Concurrent || r.sum.is_some()))
+            .find(|r| {
+                !r.key.is_aggregate() && (r.kind == WindowKind::Concurrent || r.sum.is_some())
+            })
             .map(|r| format!("rule `{}` (a caller's concurrent or sum rule)", r.name))
     };
     match clash {
