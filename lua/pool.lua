@@ -112,6 +112,7 @@ local function count(pool, t, limit)
 end
 
 local function open_slot(c, pool, start, close)
+  if call('ZSCORE', base .. ':s:' .. pool, c) then return end
   call('ZADD', base .. ':s:' .. pool, int(start), c)
   call('ZADD', base .. ':c:' .. pool, int(close), c)
   touch(base .. ':s:' .. pool)

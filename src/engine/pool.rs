@@ -18,7 +18,8 @@
 //!   limit it is rejected for that pool (or flagged, for a shadow rule),
 //!   warned as for every rule. A call allowed in the end (shadow
 //!   included) opens in each pool that sees it; a call rejected opens in
-//!   none.
+//!   none (nor where it holds a slot already: a call seen again after
+//!   what it got was forgotten).
 //! * The Retry-After of a call a pool rejects is when its pools' counts
 //!   would drop to their limits, given the ends known and `max_duration`
 //!   (the caller's rules, which allowed it, are not asked again). A pool's
@@ -285,7 +286,7 @@ impl Pools {
             return;
         }
         if ev.kind == EventKind::End {
-            self.end(rules, ev);
+            self.end(ev);
             return;
         }
         let key = call_key(ev);
@@ -343,8 +344,12 @@ impl Pools {
         }
     }
 
-    /// A call held from now on in `pool`.
+    /// A call held from now on in `pool` (unless it holds a slot there
+    /// already: a call seen again after its result was forgotten).
     fn open(&mut self, key: &CompactString, pool: &str, slot: Slot) {
+        if self.pools.get(pool).is_some_and(|p| p.contains_key(key)) {
+            return;
+        }
         self.pools
             .entry(pool.to_string())
             .or_default()
@@ -414,11 +419,21 @@ impl Pools {
 
     /// A call's end: closes it in every pool holding it; kept if the call
     /// has not come (see the module).
-    fn end(&mut self, rules: &RuleSet, ev: &CallEvent) {
+    fn end(&mut self, ev: &CallEvent) {
         let key = call_key(ev);
         if let Some(held) = self.held_in.get(&key).cloned() {
-            for pool in held {
-                self.close(rules, &key, &pool, ev.ts_ms);
+            // (A call's first end closes it everywhere at once: one that
+            // ended in one pool has ended.)
+            let ended = held.iter().any(|pool| {
+                self.pools
+                    .get(pool)
+                    .and_then(|p| p.get(&key))
+                    .is_some_and(|s| s.ended)
+            });
+            if !ended {
+                for pool in held {
+                    self.close(&key, &pool, ev.ts_ms);
+                }
             }
             return;
         }
@@ -436,7 +451,7 @@ impl Pools {
     }
 
     /// Closes call `key` in `pool` at `end`, if no end came before.
-    fn close(&mut self, _rules: &RuleSet, key: &CompactString, pool: &str, end: i64) {
+    fn close(&mut self, key: &CompactString, pool: &str, end: i64) {
         let Some(slot) = self.pools.get_mut(pool).and_then(|p| p.get_mut(key)) else {
             return;
         };

@@ -131,6 +131,46 @@ fn check_case(
     Ok(())
 }
 
+/// [`check_case`] for a rule set with pools: the memory store, then the
+/// in-process pools, against [`reference::decide_with_pools`].
+fn check_pool_case(
+    seed: u64,
+    (rules, events): (
+        callguard::engine::rules::RuleSet,
+        Vec<callguard::engine::event::CallEvent>,
+    ),
+    retry: bool,
+) -> Result<(), TestCaseError> {
+    let expected = reference::decide_with_pools(&rules, &events, retry);
+    let mut store = MemoryStore::new();
+    let mut pools = callguard::engine::pool::Pools::new();
+    for (i, (e, x)) in events.iter().zip(&expected).enumerate() {
+        let mut v = store.apply(&rules, e);
+        pools.apply_one(&rules, e, &mut v);
+        let got = expected_of(&v, retry);
+        prop_assert_eq!(&got, x, "seed {} event #{} {:?} rules {:?}", seed, i, e, rules);
+    }
+    Ok(())
+}
+
+/// A verdict as the reference writes it (retry-afters only if compared).
+fn expected_of(v: &Verdict, retry: bool) -> reference::Expected {
+    reference::Expected {
+        ts_ms: v.record.ts_ms,
+        decision: v.record.decision,
+        reason: v.record.reason.to_string(),
+        counts: v.record.counts.to_vec(),
+        shadow: v.record.shadow,
+        late: v.record.late,
+        prev_ts_ms: v.prev_ts_ms,
+        distinct_callees: v.distinct_callees,
+        duplicate: v.duplicate,
+        retry_after_ms: v.record.retry_after_ms.filter(|_| retry),
+        warn: v.record.warn.as_ref().map(|w| w.to_string()),
+        end: v.end,
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
     #[test]
@@ -191,6 +231,21 @@ proptest! {
     #[test]
     fn sum_retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..3) {
         check_case(seed, random::sum_case_scaled(seed, n, callers, 100), true)?;
+    }
+
+    /// Pools (concurrent rules keyed by account, callee or global) beside
+    /// the caller's rules, with call ends (half of them naming no
+    /// account): the in-process pools after the memory store against the
+    /// contract on plain lists.
+    #[test]
+    fn pools_and_call_ends_match_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..6) {
+        check_pool_case(seed, random::pool_case_scaled(seed, n, callers, 1), false)?;
+    }
+
+    /// The same with short windows, retry-afters included.
+    #[test]
+    fn pool_retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..6) {
+        check_pool_case(seed, random::pool_case_scaled(seed, n, callers, 100), true)?;
     }
 
     /// Windows of 5 to 100 ms, so the reference can find each reject's
@@ -560,4 +615,54 @@ fn sum_cases_reach_rejects_of_every_sum_kind() {
         }
     }
     assert_eq!(seen.len(), 6, "sum rejects reached: {seen:?}");
+}
+
+#[test]
+fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
+    // Guard: the random pool cases reach rejects by pools of each key with
+    // a retry-after, shadow flags by pools, warnings by pools, and calls
+    // allowed only because an end closed a call of the pool before them.
+    let mut seen = std::collections::HashSet::new();
+    let (mut shadowed, mut warned, mut freed) = (0, 0, 0);
+    for seed in 0..300 {
+        let (rules, events) = random::pool_case_scaled(seed, 120, 4, 100);
+        let expected = reference::decide_with_pools(&rules, &events, true);
+        let pooled = |name: &str| {
+            rules
+                .rules
+                .iter()
+                .find(|r| r.name == name && r.is_pooled())
+        };
+        for x in &expected {
+            match pooled(&x.reason) {
+                Some(r) if x.retry_after_ms.is_some() => {
+                    seen.insert(r.key.as_str());
+                }
+                Some(_) if x.shadow => shadowed += 1,
+                _ => {}
+            }
+            warned += usize::from(x.warn.as_deref().is_some_and(|w| pooled(w).is_some()));
+        }
+        // The same events without their ends: calls allowed with them that
+        // a pool rejects without.
+        let no_ends: Vec<_> = events
+            .iter()
+            .filter(|e| e.kind != callguard::engine::event::EventKind::End)
+            .cloned()
+            .collect();
+        let without = reference::decide_with_pools(&rules, &no_ends, false);
+        let with: Vec<_> = expected.iter().filter(|x| !x.end).collect();
+        freed += with
+            .iter()
+            .zip(&without)
+            .filter(|(a, b)| {
+                a.decision == Decision::Allow
+                    && b.decision == Decision::Reject
+                    && pooled(&b.reason).is_some()
+            })
+            .count();
+    }
+    let all = ["account", "callee", "global"];
+    assert!(all.iter().all(|k| seen.contains(k)), "pool rejects reached: {seen:?}");
+    assert!(shadowed > 0 && warned > 0 && freed > 0, "{shadowed} {warned} {freed}");
 }

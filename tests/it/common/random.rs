@@ -398,3 +398,57 @@ pub fn concurrent_case_scaled(
     let events = with_ends(&mut rng, &events, scale);
     (rules, events)
 }
+
+/// `rules` with one or two pools (concurrent rules keyed by account,
+/// callee or global) added at random places: short max durations, maybe
+/// shadow, a warning level or a filter. The set counts attempts and keeps
+/// none of the caller's concurrent or sum rules (what pools need).
+pub fn with_pools(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet {
+    let mut spec = rules.spec();
+    spec.count = CountPolicy::Attempts;
+    for k in 0..rng.random_range(1..=2) {
+        let limit = rng.random_range(1..=4);
+        let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
+        let mut rule = Rule::new(format!("pool{k}"), WindowKind::Concurrent, max_ms, limit);
+        random_options(rng, &mut rule);
+        rule.key = [RuleKey::Account, RuleKey::Account, RuleKey::Callee, RuleKey::Global]
+            [rng.random_range(0..4)];
+        let at = rng.random_range(0..=spec.rules.len());
+        spec.rules.insert(at, rule);
+    }
+    RuleSet::build(spec).expect("a valid rule set")
+}
+
+/// The account of a random sequence's caller: two trunks share most
+/// callers, some have none.
+pub fn account_of(caller: &str) -> Option<String> {
+    let last = caller.bytes().last().unwrap_or(b'0');
+    match last % 4 {
+        0 => None,
+        1 | 2 => Some("trunk-a".into()),
+        _ => Some("trunk-b".into()),
+    }
+}
+
+/// A random case with pools and call ends; callers belong to accounts
+/// ([`account_of`]), and half the ends name no account (a switch's end
+/// message may carry only the call's identity).
+pub fn pool_case_scaled(
+    seed: u64,
+    n: usize,
+    callers: usize,
+    scale: i64,
+) -> (RuleSet, Vec<CallEvent>) {
+    use callguard::engine::event::EventKind;
+    let (rules, events) = case_scaled(seed, n, callers, scale);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x9001);
+    let rules = with_pools(&mut rng, &rules, scale);
+    let mut events = with_ends(&mut rng, &events, scale);
+    for e in &mut events {
+        e.account = account_of(&e.caller).map(Into::into);
+        if e.kind == EventKind::End && rng.random_bool(0.5) {
+            e.account = None;
+        }
+    }
+    (rules, events)
+}

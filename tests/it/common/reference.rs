@@ -686,3 +686,191 @@ fn pair_history<'a, 'b>(
         .map(|(_, calls)| calls)
         .unwrap_or_default()
 }
+
+/// [`decide_all`] (with retry-afters when `retry`) of a rule set with
+/// pools (concurrent rules keyed by account, callee or global): the
+/// caller's rules by brute force without them, then the pools' contract
+/// (`callguard::engine::pool`) step by step on plain lists, each pool's
+/// retry-after searched over every later millisecond.
+pub fn decide_with_pools(rules: &RuleSet, events: &[CallEvent], retry: bool) -> Vec<Expected> {
+    let pooled: Vec<usize> = (0..rules.rules.len())
+        .filter(|&i| rules.rules[i].is_pooled())
+        .collect();
+    let mut spec = rules.spec();
+    spec.rules.retain(|r| !r.is_pooled());
+    let callers = RuleSet::build(spec).expect("the rules without pools");
+    let mut out = decide(&callers, events, retry);
+    for x in &mut out {
+        for &i in &pooled {
+            x.counts.insert(i, 0);
+        }
+    }
+    let mut model = PoolModel::default();
+    for (e, x) in events.iter().zip(&mut out) {
+        model.apply(rules, &pooled, e, x);
+        if !retry {
+            x.retry_after_ms = None;
+        }
+    }
+    out
+}
+
+/// A slot: (call, pool, start, close, ended).
+type PoolSlot = (String, String, i64, i64, bool);
+
+/// The pools' state, on lists.
+#[derive(Default)]
+struct PoolModel {
+    slots: Vec<PoolSlot>,
+    /// (call, end time)
+    pending: Vec<(String, i64)>,
+    /// (call, time, per pooled rule: (rule, count, until))
+    results: Vec<(String, i64, Vec<(usize, u64, Option<i64>)>)>,
+    latest: Option<i64>,
+}
+
+impl PoolModel {
+    fn apply(&mut self, rules: &RuleSet, pooled: &[usize], e: &CallEvent, x: &mut Expected) {
+        let key = format!("{} {}", e.caller, e.call_id);
+        if e.kind == EventKind::End {
+            let mut held = false;
+            let first = !self.slots.iter().any(|s| s.0 == key && s.4);
+            for s in self.slots.iter_mut().filter(|s| s.0 == key) {
+                held = true;
+                if first {
+                    s.3 = s.3.min(e.ts_ms.max(s.2));
+                    s.4 = true;
+                }
+            }
+            let known = self.results.iter().any(|r| r.0 == key);
+            if !held && !known && !self.pending.iter().any(|p| p.0 == key) {
+                self.pending.push((key, e.ts_ms));
+            }
+            return;
+        }
+        if let Some(r) = self.results.iter().find(|r| r.0 == key) {
+            let found = r.2.clone();
+            merge(rules, e, x, &found);
+            return;
+        }
+        let pools: Vec<(usize, String)> = pooled
+            .iter()
+            .filter_map(|&i| {
+                let r = &rules.rules[i];
+                if !r.filter.sees(e) {
+                    return None;
+                }
+                let k = match r.key {
+                    RuleKey::Account => e.account.as_deref().filter(|a| !a.is_empty())?,
+                    RuleKey::Callee => e.callee.as_deref().filter(|c| !c.is_empty())?,
+                    _ => "",
+                };
+                Some((i, format!("{}:{}:{k}", r.name, r.window_ms)))
+            })
+            .collect();
+        if pools.is_empty() {
+            return;
+        }
+        let t = e.ts_ms;
+        let l = self.latest.map_or(t, |l| l.max(t));
+        self.latest = Some(l);
+        self.slots.retain(|s| s.3 > l - rules.grace_ms);
+        let horizon = l - rules.dedup_ms();
+        self.pending.retain(|p| p.1 > horizon);
+        self.results.retain(|r| r.1 > horizon);
+        let found: Vec<(usize, u64, Option<i64>)> = pools
+            .iter()
+            .map(|(i, pool)| {
+                let rule = &rules.rules[*i];
+                let mine: Vec<(i64, i64)> = self
+                    .slots
+                    .iter()
+                    .filter(|s| s.1 == *pool)
+                    .map(|s| (s.2, s.3))
+                    .collect();
+                let open_at = |s: i64| mine.iter().filter(|&&(a, c)| a <= s && s < c).count() as u64;
+                let last = mine.iter().map(|m| m.1).max().unwrap_or(t);
+                let until = (t + 1..last)
+                    .rev()
+                    .find(|&s| open_at(s) + 1 > rule.limit)
+                    .and_then(|u| rule.filter.last_seen_within(t, u));
+                (*i, open_at(t) + 1, until)
+            })
+            .collect();
+        let before = x.decision;
+        merge(rules, e, x, &found);
+        let listed = matches!(
+            rules.listed(e.number_for_lists()),
+            Listed::Allow | Listed::BadCallerAllow
+        );
+        let over = found
+            .iter()
+            .any(|&(i, c, _)| !rules.rules[i].shadow && c > rules.rules[i].limit);
+        let opens = before == Decision::Allow && (listed || rules.shadow || !over);
+        assert_eq!(opens, x.decision == Decision::Allow, "a call opens when allowed");
+        if opens {
+            let end = self.pending.iter().position(|p| p.0 == key).map(|at| self.pending.remove(at).1);
+            for (i, pool) in &pools {
+                if self.slots.iter().any(|s| s.0 == key && s.1 == *pool) {
+                    continue;
+                }
+                let longest = t + rules.rules[*i].window_ms;
+                let close = end.map_or(longest, |e| e.max(t).min(longest));
+                self.slots.push((key.clone(), pool.clone(), t, close, end.is_some()));
+            }
+        }
+        self.results.push((key, t, found));
+    }
+}
+
+/// The pools' counts written into a call's record, and a call the
+/// caller's rules allowed judged again with them (the first enforcing
+/// rule over its limit rejects, else the first shadow one flags).
+fn merge(rules: &RuleSet, e: &CallEvent, x: &mut Expected, found: &[(usize, u64, Option<i64>)]) {
+    for &(i, c, _) in found {
+        x.counts[i] = c;
+    }
+    if x.decision == Decision::Reject {
+        return;
+    }
+    let listed = rules.listed(e.number_for_lists());
+    if matches!(listed, Listed::Allow | Listed::BadCallerAllow) {
+        return;
+    }
+    let over: Vec<usize> = (0..rules.rules.len())
+        .filter(|&i| x.counts[i] > rules.rules[i].limit)
+        .collect();
+    let enforcing = over.iter().copied().find(|&i| !rules.rules[i].shadow);
+    let first = enforcing.or(over.first().copied());
+    let t = e.ts_ms;
+    match first {
+        Some(i) => {
+            x.reason = rules.rules[i].name.clone();
+            let shadow = rules.shadow || enforcing.is_none();
+            x.shadow = shadow;
+            x.decision = if shadow { Decision::Allow } else { Decision::Reject };
+            x.retry_after_ms = x.retry_after_ms.or(Some(0)).filter(|_| !shadow).map(|_| {
+                found
+                    .iter()
+                    .filter(|f| !rules.rules[f.0].shadow)
+                    .filter_map(|f| f.2)
+                    .fold(t, i64::max)
+                    + 1
+                    - t
+            });
+        }
+        None => {
+            x.reason = REASON_OK.to_string();
+            x.shadow = false;
+            x.retry_after_ms = None;
+        }
+    }
+    let allowed = x.decision == Decision::Allow;
+    x.warn = if allowed {
+        (0..rules.rules.len())
+            .find(|&i| rules.rules[i].warn.is_some_and(|w| x.counts[i] > w))
+            .map(|i| rules.rules[i].name.clone())
+    } else {
+        None
+    };
+}
