@@ -459,6 +459,60 @@ async fn standalone_aggregate_rules_match_memory() {
     aggregate_suite(vec![server.url()], 0..30).await;
 }
 
+/// Pools (concurrent rules keyed by account, callee or global) with call
+/// ends, in both modes: one instance in random batches, and two instances
+/// on the same prefix taking the batches in turns (as `serve` instances
+/// behind one switch), decide as the memory store and the in-process
+/// pools do. Each seed's pools reject some calls, over the suite.
+async fn pool_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
+    let mut by_pool = 0;
+    for mode in MODES {
+        for seed in seeds.clone() {
+            let (rules, events) = random::pool_case_scaled(seed, 300, 6, 1);
+            let mut memory = Gated::new(MemoryStore::new(), Ledger::Memory(MemoryLedger::new()));
+            let expected = memory.apply_batch(&rules, &events).await.unwrap();
+            let gated = |prefix: String| {
+                let urls = urls.clone();
+                async move {
+                    let ledger =
+                        Ledger::Redis(Box::new(RedisLedger::new(config(urls.clone(), &prefix))));
+                    Gated::new(open(mode, urls, &prefix).await, ledger)
+                }
+            };
+            let mut one = gated(format!("p1{mode:?}{seed}:")).await;
+            let shared = format!("p2{mode:?}{seed}:");
+            let mut two = [gated(shared.clone()).await, gated(shared).await];
+            let (mut alone, mut turns) = (Vec::new(), Vec::new());
+            for (k, batch) in random_batches(&events, seed).into_iter().enumerate() {
+                alone.extend(one.apply_batch(&rules, batch).await.unwrap());
+                turns.extend(two[k % 2].apply_batch(&rules, batch).await.unwrap());
+            }
+            for got in [&alone, &turns] {
+                assert_eq!(got.len(), expected.len());
+                for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+                    assert_eq!(
+                        g, x,
+                        "{mode:?}: pool seed {seed}, event #{i} {:?}",
+                        events[i]
+                    );
+                }
+            }
+            by_pool += expected
+                .iter()
+                .filter(|v| v.record.decision == Decision::Reject)
+                .filter(|v| v.record.reason.starts_with("pool"))
+                .count();
+        }
+    }
+    assert!(by_pool > 0, "no pool rejected a call");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_in_both_modes_and_two_instances_match_memory() {
+    let server = RedisServer::start(&[]);
+    pool_suite(vec![server.url()], 0..30).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios_and_random_sequences_match_memory() {
     let cluster = RedisCluster::start();
@@ -467,6 +521,7 @@ async fn cluster_scenarios_and_random_sequences_match_memory() {
     aggregate_suite(cluster.urls(), 200..206).await;
     concurrent_suite(cluster.urls(), 300..306).await;
     sum_suite(cluster.urls(), 400..406).await;
+    pool_suite(cluster.urls(), 500..504).await;
     // The callers really were spread over the three masters.
     for node in &cluster.nodes {
         let info = raw_command(node.port, "DBSIZE").unwrap();

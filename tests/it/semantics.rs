@@ -148,7 +148,15 @@ fn check_pool_case(
         let mut v = store.apply(&rules, e);
         pools.apply_one(&rules, e, &mut v);
         let got = expected_of(&v, retry);
-        prop_assert_eq!(&got, x, "seed {} event #{} {:?} rules {:?}", seed, i, e, rules);
+        prop_assert_eq!(
+            &got,
+            x,
+            "seed {} event #{} {:?} rules {:?}",
+            seed,
+            i,
+            e,
+            rules
+        );
     }
     Ok(())
 }
@@ -627,12 +635,7 @@ fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
     for seed in 0..300 {
         let (rules, events) = random::pool_case_scaled(seed, 120, 4, 100);
         let expected = reference::decide_with_pools(&rules, &events, true);
-        let pooled = |name: &str| {
-            rules
-                .rules
-                .iter()
-                .find(|r| r.name == name && r.is_pooled())
-        };
+        let pooled = |name: &str| rules.rules.iter().find(|r| r.name == name && r.is_pooled());
         for x in &expected {
             match pooled(&x.reason) {
                 Some(r) if x.retry_after_ms.is_some() => {
@@ -663,6 +666,12 @@ fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
             .count();
     }
     let all = ["account", "callee", "global"];
-    assert!(all.iter().all(|k| seen.contains(k)), "pool rejects reached: {seen:?}");
-    assert!(shadowed > 0 && warned > 0 && freed > 0, "{shadowed} {warned} {freed}");
+    assert!(
+        all.iter().all(|k| seen.contains(k)),
+        "pool rejects reached: {seen:?}"
+    );
+    assert!(
+        shadowed > 0 && warned > 0 && freed > 0,
+        "{shadowed} {warned} {freed}"
+    );
 }

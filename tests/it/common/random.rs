@@ -411,8 +411,12 @@ pub fn with_pools(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet {
         let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
         let mut rule = Rule::new(format!("pool{k}"), WindowKind::Concurrent, max_ms, limit);
         random_options(rng, &mut rule);
-        rule.key = [RuleKey::Account, RuleKey::Account, RuleKey::Callee, RuleKey::Global]
-            [rng.random_range(0..4)];
+        rule.key = [
+            RuleKey::Account,
+            RuleKey::Account,
+            RuleKey::Callee,
+            RuleKey::Global,
+        ][rng.random_range(0..4)];
         let at = rng.random_range(0..=spec.rules.len());
         spec.rules.insert(at, rule);
     }

@@ -788,7 +788,8 @@ impl PoolModel {
                     .filter(|s| s.1 == *pool)
                     .map(|s| (s.2, s.3))
                     .collect();
-                let open_at = |s: i64| mine.iter().filter(|&&(a, c)| a <= s && s < c).count() as u64;
+                let open_at =
+                    |s: i64| mine.iter().filter(|&&(a, c)| a <= s && s < c).count() as u64;
                 let last = mine.iter().map(|m| m.1).max().unwrap_or(t);
                 let until = (t + 1..last)
                     .rev()
@@ -807,16 +808,25 @@ impl PoolModel {
             .iter()
             .any(|&(i, c, _)| !rules.rules[i].shadow && c > rules.rules[i].limit);
         let opens = before == Decision::Allow && (listed || rules.shadow || !over);
-        assert_eq!(opens, x.decision == Decision::Allow, "a call opens when allowed");
+        assert_eq!(
+            opens,
+            x.decision == Decision::Allow,
+            "a call opens when allowed"
+        );
         if opens {
-            let end = self.pending.iter().position(|p| p.0 == key).map(|at| self.pending.remove(at).1);
+            let end = self
+                .pending
+                .iter()
+                .position(|p| p.0 == key)
+                .map(|at| self.pending.remove(at).1);
             for (i, pool) in &pools {
                 if self.slots.iter().any(|s| s.0 == key && s.1 == *pool) {
                     continue;
                 }
                 let longest = t + rules.rules[*i].window_ms;
                 let close = end.map_or(longest, |e| e.max(t).min(longest));
-                self.slots.push((key.clone(), pool.clone(), t, close, end.is_some()));
+                self.slots
+                    .push((key.clone(), pool.clone(), t, close, end.is_some()));
             }
         }
         self.results.push((key, t, found));
@@ -848,7 +858,11 @@ fn merge(rules: &RuleSet, e: &CallEvent, x: &mut Expected, found: &[(usize, u64,
             x.reason = rules.rules[i].name.clone();
             let shadow = rules.shadow || enforcing.is_none();
             x.shadow = shadow;
-            x.decision = if shadow { Decision::Allow } else { Decision::Reject };
+            x.decision = if shadow {
+                Decision::Allow
+            } else {
+                Decision::Reject
+            };
             x.retry_after_ms = x.retry_after_ms.or(Some(0)).filter(|_| !shadow).map(|_| {
                 found
                     .iter()
