@@ -715,6 +715,9 @@ pub fn decide_with_pools(rules: &RuleSet, events: &[CallEvent], retry: bool) -> 
     out
 }
 
+/// What a pool found for a call: (rule, count, until).
+type PoolFound = (usize, u64, Option<i64>);
+
 /// A slot: (call, pool, start, close, ended).
 type PoolSlot = (String, String, i64, i64, bool);
 
@@ -725,7 +728,7 @@ struct PoolModel {
     /// (call, end time)
     pending: Vec<(String, i64)>,
     /// (call, time, per pooled rule: (rule, count, until))
-    results: Vec<(String, i64, Vec<(usize, u64, Option<i64>)>)>,
+    results: Vec<(String, i64, Vec<PoolFound>)>,
     latest: Option<i64>,
 }
 
@@ -778,7 +781,7 @@ impl PoolModel {
         let horizon = l - rules.dedup_ms();
         self.pending.retain(|p| p.1 > horizon);
         self.results.retain(|r| r.1 > horizon);
-        let found: Vec<(usize, u64, Option<i64>)> = pools
+        let found: Vec<PoolFound> = pools
             .iter()
             .map(|(i, pool)| {
                 let rule = &rules.rules[*i];
@@ -836,7 +839,7 @@ impl PoolModel {
 /// The pools' counts written into a call's record, and a call the
 /// caller's rules allowed judged again with them (the first enforcing
 /// rule over its limit rejects, else the first shadow one flags).
-fn merge(rules: &RuleSet, e: &CallEvent, x: &mut Expected, found: &[(usize, u64, Option<i64>)]) {
+fn merge(rules: &RuleSet, e: &CallEvent, x: &mut Expected, found: &[PoolFound]) {
     for &(i, c, _) in found {
         x.counts[i] = c;
     }
