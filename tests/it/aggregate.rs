@@ -144,6 +144,84 @@ fn two_instances_hold_an_account_limit_over_a_trunk_s_numbers() {
     }
 }
 
+/// A PBX trunk's channel limit (a concurrent rule keyed by account) held
+/// by three `serve` instances on one Redis while one is SIGKILLed: the
+/// trunk's calls from several numbers, checked on any instance, count
+/// together; the killed instance's open call keeps its slot (the pools
+/// live in Redis) until its end, told to another instance with only the
+/// call's identity, frees it; a call whose end never comes is let go at
+/// its `max_duration`; the killed instance, started again, counts the
+/// same. Both Redis modes.
+#[test]
+fn three_instances_hold_an_account_s_channels_while_one_is_sigkilled() {
+    for mode in ["cached", "script"] {
+        let redis = RedisServer::start(&[]);
+        let dir = tempfile::tempdir().unwrap();
+        let rules = common::rules_file(
+            dir.path(),
+            "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 5\n\
+             [[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nkey = \"account\"\n\
+             limit = 3\nmax_duration = \"30s\"\n",
+        );
+        let extra = ["--redis-mode", mode];
+        let ports = [free_port(), free_port(), free_port()];
+        let mut children: Vec<Child> = ports
+            .iter()
+            .map(|&p| spawn_serve(p, &redis.url(), &rules, &extra))
+            .collect();
+        for p in ports {
+            wait_ready(p, "serve");
+        }
+        let t0 = 1_764_590_400_000i64;
+        let check = |port: u16, id: &str, number: u32, dt: i64| -> (String, String, i64, Value) {
+            let body = serde_json::json!({
+                "call_id": id, "caller": format!("+349110003{number:02}"),
+                "ts": t0 + dt, "account": "trunk-9",
+            });
+            let r = HttpConn::connect(port).post("/v1/check", &body.to_string());
+            assert_eq!(r.status, 200, "{mode}: {}", r.body);
+            let v = r.json();
+            (
+                v["decision"].as_str().unwrap().to_string(),
+                v["reason"].as_str().unwrap().to_string(),
+                v["count_channels"].as_i64().unwrap(),
+                v["retry_after_ms"].clone(),
+            )
+        };
+        let allow = |n: i64| ("allow".to_string(), "ok".to_string(), n, Value::Null);
+        let reject = |n: i64, retry: i64| ("reject".to_string(), "channels".to_string(), n, Value::from(retry));
+        let [a, b, c] = ports;
+        assert_eq!(check(a, "c1", 1, 0), allow(1), "{mode}");
+        assert_eq!(check(b, "c2", 2, 1_000), allow(2), "{mode}");
+        assert_eq!(check(c, "c3", 3, 2_000), allow(3), "{mode}");
+        // Full: until c1's max_duration (30 s after it started).
+        assert_eq!(check(a, "c4", 4, 3_000), reject(4, 27_000), "{mode}");
+        // b answered c2, so holds it in Redis: killed, its call still counts.
+        let _ = children[1].kill();
+        let _ = children[1].wait();
+        assert_eq!(check(c, "c5", 5, 4_000), reject(4, 26_000), "{mode}");
+        // c2 ends, told to a: the end names only the call and its caller.
+        let end = serde_json::json!({ "call_id": "c2", "caller": "+34911000302", "ts": t0 + 5_000 });
+        let r = HttpConn::connect(a).post("/v1/end", &end.to_string());
+        assert_eq!(r.status, 200, "{mode}: {}", r.body);
+        assert_eq!(check(c, "c6", 6, 5_000), allow(3), "{mode}: c2's slot is free");
+        assert_eq!(check(a, "c7", 7, 6_000), reject(4, 24_000), "{mode}");
+        // c1 never ends: let go at 30 s.
+        assert_eq!(check(c, "c8", 8, 29_999), reject(4, 1), "{mode}");
+        assert_eq!(check(a, "c9", 9, 30_000), allow(3), "{mode}");
+        // The killed instance started again counts the same.
+        children[1] = spawn_serve(b, &redis.url(), &rules, &extra);
+        wait_ready(b, "serve");
+        assert_eq!(check(b, "c10", 10, 30_001), reject(4, 1_999), "{mode}");
+        // A call seen again gets its answer again, on any instance.
+        assert_eq!(check(b, "c6", 6, 5_000), allow(3), "{mode}");
+        for child in &mut children {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 pub(crate) fn wait_ready(port: u16, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(90);
     while !http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
