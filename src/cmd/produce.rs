@@ -6,13 +6,13 @@ use clap::Args;
 use callguard::offline::order::{OrderedLog, CHUNK_ROWS};
 use callguard::offline::read::not_kept;
 use callguard::online::consumer::DEFAULT_INPUT_TOPIC;
-use callguard::online::produce::Loader;
+use callguard::online::produce::{KeyBy, Loader};
 
 use crate::cmd::args::{InputArgs, KafkaArgs};
 use crate::cmd::progress_wanted;
 
-/// Load a call log into a Kafka topic, keyed by caller, in the replay's
-/// processing order (stable by event time).
+/// Load a call log into a Kafka topic, keyed by caller (or account), in
+/// the replay's processing order (stable by event time).
 #[derive(Debug, Clone, Args)]
 pub struct ProduceArgs {
     /// Input options.
@@ -30,6 +30,31 @@ pub struct ProduceArgs {
     /// a `consume` of the topic then decides as `replay` of the log.
     #[arg(long)]
     pub ends: bool,
+    /// Each event's Kafka key (so its partition): `caller`, or `account`
+    /// (the account when the call has one, else the caller). Key by
+    /// account when a rule is keyed by account: a trunk's calls from all
+    /// its numbers then stay in one partition, in order, and a concurrent
+    /// rule per account decides online as `replay` does.
+    #[arg(long, value_enum, default_value_t = KeyArg::Caller)]
+    pub key_by: KeyArg,
+}
+
+/// `--key-by`: see [`KeyBy`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum KeyArg {
+    /// The caller.
+    Caller,
+    /// The account when the call has one, else the caller.
+    Account,
+}
+
+impl From<KeyArg> for KeyBy {
+    fn from(k: KeyArg) -> Self {
+        match k {
+            KeyArg::Caller => KeyBy::Caller,
+            KeyArg::Account => KeyBy::Account,
+        }
+    }
 }
 
 /// Runs `callguard produce`.
@@ -46,7 +71,8 @@ pub async fn run(args: ProduceArgs) -> Result<()> {
         &args.topic,
         log.rows() as u64,
         progress,
-    )?;
+    )?
+    .keyed_by(args.key_by.into());
     let mut invalid = Vec::new();
     for mut chunk in log.chunks(CHUNK_ROWS) {
         for (_, e) in &chunk.events {

@@ -57,11 +57,36 @@ pub async fn produce<'a>(
     loader.finish().await
 }
 
-/// Sends events to a topic keyed by caller, up to 10,000 deliveries in
+/// What a call event's Kafka key is: the partition it goes to, so the
+/// calls whose order matters to each other stay in one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyBy {
+    /// The caller: each number's calls in order (every rule keyed by
+    /// caller).
+    #[default]
+    Caller,
+    /// The account when the call has one, else the caller: each trunk's
+    /// calls in order too (rules keyed by account: a concurrent one then
+    /// decides online exactly as `replay` does).
+    Account,
+}
+
+impl KeyBy {
+    /// The key of `e`.
+    pub fn key_of(self, e: &CallEvent) -> &str {
+        match (self, e.account.as_deref()) {
+            (KeyBy::Account, Some(a)) if !a.is_empty() => a,
+            _ => e.caller.as_str(),
+        }
+    }
+}
+
+/// Sends events to a topic keyed by caller (or account), up to 10,000 deliveries in
 /// flight, in the order given: for logs that arrive a chunk at a time.
 pub struct Loader {
     producer: FutureProducer,
     topic: String,
+    key_by: KeyBy,
     pending: FuturesOrdered<rdkafka::producer::DeliveryFuture>,
     acked: u64,
     bar: indicatif::ProgressBar,
@@ -88,17 +113,24 @@ impl Loader {
         Ok(Loader {
             producer: cfg.create().map_err(client_err("creating the producer"))?,
             topic: topic.to_string(),
+            key_by: KeyBy::Caller,
             pending: FuturesOrdered::new(),
             acked: 0,
             bar: progress_bar(total, progress, "producing"),
         })
     }
 
+    /// The same loader keying each event by `key_by`.
+    pub fn keyed_by(mut self, key_by: KeyBy) -> Self {
+        self.key_by = key_by;
+        self
+    }
+
     /// Enqueues one event (waiting for deliveries when the window is full).
     pub async fn send(&mut self, e: &CallEvent) -> Result<(), KafkaError> {
         let payload = event_json(e);
         let record = FutureRecord::to(&self.topic)
-            .key(e.caller.as_str())
+            .key(self.key_by.key_of(e))
             .payload(payload.as_str());
         let fut = self.producer.send_result(record).map_err(|(err, _)| {
             KafkaError::Delivery(format!("cannot enqueue call {}: {err}", e.call_id))

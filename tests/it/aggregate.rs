@@ -189,7 +189,14 @@ fn three_instances_hold_an_account_s_channels_while_one_is_sigkilled() {
             )
         };
         let allow = |n: i64| ("allow".to_string(), "ok".to_string(), n, Value::Null);
-        let reject = |n: i64, retry: i64| ("reject".to_string(), "channels".to_string(), n, Value::from(retry));
+        let reject = |n: i64, retry: i64| {
+            (
+                "reject".to_string(),
+                "channels".to_string(),
+                n,
+                Value::from(retry),
+            )
+        };
         let [a, b, c] = ports;
         assert_eq!(check(a, "c1", 1, 0), allow(1), "{mode}");
         assert_eq!(check(b, "c2", 2, 1_000), allow(2), "{mode}");
@@ -201,10 +208,15 @@ fn three_instances_hold_an_account_s_channels_while_one_is_sigkilled() {
         let _ = children[1].wait();
         assert_eq!(check(c, "c5", 5, 4_000), reject(4, 26_000), "{mode}");
         // c2 ends, told to a: the end names only the call and its caller.
-        let end = serde_json::json!({ "call_id": "c2", "caller": "+34911000302", "ts": t0 + 5_000 });
+        let end =
+            serde_json::json!({ "call_id": "c2", "caller": "+34911000302", "ts": t0 + 5_000 });
         let r = HttpConn::connect(a).post("/v1/end", &end.to_string());
         assert_eq!(r.status, 200, "{mode}: {}", r.body);
-        assert_eq!(check(c, "c6", 6, 5_000), allow(3), "{mode}: c2's slot is free");
+        assert_eq!(
+            check(c, "c6", 6, 5_000),
+            allow(3),
+            "{mode}: c2's slot is free"
+        );
         assert_eq!(check(a, "c7", 7, 6_000), reject(4, 24_000), "{mode}");
         // c1 never ends: let go at 30 s.
         assert_eq!(check(c, "c8", 8, 29_999), reject(4, 1), "{mode}");

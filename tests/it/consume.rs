@@ -14,7 +14,9 @@ use callguard::offline::read::{read_call_log, CallLog, ReadOptions};
 use callguard::online::consumer::{self, ConsumeConfig, ConsumeStats, StoreErrorPolicy};
 use callguard::online::metrics::{Health, Metrics};
 use callguard::store::cached::CacheLimit;
+use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
+use callguard::store::redis::aggregate::lease::RedisLedger;
 use callguard::store::redis::RedisConfig;
 use callguard::store::AnyStore;
 use common::kafka::TOPICS;
@@ -35,6 +37,8 @@ struct Sample {
     /// The feature records the replay implies (the same function the consumer uses).
     features: HashMap<String, Value>,
     rules: RuleSet,
+    /// The rules file `rules` was read from.
+    rules_file: PathBuf,
 }
 
 async fn sample(rows: usize, seed: u64) -> Sample {
@@ -43,7 +47,7 @@ async fn sample(rows: usize, seed: u64) -> Sample {
 
 async fn sample_with(rows: usize, seed: u64, rules: &std::path::Path) -> Sample {
     let (dir, path, log) = common::generated_log(rows, seed);
-    sample_of(dir, path, log, RuleSet::from_file(rules).unwrap()).await
+    sample_of(dir, path, log, rules).await
 }
 
 /// [`sample_with`] whose log also carries each call's end (at `ts +
@@ -56,11 +60,17 @@ async fn sample_with_ends(rows: usize, seed: u64, rules: &std::path::Path) -> Sa
         .unwrap()
         .with_ends()
         .read_all();
-    sample_of(dir, path, log, RuleSet::from_file(rules).unwrap()).await
+    sample_of(dir, path, log, rules).await
 }
 
 /// The replay's records (and feature records) of `log`'s attempts.
-async fn sample_of(dir: tempfile::TempDir, path: PathBuf, log: CallLog, rules: RuleSet) -> Sample {
+async fn sample_of(
+    dir: tempfile::TempDir,
+    path: PathBuf,
+    log: CallLog,
+    rules_file: &std::path::Path,
+) -> Sample {
+    let rules = RuleSet::from_file(rules_file).unwrap();
     let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();
@@ -84,6 +94,7 @@ async fn sample_of(dir: tempfile::TempDir, path: PathBuf, log: CallLog, rules: R
         expected,
         features,
         rules,
+        rules_file: rules_file.to_path_buf(),
     }
 }
 
@@ -130,11 +141,15 @@ async fn start_in_process_with(
         ..RedisConfig::default()
     };
     let store = AnyStore::connect_redis(
-        redis_config,
+        redis_config.clone(),
         cached.then_some(CacheLimit::callers(1_000_000)),
     )
     .await
     .unwrap();
+    // (Behind the gate and before the pools, with credits and pools in
+    // Redis, as `callguard consume` runs it.)
+    let ledger = Ledger::Redis(Box::new(RedisLedger::new(redis_config)));
+    let store = Gated::new(store, ledger);
     let (stop, mut rx) = watch::channel(false);
     let (_rules_tx, rules_rx) = watch::channel(rules);
     let metrics = Arc::new(Metrics::new());
@@ -275,6 +290,76 @@ async fn call_ends_through_the_mock_cluster_decide_as_replay() {
     assert_eq!(stats.decided, attempts as u64, "ends are not decisions");
 }
 
+/// A trunk channel limit (a concurrent rule keyed by account) beside the
+/// stream rules, through the mock cluster on 3 partitions: the calls and
+/// their ends loaded by `produce --ends --key-by account` (a trunk's
+/// calls in one partition), decided by the consumer on the cached Redis
+/// store with the pools in Redis, every attempt as `replay` decides it
+/// (the same records in the features topic too). The pool rejects calls
+/// of several trunks, and holds none past their ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trunk_channel_limit_through_the_mock_cluster_decides_as_replay() {
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        format!(
+            "{}\n[[rule]]\nname = \"trunk_channels\"\nkind = \"concurrent\"\nkey = \"account\"\n\
+             limit = 6\nmax_duration = \"4h\"\n",
+            std::fs::read_to_string(rules_path()).unwrap()
+        ),
+    )
+    .unwrap();
+    let s = sample_with_ends(20_000, 19, &rules).await;
+    let by_pool: std::collections::HashSet<&str> = s
+        .log
+        .events
+        .iter()
+        .filter(|(_, e)| {
+            s.expected
+                .get(e.call_id.as_str())
+                .is_some_and(|v| v["reason"] == "trunk_channels")
+        })
+        .filter_map(|(_, e)| e.account.as_deref())
+        .collect();
+    assert!(
+        by_pool.len() >= 2,
+        "trunks the pool rejected calls of: {by_pool:?}"
+    );
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "produce", "--ends", "--key-by", "account", "--topic", "calls",
+        ])
+        .args(["--brokers", &brokers, "-i"])
+        .arg(&s.path)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let attempts = s.expected.len();
+    let run = start_in_process(config(&brokers, "g-pools"), &redis.url(), s.rules.clone()).await;
+    let records = read_decisions(
+        &brokers,
+        "call-decisions",
+        attempts,
+        Duration::from_secs(240),
+    )
+    .await;
+    let stats = run.stop().await;
+    assert_parity(&s, &records);
+    assert_eq!(stats.dead_letters, 0);
+    assert_features_topic(&s, &brokers, Duration::from_secs(120)).await;
+    // The pools were Redis's: its script's keys are there.
+    let mut c = redis.connection();
+    let latest: Option<i64> = redis::cmd("HGET")
+        .arg("cg:P{pools}:m")
+        .arg("latest")
+        .query(&mut c)
+        .unwrap();
+    assert!(latest.is_some(), "no pool state in Redis");
+}
+
 async fn mock_cluster_parity(group: &str, linger: Duration) {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
@@ -303,7 +388,14 @@ async fn mock_cluster_parity(group: &str, linger: Duration) {
 /// replay's feature records and, value by value, against the file
 /// `callguard features` writes for the same call log.
 async fn assert_features_topic(s: &Sample, brokers: &str, timeout: Duration) {
-    let calls = s.log.events.len();
+    use callguard::engine::event::EventKind;
+    // (One record per attempt: ends have none.)
+    let calls = s
+        .log
+        .events
+        .iter()
+        .filter(|(_, e)| e.kind != EventKind::End)
+        .count();
     let mut n = 0;
     let features = read_topic(brokers, "call-features", timeout, |_| {
         n += 1;
@@ -353,7 +445,7 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
             .args(["features", "-i"])
             .arg(&s.path)
             .arg("--rules")
-            .arg(rules_path())
+            .arg(&s.rules_file)
             .arg("-o")
             .arg(&out)
             .output()
