@@ -51,7 +51,8 @@ use foldhash::HashMap;
 
 use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::{Decision, Verdict, REASON_OK};
-use crate::engine::rules::{Judgement, Listed, RuleKey, RuleSet};
+use crate::engine::rules::{Judgement, Listed, Rule, RuleKey, RuleSet, Sum};
+use crate::engine::window::{Shape, Sums};
 
 /// Most ends of calls not seen yet the pools keep (the earliest goes
 /// first past this).
@@ -110,6 +111,7 @@ impl Opening {
 }
 
 /// The pool rule `i` holds `ev` in, if it sees it: `rule:max_duration:key`
+/// for a concurrent rule, `rule:window:max_duration:key` for a sum rule
 /// (the key empty for a global rule).
 pub fn pool_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<String> {
     let rule = &rules.rules[i];
@@ -122,7 +124,13 @@ pub fn pool_of(rules: &RuleSet, i: usize, ev: &CallEvent) -> Option<String> {
         RuleKey::Global => "",
         RuleKey::Caller | RuleKey::CallerCallee => return None,
     };
-    Some(format!("{}:{}:{key}", rule.name, rule.window_ms))
+    Some(match &rule.sum {
+        Some(sum) => format!(
+            "{}:{}:{}:{key}",
+            rule.name, rule.window_ms, sum.max_duration_ms
+        ),
+        None => format!("{}:{}:{key}", rule.name, rule.window_ms),
+    })
 }
 
 /// The pools that see `ev`, with their rules' indices.
@@ -227,6 +235,12 @@ pub fn settle(rules: &RuleSet, ev: &CallEvent, v: &mut Verdict, found: &[Found])
     r.shadow = shadow;
 }
 
+/// The rule of pool `pool` (its name is the pool's first part).
+fn rule_of<'a>(rules: &'a RuleSet, pool: &str) -> Option<&'a Rule> {
+    let name = pool.split(':').next()?;
+    rules.rules.iter().find(|r| r.name == name && r.is_pooled())
+}
+
 /// One call a pool holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Slot {
@@ -245,8 +259,14 @@ pub struct Pools {
     held_in: HashMap<CompactString, Vec<String>>,
     /// (close, call, pool), for dropping the closed.
     by_close: BTreeSet<(i64, CompactString, String)>,
-    /// Ends of calls not seen yet: call → end, and (end, call).
-    pending: HashMap<CompactString, i64>,
+    /// Sum pool → its waiting calls and what ended ones added (the
+    /// window's [`Sums`], shared by the pool's callers).
+    sums: HashMap<String, Sums>,
+    /// (start + max_duration, call, sum pool), for letting go of calls
+    /// whose end did not come.
+    waits: BTreeSet<(i64, CompactString, String)>,
+    /// Ends of calls not seen yet: call → (end, talk), and (end, call).
+    pending: HashMap<CompactString, (i64, i64)>,
     pending_by_end: BTreeSet<(i64, CompactString)>,
     /// What each call got, and (time, call) for forgetting it.
     results: HashMap<CompactString, Vec<Found>>,
@@ -286,7 +306,7 @@ impl Pools {
             return;
         }
         if ev.kind == EventKind::End {
-            self.end(ev);
+            self.end(rules, ev);
             return;
         }
         let key = call_key(ev);
@@ -309,17 +329,23 @@ impl Pools {
         if opening.opens(rules, &found) {
             let end = self.take_pending(&key);
             for (i, pool) in &pools {
-                let start = t;
-                let close = close_of(start, end, rules.rules[*i].window_ms);
-                self.open(
-                    &key,
-                    pool,
-                    Slot {
-                        start,
-                        close,
-                        ended: end.is_some(),
-                    },
-                );
+                let rule = &rules.rules[*i];
+                match &rule.sum {
+                    Some(sum) => self.wait(rules, ev, &key, *i, pool, sum, end),
+                    None => {
+                        let close = close_of(t, end.map(|e| e.0), rule.window_ms);
+                        let ended = end.is_some();
+                        self.open(
+                            &key,
+                            pool,
+                            Slot {
+                                start: t,
+                                close,
+                                ended,
+                            },
+                        );
+                    }
+                }
             }
         }
         self.results_by_ts.insert((t, key.clone()));
@@ -327,8 +353,27 @@ impl Pools {
     }
 
     /// What pool `pool` (of rule `i`) finds for a call at `t`.
-    fn count(&self, rules: &RuleSet, i: usize, pool: &str, t: i64) -> Found {
+    fn count(&mut self, rules: &RuleSet, i: usize, pool: &str, t: i64) -> Found {
         let rule = &rules.rules[i];
+        if let Some(sum) = &rule.sum {
+            let (shape, l) = (Shape::of(rule, rules.grace_ms), self.latest.unwrap_or(t));
+            let Some(sums) = self.sums.get_mut(pool) else {
+                return Found {
+                    rule: i,
+                    count: 0,
+                    until: None,
+                };
+            };
+            sums.trim(shape, sum.max_duration_ms, l);
+            let until = sums
+                .rejects_until(shape, t, rule.limit)
+                .and_then(|u| rule.filter.last_seen_within(t, u));
+            return Found {
+                rule: i,
+                count: sums.count(shape, t, l),
+                until,
+            };
+        }
         let slots: Vec<(i64, i64)> = self
             .pools
             .get(pool)
@@ -364,10 +409,46 @@ impl Pools {
 
     /// The end kept for call `key`, if it came first (let go: the call
     /// holds it now).
-    fn take_pending(&mut self, key: &CompactString) -> Option<i64> {
-        let end = self.pending.remove(key)?;
+    fn take_pending(&mut self, key: &CompactString) -> Option<(i64, i64)> {
+        let (end, talk) = self.pending.remove(key)?;
         self.pending_by_end.remove(&(end, key.clone()));
-        Some(end)
+        Some((end, talk))
+    }
+
+    /// A call allowed at its attempt waits in sum pool `pool` (of rule
+    /// `i`) for its end, or adds at once by the end that came first.
+    #[allow(clippy::too_many_arguments)]
+    fn wait(
+        &mut self,
+        rules: &RuleSet,
+        ev: &CallEvent,
+        key: &CompactString,
+        i: usize,
+        pool: &str,
+        sum: &Sum,
+        end: Option<(i64, i64)>,
+    ) {
+        let rule = &rules.rules[i];
+        let (t, max) = (ev.ts_ms, sum.max_duration_ms);
+        let price = sum.price(ev.callee_for_filters());
+        let sums = self.sums.entry(pool.to_string()).or_default();
+        let l = self.latest.unwrap_or(t);
+        sums.trim(Shape::of(rule, rules.grace_ms), max, l);
+        match end {
+            Some((e, talk)) if e < t.saturating_add(max) => {
+                sums.add(e.max(t), sum.amount(price, talk));
+            }
+            Some(_) => {}
+            None => {
+                sums.wait(key, t, price);
+                self.waits
+                    .insert((t.saturating_add(max), key.clone(), pool.to_string()));
+                self.held_in
+                    .entry(key.clone())
+                    .or_default()
+                    .push(pool.to_string());
+            }
+        }
     }
 
     /// Moves `L'` to `t` if later, and drops what falls behind it: calls
@@ -383,6 +464,13 @@ impl Pools {
             }
             self.by_close.pop_first();
             self.drop_slot(&key, &pool);
+        }
+        while let Some((let_go, key, pool)) = self.waits.first().cloned() {
+            if let_go > closed {
+                break;
+            }
+            self.waits.pop_first();
+            self.let_go(rules, &key, &pool, latest);
         }
         let horizon = latest.saturating_sub(rules.dedup_ms());
         while let Some((end, key)) = self.pending_by_end.first().cloned() {
@@ -401,14 +489,22 @@ impl Pools {
         }
     }
 
-    /// Forgets call `key`'s slot in `pool`.
-    fn drop_slot(&mut self, key: &CompactString, pool: &str) {
-        if let Some(p) = self.pools.get_mut(pool) {
-            p.remove(key);
-            if p.is_empty() {
-                self.pools.remove(pool);
+    /// Sum pool `pool` lets go of call `key` (its end did not come within
+    /// its max_duration): what else it keeps is trimmed with it.
+    fn let_go(&mut self, rules: &RuleSet, key: &CompactString, pool: &str, latest: i64) {
+        if let (Some(sums), Some(rule)) = (self.sums.get_mut(pool), rule_of(rules, pool)) {
+            if let Some(sum) = &rule.sum {
+                sums.trim(Shape::of(rule, rules.grace_ms), sum.max_duration_ms, latest);
+            }
+            if sums.is_empty() {
+                self.sums.remove(pool);
             }
         }
+        self.unhold(key, pool);
+    }
+
+    /// Call `key` is no longer held in `pool`.
+    fn unhold(&mut self, key: &CompactString, pool: &str) {
         if let Some(held) = self.held_in.get_mut(key) {
             held.retain(|h| h != pool);
             if held.is_empty() {
@@ -417,13 +513,24 @@ impl Pools {
         }
     }
 
+    /// Forgets call `key`'s slot in `pool`.
+    fn drop_slot(&mut self, key: &CompactString, pool: &str) {
+        if let Some(p) = self.pools.get_mut(pool) {
+            p.remove(key);
+            if p.is_empty() {
+                self.pools.remove(pool);
+            }
+        }
+        self.unhold(key, pool);
+    }
+
     /// A call's end: closes it in every pool holding it; kept if the call
     /// has not come (see the module).
-    fn end(&mut self, ev: &CallEvent) {
+    fn end(&mut self, rules: &RuleSet, ev: &CallEvent) {
         let key = call_key(ev);
         if let Some(held) = self.held_in.get(&key).cloned() {
             // (A call's first end closes it everywhere at once: one that
-            // ended in one pool has ended.)
+            // ended in one pool has ended; a sum pool lets go of it then.)
             let ended = held.iter().any(|pool| {
                 self.pools
                     .get(pool)
@@ -432,7 +539,10 @@ impl Pools {
             });
             if !ended {
                 for pool in held {
-                    self.close(&key, &pool, ev.ts_ms);
+                    match rule_of(rules, &pool).and_then(|r| r.sum.as_ref().map(|s| (r, s))) {
+                        Some((_, sum)) => self.end_waiting(sum, &key, &pool, ev),
+                        None => self.close(&key, &pool, ev.ts_ms),
+                    }
                 }
             }
             return;
@@ -440,7 +550,8 @@ impl Pools {
         if self.results.contains_key(&key) || self.pending.contains_key(&key) {
             return;
         }
-        self.pending.insert(key.clone(), ev.ts_ms);
+        self.pending
+            .insert(key.clone(), (ev.ts_ms, ev.talk_ms.unwrap_or(0)));
         self.pending_by_end.insert((ev.ts_ms, key));
         while self.pending.len() > MAX_PENDING_ENDS {
             let Some((_, first)) = self.pending_by_end.pop_first() else {
@@ -448,6 +559,18 @@ impl Pools {
             };
             self.pending.remove(&first);
         }
+    }
+
+    /// The end of call `key`, waiting in sum pool `pool`: it adds its
+    /// amount at its end if it came within max_duration.
+    fn end_waiting(&mut self, sum: &Sum, key: &CompactString, pool: &str, ev: &CallEvent) {
+        // (Let go of only by an attempt's L', as a caller's sum rule.)
+        if let Some(sums) = self.sums.get_mut(pool) {
+            if let Some(Some((at, price))) = sums.end(key, ev.ts_ms, sum.max_duration_ms) {
+                sums.add(at, sum.amount(price, ev.talk_ms.unwrap_or(0)));
+            }
+        }
+        self.unhold(key, pool);
     }
 
     /// Closes call `key` in `pool` at `end`, if no end came before.
@@ -468,9 +591,11 @@ impl Pools {
         }
     }
 
-    /// Calls held, over every pool.
+    /// Calls held, over every pool (open calls, and calls a sum pool
+    /// waits on).
     pub fn held(&self) -> usize {
-        self.pools.values().map(HashMap::len).sum()
+        let waiting: usize = self.sums.values().map(Sums::waiting_len).sum();
+        self.pools.values().map(HashMap::len).sum::<usize>() + waiting
     }
 }
 

@@ -329,11 +329,11 @@ pub struct Rule {
 }
 
 impl Rule {
-    /// A concurrent rule keyed by account, callee or global: its open
+    /// A concurrent or sum rule keyed by account, callee or global: its
     /// calls are a pool many callers share, decided after the caller's
     /// rules ([`crate::engine::pool`]).
     pub fn is_pooled(&self) -> bool {
-        self.kind == WindowKind::Concurrent && self.key.is_aggregate()
+        (self.kind == WindowKind::Concurrent || self.sum.is_some()) && self.key.is_aggregate()
     }
 
     /// A rule keyed by callee, global or account counted through the

@@ -627,8 +627,8 @@ fn sum_cases_reach_rejects_of_every_sum_kind() {
 
 #[test]
 fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
-    // Guard: the random pool cases reach rejects by pools of each key with
-    // a retry-after, shadow flags by pools, warnings by pools, and calls
+    // Guard: the random pool cases reach rejects by concurrent and sum
+    // pools of each key with a retry-after, shadow flags by pools, warnings by pools, and calls
     // allowed only because an end closed a call of the pool before them.
     let mut seen = std::collections::HashSet::new();
     let (mut shadowed, mut warned, mut freed) = (0, 0, 0);
@@ -639,7 +639,7 @@ fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
         for x in &expected {
             match pooled(&x.reason) {
                 Some(r) if x.retry_after_ms.is_some() => {
-                    seen.insert(r.key.as_str());
+                    seen.insert((r.key.as_str(), r.sum.is_some()));
                 }
                 Some(_) if x.shadow => shadowed += 1,
                 _ => {}
@@ -665,11 +665,11 @@ fn pool_cases_reach_rejects_of_every_key_and_ends_that_free_slots() {
             })
             .count();
     }
-    let all = ["account", "callee", "global"];
-    assert!(
-        all.iter().all(|k| seen.contains(k)),
-        "pool rejects reached: {seen:?}"
-    );
+    for key in ["account", "callee", "global"] {
+        for sum in [false, true] {
+            assert!(seen.contains(&(key, sum)), "pool rejects reached: {seen:?}");
+        }
+    }
     assert!(
         shadowed > 0 && warned > 0 && freed > 0,
         "{shadowed} {warned} {freed}"

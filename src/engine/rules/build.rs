@@ -123,14 +123,14 @@ impl RuleSet {
             .any(|r| r.kind == WindowKind::Concurrent && !r.is_pooled());
         set.pools = set.rules.iter().any(Rule::is_pooled);
         check_pools(&set)?;
-        set.sums = set.rules.iter().any(|r| r.sum.is_some());
+        set.sums = set.rules.iter().any(|r| r.sum.is_some() && !r.is_pooled());
         set.version = set.compute_version();
         Ok(set)
     }
 }
 
-/// Checks what pools (concurrent rules keyed by account, callee or
-/// global) need of the rest of the set: they decide after the caller's
+/// Checks what pools (concurrent and sum rules keyed by account, callee
+/// or global) need of the rest of the set: they decide after the caller's
 /// rules, only the calls those allow, so nothing of the caller's may
 /// depend on the final decision.
 fn check_pools(set: &RuleSet) -> Result<(), RulesError> {
@@ -150,10 +150,15 @@ fn check_pools(set: &RuleSet) -> Result<(), RulesError> {
     match clash {
         None => Ok(()),
         Some(what) => Err(RulesError::Invalid(format!(
-            "rule `{}`: a concurrent rule keyed by {} decides after the caller's rules, so it \
+            "rule `{}`: a {} rule keyed by {} decides after the caller's rules, so it \
              cannot be combined with {what}, whose state would keep calls it rejects \
-             (not built yet: use a caller's concurrent rule, or key this one by caller)",
+             (not built yet: key one of them by caller)",
             pool.name,
+            if pool.sum.is_some() {
+                "sum"
+            } else {
+                "concurrent"
+            },
             pool.key.as_str()
         ))),
     }
@@ -196,10 +201,11 @@ fn check_rule(r: &Rule, max_callees: u64) -> Result<(), RulesError> {
                 "a sum rule is `fixed`, `sliding` or `sliding-approx` (it adds up what ended calls add in its window)",
             );
         }
-        if r.key != RuleKey::Caller {
+        if r.key == RuleKey::CallerCallee {
             return bad(
                 "key",
-                "a sum rule adds up a caller's calls: keyed by caller+callee, callee, global or account is not built yet",
+                "a sum rule adds up the calls of a caller, an account, a callee or everyone: \
+                 keyed by caller+callee is not built",
             );
         }
     }

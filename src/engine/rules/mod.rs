@@ -375,8 +375,8 @@ impl RuleSet {
         self.concurrent
     }
 
-    /// Whether any rule adds up what ended calls add (`sum`): then call
-    /// ends change something too.
+    /// Whether any rule keyed by caller adds up what ended calls add
+    /// (`sum`): then call ends change the caller's state too.
     pub fn has_sums(&self) -> bool {
         self.sums
     }

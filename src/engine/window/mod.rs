@@ -103,7 +103,7 @@ pub use open::{OpenCalls, PendingEnds, MAX_PENDING_ENDS};
 pub use pack::PackedLog;
 pub(crate) use pack::{put_varint, take_varint};
 use pairs::{Pair, Pairs};
-use sums::Shape;
+pub(crate) use sums::Shape;
 pub use sums::Sums;
 
 /// The decision and reason of a judgement, before shadow mode.

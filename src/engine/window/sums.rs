@@ -44,15 +44,15 @@ pub struct Sums {
 
 /// A sum window's shape: its kind, length and the set's grace.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Shape {
-    pub(super) kind: WindowKind,
-    pub(super) w: i64,
-    pub(super) grace: i64,
+pub(crate) struct Shape {
+    pub(crate) kind: WindowKind,
+    pub(crate) w: i64,
+    pub(crate) grace: i64,
 }
 
 impl Shape {
     /// The shape of `rule` in a set with `grace`.
-    pub(super) fn of(rule: &crate::engine::rules::Rule, grace: i64) -> Self {
+    pub(crate) fn of(rule: &crate::engine::rules::Rule, grace: i64) -> Self {
         Shape {
             kind: rule.kind,
             w: rule.window_ms,
@@ -63,7 +63,7 @@ impl Shape {
 
 impl Sums {
     /// A call allowed at `start` waits for its end.
-    pub(super) fn wait(&mut self, id: &str, start: i64, price: Option<Price>) {
+    pub(crate) fn wait(&mut self, id: &str, start: i64, price: Option<Price>) {
         let call = Waiting {
             id: id.into(),
             start,
@@ -76,7 +76,7 @@ impl Sums {
     /// else the call stops waiting, and what its end adds at, and at which
     /// price, if the end came within `max_duration` (`Some(None)`: too
     /// late, it adds nothing).
-    pub(super) fn end(
+    pub(crate) fn end(
         &mut self,
         id: &str,
         end: i64,
@@ -95,12 +95,12 @@ impl Sums {
     }
 
     /// An ended call adds `amount` at `at`.
-    pub(super) fn add(&mut self, at: i64, amount: u64) {
+    pub(crate) fn add(&mut self, at: i64, amount: u64) {
         insert_sorted(&mut self.ended, (at, amount), |&(x, _)| x <= at);
     }
 
     /// Drops what no call at or after `L' - grace` can see (`l_new` is `L'`).
-    pub(super) fn trim(&mut self, shape: Shape, max_duration: i64, l_new: i64) {
+    pub(crate) fn trim(&mut self, shape: Shape, max_duration: i64, l_new: i64) {
         let let_go = l_new.saturating_sub(shape.grace);
         self.waiting
             .retain(|c| c.start.saturating_add(max_duration) > let_go);
@@ -132,7 +132,7 @@ impl Sums {
     }
 
     /// The count of a call at `t` (`l_new`: `L'`).
-    pub(super) fn count(&self, shape: Shape, t: i64, l_new: i64) -> u64 {
+    pub(crate) fn count(&self, shape: Shape, t: i64, l_new: i64) -> u64 {
         let Shape { kind, w, grace } = shape;
         let b = bucket_of(t, w);
         match kind {
@@ -147,7 +147,7 @@ impl Sums {
 
     /// The last time `s > t` at which a call would still be over `limit`
     /// (its count above it), given the ends kept and no others.
-    pub(super) fn rejects_until(&self, shape: Shape, t: i64, limit: u64) -> Option<i64> {
+    pub(crate) fn rejects_until(&self, shape: Shape, t: i64, limit: u64) -> Option<i64> {
         let Shape { kind, w, .. } = shape;
         if self.ended.is_empty() {
             return None;
@@ -203,7 +203,7 @@ impl Sums {
     }
 
     /// How many calls wait.
-    pub(super) fn waiting_len(&self) -> usize {
+    pub(crate) fn waiting_len(&self) -> usize {
         self.waiting.len()
     }
 
@@ -224,7 +224,7 @@ impl Sums {
     }
 
     /// Whether it keeps nothing.
-    pub(super) fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.waiting.is_empty() && self.ended.is_empty()
     }
 

@@ -407,10 +407,30 @@ pub fn with_pools(rng: &mut StdRng, rules: &RuleSet, scale: i64) -> RuleSet {
     let mut spec = rules.spec();
     spec.count = CountPolicy::Attempts;
     for k in 0..rng.random_range(1..=2) {
-        let limit = rng.random_range(1..=4);
-        let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
-        let mut rule = Rule::new(format!("pool{k}"), WindowKind::Concurrent, max_ms, limit);
-        random_options(rng, &mut rule);
+        let mut rule = if rng.random_bool(0.5) {
+            let limit = rng.random_range(1..=4);
+            let max_ms = ([300, 1_000, 3_000, 8_000][rng.random_range(0..4)] / scale).max(1);
+            let mut rule = Rule::new(format!("pool{k}"), WindowKind::Concurrent, max_ms, limit);
+            random_options(rng, &mut rule);
+            rule
+        } else {
+            // A sum rule as `with_sums` makes them, renamed.
+            let none = RuleSet::build(RuleSpec::new(vec![Rule::new(
+                "x",
+                WindowKind::Fixed,
+                1_000,
+                1,
+            )]))
+            .expect("a rule set");
+            let sums = with_sums(rng, &none, scale);
+            let mut rule = sums
+                .rules
+                .into_iter()
+                .find(|r| r.sum.is_some())
+                .expect("a sum rule");
+            rule.name = format!("pool{k}");
+            rule
+        };
         rule.key = [
             RuleKey::Account,
             RuleKey::Account,
@@ -449,6 +469,10 @@ pub fn pool_case_scaled(
     let rules = with_pools(&mut rng, &rules, scale);
     let mut events = with_ends(&mut rng, &events, scale);
     for e in &mut events {
+        // Talk times from 0 to 3 s, whatever the scale: sums need seconds.
+        if e.talk_ms.is_some() {
+            e.talk_ms = Some(rng.random_range(0..3_000));
+        }
         e.account = account_of(&e.caller).map(Into::into);
         if e.kind == EventKind::End && rng.random_bool(0.5) {
             e.account = None;

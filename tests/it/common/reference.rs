@@ -721,12 +721,19 @@ type PoolFound = (usize, u64, Option<i64>);
 /// A slot: (call, pool, start, close, ended).
 type PoolSlot = (String, String, i64, i64, bool);
 
+/// A call a sum pool waits on: (call, pool, rule, start, price).
+type PoolWait = (String, String, usize, i64, Option<Price>);
+
 /// The pools' state, on lists.
 #[derive(Default)]
 struct PoolModel {
     slots: Vec<PoolSlot>,
-    /// (call, end time)
-    pending: Vec<(String, i64)>,
+    /// Calls sum pools wait on.
+    waiting: Vec<PoolWait>,
+    /// What ended calls added: (pool, rule, at, amount).
+    adds: Vec<(String, usize, i64, u64)>,
+    /// (call, end time, talk)
+    pending: Vec<(String, i64, i64)>,
     /// (call, time, per pooled rule: (rule, count, until))
     results: Vec<(String, i64, Vec<PoolFound>)>,
     latest: Option<i64>,
@@ -745,9 +752,25 @@ impl PoolModel {
                     s.4 = true;
                 }
             }
+            let talk = e.talk_ms.unwrap_or(0);
+            if first {
+                let (ended, waiting): (Vec<PoolWait>, Vec<PoolWait>) =
+                    std::mem::take(&mut self.waiting)
+                        .into_iter()
+                        .partition(|w| w.0 == key);
+                self.waiting = waiting;
+                for (_, pool, i, start, price) in ended {
+                    held = true;
+                    let sum = rules.rules[i].sum.as_ref().expect("a sum rule");
+                    if e.ts_ms < start + sum.max_duration_ms {
+                        let amount = sum.amount(price, talk);
+                        self.adds.push((pool, i, e.ts_ms.max(start), amount));
+                    }
+                }
+            }
             let known = self.results.iter().any(|r| r.0 == key);
             if !held && !known && !self.pending.iter().any(|p| p.0 == key) {
-                self.pending.push((key, e.ts_ms));
+                self.pending.push((key, e.ts_ms, talk));
             }
             return;
         }
@@ -768,7 +791,15 @@ impl PoolModel {
                     RuleKey::Callee => e.callee.as_deref().filter(|c| !c.is_empty())?,
                     _ => "",
                 };
-                Some((i, format!("{}:{}:{k}", r.name, r.window_ms)))
+                Some((
+                    i,
+                    match &r.sum {
+                        Some(sum) => {
+                            format!("{}:{}:{}:{k}", r.name, r.window_ms, sum.max_duration_ms)
+                        }
+                        None => format!("{}:{}:{k}", r.name, r.window_ms),
+                    },
+                ))
             })
             .collect();
         if pools.is_empty() {
@@ -778,6 +809,25 @@ impl PoolModel {
         let l = self.latest.map_or(t, |l| l.max(t));
         self.latest = Some(l);
         self.slots.retain(|s| s.3 > l - rules.grace_ms);
+        // A sum pool lets go of a call at start + max_duration, and keeps
+        // what ended calls added while a call not late could see it.
+        let let_go = l - rules.grace_ms;
+        self.waiting.retain(|w| {
+            w.3 + rules.rules[w.2]
+                .sum
+                .as_ref()
+                .expect("a sum rule")
+                .max_duration_ms
+                > let_go
+        });
+        self.adds.retain(|&(_, i, at, _)| {
+            let w = rules.rules[i].window_ms;
+            match rules.rules[i].kind {
+                WindowKind::Fixed => (at.div_euclid(w) + 1) * w + rules.grace_ms > l,
+                WindowKind::SlidingApprox => at.div_euclid(w) >= let_go.div_euclid(w) - 1,
+                _ => at > let_go - w,
+            }
+        });
         let horizon = l - rules.dedup_ms();
         self.pending.retain(|p| p.1 > horizon);
         self.results.retain(|r| r.1 > horizon);
@@ -785,6 +835,9 @@ impl PoolModel {
             .iter()
             .map(|(i, pool)| {
                 let rule = &rules.rules[*i];
+                if rule.sum.is_some() {
+                    return self.sum_found(rules, *i, pool, t, l);
+                }
                 let mine: Vec<(i64, i64)> = self
                     .slots
                     .iter()
@@ -821,8 +874,22 @@ impl PoolModel {
                 .pending
                 .iter()
                 .position(|p| p.0 == key)
-                .map(|at| self.pending.remove(at).1);
+                .map(|at| self.pending.remove(at))
+                .map(|p| (p.1, p.2));
             for (i, pool) in &pools {
+                if let Some(sum) = &rules.rules[*i].sum {
+                    let price = sum.price(e.callee_for_filters());
+                    match end {
+                        Some((at, talk)) if at < t + sum.max_duration_ms => {
+                            self.adds
+                                .push((pool.clone(), *i, at.max(t), sum.amount(price, talk)));
+                        }
+                        Some(_) => {}
+                        None => self.waiting.push((key.clone(), pool.clone(), *i, t, price)),
+                    }
+                    continue;
+                }
+                let end = end.map(|e| e.0);
                 if self.slots.iter().any(|s| s.0 == key && s.1 == *pool) {
                     continue;
                 }
@@ -833,6 +900,51 @@ impl PoolModel {
             }
         }
         self.results.push((key, t, found));
+    }
+}
+
+impl PoolModel {
+    /// What sum pool `pool` (rule `i`) finds for a call at `t` (`l`: L'):
+    /// the window's sum of what was added, and the last later time a call
+    /// would be over the limit, searched over every millisecond.
+    fn sum_found(&self, rules: &RuleSet, i: usize, pool: &str, t: i64, l: i64) -> PoolFound {
+        let rule = &rules.rules[i];
+        let w = rule.window_ms;
+        let adds: Vec<(i64, u64)> = self
+            .adds
+            .iter()
+            .filter(|a| a.0 == pool)
+            .map(|a| (a.2, a.3))
+            .collect();
+        let between = |lo: i64, hi: i64| -> u64 {
+            adds.iter()
+                .filter(|a| a.0 >= lo && a.0 <= hi)
+                .map(|a| a.1)
+                .sum()
+        };
+        let bucket = |b: i64| between(b * w, b * w + w - 1);
+        let at = |s: i64| -> u64 {
+            let b = s.div_euclid(w);
+            match rule.kind {
+                WindowKind::Fixed => bucket(b),
+                WindowKind::SlidingApprox => {
+                    let weight = (w - (s - b * w) - 1) as u128;
+                    (u128::from(bucket(b - 1)) * weight / w as u128) as u64 + bucket(b)
+                }
+                _ => between(s - w + 1, s),
+            }
+        };
+        let b = t.div_euclid(w);
+        let count = match rule.kind {
+            WindowKind::Fixed if (b + 1) * w + rules.grace_ms <= l => 0,
+            _ => at(t),
+        };
+        let last = adds.iter().map(|a| a.0).max().unwrap_or(t) + 2 * w;
+        let until = (t + 1..=last)
+            .rev()
+            .find(|&s| at(s) > rule.limit)
+            .and_then(|u| rule.filter.last_seen_within(t, u));
+        (i, count, until)
     }
 }
 
