@@ -1,6 +1,6 @@
--- Pools: concurrent rules keyed by account, callee or global
+-- Pools: concurrent and sum rules keyed by account, callee or global
 -- (src/engine/pool.rs; `Pools` there is this script's reference, step for
--- step). One call per batch, after the caller's rules decided it: every
+-- step; a sum pool's window is src/engine/window/sums.rs's `Sums`). One call per batch, after the caller's rules decided it: every
 -- pool is under one hash tag, so a batch's pools and the calls they hold
 -- change together, in processing order, whatever instance sends it.
 --
@@ -12,11 +12,19 @@
 --   <b>:e   hash: call -> end time, ends of calls not seen yet; <b>:ez by end
 --   <b>:r   hash: call -> what it got; <b>:rz by its time
 --   <b>:s:<pool>, <b>:c:<pool>   zsets: the pool's calls by start, by close
+--   <b>:sw:<pool>  hash: call -> "start|max|costed|per|inc", the calls a sum
+--          pool waits on; <b>:wz zset "<pool>\n<call>" by start + max
+--   <b>:sb:<pool>  hash: bucket -> sum added in it (fixed, sliding-approx)
+--   <b>:se:<pool>  zset: "<amount>|<seq>" by the time it was added (sliding)
 -- KEYS[1]: <b>:m (the slot the call goes to).
 -- ARGV: base (<b>), grace, dedup, max pending ends, ttl (ms, set on every
 --   key written), then ops in order:
---   E call ts                                      an end
---   A call ts opening n  (rule pool limit shadow max) * n   an attempt
+--   E call ts talk                                an end
+--   A call ts opening n  (rule pool limit shadow max sum kind w per inc) * n
+--                                                 an attempt
+--   sum: 0 a concurrent pool, 1 a talk sum, 2 a cost sum; kind F, S or A
+--   (fixed, sliding, sliding-approx); per and inc the callee's price (''
+--   unpriced).
 --   opening: 0 opens nowhere, 1 opens whatever, 2 unless an enforcing
 --   pool is over its limit.
 -- Reply, per attempt in order: "rule:count:upto_s;..." (upto_s empty when
@@ -27,6 +35,9 @@ local base, grace, dedup = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_pending, ttl = tonumber(ARGV[4]), ARGV[5]
 local M, Z, H, D = base .. ':m', base .. ':z', base .. ':h', base .. ':d'
 local E, EZ, R, RZ = base .. ':e', base .. ':ez', base .. ':r', base .. ':rz'
+local WZ = base .. ':wz'
+local floor = math.floor
+local PER = 10
 local touched = {}
 local function touch(k) touched[k] = true end
 -- (Times are whole milliseconds: written as integers, never as %.14g.)
@@ -40,10 +51,15 @@ local function split(s, sep)
   return out
 end
 
--- Forgets call `c`'s slot in `pool`.
-local function drop_slot(c, pool)
-  call('ZREM', base .. ':s:' .. pool, c)
-  call('ZREM', base .. ':c:' .. pool, c)
+-- The '|'-separated fields of a record, empty ones kept.
+local function fields(s)
+  local out = {}
+  for part in string.gmatch(s .. '|', '([^|]*)|') do out[#out + 1] = part end
+  return out
+end
+
+-- Call `c` no longer held in `pool`.
+local function unhold(c, pool)
   local held = call('HGET', H, c)
   if held then
     local left = {}
@@ -59,6 +75,166 @@ local function drop_slot(c, pool)
   end
 end
 
+-- Forgets call `c`'s slot in `pool`.
+local function drop_slot(c, pool)
+  call('ZREM', base .. ':s:' .. pool, c)
+  call('ZREM', base .. ':c:' .. pool, c)
+  unhold(c, pool)
+end
+
+-- Integer division helpers (exact below 2^53; see lua/window.lua).
+local function divmod(a, b)
+  local q = floor(a / b)
+  local r = a - q * b
+  if r < 0 then
+    q, r = q - 1, r + b
+  elseif r >= b then
+    q, r = q + 1, r - b
+  end
+  return q, r
+end
+
+local function mul_div(p, x, w)
+  local a, b = divmod(p, w)
+  local xh, xl = divmod(x, 65536)
+  local q1, r1 = divmod(b * xh, w)
+  local q2 = divmod(r1 * 65536 + b * xl, w)
+  return a * x + q1 * 65536 + q2
+end
+
+-- What a call ending with `talk` ms adds: whole seconds of talk, or its
+-- cost at `per` micro-units a minute in `inc`-second steps (Sum::amount).
+local function amount(costed, per, inc, talk)
+  if talk <= 0 then return 0 end
+  if not costed then return (divmod(talk + 999, 1000)) end
+  if not per then return 0 end
+  local step = inc * 1000
+  local billed = divmod(talk + step - 1, step) * inc
+  return (divmod(billed * per + 59, 60))
+end
+
+-- Sum pool `pool` (window `w` of `kind`) adds `amt` at `at`.
+local function sum_add(pool, kind, w, at, amt)
+  if kind == 'S' then
+    local seq = call('HINCRBY', M, 'seq', 1)
+    local key = base .. ':se:' .. pool
+    call('ZADD', key, int(at), int(amt) .. '|' .. int(seq))
+    touch(key)
+  else
+    local key = base .. ':sb:' .. pool
+    call('HINCRBY', key, int(divmod(at, w)), amt)
+    touch(key)
+  end
+end
+
+-- Drops what no call at or after L' - grace can see (Sums::trim).
+local function sum_trim(pool, kind, w)
+  local let_go = latest - grace
+  if kind == 'S' then
+    call('ZREMRANGEBYSCORE', base .. ':se:' .. pool, '-inf', int(let_go - w))
+    return
+  end
+  local key = base .. ':sb:' .. pool
+  local lb = divmod(let_go, w)
+  for _, f in ipairs(call('HKEYS', key)) do
+    local b = tonumber(f)
+    local gone
+    if kind == 'F' then gone = (b + 1) * w + grace <= latest else gone = b < lb - 1 end
+    if gone then call('HDEL', key, f) end
+  end
+end
+
+-- The sum added in [lo, hi] (a sliding sum pool's).
+local function sum_between(pool, lo, hi)
+  local sum = 0
+  for _, m in ipairs(call('ZRANGEBYSCORE', base .. ':se:' .. pool, int(lo), int(hi))) do
+    sum = sum + tonumber(string.match(m, '^(%d+)|'))
+  end
+  return sum
+end
+
+-- The last offset r in a bucket (sums prev before, cur in it) at which
+-- the sliding-approx estimate is over lim, or nil; it falls as r grows.
+local function last_over(prev, cur, w, lim)
+  if cur > lim then return w - 1 end
+  if mul_div(prev, w - 1, w) + cur <= lim then return nil end
+  local lo, hi = 0, w - 1
+  while lo < hi do
+    local mid = lo + floor((hi - lo + 1) / 2)
+    if mul_div(prev, w - mid - 1, w) + cur > lim then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+
+-- A sum pool's count at t and the last time s > t a call would still be
+-- over `lim` (Sums::count, Sums::rejects_until).
+local function sum_count(pool, kind, w, t, lim)
+  sum_trim(pool, kind, w)
+  if kind == 'S' then
+    local cnt = sum_between(pool, t - w + 1, t)
+    local flat = call('ZRANGE', base .. ':se:' .. pool, 0, -1, 'WITHSCORES')
+    local ats, amts = {}, {}
+    for j = 1, #flat, 2 do
+      ats[#ats + 1] = tonumber(flat[j + 1])
+      amts[#amts + 1] = tonumber(string.match(flat[j], '^(%d+)|'))
+    end
+    for j = #ats, 1, -1 do
+      local s = ats[j] + w - 1
+      if s <= t then return cnt, nil end
+      local sum = 0
+      for q = 1, #ats do
+        if ats[q] > s - w and ats[q] <= s then sum = sum + amts[q] end
+      end
+      if sum > lim then return cnt, s end
+    end
+    return cnt, nil
+  end
+  local bsum, blist = {}, {}
+  local flat = call('HGETALL', base .. ':sb:' .. pool)
+  for j = 1, #flat, 2 do
+    local b, v = tonumber(flat[j]), tonumber(flat[j + 1])
+    bsum[b] = v
+    if v > 0 then blist[#blist + 1] = b end
+  end
+  local b = divmod(t, w)
+  local cnt
+  if kind == 'F' then
+    if (b + 1) * w + grace <= latest then cnt = 0 else cnt = bsum[b] or 0 end
+  else
+    cnt = mul_div(bsum[b - 1] or 0, w - (t - b * w) - 1, w) + (bsum[b] or 0)
+  end
+  if #blist == 0 then return cnt, nil end
+  table.sort(blist)
+  if kind == 'F' then
+    for j = #blist, 1, -1 do
+      local x = blist[j]
+      if x < b then return cnt, nil end
+      if bsum[x] > lim then
+        local s = (x + 1) * w - 1
+        if s > t then return cnt, s end
+        return cnt, nil
+      end
+    end
+    return cnt, nil
+  end
+  local cands, seen = {}, {}
+  for j = #blist, 1, -1 do
+    for _, x in ipairs({blist[j] + 1, blist[j]}) do
+      if not seen[x] then
+        seen[x] = true
+        cands[#cands + 1] = x
+      end
+    end
+  end
+  table.sort(cands, function(x, y) return x > y end)
+  for _, x in ipairs(cands) do
+    if x < b then return cnt, nil end
+    local r = last_over(bsum[x - 1] or 0, bsum[x] or 0, w, lim)
+    if r and x * w + r > t then return cnt, x * w + r end
+  end
+  return cnt, nil
+end
+
 -- L' to t if later, and what falls behind it dropped.
 local function advance(t)
   if latest == nil or t > latest then latest = t end
@@ -69,6 +245,14 @@ local function advance(t)
     drop_slot(string.sub(m, nl + 1), string.sub(m, 1, nl - 1))
   end
   if #gone > 0 then call('ZREMRANGEBYSCORE', Z, '-inf', int(closed)) end
+  local waits = call('ZRANGEBYSCORE', WZ, '-inf', int(closed))
+  for _, m in ipairs(waits) do
+    local nl = string.find(m, '\n', 1, true)
+    local pool, c = string.sub(m, 1, nl - 1), string.sub(m, nl + 1)
+    call('HDEL', base .. ':sw:' .. pool, c)
+    unhold(c, pool)
+  end
+  if #waits > 0 then call('ZREMRANGEBYSCORE', WZ, '-inf', int(closed)) end
   local horizon = latest - dedup
   for _, pair in ipairs({{E, EZ}, {R, RZ}}) do
     local old = call('ZRANGEBYSCORE', pair[2], '-inf', int(horizon))
@@ -122,11 +306,25 @@ local function open_slot(c, pool, start, close)
   call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
 end
 
-local function on_end(c, ts)
+local function on_end(c, ts, talk)
   local held = call('HGET', H, c)
   if held then
     if call('HSETNX', D, c, 1) == 1 then
       for _, pool in ipairs(split(held, '\n')) do
+        local SW = base .. ':sw:' .. pool
+        local waiting = call('HGET', SW, c)
+        if waiting then
+          -- A sum pool: the call stops waiting, and adds if in time.
+          local f = fields(waiting)
+          local start, max, costed = tonumber(f[1]), tonumber(f[2]), f[3] == '1'
+          local per, inc, kind, w = tonumber(f[4]), tonumber(f[5]), f[6], tonumber(f[7])
+          call('HDEL', SW, c)
+          call('ZREM', WZ, pool .. '\n' .. c)
+          unhold(c, pool)
+          if ts < start + max then
+            sum_add(pool, kind, w, math.max(ts, start), amount(costed, per, inc, talk))
+          end
+        end
         local C = base .. ':c:' .. pool
         local start = tonumber(call('ZSCORE', base .. ':s:' .. pool, c))
         local old = tonumber(call('ZSCORE', C, c))
@@ -142,7 +340,7 @@ local function on_end(c, ts)
     return
   end
   if call('HEXISTS', R, c) == 1 or call('HEXISTS', E, c) == 1 then return end
-  call('HSET', E, c, int(ts))
+  call('HSET', E, c, int(ts) .. ',' .. int(talk))
   call('ZADD', EZ, int(ts), c)
   while call('ZCARD', EZ) > max_pending do
     local first = call('ZPOPMIN', EZ)
@@ -155,12 +353,12 @@ local i = 6
 while i <= #ARGV do
   local op, c, ts = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   if op == 'E' then
-    on_end(c, ts)
-    i = i + 3
+    on_end(c, ts, tonumber(ARGV[i + 3]))
+    i = i + 4
   else
     local opening, n = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     local j = i + 5
-    i = j + n * 5
+    i = j + n * PER
     local known = call('HGET', R, c)
     if known then
       out[#out + 1] = known
@@ -168,26 +366,52 @@ while i <= #ARGV do
       advance(ts)
       local found, over = {}, false
       for k = 0, n - 1 do
-        local a = j + k * 5
+        local a = j + k * PER
         local rule, pool, limit = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
         local shadow = ARGV[a + 3] == '1'
-        local cnt, upto_s = count(pool, ts, limit)
+        local cnt, upto_s
+        if ARGV[a + 5] == '0' then
+          cnt, upto_s = count(pool, ts, limit)
+        else
+          cnt, upto_s = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit)
+        end
         if not shadow and cnt > limit then over = true end
         found[#found + 1] = rule .. ':' .. int(cnt) .. ':' .. (upto_s and int(upto_s) or '')
       end
       if opening == 1 or (opening == 2 and not over) then
         local e = call('HGET', E, c)
         local ended = e ~= false and e ~= nil
+        local e_ts, e_talk
         if ended then
           call('HDEL', E, c)
           call('ZREM', EZ, c)
+          local f = split(e, ',')
+          e_ts, e_talk = tonumber(f[1]), tonumber(f[2])
         end
         for k = 0, n - 1 do
-          local a = j + k * 5
-          local pool, max = ARGV[a + 1], tonumber(ARGV[a + 4])
-          local close = ts + max
-          if ended then close = math.min(math.max(tonumber(e), ts), close) end
-          open_slot(c, pool, ts, close)
+          local a = j + k * PER
+          local pool, max, sum = ARGV[a + 1], tonumber(ARGV[a + 4]), ARGV[a + 5]
+          if sum == '0' then
+            local close = ts + max
+            if ended then close = math.min(math.max(e_ts, ts), close) end
+            open_slot(c, pool, ts, close)
+          else
+            local kind, w = ARGV[a + 6], tonumber(ARGV[a + 7])
+            local per, inc = ARGV[a + 8], ARGV[a + 9]
+            if ended then
+              if e_ts < ts + max then
+                local amt = amount(sum == '2', tonumber(per), tonumber(inc), e_talk)
+                sum_add(pool, kind, w, math.max(e_ts, ts), amt)
+              end
+            elseif call('HEXISTS', base .. ':sw:' .. pool, c) == 0 then
+              local SW = base .. ':sw:' .. pool
+              call('HSET', SW, c, table.concat({int(ts), int(max), sum == '2' and '1' or '0', per, inc, kind, int(w)}, '|'))
+              touch(SW)
+              call('ZADD', WZ, int(ts + max), pool .. '\n' .. c)
+              local held = call('HGET', H, c)
+              call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
+            end
+          end
         end
         if ended then call('HSET', D, c, 1) end
       end
@@ -199,6 +423,6 @@ while i <= #ARGV do
   end
 end
 if latest ~= nil then call('HSET', M, 'latest', int(latest)) end
-for _, k in ipairs({M, Z, H, D, E, EZ, R, RZ}) do touch(k) end
+for _, k in ipairs({M, Z, H, D, E, EZ, R, RZ, WZ}) do touch(k) end
 for k in pairs(touched) do call('PEXPIRE', k, ttl) end
 return out

@@ -439,6 +439,12 @@ impl Pools {
                 sums.add(e.max(t), sum.amount(price, talk));
             }
             Some(_) => {}
+            // (Waiting already: a call seen again after what it got was
+            // forgotten.)
+            None if self
+                .held_in
+                .get(key)
+                .is_some_and(|h| h.iter().any(|p| p == pool)) => {}
             None => {
                 sums.wait(key, t, price);
                 self.waits

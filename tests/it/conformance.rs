@@ -50,7 +50,11 @@ const MODES: [Mode; 2] = [Mode::Script, Mode::Cached];
 /// and more than 4 records apart, so they move out, grow, get trimmed,
 /// compacted and move back in).
 async fn open(mode: Mode, urls: Vec<String>, prefix: &str) -> AnyStore {
-    let c = config(urls, prefix);
+    open_with(mode, config(urls, prefix)).await
+}
+
+/// [`open`] on the Redis `c` names.
+async fn open_with(mode: Mode, c: RedisConfig) -> AnyStore {
     match mode {
         Mode::Script => AnyStore::Redis(Box::new(RedisStore::connect(c).await.unwrap())),
         Mode::Cached => AnyStore::Cached(Box::new(
@@ -459,52 +463,65 @@ async fn standalone_aggregate_rules_match_memory() {
     aggregate_suite(vec![server.url()], 0..30).await;
 }
 
-/// Pools (concurrent rules keyed by account, callee or global) with call
-/// ends, in both modes: one instance in random batches, and two instances
+/// Pools (concurrent and sum rules keyed by account, callee or global)
+/// with call ends, windows as generated and 100 times shorter, in both
+/// modes: one instance in random batches, and two instances
 /// on the same prefix taking the batches in turns (as `serve` instances
 /// behind one switch), decide as the memory store and the in-process
 /// pools do. Each seed's pools reject some calls, over the suite.
 async fn pool_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
-    let mut by_pool = 0;
+    let (mut by_pool, mut by_sum) = (0, 0);
     for mode in MODES {
-        for seed in seeds.clone() {
-            let (rules, events) = random::pool_case_scaled(seed, 300, 6, 1);
+        for (seed, scale) in seeds.clone().flat_map(|s| [(s, 1), (s, 100)]) {
+            let (rules, events) = random::pool_case_scaled(seed, 300, 6, scale);
             let mut memory = Gated::new(MemoryStore::new(), Ledger::Memory(MemoryLedger::new()));
             let expected = memory.apply_batch(&rules, &events).await.unwrap();
+            // (Keys live an hour past their event-time span: windows of a
+            // few milliseconds must not expire between two batches.)
             let gated = |prefix: String| {
-                let urls = urls.clone();
+                let c = RedisConfig {
+                    ttl_slack: Duration::from_secs(3_600),
+                    ..config(urls.clone(), &prefix)
+                };
                 async move {
-                    let ledger =
-                        Ledger::Redis(Box::new(RedisLedger::new(config(urls.clone(), &prefix))));
-                    Gated::new(open(mode, urls, &prefix).await, ledger)
+                    let ledger = Ledger::Redis(Box::new(RedisLedger::new(c.clone())));
+                    Gated::new(open_with(mode, c).await, ledger)
                 }
             };
-            let mut one = gated(format!("p1{mode:?}{seed}:")).await;
-            let shared = format!("p2{mode:?}{seed}:");
+            let mut one = gated(format!("p1{mode:?}{seed}x{scale}:")).await;
+            let shared = format!("p2{mode:?}{seed}x{scale}:");
             let mut two = [gated(shared.clone()).await, gated(shared).await];
             let (mut alone, mut turns) = (Vec::new(), Vec::new());
             for (k, batch) in random_batches(&events, seed).into_iter().enumerate() {
                 alone.extend(one.apply_batch(&rules, batch).await.unwrap());
                 turns.extend(two[k % 2].apply_batch(&rules, batch).await.unwrap());
             }
-            for got in [&alone, &turns] {
+            for (which, got) in [("one instance", &alone), ("two instances", &turns)] {
                 assert_eq!(got.len(), expected.len());
                 for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
                     assert_eq!(
                         g, x,
-                        "{mode:?}: pool seed {seed}, event #{i} {:?}",
+                        "{mode:?}, {which}: pool seed {seed} x{scale}, event #{i} {:?}",
                         events[i]
                     );
                 }
             }
-            by_pool += expected
+            for v in expected
                 .iter()
                 .filter(|v| v.record.decision == Decision::Reject)
-                .filter(|v| v.record.reason.starts_with("pool"))
-                .count();
+            {
+                let rule = rules.rules.iter().find(|r| r.name == v.record.reason);
+                if let Some(r) = rule.filter(|r| r.is_pooled()) {
+                    by_pool += 1;
+                    by_sum += usize::from(r.sum.is_some());
+                }
+            }
         }
     }
-    assert!(by_pool > 0, "no pool rejected a call");
+    assert!(
+        by_pool > 0 && by_sum > 0,
+        "pool rejects {by_pool}, by sums {by_sum}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

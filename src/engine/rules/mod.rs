@@ -393,10 +393,12 @@ impl RuleSet {
         self.concurrent || self.sums
     }
 
-    /// The longest any sum rule's call waits for its end (0: no sum rule).
+    /// The longest any caller's sum rule's call waits for its end (0: no
+    /// such rule).
     pub fn max_sum_wait_ms(&self) -> i64 {
         self.rules
             .iter()
+            .filter(|r| !r.is_pooled())
             .filter_map(|r| r.sum.as_ref())
             .map(|s| s.max_duration_ms)
             .max()
@@ -411,6 +413,7 @@ impl RuleSet {
     pub fn sums_span_ms(&self) -> i64 {
         self.rules
             .iter()
+            .filter(|r| !r.is_pooled())
             .filter_map(|r| {
                 let sum = r.sum.as_ref()?;
                 Some(sum.max_duration_ms.max(r.window_ms.saturating_mul(2)))

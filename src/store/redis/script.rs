@@ -149,7 +149,9 @@ impl RedisStore {
                 // concurrent rule its calls held per callee (8).
                 let by_callee = rule.key == RuleKey::CallerCallee;
                 let concurrent = rule.kind == crate::engine::rules::WindowKind::Concurrent;
-                // A sum rule (16), a cost sum (32).
+                // A sum rule (16), a cost sum (32): the caller's (a
+                // pool's sum is lua/pool.lua's).
+                let caller_sum = rule.sum.is_some() && !rule.is_pooled();
                 let cost = matches!(
                     rule.sum,
                     Some(crate::engine::rules::Sum {
@@ -161,25 +163,28 @@ impl RedisStore {
                     + 2 * u8::from(rule.own_log())
                     + 4 * u8::from(by_callee && !concurrent)
                     + 8 * u8::from(by_callee && concurrent)
-                    + 16 * u8::from(rule.sum.is_some())
-                    + 32 * u8::from(cost)
+                    + 16 * u8::from(caller_sum)
+                    + 32 * u8::from(cost && caller_sum)
             })
             .arg(rule.warn.map_or_else(String::new, |w| w.to_string()))
-            .arg(match (&rule.sum, rule.rate) {
-                (Some(sum), _) => sum.max_duration_ms.to_string(),
-                (None, Some(r)) => format!("{}/{}", r.calls, r.per_ms),
-                (None, None) => String::new(),
-            });
+            .arg(
+                match (rule.sum.as_ref().filter(|_| !rule.is_pooled()), rule.rate) {
+                    (Some(sum), _) => sum.max_duration_ms.to_string(),
+                    (None, Some(r)) => format!("{}/{}", r.calls, r.per_ms),
+                    (None, None) => String::new(),
+                },
+            );
         }
         let profiled = rules.rules.iter().any(|r| r.filter.has_time());
         let priced = rules.rules.iter().any(|r| {
-            matches!(
-                r.sum,
-                Some(crate::engine::rules::Sum {
-                    of: crate::engine::rules::SumOf::Cost(_),
-                    ..
-                })
-            )
+            !r.is_pooled()
+                && matches!(
+                    r.sum,
+                    Some(crate::engine::rules::Sum {
+                        of: crate::engine::rules::SumOf::Cost(_),
+                        ..
+                    })
+                )
         });
         for ev in events {
             // A call's end: `E` in the list code's place (see the script).
@@ -402,8 +407,10 @@ fn prices(rules: &RuleSet, ev: &CallEvent) -> String {
         .rules
         .iter()
         .map(|r| {
+            // (A pool's sum is the pools' own: lua/pool.lua.)
             r.sum
                 .as_ref()
+                .filter(|_| !r.is_pooled())
                 .and_then(|s| s.price(ev.callee_for_filters()))
                 .map_or_else(String::new, |p| {
                     format!("{}/{}", p.per_minute, p.increment_s)

@@ -885,6 +885,7 @@ impl PoolModel {
                                 .push((pool.clone(), *i, at.max(t), sum.amount(price, talk)));
                         }
                         Some(_) => {}
+                        None if self.waiting.iter().any(|w| w.0 == key && w.1 == *pool) => {}
                         None => self.waiting.push((key.clone(), pool.clone(), *i, t, price)),
                     }
                     continue;

@@ -13,7 +13,7 @@ use redis::Value;
 use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::pool::{call_key, pools_of, settle, Found, Opening, MAX_PENDING_ENDS};
 use crate::engine::record::Verdict;
-use crate::engine::rules::RuleSet;
+use crate::engine::rules::{RuleSet, SumOf, WindowKind};
 use crate::error::StoreError;
 use crate::store::redis::classify;
 use crate::store::redis::conn::{is_noscript, Conn};
@@ -93,7 +93,8 @@ impl RedisPools {
             };
             let key = call_key(ev).to_string();
             if ev.kind == EventKind::End {
-                args.extend(["E".into(), key, ev.ts_ms.to_string()]);
+                let talk = ev.talk_ms.unwrap_or(0).to_string();
+                args.extend(["E".into(), key, ev.ts_ms.to_string(), talk]);
                 ops += 1;
                 continue;
             }
@@ -114,14 +115,7 @@ impl RedisPools {
                 pools.len().to_string(),
             ]);
             for (i, pool) in &pools {
-                let r = &rules.rules[*i];
-                args.extend([
-                    i.to_string(),
-                    pool.clone(),
-                    r.limit.to_string(),
-                    u8::from(r.shadow).to_string(),
-                    r.window_ms.to_string(),
-                ]);
+                args.extend(pool_args(rules, *i, pool, ev));
             }
             sent.push(Sent { at });
             ops += 1;
@@ -180,6 +174,39 @@ impl RedisPools {
     }
 }
 
+/// What the script is told of pool `pool` (rule `i`) for attempt `ev`:
+/// rule, pool, limit, shadow, max_duration, sum (0 none, 1 talk, 2 cost),
+/// window kind (F, S, A), window, and the callee's price (per minute,
+/// increment; empty when unpriced).
+fn pool_args(rules: &RuleSet, i: usize, pool: &str, ev: &CallEvent) -> [String; 10] {
+    let r = &rules.rules[i];
+    let (max, sum, price) = match &r.sum {
+        None => (r.window_ms, "0", None),
+        Some(s) => {
+            let cost = matches!(s.of, SumOf::Cost(_));
+            let price = s.price(ev.callee_for_filters());
+            (s.max_duration_ms, if cost { "2" } else { "1" }, price)
+        }
+    };
+    let kind = match r.kind {
+        WindowKind::Fixed => "F",
+        WindowKind::SlidingApprox => "A",
+        _ => "S",
+    };
+    [
+        i.to_string(),
+        pool.to_string(),
+        r.limit.to_string(),
+        u8::from(r.shadow).to_string(),
+        max.to_string(),
+        sum.to_string(),
+        kind.to_string(),
+        r.window_ms.to_string(),
+        price.map_or(String::new(), |p| p.per_minute.to_string()),
+        price.map_or(String::new(), |p| p.increment_s.to_string()),
+    ]
+}
+
 /// How long the pools' keys outlive their last write: the longest
 /// `max_duration` of a pool, the idempotency horizon and the grace, plus
 /// the TTL slack (event time runs with the clock online; offline it runs
@@ -189,7 +216,11 @@ fn ttl_ms(rules: &RuleSet, config: &RedisConfig) -> i64 {
         .rules
         .iter()
         .filter(|r| r.is_pooled())
-        .map(|r| r.window_ms)
+        .map(|r| {
+            // (A sum pool keeps what ended calls added two windows on.)
+            let sum = r.sum.as_ref().map_or(0, |s| s.max_duration_ms);
+            r.window_ms.saturating_mul(2).max(sum)
+        })
         .max()
         .unwrap_or(0);
     longest
