@@ -156,9 +156,15 @@ pub fn run(args: TuneArgs) -> Result<()> {
         (Some(sum), Some(given)) => parse_values(given, |v| sum.of.parse_level(v))?,
         (Some(sum), None) => {
             let observed = observed_limits(log.clone(), &rules, index, progress)?;
+            let rule = &rules.rules[index];
+            // (A sum keyed by account, callee or global is the key's.)
+            let whose = match rule.key.is_aggregate() {
+                true => rule.key.as_str(),
+                false => "caller",
+            };
             println!(
-                "limits of {} ({}), from its callers' sums: {}",
-                rules.rules[index].name,
+                "limits of {} ({}), from each {whose}'s peak sum: {}",
+                rule.name,
                 sum.unit(),
                 observed
                     .iter()

@@ -836,3 +836,90 @@ fn a_sum_rule_is_swept_as_replay_decides() {
     assert_eq!(found.last(), Some(&peak), "{line}");
     assert!(out.contains("recommendation: N = "), "{out}");
 }
+
+/// Pools (a trunk's channels and its talk, keyed by account) are swept as
+/// replay decides each N, and so is a window rule beside them (each N
+/// replayed: what the pools hold depends on it); without limits a sum
+/// pool's are found from each account's peak sum, the largest the
+/// biggest any account reached.
+#[test]
+fn pools_are_swept_as_replay_decides() {
+    use callguard::offline::order::OrderedLog;
+    let (dir, path) = common::generated_csv(20_000, 31);
+    let text = "[[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\n\
+                [[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nkey = \"account\"\nlimit = 10\nmax_duration = \"1h\"\n\n\
+                [[rule]]\nname = \"talk\"\nkind = \"fixed\"\nwindow = \"1h\"\nkey = \"account\"\nsum = \"talk\"\nlimit = \"5h\"\n";
+    let rules_path = common::rules_file(dir.path(), text);
+    let rules = RuleSet::from_file(&rules_path).unwrap();
+    let log = OrderedLog::open(&path, &Default::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    for (index, limits) in [
+        (1, vec![2, 4, 8, 16]),
+        (2, vec![1_800, 7_200, 18_000]),
+        (0, vec![3, 10]),
+    ] {
+        let s = sweep(&log, &rules, index, &limits, Target::MaxFalseReject(0.01)).unwrap();
+        for r in &s.rows {
+            assert_eq!(
+                r,
+                &row_by_replay(&log, &rules, index, r.limit).unwrap(),
+                "rule {index}, N = {}",
+                r.limit
+            );
+        }
+        let rejected: Vec<u64> = s.rows.iter().map(|r| r.rule_calls_rejected).collect();
+        assert!(
+            rejected[0] > *rejected.last().unwrap(),
+            "rule {index}: {rejected:?}"
+        );
+    }
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "tune",
+            "--sweep",
+            "talk",
+            "--label-column",
+            "label",
+            "--rules",
+        ])
+        .arg(&rules_path)
+        .arg("-i")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("limits of talk"))
+        .unwrap_or_else(|| panic!("{out}"));
+    assert!(line.contains("from each account's peak sum"), "{line}");
+    let found: Vec<u64> = line
+        .rsplit(": ")
+        .next()
+        .unwrap()
+        .split(", ")
+        .map(|v| v.parse().unwrap())
+        .collect();
+    let open = rules.with_limit(2, u64::MAX / 4).unwrap();
+    let (mut store, mut pools) = (
+        callguard::store::memory::MemoryStore::new(),
+        callguard::engine::pool::Pools::new(),
+    );
+    let peak = log
+        .events
+        .iter()
+        .map(|(_, e)| {
+            let mut v = store.apply(&open, e);
+            pools.apply_one(&open, e, &mut v);
+            v
+        })
+        .filter(|v| !v.end)
+        .map(|v| v.record.counts[2])
+        .max()
+        .unwrap();
+    assert!(peak > 0);
+    assert_eq!(found.last(), Some(&peak), "{line}");
+}

@@ -62,10 +62,12 @@ pub enum FormatArg {
     /// Parquet.
     Parquet,
     /// Asterisk `Master.csv`: `uniqueid` is the call id, `src` the caller,
-    /// `dst` the callee, `start` the time, `billsec` the duration.
+    /// `dst` the callee, `start` the time, `duration` the call's length
+    /// (ringing included), `billsec` its talk, `accountcode` the account.
     Asterisk,
     /// FreeSWITCH `mod_cdr_csv` (default template): `uuid`,
-    /// `caller_id_number`, `destination_number`, `start_stamp`, `billsec`.
+    /// `caller_id_number`, `destination_number`, `start_stamp`, `duration`,
+    /// `billsec` (talk), `accountcode`.
     Freeswitch,
     /// Kamailio `acc` (with the `src_user`, `dst_user`, `src_ip` extras):
     /// `callid`, `src_user`, `dst_user`, `time`; only INVITE rows are calls.
@@ -76,8 +78,9 @@ pub enum FormatArg {
 #[derive(Debug, Clone, Args)]
 pub struct DecoderArgs {
     /// Field mapping, FIELD=NAME[,...], e.g. `caller=src,ts=start_time`.
-    /// Fields: call_id, caller, ts, callee, duration_ms, label. `ts` and
-    /// `duration_ms` take a unit, `:s` for seconds (`duration_ms=billsec:s`,
+    /// Fields: call_id, caller, ts, callee, duration_ms, talk_ms, account,
+    /// label, event. `ts`, `duration_ms` and `talk_ms` take a unit, `:s`
+    /// for seconds (`talk_ms=billsec:s`,
     /// `ts=start_epoch:s`; fractions allowed) or `:ms` (the default). A
     /// named column that is not in a call log is an error.
     #[arg(

@@ -662,7 +662,7 @@ pub fn sweep_ordered(
 }
 
 /// The limits to sweep a sum rule over when none are given: quantiles of
-/// its callers' peak sums (50%, 90%, 99%, 99.9% and the largest) and 11
+/// its callers' (a pool's: its keys') peak sums (50%, 90%, 99%, 99.9% and the largest) and 11
 /// steps evenly spaced on a log scale from the 99th percentile to the
 /// largest (fraud is in the tail), from one replay with the rule never
 /// rejecting; distinct and ascending, at least one.
@@ -673,24 +673,12 @@ pub fn observed_limits(
     progress: bool,
 ) -> Result<Vec<u64>, TuneError> {
     let open = rules.with_limit(index, u64::MAX / 4)?;
-    let mut sweeper = Sweeper::new(&open, index, &[], Target::Quantile(1.0))?;
-    let bar = progress_bar(log.rows() as u64, progress, "observing sums");
-    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
-    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
-    for mut chunk in chunks {
-        bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
-        gate.run_rows(&mut ledger, &open, &mut chunk.events);
-        sweeper.feed_log(&chunk);
-    }
-    bar.finish_and_clear();
-    let merged = sweeper.merge_shards();
-    let mut peaks: Vec<u64> = merged
-        .callers
-        .iter()
-        .map(|t| t.peak)
-        .filter(|&p| p > 0)
-        .collect();
+    let mut peaks = if open.rules[index].is_pooled() {
+        pool_peaks(log, &open, index, progress)
+    } else {
+        caller_peaks(log, &open, index, progress)?
+    };
+    peaks.retain(|&p| p > 0);
     peaks.sort_unstable();
     let quantile = |q: f64| {
         let at = ((peaks.len() as f64 - 1.0) * q).round() as usize;
@@ -710,6 +698,56 @@ pub fn observed_limits(
         limits.push(1);
     }
     Ok(limits)
+}
+
+/// Each caller's peak count of rule `index` over the log, the rule never
+/// rejecting (`open`).
+fn caller_peaks(
+    log: Arc<OrderedLog>,
+    open: &RuleSet,
+    index: usize,
+    progress: bool,
+) -> Result<Vec<u64>, TuneError> {
+    let mut sweeper = Sweeper::new(open, index, &[], Target::Quantile(1.0))?;
+    let bar = progress_bar(log.rows() as u64, progress, "observing sums");
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+    for mut chunk in chunks {
+        bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
+        gate.run_rows(&mut ledger, open, &mut chunk.events);
+        sweeper.feed_log(&chunk);
+    }
+    bar.finish_and_clear();
+    let merged = sweeper.merge_shards();
+    Ok(merged.callers.iter().map(|t| t.peak).collect())
+}
+
+/// Each pool's peak count of pool rule `index` (keyed by account, callee
+/// or global: the pool's sum is the key's, not a caller's) over the log,
+/// the rule never rejecting (`open`): one replay in processing order, the
+/// pools after the caller's rules.
+fn pool_peaks(log: Arc<OrderedLog>, open: &RuleSet, index: usize, progress: bool) -> Vec<u64> {
+    let bar = progress_bar(log.rows() as u64, progress, "observing sums");
+    let (tx, chunks) = std::sync::mpsc::sync_channel(2);
+    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
+    let (mut store, mut pools) = (MemoryStore::new(), Pools::new());
+    let mut peaks: foldhash::HashMap<String, u64> = Default::default();
+    for mut chunk in chunks {
+        bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
+        gate.run_rows(&mut ledger, open, &mut chunk.events);
+        for (_, e) in &chunk.events {
+            let mut v = store.apply_unique(open, e, false);
+            pools.apply_one(open, e, &mut v);
+            if let Some(pool) = crate::engine::pool::pool_of(open, index, e) {
+                let peak = peaks.entry(pool).or_default();
+                *peak = (*peak).max(v.record.counts[index]);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    peaks.into_values().collect()
 }
 
 /// Events a [`sweep_ordered`] hands on at once: larger than a replay's

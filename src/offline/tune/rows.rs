@@ -79,13 +79,15 @@ pub fn row_by_replay(
     let mut fraud_callers = foldhash::HashSet::default();
     let (mut fraud_calls, mut legit_calls) = (0, 0);
     let mut store = MemoryStore::new();
+    let mut pools = crate::engine::pool::Pools::new();
     let mut rejections = Rejections::default();
     let mut alone = [0u64; 2];
     let mut events = log.events.clone();
     Gate::new().run_rows(&mut MemoryLedger::new(), &set, &mut events);
     for (_, e) in &events {
         if is_end(e) {
-            store.apply(&set, e);
+            let mut v = store.apply(&set, e);
+            pools.apply_one(&set, e, &mut v);
             continue;
         }
         fraud_calls += u64::from(e.label == Some(true));
@@ -93,7 +95,8 @@ pub fn row_by_replay(
         if e.label == Some(true) {
             fraud_callers.insert(e.caller.as_str());
         }
-        let v = store.apply(&set, e);
+        let mut v = store.apply(&set, e);
+        pools.apply_one(&set, e, &mut v);
         if swept_reject(&set, index, &v) {
             rejections.add_rejected(&v, e.label);
             if rejected_alone(&set, index, e, &v) {
