@@ -555,3 +555,52 @@ fn callee_prefixes_match_real_callees_under_pseudonyms() {
         assert_eq!(p, h);
     }
 }
+
+/// `data/rules-trunks.toml` (channels, premium talk and spend per trunk,
+/// keyed by account) on a generated day with its ends, replayed: the IRSF
+/// attacks through hacked PBX trunks are cut by the trunk rules (most of
+/// their calls rejected, by those rules), and no PBX or subscriber call
+/// is rejected, as every PBX trunk's channels, talk and spend stay within
+/// them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_trunk_rules_stop_irsf_and_no_pbx() {
+    use callguard::engine::record::Decision;
+    use callguard::engine::rules::RuleSet;
+    use callguard::offline::order::OrderedLog;
+    use callguard::store::memory::MemoryStore;
+    let (_dir, path) = common::generated_csv(20_000, 1);
+    let rules = RuleSet::from_file(Path::new("data/rules-trunks.toml")).unwrap();
+    let log = OrderedLog::open(&path, &Default::default())
+        .unwrap()
+        .with_ends()
+        .read_all();
+    let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
+        .await
+        .unwrap();
+    let population: std::collections::HashMap<String, String> = csv::Reader::from_path(&path)
+        .unwrap()
+        .deserialize::<std::collections::HashMap<String, String>>()
+        .map(|r| {
+            let r = r.unwrap();
+            (r["call_id"].clone(), r["population"].clone())
+        })
+        .collect();
+    let mut tally: std::collections::HashMap<(&str, bool), usize> = Default::default();
+    let mut by_trunk_rules = 0;
+    for v in verdicts.iter().filter(|v| !v.end) {
+        let p = population[v.record.call_id.as_str()].as_str();
+        let rejected = v.record.decision == Decision::Reject;
+        *tally.entry((p, rejected)).or_default() += 1;
+        if rejected && p == "irsf" && v.record.reason.starts_with("trunk_") {
+            by_trunk_rules += 1;
+        }
+    }
+    let got = |p: &str, r: bool| tally.get(&(p, r)).copied().unwrap_or(0);
+    let irsf = got("irsf", true) + got("irsf", false);
+    assert!(irsf > 100, "{tally:?}");
+    assert!(got("irsf", true) * 2 > irsf, "IRSF mostly rejected: {tally:?}");
+    assert_eq!(by_trunk_rules, got("irsf", true), "by the trunk rules: {tally:?}");
+    for p in ["pbx", "subscriber", "harasser"] {
+        assert!(got(p, false) > 0 && got(p, true) == 0, "{p}: {tally:?}");
+    }
+}
