@@ -598,8 +598,15 @@ async fn the_example_trunk_rules_stop_irsf_and_no_pbx() {
     let got = |p: &str, r: bool| tally.get(&(p, r)).copied().unwrap_or(0);
     let irsf = got("irsf", true) + got("irsf", false);
     assert!(irsf > 100, "{tally:?}");
-    assert!(got("irsf", true) * 2 > irsf, "IRSF mostly rejected: {tally:?}");
-    assert_eq!(by_trunk_rules, got("irsf", true), "by the trunk rules: {tally:?}");
+    assert!(
+        got("irsf", true) * 2 > irsf,
+        "IRSF mostly rejected: {tally:?}"
+    );
+    assert_eq!(
+        by_trunk_rules,
+        got("irsf", true),
+        "by the trunk rules: {tally:?}"
+    );
     for p in ["pbx", "subscriber", "harasser"] {
         assert!(got(p, false) > 0 && got(p, true) == 0, "{p}: {tally:?}");
     }
