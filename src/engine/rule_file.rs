@@ -421,14 +421,16 @@ mod tests {
                 "kind = \"sliding\"\nwindow = \"1h\"\nlimit = 3\nmax_duration = \"4h\"\n",
                 "max_duration",
             ),
-            (
-                "kind = \"concurrent\"\nlimit = 3\nmax_duration = \"4h\"\nkey = \"callee\"\n",
-                "key",
-            ),
         ] {
             let e = error_of(text);
             assert!(e.contains("`irsf`") && e.contains(field), "{text}: {e}");
         }
+        // Keyed by callee (or account, or global): a pool, not the caller's.
+        let pool = RuleSet::from_toml(&format!(
+            "{BASE}kind = \"concurrent\"\nlimit = 3\nmax_duration = \"4h\"\nkey = \"callee\"\n"
+        ))
+        .unwrap();
+        assert!(pool.has_pools() && !pool.has_concurrent() && !pool.caller_uses_ends());
         // The shorthand takes the max duration where a window goes.
         let short = RuleSet::from_args(None, &["ch:concurrent:30m:2".into()]).unwrap();
         assert_eq!(short.rules[0].window_ms, 1_800_000);
@@ -444,6 +446,10 @@ mod tests {
             (5_400, Some(600))
         );
         assert!(rules.has_sums() && rules.uses_ends() && !rules.has_concurrent());
+        // Keyed by account: a pool, not the caller's sum.
+        let pool =
+            RuleSet::from_toml(&format!("{BASE}{talk}limit = 10\nkey = \"account\"\n")).unwrap();
+        assert!(pool.has_pools() && !pool.has_sums() && pool.uses_ends());
         for (text, field) in [
             (format!("{talk}limit = \"90m500ms\"\n"), "limit"),
             (
@@ -454,7 +460,6 @@ mod tests {
                 format!("{talk}limit = 10\nkey = \"caller+callee\"\n"),
                 "key",
             ),
-            (format!("{talk}limit = 10\nkey = \"account\"\n"), "key"),
             (
                 "kind = \"sliding\"\nwindow = \"1h\"\nlimit = \"10\"\n".into(),
                 "limit",
