@@ -10,7 +10,7 @@
 --   <b>:h   hash: call -> the pools holding it, "\n"-joined
 --   <b>:d   hash: call -> 1 once its end was seen
 --   <b>:e   hash: call -> end time, ends of calls not seen yet; <b>:ez by end
---   <b>:r   hash: call -> what it got; <b>:rz by its time
+--   <b>:r   hash: call -> "<time>#<what it got>"; <b>:rz by its time
 --   <b>:s:<pool>, <b>:c:<pool>   zsets: the pool's calls by start, by close
 --   <b>:sw:<pool>  hash: call -> "start|max|costed|per|inc", the calls a sum
 --          pool waits on; <b>:wz zset "<pool>\n<call>" by start + max
@@ -36,6 +36,7 @@ local max_pending, ttl = tonumber(ARGV[4]), ARGV[5]
 local M, Z, H, D = base .. ':m', base .. ':z', base .. ':h', base .. ':d'
 local E, EZ, R, RZ = base .. ':e', base .. ':ez', base .. ':r', base .. ':rz'
 local WZ = base .. ':wz'
+local RESULTS_TRIM = 1024
 local floor = math.floor
 local PER = 10
 local touched = {}
@@ -254,13 +255,32 @@ local function advance(t)
   end
   if #waits > 0 then call('ZREMRANGEBYSCORE', WZ, '-inf', int(closed)) end
   local horizon = latest - dedup
-  for _, pair in ipairs({{E, EZ}, {R, RZ}}) do
-    local old = call('ZRANGEBYSCORE', pair[2], '-inf', int(horizon))
-    if #old > 0 then
-      call('HDEL', pair[1], unpack(old))
-      call('ZREMRANGEBYSCORE', pair[2], '-inf', int(horizon))
+  -- Ends kept (at most max_pending): all that passed the horizon. What
+  -- calls got (one per call): at most RESULTS_TRIM a call, oldest first,
+  -- so a gap in the calls' times never makes one script call long; one
+  -- past the horizon but not yet dropped is not read (see `result`).
+  for _, t in ipairs({{E, EZ, nil}, {R, RZ, RESULTS_TRIM}}) do
+    local old
+    if t[3] then
+      old = call('ZRANGEBYSCORE', t[2], '-inf', int(horizon), 'LIMIT', 0, t[3])
+    else
+      old = call('ZRANGEBYSCORE', t[2], '-inf', int(horizon))
     end
+    -- (In chunks: Lua's unpack has a stack limit.)
+    for s0 = 1, #old, 1000 do
+      call('HDEL', t[1], unpack(old, s0, math.min(s0 + 999, #old)))
+    end
+    if #old > 0 then call('ZREMRANGEBYRANK', t[2], 0, #old - 1) end
   end
+end
+
+-- What call `c` got, if it is remembered: newer than L' - dedup.
+local function result(c)
+  local v = call('HGET', R, c)
+  if not v then return nil end
+  local at = string.find(v, '#', 1, true)
+  if latest ~= nil and tonumber(string.sub(v, 1, at - 1)) <= latest - dedup then return nil end
+  return string.sub(v, at + 1)
 end
 
 -- Calls open in `pool` at t, and the last time s > t a call would still
@@ -339,7 +359,7 @@ local function on_end(c, ts, talk)
     end
     return
   end
-  if call('HEXISTS', R, c) == 1 or call('HEXISTS', E, c) == 1 then return end
+  if result(c) or call('HEXISTS', E, c) == 1 then return end
   call('HSET', E, c, int(ts) .. ',' .. int(talk))
   call('ZADD', EZ, int(ts), c)
   while call('ZCARD', EZ) > max_pending do
@@ -359,7 +379,7 @@ while i <= #ARGV do
     local opening, n = tonumber(ARGV[i + 3]), tonumber(ARGV[i + 4])
     local j = i + 5
     i = j + n * PER
-    local known = call('HGET', R, c)
+    local known = result(c)
     if known then
       out[#out + 1] = known
     else
@@ -416,7 +436,7 @@ while i <= #ARGV do
         if ended then call('HSET', D, c, 1) end
       end
       local got = table.concat(found, ';')
-      call('HSET', R, c, got)
+      call('HSET', R, c, int(ts) .. '#' .. got)
       call('ZADD', RZ, int(ts), c)
       out[#out + 1] = got
     end

@@ -524,6 +524,64 @@ async fn pool_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
     );
 }
 
+/// A pool's calls of a busy minute, then a call days later (what 9,000
+/// calls got passes the idempotency horizon at once: Redis lets it go a
+/// bounded number at a time), then an early call seen again: decided
+/// afresh, as memory does, in both modes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_s_records_passing_the_horizon_at_once_match_memory() {
+    use callguard::engine::event::EventKind;
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_toml(
+        "[[rule]]\nname = \"m\"\nkind = \"sliding\"\nwindow = \"1m\"\nlimit = 100\n\
+         [[rule]]\nname = \"trunk\"\nkind = \"concurrent\"\nkey = \"account\"\nlimit = 40\nmax_duration = \"1h\"\n",
+    )
+    .unwrap();
+    let call = |i: usize, ts: i64| CallEvent {
+        call_id: format!("c{i}").into(),
+        caller: format!("+3491100{:04}", i % 500).into(),
+        ts_ms: ts,
+        account: Some("trunk-1".into()),
+        ..Default::default()
+    };
+    let mut events = Vec::new();
+    for i in 0..9_000 {
+        events.push(call(i, T0 + i as i64 * 6));
+        if i % 3 == 0 {
+            events.push(CallEvent {
+                kind: EventKind::End,
+                ts_ms: T0 + i as i64 * 6 + 50,
+                ..call(i, 0)
+            });
+        }
+    }
+    events.push(call(9_000, T0 + 3 * 86_400_000));
+    events.push(call(1, T0 + 3 * 86_400_000 + 1));
+    let mut memory = Gated::new(MemoryStore::new(), Ledger::Memory(MemoryLedger::new()));
+    let expected = memory.apply_batch(&rules, &events).await.unwrap();
+    let rejected = expected
+        .iter()
+        .filter(|v| v.record.reason == "trunk")
+        .count();
+    assert!(rejected > 100, "{rejected}");
+    assert!(!expected.last().unwrap().duplicate);
+    for mode in MODES {
+        let c = RedisConfig {
+            ttl_slack: Duration::from_secs(3_600),
+            ..config(vec![server.url()], &format!("gap{mode:?}:"))
+        };
+        let ledger = Ledger::Redis(Box::new(RedisLedger::new(c.clone())));
+        let mut redis = Gated::new(open_with(mode, c).await, ledger);
+        let mut got = Vec::new();
+        for batch in events.chunks(256) {
+            got.extend(redis.apply_batch(&rules, batch).await.unwrap());
+        }
+        for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
+            assert_eq!(g, x, "{mode:?}: event #{i}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_in_both_modes_and_two_instances_match_memory() {
     let server = RedisServer::start(&[]);
