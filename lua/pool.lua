@@ -169,24 +169,30 @@ end
 
 -- A sum pool's count at t and the last time s > t a call would still be
 -- over `lim` (Sums::count, Sums::rejects_until).
-local function sum_count(pool, kind, w, t, lim)
+local function sum_count(pool, kind, w, t, lim, want)
   sum_trim(pool, kind, w)
   if kind == 'S' then
     local cnt = sum_between(pool, t - w + 1, t)
+    if not want then return cnt, nil end
     local flat = call('ZRANGE', base .. ':se:' .. pool, 0, -1, 'WITHSCORES')
     local ats, amts = {}, {}
     for j = 1, #flat, 2 do
       ats[#ats + 1] = tonumber(flat[j + 1])
       amts[#amts + 1] = tonumber(string.match(flat[j], '^(%d+)|'))
     end
+    -- The sum in (s - w, s] for s = an end's time + w - 1, latest first:
+    -- prefix sums, the window's upper end moving down with s.
+    local pre, first = {[0] = 0}, {}
+    for j = 1, #ats do
+      pre[j] = pre[j - 1] + amts[j]
+      first[j] = (j > 1 and ats[j - 1] == ats[j]) and first[j - 1] or j
+    end
+    local hi = #ats
     for j = #ats, 1, -1 do
       local s = ats[j] + w - 1
       if s <= t then return cnt, nil end
-      local sum = 0
-      for q = 1, #ats do
-        if ats[q] > s - w and ats[q] <= s then sum = sum + amts[q] end
-      end
-      if sum > lim then return cnt, s end
+      while hi > 0 and ats[hi] > s do hi = hi - 1 end
+      if pre[hi] - pre[first[j] - 1] > lim then return cnt, s end
     end
     return cnt, nil
   end
@@ -204,7 +210,7 @@ local function sum_count(pool, kind, w, t, lim)
   else
     cnt = mul_div(bsum[b - 1] or 0, w - (t - b * w) - 1, w) + (bsum[b] or 0)
   end
-  if #blist == 0 then return cnt, nil end
+  if #blist == 0 or not want then return cnt, nil end
   table.sort(blist)
   if kind == 'F' then
     for j = #blist, 1, -1 do
@@ -285,11 +291,13 @@ end
 
 -- Calls open in `pool` at t, and the last time s > t a call would still
 -- be over `limit` (Pools::count and rejects_until).
-local function count(pool, t, limit)
+local function count(pool, t, limit, want)
   local S, C = base .. ':s:' .. pool, base .. ':c:' .. pool
   local open = call('ZCOUNT', S, '-inf', int(t)) - call('ZCOUNT', C, '-inf', int(t))
   local upto_s
-  if call('ZCOUNT', S, '(' .. int(t), '+inf') == 0 then
+  if not want then
+    return open + 1, nil
+  elseif call('ZCOUNT', S, '(' .. int(t), '+inf') == 0 then
     -- Every call started by t: over at s > t while `limit` close after s.
     local k = call('ZREVRANGE', C, limit - 1, limit - 1, 'WITHSCORES')
     if #k == 2 and tonumber(k[2]) - 1 > t then upto_s = tonumber(k[2]) - 1 end
@@ -389,14 +397,34 @@ while i <= #ARGV do
         local a = j + k * PER
         local rule, pool, limit = ARGV[a], ARGV[a + 1], tonumber(ARGV[a + 2])
         local shadow = ARGV[a + 3] == '1'
-        local cnt, upto_s
+        local cnt
         if ARGV[a + 5] == '0' then
-          cnt, upto_s = count(pool, ts, limit)
+          cnt = count(pool, ts, limit, false)
         else
-          cnt, upto_s = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit)
+          cnt = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, false)
         end
         if not shadow and cnt > limit then over = true end
-        found[#found + 1] = rule .. ':' .. int(cnt) .. ':' .. (upto_s and int(upto_s) or '')
+        found[#found + 1] = {rule, cnt, nil}
+      end
+      -- The last times the pools would still turn a call away matter only
+      -- to the Retry-After of a call they turn away (Pools::apply_one).
+      if opening == 2 and over then
+        for k = 0, n - 1 do
+          local a = j + k * PER
+          if ARGV[a + 3] ~= '1' then
+            local pool, limit = ARGV[a + 1], tonumber(ARGV[a + 2])
+            local _, u
+            if ARGV[a + 5] == '0' then
+              _, u = count(pool, ts, limit, true)
+            else
+              _, u = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, true)
+            end
+            found[k + 1][3] = u
+          end
+        end
+      end
+      for k, f in ipairs(found) do
+        found[k] = f[1] .. ':' .. int(f[2]) .. ':' .. (f[3] and int(f[3]) or '')
       end
       if opening == 1 or (opening == 2 and not over) then
         local e = call('HGET', E, c)

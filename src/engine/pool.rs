@@ -60,7 +60,8 @@ pub const MAX_PENDING_ENDS: usize = 1 << 16;
 
 /// What one pool found for a call: the rule's index, its count (this call
 /// included) and the last time a call of the same key would still be over
-/// the limit (see [`rejects_until`]).
+/// the limit (see [`rejects_until`]; found only for a call the pools turn
+/// away, whose Retry-After it is).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Found {
     pub rule: usize,
@@ -320,11 +321,20 @@ impl Pools {
         }
         let t = ev.ts_ms;
         self.advance(rules, t);
-        let found: Vec<Found> = pools
+        let mut found: Vec<Found> = pools
             .iter()
-            .map(|(i, pool)| self.count(rules, *i, pool, t))
+            .map(|(i, pool)| self.count(rules, *i, pool, t, false))
             .collect();
         let opening = Opening::of(rules, ev, v);
+        // The last times the pools would still turn a call away matter only
+        // to the Retry-After of a call they turn away: found then.
+        if opening == Opening::Unless && !opening.opens(rules, &found) {
+            for (f, (i, pool)) in found.iter_mut().zip(&pools) {
+                if !rules.rules[*i].shadow {
+                    f.until = self.count(rules, *i, pool, t, true).until;
+                }
+            }
+        }
         settle(rules, ev, v, &found);
         if opening.opens(rules, &found) {
             let end = self.take_pending(&key);
@@ -352,8 +362,9 @@ impl Pools {
         self.results.insert(key, found);
     }
 
-    /// What pool `pool` (of rule `i`) finds for a call at `t`.
-    fn count(&mut self, rules: &RuleSet, i: usize, pool: &str, t: i64) -> Found {
+    /// What pool `pool` (of rule `i`) finds for a call at `t`: its count,
+    /// and with `until` the last time a call would still be over.
+    fn count(&mut self, rules: &RuleSet, i: usize, pool: &str, t: i64, until: bool) -> Found {
         let rule = &rules.rules[i];
         if let Some(sum) = &rule.sum {
             let (shape, l) = (Shape::of(rule, rules.grace_ms), self.latest.unwrap_or(t));
@@ -365,8 +376,9 @@ impl Pools {
                 };
             };
             sums.trim(shape, sum.max_duration_ms, l);
-            let until = sums
-                .rejects_until(shape, t, rule.limit)
+            let until = until
+                .then(|| sums.rejects_until(shape, t, rule.limit))
+                .flatten()
                 .and_then(|u| rule.filter.last_seen_within(t, u));
             return Found {
                 rule: i,
@@ -380,8 +392,10 @@ impl Pools {
             .map(|p| p.values().map(|s| (s.start, s.close)).collect())
             .unwrap_or_default();
         let open = slots.iter().filter(|&&(s, c)| s <= t && t < c).count() as u64;
-        let until =
-            rejects_until(&slots, t, rule.limit).and_then(|u| rule.filter.last_seen_within(t, u));
+        let until = until
+            .then(|| rejects_until(&slots, t, rule.limit))
+            .flatten()
+            .and_then(|u| rule.filter.last_seen_within(t, u));
         Found {
             rule: i,
             count: open + 1,
