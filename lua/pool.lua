@@ -1,6 +1,7 @@
 -- Pools: concurrent and sum rules keyed by account, callee or global
 -- (src/engine/pool.rs; `Pools` there is this script's reference, step for
--- step; a sum pool's window is src/engine/window/sums.rs's `Sums`). One call per batch, after the caller's rules decided it: every
+-- step; a sum pool's window is src/engine/window/sums.rs's `Sums`, its
+-- arithmetic lua/sums.lua's, loaded in front of this script). One call per batch, after the caller's rules decided it: every
 -- pool is under one hash tag, so a batch's pools and the calls they hold
 -- change together, in processing order, whatever instance sends it.
 --
@@ -83,37 +84,6 @@ local function drop_slot(c, pool)
   unhold(c, pool)
 end
 
--- Integer division helpers (exact below 2^53; see lua/window.lua).
-local function divmod(a, b)
-  local q = floor(a / b)
-  local r = a - q * b
-  if r < 0 then
-    q, r = q - 1, r + b
-  elseif r >= b then
-    q, r = q + 1, r - b
-  end
-  return q, r
-end
-
-local function mul_div(p, x, w)
-  local a, b = divmod(p, w)
-  local xh, xl = divmod(x, 65536)
-  local q1, r1 = divmod(b * xh, w)
-  local q2 = divmod(r1 * 65536 + b * xl, w)
-  return a * x + q1 * 65536 + q2
-end
-
--- What a call ending with `talk` ms adds: whole seconds of talk, or its
--- cost at `per` micro-units a minute in `inc`-second steps (Sum::amount).
-local function amount(costed, per, inc, talk)
-  if talk <= 0 then return 0 end
-  if not costed then return (divmod(talk + 999, 1000)) end
-  if not per then return 0 end
-  local step = inc * 1000
-  local billed = divmod(talk + step - 1, step) * inc
-  return (divmod(billed * per + 59, 60))
-end
-
 -- Sum pool `pool` (window `w` of `kind`) adds `amt` at `at`.
 local function sum_add(pool, kind, w, at, amt)
   if kind == 'S' then
@@ -152,19 +122,6 @@ local function sum_between(pool, lo, hi)
     sum = sum + tonumber(string.match(m, '^(%d+)|'))
   end
   return sum
-end
-
--- The last offset r in a bucket (sums prev before, cur in it) at which
--- the sliding-approx estimate is over lim, or nil; it falls as r grows.
-local function last_over(prev, cur, w, lim)
-  if cur > lim then return w - 1 end
-  if mul_div(prev, w - 1, w) + cur <= lim then return nil end
-  local lo, hi = 0, w - 1
-  while lo < hi do
-    local mid = lo + floor((hi - lo + 1) / 2)
-    if mul_div(prev, w - mid - 1, w) + cur > lim then lo = mid else hi = mid - 1 end
-  end
-  return lo
 end
 
 -- A sum pool's count at t and the last time s > t a call would still be
@@ -236,7 +193,7 @@ local function sum_count(pool, kind, w, t, lim, want)
   table.sort(cands, function(x, y) return x > y end)
   for _, x in ipairs(cands) do
     if x < b then return cnt, nil end
-    local r = last_over(bsum[x - 1] or 0, bsum[x] or 0, w, lim)
+    local r = sum_last_over(bsum[x - 1] or 0, bsum[x] or 0, w, lim)
     if r and x * w + r > t then return cnt, x * w + r end
   end
   return cnt, nil
@@ -350,7 +307,7 @@ local function on_end(c, ts, talk)
           call('ZREM', WZ, pool .. '\n' .. c)
           unhold(c, pool)
           if ts < start + max then
-            sum_add(pool, kind, w, math.max(ts, start), amount(costed, per, inc, talk))
+            sum_add(pool, kind, w, math.max(ts, start), sum_amount_of(costed, per, inc, talk))
           end
         end
         local C = base .. ':c:' .. pool
@@ -448,7 +405,7 @@ while i <= #ARGV do
             local per, inc = ARGV[a + 8], ARGV[a + 9]
             if ended then
               if e_ts < ts + max then
-                local amt = amount(sum == '2', tonumber(per), tonumber(inc), e_talk)
+                local amt = sum_amount_of(sum == '2', tonumber(per), tonumber(inc), e_talk)
                 sum_add(pool, kind, w, math.max(e_ts, ts), amt)
               end
             elseif call('HEXISTS', base .. ':sw:' .. pool, c) == 0 then

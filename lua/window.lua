@@ -1,5 +1,5 @@
-#!lua
 -- callguard window script: decides a batch of calls atomically, in order.
+-- (Loaded as `#!lua`, then lua/sums.lua, then this file: see WINDOW_LUA.)
 --
 -- A line-by-line port of CallerState::apply (src/engine/window/mod.rs), which defines
 -- the semantics; the conformance tests demand identical records. Event time
@@ -561,40 +561,10 @@ local function open_value(close, ended, callee)
   return v
 end
 
--- Sum rules (src/engine/window/sums.rs, src/engine/rates.rs), in exact
--- integers: a quotient and remainder, corrected for the division's
--- rounding (operands below 2^53).
-local function divmod(a, b)
-  local q = floor(a / b)
-  local r = a - q * b
-  if r < 0 then
-    q, r = q - 1, r + b
-  elseif r >= b then
-    q, r = q + 1, r - b
-  end
-  return q, r
-end
-
--- floor(p * x / w) exactly, for 0 <= x < w < 2^32 and p < 2^53: p split
--- at w and x at 2^16, so no product reaches 2^49.
-local function mul_div(p, x, w)
-  local a, b = divmod(p, w)
-  local xh, xl = divmod(x, 65536)
-  local q1, r1 = divmod(b * xh, w)
-  local q2 = divmod(r1 * 65536 + b * xl, w)
-  return a * x + q1 * 65536 + q2
-end
-
--- What a call ending with `talk` ms adds to sum rule i: whole seconds of
--- talk, or its cost at `per` micro-units a minute billed in `inc`-second
--- steps (nil: unpriced, nothing).
+-- What a call ending with `talk` ms adds to sum rule i (lua/sums.lua,
+-- loaded in front of this script, has the arithmetic).
 local function sum_amount(i, talk, per, inc)
-  if talk <= 0 then return 0 end
-  if not costed[i] then return (divmod(talk + 999, 1000)) end
-  if not per then return 0 end
-  local step = inc * 1000
-  local billed = divmod(talk + step - 1, step) * inc
-  return (divmod(billed * per + 59, 60))
+  return sum_amount_of(costed[i], per, inc, talk)
 end
 
 -- How long a sum rule's keys must outlive their latest write.
@@ -795,19 +765,6 @@ local function sum_count(i)
   local v = call('HMGET', bkey, fmt('%d', b - 1), fmt('%d', b))
   local prev, cur = tonumber(v[1]) or 0, tonumber(v[2]) or 0
   return mul_div(prev, w - (t - b * w) - 1, w) + cur
-end
-
--- The last offset r in a bucket (sums prev before, cur in it) at which
--- the sliding-approx estimate is over lim, or nil; it falls as r grows.
-local function sum_last_over(prev, cur, w, lim)
-  if cur > lim then return w - 1 end
-  if mul_div(prev, w - 1, w) + cur <= lim then return nil end
-  local lo, hi = 0, w - 1
-  while lo < hi do
-    local mid = lo + floor((hi - lo + 1) / 2)
-    if mul_div(prev, w - mid - 1, w) + cur > lim then lo = mid else hi = mid - 1 end
-  end
-  return lo
 end
 
 -- Phase 7, sum rules: the last time s > t at which a call would be over

@@ -96,51 +96,8 @@ fn check_case(
     ),
     retry: bool,
 ) -> Result<(), TestCaseError> {
-    let expected = if retry {
-        reference::decide_all_with_retry(&rules, &events)
-    } else {
-        reference::decide_all(&rules, &events)
-    };
-    let mut store = MemoryStore::new();
-    for (i, (e, x)) in events.iter().zip(&expected).enumerate() {
-        let v = store.apply(&rules, e);
-        let got = reference::Expected {
-            ts_ms: v.record.ts_ms,
-            decision: v.record.decision,
-            reason: v.record.reason.to_string(),
-            counts: v.record.counts.to_vec(),
-            shadow: v.record.shadow,
-            late: v.record.late,
-            prev_ts_ms: v.prev_ts_ms,
-            distinct_callees: v.distinct_callees,
-            duplicate: v.duplicate,
-            retry_after_ms: v.record.retry_after_ms.filter(|_| retry),
-            warn: v.record.warn.as_ref().map(|w| w.to_string()),
-            end: v.end,
-        };
-        prop_assert_eq!(
-            &got,
-            x,
-            "seed {} event #{} {:?} rules {:?}",
-            seed,
-            i,
-            e,
-            rules
-        );
-    }
-    Ok(())
-}
-
-/// [`check_case`] for a rule set with pools: the memory store, then the
-/// in-process pools, against [`reference::decide_with_pools`].
-fn check_pool_case(
-    seed: u64,
-    (rules, events): (
-        callguard::engine::rules::RuleSet,
-        Vec<callguard::engine::event::CallEvent>,
-    ),
-    retry: bool,
-) -> Result<(), TestCaseError> {
+    // (With pools, the memory store then the in-process pools, against
+    // the caller's reference then the pools' model.)
     let expected = reference::decide_with_pools(&rules, &events, retry);
     let mut store = MemoryStore::new();
     let mut pools = callguard::engine::pool::Pools::new();
@@ -247,13 +204,13 @@ proptest! {
     /// contract on plain lists.
     #[test]
     fn pools_and_call_ends_match_brute_force(seed in any::<u64>(), n in 1usize..150, callers in 1usize..6) {
-        check_pool_case(seed, random::pool_case_scaled(seed, n, callers, 1), false)?;
+        check_case(seed, random::pool_case_scaled(seed, n, callers, 1), false)?;
     }
 
     /// The same with short windows, retry-afters included.
     #[test]
     fn pool_retry_after_matches_a_search_over_later_times(seed in any::<u64>(), n in 1usize..120, callers in 1usize..6) {
-        check_pool_case(seed, random::pool_case_scaled(seed, n, callers, 100), true)?;
+        check_case(seed, random::pool_case_scaled(seed, n, callers, 100), true)?;
     }
 
     /// Windows of 5 to 100 ms, so the reference can find each reject's

@@ -22,7 +22,13 @@ use crate::store::redis::RedisConfig;
 use crate::store::{StoreStats, WindowStore};
 
 /// The window script (see its header for KEYS, ARGV and the reply).
-pub const WINDOW_LUA: &str = include_str!("../../../lua/window.lua");
+pub const WINDOW_LUA: &str = concat!(
+    // (The shebang must be the first line: the sum rules' arithmetic,
+    // shared with lua/pool.lua, follows it.)
+    "#!lua\n",
+    include_str!("../../../lua/sums.lua"),
+    include_str!("../../../lua/window.lua")
+);
 
 /// This store's name for its way of keeping state (see `Conn::claim_mode`).
 pub const MODE: &str = "script";

@@ -20,7 +20,10 @@ use crate::store::redis::conn::{is_noscript, Conn};
 use crate::store::redis::RedisConfig;
 
 /// The pool script.
-pub const POOL_LUA: &str = include_str!("../../../../lua/pool.lua");
+pub const POOL_LUA: &str = concat!(
+    include_str!("../../../../lua/sums.lua"),
+    include_str!("../../../../lua/pool.lua")
+);
 
 /// The pools in Redis; connects on first use (and after a failure, on the
 /// next).
