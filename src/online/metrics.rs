@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use crate::engine::event::{CallEvent, BAD_CALLER};
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
-use crate::store::{LeaseStats, StoreStats};
+use crate::store::{LeaseStats, PoolStats, StoreStats};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Json};
@@ -104,6 +104,12 @@ pub struct Metrics {
     pub lease_credits: Family<KindLabel, Counter>,
     /// Time in lease calls, seconds (part of the store's latency).
     pub lease_seconds: Counter<f64, AtomicU64>,
+    /// Batches the pools settled (in Redis: pool script calls).
+    pub pool_calls: Counter,
+    /// Events the pools took (attempts a pool sees, and every end).
+    pub pool_events: Counter,
+    /// Time in the pools' step, seconds (part of the store's latency).
+    pub pool_seconds: Counter<f64, AtomicU64>,
     /// Events per batch.
     pub batch_size: Histogram,
     /// consume: per message, from reading it to handing its records (or
@@ -197,6 +203,9 @@ impl Metrics {
             lease_counters: Family::default(),
             lease_credits: Family::default(),
             lease_seconds: Counter::default(),
+            pool_calls: Counter::default(),
+            pool_events: Counter::default(),
+            pool_seconds: Counter::default(),
             batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 14)),
             decision_delay: Histogram::new(delay_buckets()),
             batch_wait: Histogram::new(delay_buckets()),
@@ -328,6 +337,21 @@ impl Metrics {
             "Time in lease calls (part of the store latency)",
             self.lease_seconds.clone(),
         );
+        r.register(
+            "pool_calls",
+            "Batches the pools (concurrent and sum rules keyed by account, callee or global) settled; in Redis, pool script calls",
+            self.pool_calls.clone(),
+        );
+        r.register(
+            "pool_events",
+            "Events the pools took: attempts a pool sees, and every call end",
+            self.pool_events.clone(),
+        );
+        r.register(
+            "pool_seconds",
+            "Time in the pools' step (part of the store latency; in Redis one script call a batch, on one hash slot)",
+            self.pool_seconds.clone(),
+        );
     }
 
     /// Batches, Kafka, rules and connections.
@@ -442,6 +466,7 @@ impl Metrics {
             self.store_conflicts.inc_by(conflicts);
         }
         self.count_leases(&now.lease, &before.lease);
+        self.count_pools(&now.pools, &before.pools);
         let n = now.data_losses.saturating_sub(before.data_losses);
         if n > 0 {
             self.store_data_lost.inc_by(n);
@@ -452,6 +477,18 @@ impl Metrics {
                      (callguard_store_data_lost_total)"
                 );
             }
+        }
+    }
+
+    /// Counts what the pools did between two snapshots.
+    fn count_pools(&self, now: &PoolStats, before: &PoolStats) {
+        self.pool_calls
+            .inc_by(now.calls.saturating_sub(before.calls));
+        self.pool_events
+            .inc_by(now.events.saturating_sub(before.events));
+        if now.micros > before.micros {
+            self.pool_seconds
+                .inc_by((now.micros - before.micros) as f64 / 1e6);
         }
     }
 

@@ -12,7 +12,7 @@ use crate::engine::window::CallerState;
 use crate::error::StoreError;
 use crate::store::redis::aggregate::lease::{is_plain, RedisLedger};
 use crate::store::redis::aggregate::pool::RedisPools;
-use crate::store::{LeaseStats, StoreStats, Upcoming, WindowStore};
+use crate::store::{LeaseStats, PoolStats, StoreStats, Upcoming, WindowStore};
 use std::sync::Arc;
 use tokio::sync::Mutex;
 use tracing::{debug, warn};
@@ -65,21 +65,44 @@ impl PoolStore {
         }
     }
 
-    /// Settles the store's verdicts by the pools.
+    /// Settles the store's verdicts by the pools, counting its work in
+    /// `stats`.
     async fn apply(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
         verdicts: &mut [Option<Verdict>],
+        stats: &mut PoolStats,
     ) -> Result<(), StoreError> {
-        match self {
-            PoolStore::Memory(p) => {
-                p.apply(rules, events, verdicts);
-                Ok(())
-            }
-            PoolStore::Redis(p) => p.apply(rules, events, verdicts).await,
+        let taken = pool_events(rules, events);
+        if taken == 0 {
+            return Ok(());
         }
+        let start = std::time::Instant::now();
+        match self {
+            PoolStore::Memory(p) => p.apply(rules, events, verdicts),
+            PoolStore::Redis(p) => p.apply(rules, events, verdicts).await?,
+        }
+        stats.calls += 1;
+        stats.events += taken;
+        stats.micros += start.elapsed().as_micros() as u64;
+        Ok(())
     }
+}
+
+/// The events of a batch the pools take: the attempts a pool sees, and
+/// every end.
+fn pool_events(rules: &RuleSet, events: &[CallEvent]) -> u64 {
+    if !rules.has_pools() {
+        return 0;
+    }
+    events
+        .iter()
+        .filter(|e| {
+            e.kind == crate::engine::event::EventKind::End
+                || !crate::engine::pool::pools_of(rules, e).is_empty()
+        })
+        .count() as u64
 }
 
 /// `S` behind the gate, and before the pools.
@@ -87,6 +110,7 @@ impl PoolStore {
 pub struct Gated<S> {
     inner: S,
     pools: PoolStore,
+    pooled: PoolStats,
     /// The gate: the store's task takes it for the batch it decides, a
     /// blocking-pool thread for the batch queued behind.
     gate: Arc<Mutex<Gate>>,
@@ -136,6 +160,7 @@ impl<S: WindowStore> Gated<S> {
         Gated {
             inner,
             pools: PoolStore::for_ledger(&ledger),
+            pooled: PoolStats::default(),
             gate: Arc::new(Mutex::new(Gate::new())),
             ledger,
             leased: LeaseStats::default(),
@@ -221,7 +246,8 @@ impl<S: WindowStore> Gated<S> {
         let batch = gated.as_deref().unwrap_or(events);
         let Some(n) = next.peek().filter(|n| n.rules.has_aggregates()) else {
             let mut verdicts = self.inner.apply_batch_partial(rules, batch).await?;
-            self.pools.apply(rules, batch, &mut verdicts).await?;
+            let stats = &mut self.pooled;
+            self.pools.apply(rules, batch, &mut verdicts, stats).await?;
             return Ok(verdicts);
         };
         let next_rules = match self.ahead_rules.take() {
@@ -241,7 +267,8 @@ impl<S: WindowStore> Gated<S> {
         );
         self.ahead = ahead;
         let mut verdicts = verdicts?;
-        self.pools.apply(rules, batch, &mut verdicts).await?;
+        let stats = &mut self.pooled;
+        self.pools.apply(rules, batch, &mut verdicts, stats).await?;
         Ok(verdicts)
     }
 }
@@ -371,7 +398,8 @@ impl<S: WindowStore> WindowStore for Gated<S> {
             return Ok(verdicts);
         }
         let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
-        self.pools.apply(rules, batch, &mut verdicts).await?;
+        let stats = &mut self.pooled;
+        self.pools.apply(rules, batch, &mut verdicts, stats).await?;
         Ok(verdicts.into_iter().flatten().collect())
     }
 
@@ -403,6 +431,7 @@ impl<S: WindowStore> WindowStore for Gated<S> {
                     .map_or(self.reserved, |g| g.reserved_counters()),
                 ..self.leased
             },
+            pools: self.pooled,
             ..self.inner.stats()
         }
     }

@@ -84,6 +84,20 @@ pub struct StoreStats {
     /// Credits of the rules keyed by callee or global (a store behind the
     /// gate; zeros otherwise).
     pub lease: LeaseStats,
+    /// The pools' work (a store before the pools; zeros otherwise).
+    pub pools: PoolStats,
+}
+
+/// What the pools (concurrent and sum rules keyed by account, callee or
+/// global) did, since the store opened.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Batches settled by the pools (in Redis: pool script calls).
+    pub calls: u64,
+    /// Events they took: attempts a pool sees, and every end.
+    pub events: u64,
+    /// Time in the pools' step, microseconds.
+    pub micros: u64,
 }
 
 /// What the gate leased for the rules keyed by callee or global, since

@@ -346,6 +346,30 @@ async fn a_trunk_channel_limit_through_the_mock_cluster_decides_as_replay() {
         Duration::from_secs(240),
     )
     .await;
+    // The pools' work is in the metrics: every end goes through them (the
+    // last ends come after the last attempt's decision: waited for).
+    let value = |metrics: &str, name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let ends = (s.log.events.len() - attempts) as f64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut metrics = run.metrics.encode();
+    while value(&metrics, "callguard_pool_events_total ") < ends {
+        assert!(Instant::now() < deadline, "{ends} ends: {metrics}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        metrics = run.metrics.encode();
+    }
+    assert!(
+        value(&metrics, "callguard_pool_calls_total ") > 0.0,
+        "{metrics}"
+    );
+    assert!(
+        value(&metrics, "callguard_pool_seconds_total ") > 0.0,
+        "{metrics}"
+    );
     let stats = run.stop().await;
     assert_parity(&s, &records);
     assert_eq!(stats.dead_letters, 0);
