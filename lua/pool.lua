@@ -1,20 +1,22 @@
 -- Pools: concurrent and sum rules keyed by account, callee or global
 -- (src/engine/pool.rs; `Pools` there is this script's reference, step for
 -- step; a sum pool's window is src/engine/window/sums.rs's `Sums`, its
--- arithmetic lua/sums.lua's, loaded in front of this script). One call per batch, after the caller's rules decided it: every
+-- arithmetic lua/sums.lua's, loaded in front of this script). One call
+-- per batch, after the caller's rules decided it: every
 -- pool is under one hash tag, so a batch's pools and the calls they hold
 -- change together, in processing order, whatever instance sends it.
 --
 -- Keys (<b> = <prefix>P{pools}, all in one slot):
---   <b>:m   hash: latest (L', the newest attempt seen)
---   <b>:z   zset: "<pool>\n<call>" by close, every call held (for dropping)
+--   <b>:m   hash: latest (the newest attempt any pool has seen: the
+--          horizon of ends kept and of what calls got)
 --   <b>:h   hash: call -> the pools holding it, "\n"-joined
 --   <b>:d   hash: call -> 1 once its end was seen
 --   <b>:e   hash: call -> end time, ends of calls not seen yet; <b>:ez by end
 --   <b>:r   hash: call -> "<time>#<what it got>"; <b>:rz by its time
+--   <b>:l:<pool>   the newest attempt the pool has seen (its own L')
 --   <b>:s:<pool>, <b>:c:<pool>   zsets: the pool's calls by start, by close
---   <b>:sw:<pool>  hash: call -> "start|max|costed|per|inc", the calls a sum
---          pool waits on; <b>:wz zset "<pool>\n<call>" by start + max
+--   <b>:sw:<pool>  hash: call -> "start|max|costed|per|inc|kind|w", the
+--          calls a sum pool waits on; <b>:wz:<pool> zset by start + max
 --   <b>:sb:<pool>  hash: bucket -> sum added in it (fixed, sliding-approx)
 --   <b>:se:<pool>  zset: "<amount>|<seq>" by the time it was added (sliding)
 -- KEYS[1]: <b>:m (the slot the call goes to).
@@ -34,9 +36,8 @@
 local call, tonumber, tostring = redis.call, tonumber, tostring
 local base, grace, dedup = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local max_pending, ttl = tonumber(ARGV[4]), ARGV[5]
-local M, Z, H, D = base .. ':m', base .. ':z', base .. ':h', base .. ':d'
+local M, H, D = base .. ':m', base .. ':h', base .. ':d'
 local E, EZ, R, RZ = base .. ':e', base .. ':ez', base .. ':r', base .. ':rz'
-local WZ = base .. ':wz'
 local RESULTS_TRIM = 1024
 local floor = math.floor
 local PER = 10
@@ -99,8 +100,8 @@ local function sum_add(pool, kind, w, at, amt)
 end
 
 -- Drops what no call at or after L' - grace can see (Sums::trim).
-local function sum_trim(pool, kind, w)
-  local let_go = latest - grace
+local function sum_trim(pool, kind, w, lp)
+  local let_go = lp - grace
   if kind == 'S' then
     call('ZREMRANGEBYSCORE', base .. ':se:' .. pool, '-inf', int(let_go - w))
     return
@@ -110,7 +111,7 @@ local function sum_trim(pool, kind, w)
   for _, f in ipairs(call('HKEYS', key)) do
     local b = tonumber(f)
     local gone
-    if kind == 'F' then gone = (b + 1) * w + grace <= latest else gone = b < lb - 1 end
+    if kind == 'F' then gone = (b + 1) * w + grace <= lp else gone = b < lb - 1 end
     if gone then call('HDEL', key, f) end
   end
 end
@@ -126,8 +127,7 @@ end
 
 -- A sum pool's count at t and the last time s > t a call would still be
 -- over `lim` (Sums::count, Sums::rejects_until).
-local function sum_count(pool, kind, w, t, lim, want)
-  sum_trim(pool, kind, w)
+local function sum_count(pool, kind, w, t, lim, want, lp)
   if kind == 'S' then
     local cnt = sum_between(pool, t - w + 1, t)
     if not want then return cnt, nil end
@@ -163,7 +163,7 @@ local function sum_count(pool, kind, w, t, lim, want)
   local b = divmod(t, w)
   local cnt
   if kind == 'F' then
-    if (b + 1) * w + grace <= latest then cnt = 0 else cnt = bsum[b] or 0 end
+    if (b + 1) * w + grace <= lp then cnt = 0 else cnt = bsum[b] or 0 end
   else
     cnt = mul_div(bsum[b - 1] or 0, w - (t - b * w) - 1, w) + (bsum[b] or 0)
   end
@@ -199,29 +199,15 @@ local function sum_count(pool, kind, w, t, lim, want)
   return cnt, nil
 end
 
--- L' to t if later, and what falls behind it dropped.
+-- The pools' L' to t if later, and what falls behind its idempotency
+-- horizon forgotten: ends kept (at most max_pending: all of them), and what
+-- calls got (at most RESULTS_TRIM a call, oldest first, so a gap in the
+-- calls' times never makes one script call long; one past the horizon but
+-- not yet dropped is not read, see `result`) with where they are held: an
+-- end no longer finds them.
 local function advance(t)
   if latest == nil or t > latest then latest = t end
-  local closed = latest - grace
-  local gone = call('ZRANGEBYSCORE', Z, '-inf', int(closed))
-  for _, m in ipairs(gone) do
-    local nl = string.find(m, '\n', 1, true)
-    drop_slot(string.sub(m, nl + 1), string.sub(m, 1, nl - 1))
-  end
-  if #gone > 0 then call('ZREMRANGEBYSCORE', Z, '-inf', int(closed)) end
-  local waits = call('ZRANGEBYSCORE', WZ, '-inf', int(closed))
-  for _, m in ipairs(waits) do
-    local nl = string.find(m, '\n', 1, true)
-    local pool, c = string.sub(m, 1, nl - 1), string.sub(m, nl + 1)
-    call('HDEL', base .. ':sw:' .. pool, c)
-    unhold(c, pool)
-  end
-  if #waits > 0 then call('ZREMRANGEBYSCORE', WZ, '-inf', int(closed)) end
   local horizon = latest - dedup
-  -- Ends kept (at most max_pending): all that passed the horizon. What
-  -- calls got (one per call): at most RESULTS_TRIM a call, oldest first,
-  -- so a gap in the calls' times never makes one script call long; one
-  -- past the horizon but not yet dropped is not read (see `result`).
   for _, t in ipairs({{E, EZ, nil}, {R, RZ, RESULTS_TRIM}}) do
     local old
     if t[3] then
@@ -231,10 +217,48 @@ local function advance(t)
     end
     -- (In chunks: Lua's unpack has a stack limit.)
     for s0 = 1, #old, 1000 do
-      call('HDEL', t[1], unpack(old, s0, math.min(s0 + 999, #old)))
+      local part = {unpack(old, s0, math.min(s0 + 999, #old))}
+      call('HDEL', t[1], unpack(part))
+      if t[1] == R then
+        call('HDEL', H, unpack(part))
+        call('HDEL', D, unpack(part))
+      end
     end
     if #old > 0 then call('ZREMRANGEBYRANK', t[2], 0, #old - 1) end
   end
+end
+
+-- Pool `pool`'s own L' to t if later, and what it no longer needs dropped:
+-- calls closed at or before L' - grace, a sum pool's calls whose start +
+-- max_duration is there, and its ended calls no call at or after it can
+-- see (Pools::touch: a pool's own time, as the partitions of a stream run
+-- apart in event time). Its L'.
+local function touch_pool(pool, sum, kind, w, t)
+  local LK = base .. ':l:' .. pool
+  local lp = tonumber(call('GET', LK) or '')
+  if lp == nil or t > lp then lp = t end
+  call('SET', LK, int(lp))
+  touch(LK)
+  local let_go = int(lp - grace)
+  if sum == '0' then
+    local C = base .. ':c:' .. pool
+    local gone = call('ZRANGEBYSCORE', C, '-inf', let_go)
+    for _, c in ipairs(gone) do
+      call('ZREM', base .. ':s:' .. pool, c)
+      unhold(c, pool)
+    end
+    if #gone > 0 then call('ZREMRANGEBYSCORE', C, '-inf', let_go) end
+  else
+    local WP = base .. ':wz:' .. pool
+    local gone = call('ZRANGEBYSCORE', WP, '-inf', let_go)
+    for _, c in ipairs(gone) do
+      call('HDEL', base .. ':sw:' .. pool, c)
+      unhold(c, pool)
+    end
+    if #gone > 0 then call('ZREMRANGEBYSCORE', WP, '-inf', let_go) end
+    sum_trim(pool, kind, w, lp)
+  end
+  return lp
 end
 
 -- What call `c` got, if it is remembered: newer than L' - dedup.
@@ -286,7 +310,6 @@ local function open_slot(c, pool, start, close)
   call('ZADD', base .. ':c:' .. pool, int(close), c)
   touch(base .. ':s:' .. pool)
   touch(base .. ':c:' .. pool)
-  call('ZADD', Z, int(close), pool .. '\n' .. c)
   local held = call('HGET', H, c)
   call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
 end
@@ -304,7 +327,7 @@ local function on_end(c, ts, talk)
           local start, max, costed = tonumber(f[1]), tonumber(f[2]), f[3] == '1'
           local per, inc, kind, w = tonumber(f[4]), tonumber(f[5]), f[6], tonumber(f[7])
           call('HDEL', SW, c)
-          call('ZREM', WZ, pool .. '\n' .. c)
+          call('ZREM', base .. ':wz:' .. pool, c)
           unhold(c, pool)
           if ts < start + max then
             sum_add(pool, kind, w, math.max(ts, start), sum_amount_of(costed, per, inc, talk))
@@ -315,10 +338,7 @@ local function on_end(c, ts, talk)
         local old = tonumber(call('ZSCORE', C, c))
         if start and old then
           local new = math.min(old, math.max(ts, start))
-          if new ~= old then
-            call('ZADD', C, int(new), c)
-            call('ZADD', Z, int(new), pool .. '\n' .. c)
-          end
+          if new ~= old then call('ZADD', C, int(new), c) end
         end
       end
     end
@@ -349,6 +369,11 @@ while i <= #ARGV do
       out[#out + 1] = known
     else
       advance(ts)
+      local lps = {}
+      for k = 0, n - 1 do
+        local a = j + k * PER
+        lps[k + 1] = touch_pool(ARGV[a + 1], ARGV[a + 5], ARGV[a + 6], tonumber(ARGV[a + 7]), ts)
+      end
       local found, over = {}, false
       for k = 0, n - 1 do
         local a = j + k * PER
@@ -358,7 +383,7 @@ while i <= #ARGV do
         if ARGV[a + 5] == '0' then
           cnt = count(pool, ts, limit, false)
         else
-          cnt = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, false)
+          cnt = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, false, lps[k + 1])
         end
         if not shadow and cnt > limit then over = true end
         found[#found + 1] = {rule, cnt, nil}
@@ -374,7 +399,7 @@ while i <= #ARGV do
             if ARGV[a + 5] == '0' then
               _, u = count(pool, ts, limit, true)
             else
-              _, u = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, true)
+              _, u = sum_count(pool, ARGV[a + 6], tonumber(ARGV[a + 7]), ts, limit, true, lps[k + 1])
             end
             found[k + 1][3] = u
           end
@@ -412,7 +437,9 @@ while i <= #ARGV do
               local SW = base .. ':sw:' .. pool
               call('HSET', SW, c, table.concat({int(ts), int(max), sum == '2' and '1' or '0', per, inc, kind, int(w)}, '|'))
               touch(SW)
-              call('ZADD', WZ, int(ts + max), pool .. '\n' .. c)
+              local WP = base .. ':wz:' .. pool
+              call('ZADD', WP, int(ts + max), c)
+              touch(WP)
               local held = call('HGET', H, c)
               call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
             end
@@ -428,6 +455,6 @@ while i <= #ARGV do
   end
 end
 if latest ~= nil then call('HSET', M, 'latest', int(latest)) end
-for _, k in ipairs({M, Z, H, D, E, EZ, R, RZ, WZ}) do touch(k) end
+for _, k in ipairs({M, H, D, E, EZ, R, RZ}) do touch(k) end
 for k in pairs(touched) do call('PEXPIRE', k, ttl) end
 return out

@@ -24,11 +24,17 @@
 //!   would drop to their limits, given the ends known and `max_duration`
 //!   (the caller's rules, which allowed it, are not asked again). A pool's
 //!   reject writes no block key (it is no caller's).
-//! * Time: `L'` is the newest attempt any pool has seen. A call closed at
-//!   or before `L' - grace` is dropped (it could count only for a call
-//!   later than the grace). What a call got is remembered until its time
-//!   is at or before `L' - dedup`: a call id seen again gets it again
-//!   (whatever the caller's store says of it) and changes nothing.
+//! * Time: each pool has its own `L'_p`, the newest attempt it has seen
+//!   (the partitions of a stream run apart in event time: a trunk's calls
+//!   must not lose their slots to another partition's later calls). A
+//!   call closed at or before `L'_p - grace` is dropped (it could count
+//!   only for a call later than the grace), a sum pool's call waiting past
+//!   `start + max_duration` there is let go, and its ended calls are kept
+//!   as a caller's sum rule keeps them, by `L'_p`. What a call got is
+//!   remembered until its time is at or before `L' - dedup`, `L'` the
+//!   newest attempt any pool has seen: a call id seen again gets it again
+//!   (whatever the caller's store says of it) and changes nothing; past
+//!   that an end no longer finds where the call is held.
 //! * Ends: an end closes the call in every pool holding it (a second end
 //!   changes nothing; an end before the start closes it at its start). An
 //!   end for a call not seen yet is kept until `L' - dedup` (at most
@@ -258,21 +264,19 @@ pub struct Pools {
     pools: HashMap<String, HashMap<CompactString, Slot>>,
     /// Call → the pools holding it.
     held_in: HashMap<CompactString, Vec<String>>,
-    /// (close, call, pool), for dropping the closed.
-    by_close: BTreeSet<(i64, CompactString, String)>,
     /// Sum pool → its waiting calls and what ended ones added (the
     /// window's [`Sums`], shared by the pool's callers).
     sums: HashMap<String, Sums>,
-    /// (start + max_duration, call, sum pool), for letting go of calls
-    /// whose end did not come.
-    waits: BTreeSet<(i64, CompactString, String)>,
+    /// Pool → the newest attempt it has seen (its own `L'`).
+    latest_of: HashMap<String, i64>,
     /// Ends of calls not seen yet: call → (end, talk), and (end, call).
     pending: HashMap<CompactString, (i64, i64)>,
     pending_by_end: BTreeSet<(i64, CompactString)>,
     /// What each call got, and (time, call) for forgetting it.
     results: HashMap<CompactString, Vec<Found>>,
     results_by_ts: BTreeSet<(i64, CompactString)>,
-    /// The newest attempt seen (`L'`).
+    /// The newest attempt any pool has seen (the horizon of ends kept and
+    /// of what calls got).
     latest: Option<i64>,
 }
 
@@ -321,6 +325,9 @@ impl Pools {
         }
         let t = ev.ts_ms;
         self.advance(rules, t);
+        for (i, pool) in &pools {
+            self.touch(rules, *i, pool, t);
+        }
         let mut found: Vec<Found> = pools
             .iter()
             .map(|(i, pool)| self.count(rules, *i, pool, t, false))
@@ -341,7 +348,7 @@ impl Pools {
             for (i, pool) in &pools {
                 let rule = &rules.rules[*i];
                 match &rule.sum {
-                    Some(sum) => self.wait(rules, ev, &key, *i, pool, sum, end),
+                    Some(sum) => self.wait(ev, &key, pool, sum, end),
                     None => {
                         let close = close_of(t, end.map(|e| e.0), rule.window_ms);
                         let ended = end.is_some();
@@ -366,8 +373,9 @@ impl Pools {
     /// and with `until` the last time a call would still be over.
     fn count(&mut self, rules: &RuleSet, i: usize, pool: &str, t: i64, until: bool) -> Found {
         let rule = &rules.rules[i];
-        if let Some(sum) = &rule.sum {
-            let (shape, l) = (Shape::of(rule, rules.grace_ms), self.latest.unwrap_or(t));
+        if rule.sum.is_some() {
+            let shape = Shape::of(rule, rules.grace_ms);
+            let l = self.latest_of.get(pool).copied().unwrap_or(t);
             let Some(sums) = self.sums.get_mut(pool) else {
                 return Found {
                     rule: i,
@@ -375,7 +383,6 @@ impl Pools {
                     until: None,
                 };
             };
-            sums.trim(shape, sum.max_duration_ms, l);
             let until = until
                 .then(|| sums.rejects_until(shape, t, rule.limit))
                 .flatten()
@@ -417,8 +424,6 @@ impl Pools {
             .entry(key.clone())
             .or_default()
             .push(pool.to_string());
-        self.by_close
-            .insert((slot.close, key.clone(), pool.to_string()));
     }
 
     /// The end kept for call `key`, if it came first (let go: the call
@@ -429,25 +434,19 @@ impl Pools {
         Some((end, talk))
     }
 
-    /// A call allowed at its attempt waits in sum pool `pool` (of rule
-    /// `i`) for its end, or adds at once by the end that came first.
-    #[allow(clippy::too_many_arguments)]
+    /// A call allowed at its attempt waits in sum pool `pool` for its
+    /// end, or adds at once by the end that came first.
     fn wait(
         &mut self,
-        rules: &RuleSet,
         ev: &CallEvent,
         key: &CompactString,
-        i: usize,
         pool: &str,
         sum: &Sum,
         end: Option<(i64, i64)>,
     ) {
-        let rule = &rules.rules[i];
         let (t, max) = (ev.ts_ms, sum.max_duration_ms);
         let price = sum.price(ev.callee_for_filters());
         let sums = self.sums.entry(pool.to_string()).or_default();
-        let l = self.latest.unwrap_or(t);
-        sums.trim(Shape::of(rule, rules.grace_ms), max, l);
         match end {
             Some((e, talk)) if e < t.saturating_add(max) => {
                 sums.add(e.max(t), sum.amount(price, talk));
@@ -455,14 +454,9 @@ impl Pools {
             Some(_) => {}
             // (Waiting already: a call seen again after what it got was
             // forgotten.)
-            None if self
-                .held_in
-                .get(key)
-                .is_some_and(|h| h.iter().any(|p| p == pool)) => {}
+            None if sums.waiting().any(|(id, _, _)| id == key.as_str()) => {}
             None => {
                 sums.wait(key, t, price);
-                self.waits
-                    .insert((t.saturating_add(max), key.clone(), pool.to_string()));
                 self.held_in
                     .entry(key.clone())
                     .or_default()
@@ -471,27 +465,12 @@ impl Pools {
         }
     }
 
-    /// Moves `L'` to `t` if later, and drops what falls behind it: calls
-    /// closed at or before `L' - grace`, ends kept and results at or
-    /// before `L' - dedup`.
+    /// Moves the pools' `L'` to `t` if later, and forgets what falls
+    /// behind its idempotency horizon: ends kept, and what calls got (with
+    /// where they are held: an end no longer finds them).
     fn advance(&mut self, rules: &RuleSet, t: i64) {
         let latest = self.latest.map_or(t, |l| l.max(t));
         self.latest = Some(latest);
-        let closed = latest.saturating_sub(rules.grace_ms);
-        while let Some((close, key, pool)) = self.by_close.first().cloned() {
-            if close > closed {
-                break;
-            }
-            self.by_close.pop_first();
-            self.drop_slot(&key, &pool);
-        }
-        while let Some((let_go, key, pool)) = self.waits.first().cloned() {
-            if let_go > closed {
-                break;
-            }
-            self.waits.pop_first();
-            self.let_go(rules, &key, &pool, latest);
-        }
         let horizon = latest.saturating_sub(rules.dedup_ms());
         while let Some((end, key)) = self.pending_by_end.first().cloned() {
             if end > horizon {
@@ -506,21 +485,50 @@ impl Pools {
             }
             self.results_by_ts.pop_first();
             self.results.remove(&key);
+            self.held_in.remove(&key);
         }
     }
 
-    /// Sum pool `pool` lets go of call `key` (its end did not come within
-    /// its max_duration): what else it keeps is trimmed with it.
-    fn let_go(&mut self, rules: &RuleSet, key: &CompactString, pool: &str, latest: i64) {
-        if let (Some(sums), Some(rule)) = (self.sums.get_mut(pool), rule_of(rules, pool)) {
-            if let Some(sum) = &rule.sum {
-                sums.trim(Shape::of(rule, rules.grace_ms), sum.max_duration_ms, latest);
+    /// Moves pool `pool`'s own `L'` to `t` if later, and drops what it no
+    /// longer needs: calls closed at or before `L' - grace`, a sum pool's
+    /// calls whose `start + max_duration` is there, and its ended calls
+    /// no call at or after it can see. (A pool's own time, not every
+    /// pool's: the partitions of a stream run apart in event time, and a
+    /// trunk's calls in one of them must not lose their slots to calls in
+    /// another.)
+    fn touch(&mut self, rules: &RuleSet, i: usize, pool: &str, t: i64) {
+        let latest = self.latest_of.get(pool).map_or(t, |l| (*l).max(t));
+        self.latest_of.insert(pool.to_string(), latest);
+        let rule = &rules.rules[i];
+        let let_go = latest.saturating_sub(rules.grace_ms);
+        let gone: Vec<CompactString> = match &rule.sum {
+            None => self
+                .pools
+                .get(pool)
+                .map(|p| {
+                    p.iter()
+                        .filter(|(_, s)| s.close <= let_go)
+                        .map(|(k, _)| k.clone())
+                        .collect()
+                })
+                .unwrap_or_default(),
+            Some(sum) => {
+                let Some(sums) = self.sums.get_mut(pool) else {
+                    return;
+                };
+                let max = sum.max_duration_ms;
+                let gone = sums
+                    .waiting()
+                    .filter(|(_, start, _)| start.saturating_add(max) <= let_go)
+                    .map(|(id, _, _)| CompactString::from(id))
+                    .collect();
+                sums.trim(Shape::of(rule, rules.grace_ms), max, latest);
+                gone
             }
-            if sums.is_empty() {
-                self.sums.remove(pool);
-            }
+        };
+        for key in gone {
+            self.drop_slot(&key, pool);
         }
-        self.unhold(key, pool);
     }
 
     /// Call `key` is no longer held in `pool`.
@@ -533,7 +541,8 @@ impl Pools {
         }
     }
 
-    /// Forgets call `key`'s slot in `pool`.
+    /// Forgets call `key`'s slot in `pool` (or its wait: a sum pool's
+    /// trim has let go of it).
     fn drop_slot(&mut self, key: &CompactString, pool: &str) {
         if let Some(p) = self.pools.get_mut(pool) {
             p.remove(key);
@@ -601,14 +610,8 @@ impl Pools {
         if slot.ended {
             return;
         }
-        let old = slot.close;
         slot.ended = true;
-        slot.close = old.min(end.max(slot.start));
-        let new = slot.close;
-        if new != old {
-            self.by_close.remove(&(old, key.clone(), pool.to_string()));
-            self.by_close.insert((new, key.clone(), pool.to_string()));
-        }
+        slot.close = slot.close.min(end.max(slot.start));
     }
 
     /// Calls held, over every pool (open calls, and calls a sum pool

@@ -643,6 +643,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
         mode,
         rounds: 4,
         ready_within: Duration::from_secs(60),
+        key_by: Default::default(),
     };
     crash.run(&s, seed).await;
 }
@@ -661,6 +662,9 @@ struct Crash<'a> {
     /// How long a new consumer may take to own partitions (a killed
     /// member holds them until the broker expires it).
     ready_within: Duration,
+    /// How the events are keyed (by account: a trunk's calls in one
+    /// partition, for rules keyed by account).
+    key_by: callguard::online::produce::KeyBy,
 }
 
 impl Crash<'_> {
@@ -670,14 +674,15 @@ impl Crash<'_> {
     /// to the replay.
     async fn run(&self, s: &Sample, seed: u64) {
         let redis = RedisServer::start(&[]);
-        callguard::online::produce::produce(
-            s.log.events.iter().map(|(_, e)| e),
-            self.brokers,
-            &[],
-            "calls",
-        )
-        .await
-        .unwrap();
+        let events = s.log.events.iter().map(|(_, e)| e);
+        let mut loader =
+            callguard::online::produce::Loader::new(self.brokers, &[], "calls", 0, false)
+                .unwrap()
+                .keyed_by(self.key_by);
+        for e in events {
+            loader.send(e).await.unwrap();
+        }
+        loader.finish().await.unwrap();
         let calls = s.expected.len();
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed * 7 + 1);
         let mut mid_work = false;
@@ -864,8 +869,47 @@ async fn tansu_call_ends_with_sigkills_decide_as_replay() {
         // tansu expires a member killed after joining once its session
         // times out, 30-50 s.
         ready_within: Duration::from_secs(180),
+        key_by: Default::default(),
     };
     crash.run(&s, 23).await;
+}
+
+/// A trunk's channels and talk (pools keyed by account) beside the stream
+/// rules, through a real broker (tansu) with consumer processes SIGKILLed
+/// twice while they work: the calls and ends keyed by account, each
+/// attempt decided once, exactly as `replay` decides the same call log
+/// (what a killed consumer's pools settled before its batch was
+/// committed comes back, the same, to the one that takes over).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tansu_trunk_pools_with_sigkills_decide_as_replay() {
+    let dir = tempfile::tempdir().unwrap();
+    let rules = dir.path().join("rules.toml");
+    std::fs::write(
+        &rules,
+        format!(
+            "{}\n[[rule]]\nname = \"trunk_channels\"\nkind = \"concurrent\"\nkey = \"account\"\n\
+             limit = 6\nmax_duration = \"4h\"\n\n[[rule]]\nname = \"trunk_talk\"\nkind = \"sliding\"\n\
+             window = \"1h\"\nkey = \"account\"\nsum = \"talk\"\nlimit = \"2h\"\n",
+            std::fs::read_to_string(rules_path()).unwrap()
+        ),
+    )
+    .unwrap();
+    let s = sample_with_ends(30_000, 29, &rules).await;
+    for rule in ["trunk_channels", "trunk_talk"] {
+        let n = s.expected.values().filter(|v| v["reason"] == rule).count();
+        assert!(n > 10, "{rule} rejected {n}");
+    }
+    let (_tansu, brokers) = tansu_with_topics();
+    let crash = Crash {
+        brokers: &brokers,
+        rules: &rules,
+        group: "g-tansu-pools",
+        mode: &[],
+        rounds: 2,
+        ready_within: Duration::from_secs(180),
+        key_by: callguard::online::produce::KeyBy::Account,
+    };
+    crash.run(&s, 29).await;
 }
 
 /// `instances` consumers in one group on a 6-partition topic; the second is

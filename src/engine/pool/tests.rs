@@ -81,10 +81,26 @@ fn an_account_s_calls_from_many_numbers_share_its_channels() {
     assert!(b.apply(&rules, &end_of(&a, T0 + 10 * S)).end);
     let after = b.apply(&rules, &call("e", "+34911000004", "trunk-1", T0 + 10 * S));
     assert_eq!(brief(&after), (Decision::Allow, "ok", 2, None));
-    // (a is closed, kept until L' - grace passes its end.)
+    // (a is closed, kept until its trunk's own L' - grace passes its end:
+    // another trunk's calls do not move it.)
     assert_eq!(b.pools.held(), 4);
     b.apply(&rules, &call("f", "+34911000005", "trunk-3", T0 + 20 * S));
-    assert_eq!(b.pools.held(), 4, "b, d, e and f");
+    assert_eq!(b.pools.held(), 5, "a, b, d, e and f");
+    let g = b.apply(&rules, &call("g", "+34911000006", "trunk-1", T0 + 20 * S));
+    assert_eq!(
+        brief(&g),
+        (
+            Decision::Reject,
+            "channels",
+            3,
+            Some(3_600_000 - 20 * S + S)
+        )
+    );
+    assert_eq!(
+        b.pools.held(),
+        4,
+        "b, d, e and f: a dropped by its trunk's call"
+    );
 }
 
 #[test]

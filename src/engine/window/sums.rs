@@ -196,7 +196,7 @@ impl Sums {
     }
 
     /// The waiting calls (id, start, price), by start.
-    pub(super) fn waiting(&self) -> impl Iterator<Item = (&str, i64, Option<Price>)> {
+    pub(crate) fn waiting(&self) -> impl Iterator<Item = (&str, i64, Option<Price>)> {
         self.waiting
             .iter()
             .map(|c| (c.id.as_str(), c.start, c.price))

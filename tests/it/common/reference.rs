@@ -718,11 +718,13 @@ pub fn decide_with_pools(rules: &RuleSet, events: &[CallEvent], retry: bool) -> 
 /// What a pool found for a call: (rule, count, until).
 type PoolFound = (usize, u64, Option<i64>);
 
-/// A slot: (call, pool, start, close, ended).
-type PoolSlot = (String, String, i64, i64, bool);
+/// A slot: (call, pool, start, close, ended, reachable: an end finds it,
+/// until what its call got is forgotten).
+type PoolSlot = (String, String, i64, i64, bool, bool);
 
-/// A call a sum pool waits on: (call, pool, rule, start, price).
-type PoolWait = (String, String, usize, i64, Option<Price>);
+/// A call a sum pool waits on: (call, pool, rule, start, price,
+/// reachable).
+type PoolWait = (String, String, usize, i64, Option<Price>, bool);
 
 /// The pools' state, on lists.
 #[derive(Default)]
@@ -736,7 +738,10 @@ struct PoolModel {
     pending: Vec<(String, i64, i64)>,
     /// (call, time, per pooled rule: (rule, count, until))
     results: Vec<(String, i64, Vec<PoolFound>)>,
+    /// The newest attempt any pool has seen (the idempotency horizon's).
     latest: Option<i64>,
+    /// Per pool, the newest attempt it has seen (its own trims').
+    latest_of: std::collections::HashMap<String, i64>,
 }
 
 impl PoolModel {
@@ -744,8 +749,8 @@ impl PoolModel {
         let key = format!("{} {}", e.caller, e.call_id);
         if e.kind == EventKind::End {
             let mut held = false;
-            let first = !self.slots.iter().any(|s| s.0 == key && s.4);
-            for s in self.slots.iter_mut().filter(|s| s.0 == key) {
+            let first = !self.slots.iter().any(|s| s.0 == key && s.5 && s.4);
+            for s in self.slots.iter_mut().filter(|s| s.0 == key && s.5) {
                 held = true;
                 if first {
                     s.3 = s.3.min(e.ts_ms.max(s.2));
@@ -757,9 +762,9 @@ impl PoolModel {
                 let (ended, waiting): (Vec<PoolWait>, Vec<PoolWait>) =
                     std::mem::take(&mut self.waiting)
                         .into_iter()
-                        .partition(|w| w.0 == key);
+                        .partition(|w| w.0 == key && w.5);
                 self.waiting = waiting;
-                for (_, pool, i, start, price) in ended {
+                for (_, pool, i, start, price, _) in ended {
                     held = true;
                     let sum = rules.rules[i].sum.as_ref().expect("a sum rule");
                     if e.ts_ms < start + sum.max_duration_ms {
@@ -808,35 +813,62 @@ impl PoolModel {
         let t = e.ts_ms;
         let l = self.latest.map_or(t, |l| l.max(t));
         self.latest = Some(l);
-        self.slots.retain(|s| s.3 > l - rules.grace_ms);
-        // A sum pool lets go of a call at start + max_duration, and keeps
-        // what ended calls added while a call not late could see it.
-        let let_go = l - rules.grace_ms;
-        self.waiting.retain(|w| {
-            w.3 + rules.rules[w.2]
-                .sum
-                .as_ref()
-                .expect("a sum rule")
-                .max_duration_ms
-                > let_go
-        });
-        self.adds.retain(|&(_, i, at, _)| {
-            let w = rules.rules[i].window_ms;
-            match rules.rules[i].kind {
-                WindowKind::Fixed => (at.div_euclid(w) + 1) * w + rules.grace_ms > l,
-                WindowKind::SlidingApprox => at.div_euclid(w) >= let_go.div_euclid(w) - 1,
-                _ => at > let_go - w,
-            }
-        });
         let horizon = l - rules.dedup_ms();
         self.pending.retain(|p| p.1 > horizon);
+        // What a call got is forgotten past the horizon, and an end no
+        // longer finds where it is held.
+        let forgotten: Vec<String> = self
+            .results
+            .iter()
+            .filter(|r| r.1 <= horizon)
+            .map(|r| r.0.clone())
+            .collect();
         self.results.retain(|r| r.1 > horizon);
+        for k in &forgotten {
+            self.slots
+                .iter_mut()
+                .filter(|s| s.0 == *k)
+                .for_each(|s| s.5 = false);
+            self.waiting
+                .iter_mut()
+                .filter(|w| w.0 == *k)
+                .for_each(|w| w.5 = false);
+        }
+        // Each pool this call is in, by its own time: a call closed at or
+        // before L'_p - grace dropped; a sum pool lets go of a call at
+        // start + max_duration, and keeps what ended calls added while a
+        // call not late could see it.
+        for (_, pool) in &pools {
+            let lp = self.latest_of.get(pool).map_or(t, |v| (*v).max(t));
+            self.latest_of.insert(pool.clone(), lp);
+            let let_go = lp - rules.grace_ms;
+            self.slots.retain(|s| s.1 != *pool || s.3 > let_go);
+            self.waiting.retain(|w| {
+                w.1 != *pool
+                    || w.3
+                        + rules.rules[w.2]
+                            .sum
+                            .as_ref()
+                            .expect("a sum rule")
+                            .max_duration_ms
+                        > let_go
+            });
+            self.adds.retain(|&(ref p, i, at, _)| {
+                let w = rules.rules[i].window_ms;
+                *p != *pool
+                    || match rules.rules[i].kind {
+                        WindowKind::Fixed => (at.div_euclid(w) + 1) * w + rules.grace_ms > lp,
+                        WindowKind::SlidingApprox => at.div_euclid(w) >= let_go.div_euclid(w) - 1,
+                        _ => at > let_go - w,
+                    }
+            });
+        }
         let found: Vec<PoolFound> = pools
             .iter()
             .map(|(i, pool)| {
                 let rule = &rules.rules[*i];
                 if rule.sum.is_some() {
-                    return self.sum_found(rules, *i, pool, t, l);
+                    return self.sum_found(rules, *i, pool, t, self.latest_of[pool]);
                 }
                 let mine: Vec<(i64, i64)> = self
                     .slots
@@ -886,7 +918,9 @@ impl PoolModel {
                         }
                         Some(_) => {}
                         None if self.waiting.iter().any(|w| w.0 == key && w.1 == *pool) => {}
-                        None => self.waiting.push((key.clone(), pool.clone(), *i, t, price)),
+                        None => self
+                            .waiting
+                            .push((key.clone(), pool.clone(), *i, t, price, true)),
                     }
                     continue;
                 }
@@ -897,7 +931,7 @@ impl PoolModel {
                 let longest = t + rules.rules[*i].window_ms;
                 let close = end.map_or(longest, |e| e.max(t).min(longest));
                 self.slots
-                    .push((key.clone(), pool.clone(), t, close, end.is_some()));
+                    .push((key.clone(), pool.clone(), t, close, end.is_some(), true));
             }
         }
         self.results.push((key, t, found));
