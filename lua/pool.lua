@@ -237,8 +237,7 @@ local function touch_pool(pool, sum, kind, w, t)
   local LK = base .. ':l:' .. pool
   local lp = tonumber(call('GET', LK) or '')
   if lp == nil or t > lp then lp = t end
-  call('SET', LK, int(lp))
-  touch(LK)
+  call('SET', LK, int(lp), 'PX', ttl)
   local let_go = int(lp - grace)
   if sum == '0' then
     local C = base .. ':c:' .. pool
@@ -312,12 +311,14 @@ local function open_slot(c, pool, start, close)
   touch(base .. ':c:' .. pool)
   local held = call('HGET', H, c)
   call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
+  touch(H)
 end
 
 local function on_end(c, ts, talk)
   local held = call('HGET', H, c)
   if held then
     if call('HSETNX', D, c, 1) == 1 then
+      touch(D)
       for _, pool in ipairs(split(held, '\n')) do
         local SW = base .. ':sw:' .. pool
         local waiting = call('HGET', SW, c)
@@ -347,6 +348,8 @@ local function on_end(c, ts, talk)
   if result(c) or call('HEXISTS', E, c) == 1 then return end
   call('HSET', E, c, int(ts) .. ',' .. int(talk))
   call('ZADD', EZ, int(ts), c)
+  touch(E)
+  touch(EZ)
   while call('ZCARD', EZ) > max_pending do
     local first = call('ZPOPMIN', EZ)
     call('HDEL', E, first[1])
@@ -442,19 +445,29 @@ while i <= #ARGV do
               touch(WP)
               local held = call('HGET', H, c)
               call('HSET', H, c, held and (held .. '\n' .. pool) or pool)
+              touch(H)
             end
           end
         end
-        if ended then call('HSET', D, c, 1) end
+        if ended then
+          call('HSET', D, c, 1)
+          touch(D)
+        end
       end
       local got = table.concat(found, ';')
       call('HSET', R, c, int(ts) .. '#' .. got)
       call('ZADD', RZ, int(ts), c)
+      touch(R)
+      touch(RZ)
       out[#out + 1] = got
     end
   end
 end
-if latest ~= nil then call('HSET', M, 'latest', int(latest)) end
-for _, k in ipairs({M, H, D, E, EZ, R, RZ}) do touch(k) end
+if latest ~= nil then
+  call('HSET', M, 'latest', int(latest))
+  touch(M)
+end
+-- (A TTL is set on the keys this call wrote, and only on them: each
+-- hash lives its span past its last write.)
 for k in pairs(touched) do call('PEXPIRE', k, ttl) end
 return out
