@@ -256,12 +256,109 @@ struct Slot {
     ended: bool,
 }
 
+/// One concurrent pool's calls, by call and in time order: counts and
+/// trims read only the calls near the time asked about.
+#[derive(Debug, Default)]
+struct Slots {
+    by_key: HashMap<CompactString, Slot>,
+    /// (start, call) and (close, call).
+    by_start: BTreeSet<(i64, CompactString)>,
+    by_close: BTreeSet<(i64, CompactString)>,
+}
+
+/// The first entry of a time-ordered set at `t` or later.
+fn at(t: i64) -> (i64, CompactString) {
+    (t, CompactString::default())
+}
+
+impl Slots {
+    fn contains(&self, key: &str) -> bool {
+        self.by_key.contains_key(key)
+    }
+
+    fn insert(&mut self, key: &CompactString, slot: Slot) {
+        self.by_start.insert((slot.start, key.clone()));
+        self.by_close.insert((slot.close, key.clone()));
+        self.by_key.insert(key.clone(), slot);
+    }
+
+    fn remove(&mut self, key: &CompactString) {
+        if let Some(slot) = self.by_key.remove(key) {
+            self.by_start.remove(&(slot.start, key.clone()));
+            self.by_close.remove(&(slot.close, key.clone()));
+        }
+    }
+
+    fn slot(&self, key: &str) -> Option<&Slot> {
+        self.by_key.get(key)
+    }
+
+    /// Closes call `key` at `end`, if no end came before.
+    fn close(&mut self, key: &CompactString, end: i64) {
+        let Some(slot) = self.by_key.get_mut(key) else {
+            return;
+        };
+        if slot.ended {
+            return;
+        }
+        let old = slot.close;
+        slot.ended = true;
+        slot.close = old.min(end.max(slot.start));
+        if slot.close != old {
+            self.by_close.remove(&(old, key.clone()));
+            self.by_close.insert((slot.close, key.clone()));
+        }
+    }
+
+    /// The calls closed at or before `t`.
+    fn closed_by(&self, t: i64) -> Vec<CompactString> {
+        self.by_close
+            .range(..at(t.saturating_add(1)))
+            .map(|(_, k)| k.clone())
+            .collect()
+    }
+
+    /// The calls open at `t`: all but those closed by `t` and those
+    /// starting after it (a call starting after `t` closes after it too).
+    fn open_at(&self, t: i64) -> u64 {
+        let closed = self.by_close.range(..at(t.saturating_add(1))).count();
+        let later = self.by_start.range(at(t.saturating_add(1))..).count();
+        (self.by_key.len() - closed - later) as u64
+    }
+
+    /// [`rejects_until`] of these calls; when none starts after `t`, the
+    /// count falls only as calls close: over until the `limit`-th latest
+    /// close.
+    fn rejects_until(&self, t: i64, limit: u64) -> Option<i64> {
+        if self
+            .by_start
+            .range(at(t.saturating_add(1))..)
+            .next()
+            .is_none()
+        {
+            let n = usize::try_from(limit).ok()?.checked_sub(1)?;
+            let (close, _) = self.by_close.iter().rev().nth(n)?;
+            return Some(close - 1).filter(|&s| s > t);
+        }
+        let slots: Vec<(i64, i64)> = self.by_key.values().map(|s| (s.start, s.close)).collect();
+        rejects_until(&slots, t, limit)
+    }
+
+    fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}
+
 /// The pools in process: every pool's open calls, the ends that came
 /// first, and what each call got (see the module).
 #[derive(Debug, Default)]
 pub struct Pools {
     /// Pool → call → its slot.
-    pools: HashMap<String, HashMap<CompactString, Slot>>,
+    pools: HashMap<String, Slots>,
     /// Call → the pools holding it.
     held_in: HashMap<CompactString, Vec<String>>,
     /// Sum pool → its waiting calls and what ended ones added (the
@@ -393,14 +490,10 @@ impl Pools {
                 until,
             };
         }
-        let slots: Vec<(i64, i64)> = self
-            .pools
-            .get(pool)
-            .map(|p| p.values().map(|s| (s.start, s.close)).collect())
-            .unwrap_or_default();
-        let open = slots.iter().filter(|&&(s, c)| s <= t && t < c).count() as u64;
+        let slots = self.pools.get(pool);
+        let open = slots.map_or(0, |p| p.open_at(t));
         let until = until
-            .then(|| rejects_until(&slots, t, rule.limit))
+            .then(|| slots.and_then(|p| p.rejects_until(t, rule.limit)))
             .flatten()
             .and_then(|u| rule.filter.last_seen_within(t, u));
         Found {
@@ -413,13 +506,13 @@ impl Pools {
     /// A call held from now on in `pool` (unless it holds a slot there
     /// already: a call seen again after its result was forgotten).
     fn open(&mut self, key: &CompactString, pool: &str, slot: Slot) {
-        if self.pools.get(pool).is_some_and(|p| p.contains_key(key)) {
+        if self.pools.get(pool).is_some_and(|p| p.contains(key)) {
             return;
         }
         self.pools
             .entry(pool.to_string())
             .or_default()
-            .insert(key.clone(), slot);
+            .insert(key, slot);
         self.held_in
             .entry(key.clone())
             .or_default()
@@ -505,21 +598,17 @@ impl Pools {
             None => self
                 .pools
                 .get(pool)
-                .map(|p| {
-                    p.iter()
-                        .filter(|(_, s)| s.close <= let_go)
-                        .map(|(k, _)| k.clone())
-                        .collect()
-                })
+                .map(|p| p.closed_by(let_go))
                 .unwrap_or_default(),
             Some(sum) => {
                 let Some(sums) = self.sums.get_mut(pool) else {
                     return;
                 };
                 let max = sum.max_duration_ms;
+                // (By start: the calls let go are a prefix.)
                 let gone = sums
                     .waiting()
-                    .filter(|(_, start, _)| start.saturating_add(max) <= let_go)
+                    .take_while(|(_, start, _)| start.saturating_add(max) <= let_go)
                     .map(|(id, _, _)| CompactString::from(id))
                     .collect();
                 sums.trim(Shape::of(rule, rules.grace_ms), max, latest);
@@ -563,7 +652,7 @@ impl Pools {
             let ended = held.iter().any(|pool| {
                 self.pools
                     .get(pool)
-                    .and_then(|p| p.get(&key))
+                    .and_then(|p| p.slot(&key))
                     .is_some_and(|s| s.ended)
             });
             if !ended {
@@ -604,21 +693,16 @@ impl Pools {
 
     /// Closes call `key` in `pool` at `end`, if no end came before.
     fn close(&mut self, key: &CompactString, pool: &str, end: i64) {
-        let Some(slot) = self.pools.get_mut(pool).and_then(|p| p.get_mut(key)) else {
-            return;
-        };
-        if slot.ended {
-            return;
+        if let Some(p) = self.pools.get_mut(pool) {
+            p.close(key, end);
         }
-        slot.ended = true;
-        slot.close = slot.close.min(end.max(slot.start));
     }
 
     /// Calls held, over every pool (open calls, and calls a sum pool
     /// waits on).
     pub fn held(&self) -> usize {
         let waiting: usize = self.sums.values().map(Sums::waiting_len).sum();
-        self.pools.values().map(HashMap::len).sum::<usize>() + waiting
+        self.pools.values().map(Slots::len).sum::<usize>() + waiting
     }
 }
 

@@ -102,8 +102,14 @@ impl Sums {
     /// Drops what no call at or after `L' - grace` can see (`l_new` is `L'`).
     pub(crate) fn trim(&mut self, shape: Shape, max_duration: i64, l_new: i64) {
         let let_go = l_new.saturating_sub(shape.grace);
-        self.waiting
-            .retain(|c| c.start.saturating_add(max_duration) > let_go);
+        // (By start: the calls let go are a prefix.)
+        while self
+            .waiting
+            .front()
+            .is_some_and(|c| c.start.saturating_add(max_duration) <= let_go)
+        {
+            self.waiting.pop_front();
+        }
         let Shape { kind, w, grace } = shape;
         let gone = |at: i64| match kind {
             WindowKind::Fixed => bucket_end(bucket_of(at, w), w, grace) <= l_new,
