@@ -239,22 +239,20 @@ local function touch_pool(pool, sum, kind, w, t)
   if lp == nil or t > lp then lp = t end
   call('SET', LK, int(lp), 'PX', ttl)
   local let_go = int(lp - grace)
+  -- The calls of `index` (a sorted set) scored at or before let_go leave
+  -- it and `also` (their other place: start set, or waiting hash).
+  local function let_go_of(index, cmd, also)
+    local gone = call('ZRANGEBYSCORE', index, '-inf', let_go)
+    for _, c in ipairs(gone) do
+      call(cmd, also, c)
+      unhold(c, pool)
+    end
+    if #gone > 0 then call('ZREMRANGEBYSCORE', index, '-inf', let_go) end
+  end
   if sum == '0' then
-    local C = base .. ':c:' .. pool
-    local gone = call('ZRANGEBYSCORE', C, '-inf', let_go)
-    for _, c in ipairs(gone) do
-      call('ZREM', base .. ':s:' .. pool, c)
-      unhold(c, pool)
-    end
-    if #gone > 0 then call('ZREMRANGEBYSCORE', C, '-inf', let_go) end
+    let_go_of(base .. ':c:' .. pool, 'ZREM', base .. ':s:' .. pool)
   else
-    local WP = base .. ':wz:' .. pool
-    local gone = call('ZRANGEBYSCORE', WP, '-inf', let_go)
-    for _, c in ipairs(gone) do
-      call('HDEL', base .. ':sw:' .. pool, c)
-      unhold(c, pool)
-    end
-    if #gone > 0 then call('ZREMRANGEBYSCORE', WP, '-inf', let_go) end
+    let_go_of(base .. ':wz:' .. pool, 'HDEL', base .. ':sw:' .. pool)
     sum_trim(pool, kind, w, lp)
   end
   return lp

@@ -386,39 +386,43 @@ impl Pools {
     /// Applies events the caller's rules decided (`verdicts`, index for
     /// index, `None` for a call left undecided), in order: each attempt's
     /// verdict settled by its pools, each end applied.
+    /// Returns how many events the pools took (every end, and the
+    /// attempts a pool sees).
     pub fn apply(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
         verdicts: &mut [Option<Verdict>],
-    ) {
+    ) -> u64 {
         if !rules.has_pools() {
-            return;
+            return 0;
         }
+        let mut taken = 0;
         for (ev, v) in events.iter().zip(verdicts.iter_mut()) {
             if let Some(v) = v {
-                self.apply_one(rules, ev, v);
+                taken += u64::from(self.apply_one(rules, ev, v));
             }
         }
+        taken
     }
 
-    /// [`Pools::apply`] of one event.
-    pub fn apply_one(&mut self, rules: &RuleSet, ev: &CallEvent, v: &mut Verdict) {
+    /// [`Pools::apply`] of one event: whether the pools took it.
+    pub fn apply_one(&mut self, rules: &RuleSet, ev: &CallEvent, v: &mut Verdict) -> bool {
         if !rules.has_pools() || v.record.degraded {
-            return;
+            return false;
         }
         if ev.kind == EventKind::End {
             self.end(rules, ev);
-            return;
+            return true;
         }
         let key = call_key(ev);
         if let Some(found) = self.results.get(&key) {
             settle(rules, ev, v, found);
-            return;
+            return true;
         }
         let pools = pools_of(rules, ev);
         if pools.is_empty() {
-            return;
+            return false;
         }
         let t = ev.ts_ms;
         self.advance(rules, t);
@@ -464,6 +468,7 @@ impl Pools {
         }
         self.results_by_ts.insert((t, key.clone()));
         self.results.insert(key, found);
+        true
     }
 
     /// What pool `pool` (of rule `i`) finds for a call at `t`: its count,

@@ -74,35 +74,22 @@ impl PoolStore {
         verdicts: &mut [Option<Verdict>],
         stats: &mut PoolStats,
     ) -> Result<(), StoreError> {
-        let taken = pool_events(rules, events);
-        if taken == 0 {
+        if !rules.has_pools() {
             return Ok(());
         }
         let start = std::time::Instant::now();
-        match self {
+        let taken = match self {
             PoolStore::Memory(p) => p.apply(rules, events, verdicts),
             PoolStore::Redis(p) => p.apply(rules, events, verdicts).await?,
+        };
+        if taken == 0 {
+            return Ok(());
         }
         stats.calls += 1;
         stats.events += taken;
         stats.micros += start.elapsed().as_micros() as u64;
         Ok(())
     }
-}
-
-/// The events of a batch the pools take: the attempts a pool sees, and
-/// every end.
-fn pool_events(rules: &RuleSet, events: &[CallEvent]) -> u64 {
-    if !rules.has_pools() {
-        return 0;
-    }
-    events
-        .iter()
-        .filter(|e| {
-            e.kind == crate::engine::event::EventKind::End
-                || !crate::engine::pool::pools_of(rules, e).is_empty()
-        })
-        .count() as u64
 }
 
 /// `S` behind the gate, and before the pools.

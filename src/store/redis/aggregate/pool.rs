@@ -69,15 +69,15 @@ impl RedisPools {
 
     /// Settles `verdicts` (index for index with `events`; `None` left
     /// undecided) by the pools, as [`crate::engine::pool::Pools::apply`]
-    /// does in process.
+    /// does in process; how many events the pools took.
     pub async fn apply(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
         verdicts: &mut [Option<Verdict>],
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         if !rules.has_pools() {
-            return Ok(());
+            return Ok(0);
         }
         let base = self.base();
         let ttl = ttl_ms(rules, &self.config);
@@ -124,7 +124,7 @@ impl RedisPools {
             ops += 1;
         }
         if ops == 0 {
-            return Ok(());
+            return Ok(0);
         }
         let meta = format!("{base}:m");
         let timeout = self.config.timeout * 2;
@@ -173,7 +173,7 @@ impl RedisPools {
                 settle(rules, ev, v, &found);
             }
         }
-        Ok(())
+        Ok(ops)
     }
 }
 
