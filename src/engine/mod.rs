@@ -19,6 +19,7 @@ pub mod aggregate;
 pub mod duration;
 pub mod event;
 pub mod filter;
+pub mod model;
 pub mod pool;
 pub mod rates;
 pub mod record;

@@ -105,7 +105,7 @@ impl DecisionRecord {
 }
 
 /// What a window store returns for one event.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Verdict {
     /// The decision record.
     pub record: DecisionRecord,
@@ -122,6 +122,9 @@ pub struct Verdict {
     /// was applied, not decided, and no output writes its record (which
     /// holds only the call's identity and the end's time).
     pub end: bool,
+    /// The rule set's model's score of the attempt (`None` without a model,
+    /// and for ends and degraded decisions): see [`crate::engine::model`].
+    pub score: Option<f32>,
 }
 
 impl Verdict {
@@ -154,6 +157,7 @@ impl Verdict {
             distinct_callees: None,
             duplicate: false,
             end: false,
+            score: None,
         }
     }
 
@@ -253,6 +257,8 @@ pub enum Field {
     /// `warn`: see [`DecisionRecord::warn`] (only in a rule set with a
     /// `warn` level).
     Warn,
+    /// `score`: see [`Verdict::score`] (only in a rule set with a model).
+    Score,
 }
 
 /// The type of a column, as tables store it.
@@ -268,6 +274,8 @@ pub enum Kind {
     Bool,
     /// Timestamp, milliseconds, UTC.
     Time,
+    /// 32-bit float (possibly null).
+    Float,
 }
 
 /// The value of one field of one row.
@@ -283,6 +291,8 @@ pub enum Value<'a> {
     Bool(Option<bool>),
     /// [`Kind::Time`]: epoch milliseconds.
     Time(i64),
+    /// [`Kind::Float`].
+    Float(Option<f32>),
 }
 
 impl Field {
@@ -303,6 +313,7 @@ impl Field {
             | Field::LocalWeekday(_) => Kind::UInt,
             Field::Shadow | Field::Late | Field::Degraded | Field::Label => Kind::Bool,
             Field::EventTime => Kind::Time,
+            Field::Score => Kind::Float,
         }
     }
 
@@ -333,6 +344,7 @@ impl Field {
             Field::Label => Value::Bool(row.event.label),
             Field::RulesVersion => Value::Text(Some(&r.rules_version)),
             Field::Warn => Value::Text(r.warn.as_deref()),
+            Field::Score => Value::Float(v.score),
         }
     }
 }
@@ -351,6 +363,7 @@ impl Value<'_> {
             Value::Int(i) => json!(i),
             Value::UInt(u) => json!(u),
             Value::Bool(b) => json!(b),
+            Value::Float(f) => json!(f.filter(|f| f.is_finite()).map(f64::from)),
             Value::Time(ms) => json!(DateTime::from_timestamp_millis(ms)
                 .map(|d| d.to_rfc3339_opts(SecondsFormat::Millis, true))),
         }
@@ -412,10 +425,17 @@ impl Schema {
                 Field::Label => "label",
                 Field::RulesVersion => "rules_version",
                 Field::Warn => {
-                    if !rules.rules.iter().any(|r| r.warn.is_some()) {
+                    let model_warns = rules.model().is_some_and(|m| m.warn.is_some());
+                    if !rules.rules.iter().any(|r| r.warn.is_some()) && !model_warns {
                         continue;
                     }
                     "warn"
+                }
+                Field::Score => {
+                    if rules.model().is_none() {
+                        continue;
+                    }
+                    "score"
                 }
             };
             columns.push(Column {
@@ -461,6 +481,7 @@ impl Schema {
                 Field::Reason,
                 Field::RetryAfterMs,
                 Field::Warn,
+                Field::Score,
                 Field::Count(0),
                 Field::Shadow,
                 Field::Late,
@@ -495,6 +516,7 @@ impl Schema {
                 Field::Reason,
                 Field::RetryAfterMs,
                 Field::Warn,
+                Field::Score,
                 Field::Late,
                 Field::Degraded,
                 Field::Label,
@@ -584,9 +606,14 @@ impl Schema {
                 Value::UInt(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
                 Value::Bool(Some(b)) => out.extend_from_slice(if b { b"true" } else { b"false" }),
                 Value::Time(ms) => json_time(out, ms),
-                Value::Text(None) | Value::Int(None) | Value::UInt(None) | Value::Bool(None) => {
-                    out.extend_from_slice(b"null")
+                Value::Float(Some(f)) if f.is_finite() => {
+                    out.extend_from_slice(ryu::Buffer::new().format_finite(f64::from(f)).as_bytes())
                 }
+                Value::Text(None)
+                | Value::Int(None)
+                | Value::UInt(None)
+                | Value::Bool(None)
+                | Value::Float(_) => out.extend_from_slice(b"null"),
             }
         }
         out.push(b'}');

@@ -11,6 +11,7 @@ use serde::Deserialize;
 
 use crate::engine::duration::parse_duration_ms;
 use crate::engine::filter::{parse_days, parse_timezone, Filter, Hours};
+use crate::engine::model::{Model, DEFAULT_MODEL_RETRY_AFTER_MS};
 use crate::engine::rates::{Rates, MICROS};
 use crate::engine::rule::{
     BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
@@ -40,6 +41,50 @@ struct RuleFile {
     deny: Vec<String>,
     #[serde(default, rename = "rule")]
     rules: Vec<RuleEntry>,
+    model: Option<ModelEntry>,
+    model_retry_after: Option<String>,
+}
+
+/// `[model]`: see [`crate::engine::model`].
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelEntry {
+    path: String,
+    inputs: Vec<String>,
+    threshold: f32,
+    #[serde(default)]
+    shadow: bool,
+    warn: Option<f32>,
+}
+
+impl ModelEntry {
+    /// Reads and loads the model, its `path` relative to `dir`; noted in
+    /// `files` so that a reload notices a new model.
+    fn load(
+        self,
+        dir: Option<&Path>,
+        retry_after_ms: i64,
+        files: &mut Vec<PathBuf>,
+    ) -> Result<Model, RulesError> {
+        let err = |m: String| RulesError::Invalid(format!("model: {m}"));
+        let path = match dir {
+            Some(d) => d.join(&self.path),
+            None => PathBuf::from(&self.path),
+        };
+        let bytes = std::fs::read(&path)
+            .map_err(|e| err(format!("path: cannot read {}: {e}", path.display())))?;
+        files.push(path.clone());
+        Model::load(
+            path.clone(),
+            &bytes,
+            self.inputs,
+            self.threshold,
+            self.shadow,
+            self.warn,
+            retry_after_ms,
+        )
+        .map_err(|e| err(format!("{}: {e}", path.display())))
+    }
 }
 
 #[derive(Deserialize)]
@@ -332,6 +377,19 @@ impl RuleSet {
             Some(g) => parse_duration_ms(&g)?,
             None => DEFAULT_GRACE_MS,
         };
+        let retry_after_ms = match file.model_retry_after.as_deref() {
+            Some(d) => parse_duration_ms(d)?,
+            None => DEFAULT_MODEL_RETRY_AFTER_MS,
+        };
+        if file.model.is_none() && file.model_retry_after.is_some() {
+            return Err(RulesError::Invalid(
+                "model_retry_after: there is no [model]".into(),
+            ));
+        }
+        let model = file
+            .model
+            .map(|m| m.load(dir, retry_after_ms, &mut files))
+            .transpose()?;
         RuleSet::build(RuleSpec {
             rules,
             count: file.count,
@@ -347,6 +405,7 @@ impl RuleSet {
                 .unwrap_or(DEFAULT_MAX_DISTINCT_CALLEES),
             files,
             timezone: default_tz,
+            model,
         })
     }
 

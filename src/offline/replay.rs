@@ -267,6 +267,7 @@ fn settle_pools(pools: &mut Pools, rules: &RuleSet, chunk: DecidedChunk) -> Deci
     let (events, verdicts) = chunk.into_parts();
     let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
     pools.apply(rules, &events, &mut verdicts);
+    crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
     DecidedChunk {
         events,
         verdicts: Verdicts::InOrder(verdicts.into_iter().flatten().collect()),
@@ -359,10 +360,13 @@ fn run_sharded(
                 .spawn_scoped(s, move || {
                     let mut tally = Tally::default();
                     for job in job_rx {
-                        let verdicts =
+                        let mut verdicts =
                             decide_share(shard, rules, &job.events, &job.unique, &job.idx);
-                        // (Pools may still change them: tallied once settled.)
+                        // (Pools may still change them: tallied once settled,
+                        // and scored then. Without pools, scored here, on
+                        // every shard's thread.)
                         if !rules.has_pools() {
+                            crate::store::settle_by_model(rules, verdicts.iter_mut());
                             tally.add(&verdicts);
                         }
                         // The chunk's events go back to their owner whole.
@@ -488,11 +492,14 @@ pub async fn run<S: WindowStore>(
     let mut events: Vec<CallEvent> = log.events.iter().map(|(_, e)| e.clone()).collect();
     Gate::new().run(&mut MemoryLedger::new(), rules, &mut events);
     let verdicts = apply_events(&events, rules, store).await?;
-    if !rules.has_pools() {
+    if !rules.has_after_pass() {
         return Ok(verdicts);
     }
     let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();
-    Pools::new().apply(rules, &events, &mut verdicts);
+    if rules.has_pools() {
+        Pools::new().apply(rules, &events, &mut verdicts);
+    }
+    crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
     Ok(verdicts.into_iter().flatten().collect())
 }
 

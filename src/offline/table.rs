@@ -45,6 +45,7 @@ enum Builder<'a> {
     UInt(Vec<Option<u64>>),
     Bool(Vec<Option<bool>>),
     Time(Vec<i64>),
+    Float(Vec<Option<f32>>),
 }
 
 impl<'a> Builder<'a> {
@@ -55,6 +56,7 @@ impl<'a> Builder<'a> {
             Kind::UInt => Builder::UInt(Vec::with_capacity(rows)),
             Kind::Bool => Builder::Bool(Vec::with_capacity(rows)),
             Kind::Time => Builder::Time(Vec::with_capacity(rows)),
+            Kind::Float => Builder::Float(Vec::with_capacity(rows)),
         }
     }
 
@@ -72,6 +74,8 @@ impl<'a> Builder<'a> {
             (Builder::Bool(v), _) => v.push(None),
             (Builder::Time(v), Value::Time(x)) => v.push(x),
             (Builder::Time(v), _) => v.push(0),
+            (Builder::Float(v), Value::Float(x)) => v.push(x),
+            (Builder::Float(v), _) => v.push(None),
         }
     }
 
@@ -81,6 +85,7 @@ impl<'a> Builder<'a> {
             Builder::Int(v) => Ok(Column::new(name, v)),
             Builder::UInt(v) => Ok(Column::new(name, v)),
             Builder::Bool(v) => Ok(Column::new(name, v)),
+            Builder::Float(v) => Ok(Column::new(name, v)),
             Builder::Time(v) => Column::new(name, v).cast(&DataType::Datetime(
                 TimeUnit::Milliseconds,
                 Some(TimeZone::UTC),

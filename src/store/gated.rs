@@ -75,6 +75,7 @@ impl PoolStore {
         stats: &mut PoolStats,
     ) -> Result<(), StoreError> {
         if !rules.has_pools() {
+            crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
             return Ok(());
         }
         let start = std::time::Instant::now();
@@ -82,6 +83,7 @@ impl PoolStore {
             PoolStore::Memory(p) => p.apply(rules, events, verdicts),
             PoolStore::Redis(p) => p.apply(rules, events, verdicts).await?,
         };
+        crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
         if taken == 0 {
             return Ok(());
         }
@@ -381,7 +383,7 @@ impl<S: WindowStore> WindowStore for Gated<S> {
         let gated = self.gate(rules, events, None).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let verdicts = self.inner.apply_batch(rules, batch).await?;
-        if !rules.has_pools() {
+        if !rules.has_after_pass() {
             return Ok(verdicts);
         }
         let mut verdicts: Vec<Option<Verdict>> = verdicts.into_iter().map(Some).collect();

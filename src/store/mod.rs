@@ -71,6 +71,16 @@ use crate::engine::rules::RuleSet;
 use crate::engine::window::CallerState;
 use crate::error::StoreError;
 
+/// Scores `verdicts` by the rule set's model, if it has one, and decides
+/// them by their scores ([`crate::engine::model`]). A model that fails to
+/// score a batch (one that loaded and scored a probe row should not) leaves
+/// the batch as the rules decided it, unscored, and says so in the log.
+pub fn settle_by_model<'a>(rules: &RuleSet, verdicts: impl IntoIterator<Item = &'a mut Verdict>) {
+    if let Err(e) = crate::engine::model::decide(rules, verdicts) {
+        tracing::warn!(error = %e, rules_version = rules.version(), "the model did not score a batch: decided by the rules alone");
+    }
+}
+
 /// What a store counts of its own work, since it connected.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StoreStats {

@@ -130,6 +130,7 @@ impl Verdict {
             distinct_callees: optional(distinct)?.map(|d| d as u64),
             duplicate,
             end: false,
+            score: None,
         })
     }
 }

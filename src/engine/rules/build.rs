@@ -2,6 +2,7 @@
 //! set's options must pass, and the prefix lists in their one spelling.
 
 use super::{CountPolicy, RuleKey, RuleSet, RuleSpec, WindowKind, MAX_RULES, RESERVED_NAMES};
+use crate::engine::model::Model;
 use crate::engine::rule::Rule;
 use crate::error::RulesError;
 
@@ -21,6 +22,7 @@ impl RuleSet {
             max_distinct_callees,
             files,
             timezone,
+            model,
         } = spec;
         if rules.is_empty() {
             return Err(RulesError::Invalid(
@@ -114,6 +116,7 @@ impl RuleSet {
             pools: false,
             sums: false,
             files,
+            model: None,
             version: String::new(),
         };
         set.filtered = set.rules.iter().any(|r| !r.filter.is_empty());
@@ -124,8 +127,38 @@ impl RuleSet {
         set.pools = set.rules.iter().any(Rule::is_pooled);
         check_pools(&set)?;
         set.sums = set.rules.iter().any(|r| r.sum.is_some() && !r.is_pooled());
+        set.model = model.map(|m| check_model(&set, m)).transpose()?;
         set.version = set.compute_version();
         Ok(set)
+    }
+}
+
+/// Resolves a model's inputs against the set (see
+/// [`crate::engine::model`]), and checks that an enforcing model's rejects
+/// leave no state behind: nothing of the set may depend on the final
+/// decision.
+fn check_model(set: &RuleSet, mut model: Model) -> Result<Model, RulesError> {
+    model
+        .resolve(set)
+        .map_err(|e| RulesError::Invalid(format!("model: {e}")))?;
+    if model.shadow || set.shadow {
+        return Ok(model);
+    }
+    let clash = if set.count == CountPolicy::Admitted {
+        Some("count = \"admitted\"".to_string())
+    } else if let Some(r) = set.rules.iter().find(|r| r.is_pooled()) {
+        Some(format!("the pool `{}`", r.name))
+    } else {
+        set.rules
+            .iter()
+            .find(|r| r.kind == WindowKind::Concurrent || r.sum.is_some())
+            .map(|r| format!("the caller's {} rule `{}`", if r.sum.is_some() { "sum" } else { "concurrent" }, r.name))
+    };
+    match clash {
+        Some(what) => Err(RulesError::Invalid(format!(
+            "model: an enforcing model cannot go with {what}: it decides before the model, and would keep a call the model rejects (set `shadow = true` in [model], or leave {what} out)"
+        ))),
+        None => Ok(model),
     }
 }
 

@@ -30,6 +30,7 @@ pub use crate::engine::filter::Filter;
 pub use crate::engine::rule::{
     BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
 };
+use crate::engine::model::Model;
 use crate::error::RulesError;
 
 /// Reason when the caller is on the allowlist.
@@ -44,7 +45,7 @@ mod build;
 pub(crate) use build::normalize_prefix;
 
 /// Names a rule may not take: they are decision reasons of their own.
-pub const RESERVED_NAMES: [&str; 4] = ["ok", "allowlist", "denylist", "bad_caller"];
+pub const RESERVED_NAMES: [&str; 5] = ["ok", "allowlist", "denylist", "bad_caller", "model"];
 
 /// Default allowed lateness.
 pub const DEFAULT_GRACE_MS: i64 = 5_000;
@@ -91,8 +92,11 @@ pub struct RuleSet {
     /// The set's time zone (`timezone`): its rules' default, and the zone
     /// of the `local_hour` and `local_weekday` features (UTC without one).
     pub timezone: Option<chrono_tz::Tz>,
-    /// Files the set was read from besides the rules file (`callees_file`s).
+    /// Files the set was read from besides the rules file (`callees_file`s,
+    /// the model).
     files: Vec<PathBuf>,
+    /// The model that scores every attempt after the rules (`[model]`).
+    model: Option<Model>,
     version: String,
 }
 
@@ -125,6 +129,8 @@ pub struct RuleSpec {
     pub files: Vec<PathBuf>,
     /// The set's time zone (`timezone`), if set.
     pub timezone: Option<chrono_tz::Tz>,
+    /// The model scoring every attempt after the rules (`[model]`), if any.
+    pub model: Option<Model>,
 }
 
 impl RuleSpec {
@@ -144,6 +150,7 @@ impl RuleSpec {
             max_distinct_callees: DEFAULT_MAX_DISTINCT_CALLEES,
             files: Vec::new(),
             timezone: None,
+            model: None,
         }
     }
 }
@@ -219,6 +226,7 @@ impl RuleSet {
             max_distinct_callees: self.max_callees,
             files: self.files.clone(),
             timezone: self.timezone,
+            model: self.model.clone(),
         }
     }
 
@@ -362,6 +370,18 @@ impl RuleSet {
     /// global (decided after the caller's rules, [`crate::engine::pool`]).
     pub fn has_pools(&self) -> bool {
         self.pools
+    }
+
+    /// The model scoring every attempt after the rules, if the set has one
+    /// ([`crate::engine::model`]).
+    pub fn model(&self) -> Option<&Model> {
+        self.model.as_ref()
+    }
+
+    /// Whether verdicts are settled after the caller's store: by pools, or
+    /// by a model.
+    pub fn has_after_pass(&self) -> bool {
+        self.pools || self.model.is_some()
     }
 
     /// How long state must be kept after a caller's latest call: longest window + grace.
@@ -575,6 +595,20 @@ impl RuleSet {
             // (The zone of the local-time features.)
             if let Some(tz) = self.timezone {
                 m.insert("timezone".into(), tz.name().into());
+            }
+            // The model by its file's hash and how its score decides.
+            if let Some(model) = &self.model {
+                m.insert(
+                    "model".into(),
+                    serde_json::json!({
+                        "sha256": model.hash,
+                        "inputs": model.input_names,
+                        "threshold": model.threshold,
+                        "shadow": model.shadow,
+                        "warn": model.warn,
+                        "retry_after_ms": model.retry_after_ms,
+                    }),
+                );
             }
         }
         let digest = Sha256::digest(canonical.to_string().as_bytes());

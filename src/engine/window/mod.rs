@@ -362,6 +362,7 @@ impl CallerState {
             distinct_callees,
             duplicate: false,
             end: false,
+            score: None,
         };
         if !unique {
             self.remember(t, &ev.call_id, &verdict);

@@ -245,6 +245,7 @@ mod tests {
             distinct_callees: None,
             duplicate: true,
             end: false,
+            score: None,
         }
     }
 

@@ -496,6 +496,7 @@ mod tests {
             distinct_callees: None,
             duplicate: false,
             end: false,
+            score: None,
         }
     }
 

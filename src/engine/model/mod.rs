@@ -1,0 +1,301 @@
+//! A rule set's model: every attempt scored from its point-in-time
+//! features, after the rules (and the pools) have decided it.
+//!
+//! The contract:
+//! - An attempt's inputs are exactly the values the `features` table holds
+//!   for it (the same [`Field::value`]), as `f32`; a null (a caller's first
+//!   call has no `since_prev_ms`; a count of 0 is written as null) is NaN,
+//!   as a model trained on that table through pandas receives it.
+//! - Only features known at the attempt may be inputs: the counts, the time
+//!   since the caller's previous call, the distinct callees and the local
+//!   time. Anything known after it (duration, label, decision) is refused.
+//! - Every attempt gets a `score`. A call the rules reject stays rejected; a
+//!   call they allow (a listed caller aside) with a score at or above
+//!   `threshold` is rejected for reason `model`, with the set's
+//!   `model_retry_after` and no block key; a shadow model (or a shadow set)
+//!   only flags it (`shadow`, reason `model`, unless a shadow rule flagged it
+//!   first). An allowed call whose score reaches `warn` is warned `model`
+//!   unless a rule warned it.
+//! - A redelivery (a duplicate) decided under the same rule set is scored
+//!   again from its recorded features, and so gets the same answer; one
+//!   decided under another set keeps its record as the store kept it.
+//! - An enforcing model needs a set whose state does not depend on the final
+//!   decision: it is refused with `count = "admitted"`, pools, or a caller's
+//!   concurrent or sum rule (they decide before it; see
+//!   [`crate::engine::pool`]).
+
+mod onnx;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use compact_str::CompactString;
+
+use crate::engine::record::{Decision, Field, Row, Schema, Value, Verdict};
+use crate::engine::rules::{RuleSet, REASON_ALLOWLIST, REASON_BAD_CALLER, REASON_DENYLIST};
+pub use onnx::Scorer;
+
+/// The reason of a call the model rejects (or flags, in shadow).
+pub const REASON_MODEL: &str = "model";
+
+/// The Retry-After of a model reject unless the set says
+/// (`model_retry_after`).
+pub const DEFAULT_MODEL_RETRY_AFTER_MS: i64 = 60_000;
+
+/// A rule set's `[model]`: the loaded model and how its score decides.
+#[derive(Clone)]
+pub struct Model {
+    /// The model file, as the rules name it, resolved from their folder.
+    pub path: PathBuf,
+    /// The feature columns fed to the model, in its input order.
+    pub input_names: Vec<String>,
+    /// The same, as fields (resolved against the rule set by
+    /// [`Model::resolve`]).
+    inputs: Vec<Field>,
+    /// Reject (or flag) at or above this score.
+    pub threshold: f32,
+    /// Report only: never reject.
+    pub shadow: bool,
+    /// Warn an allowed call at or above this score.
+    pub warn: Option<f32>,
+    /// Retry-After of a model reject, milliseconds.
+    pub retry_after_ms: i64,
+    /// SHA-256 of the model file (hex): part of the rule set's version.
+    pub hash: String,
+    scorer: Arc<Scorer>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("path", &self.path)
+            .field("inputs", &self.input_names)
+            .field("threshold", &self.threshold)
+            .field("shadow", &self.shadow)
+            .field("warn", &self.warn)
+            .field("hash", &self.hash)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Model {
+    fn eq(&self, other: &Self) -> bool {
+        self.hash == other.hash
+            && self.input_names == other.input_names
+            && self.threshold.to_bits() == other.threshold.to_bits()
+            && self.shadow == other.shadow
+            && self.warn.map(f32::to_bits) == other.warn.map(f32::to_bits)
+            && self.retry_after_ms == other.retry_after_ms
+    }
+}
+
+impl Eq for Model {}
+
+/// Feature columns known only after the attempt: a model fed them would
+/// learn from the future.
+const AFTER_THE_ATTEMPT: [&str; 11] = [
+    "duration_ms",
+    "label",
+    "decision",
+    "reason",
+    "retry_after_ms",
+    "warn",
+    "late",
+    "degraded",
+    "shadow",
+    "score",
+    "rules_version",
+];
+
+impl Model {
+    /// A model of `bytes` (the file at `path`) fed `inputs`.
+    pub fn load(
+        path: PathBuf,
+        bytes: &[u8],
+        inputs: Vec<String>,
+        threshold: f32,
+        shadow: bool,
+        warn: Option<f32>,
+        retry_after_ms: i64,
+    ) -> Result<Self, String> {
+        if inputs.is_empty() {
+            return Err("inputs: name the feature columns the model takes, in its order".into());
+        }
+        if !(threshold.is_finite()) {
+            return Err("threshold: a number".into());
+        }
+        if warn.is_some_and(|w| !w.is_finite() || w > threshold) {
+            return Err("warn: a number no higher than threshold".into());
+        }
+        if retry_after_ms < 0 {
+            return Err("model_retry_after: not negative".into());
+        }
+        let scorer = Scorer::load(bytes, inputs.len())?;
+        let hash = {
+            use sha2::{Digest, Sha256};
+            Sha256::digest(bytes)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect()
+        };
+        Ok(Model {
+            path,
+            input_names: inputs,
+            inputs: Vec::new(),
+            threshold,
+            shadow,
+            warn,
+            retry_after_ms,
+            hash,
+            scorer: Arc::new(scorer),
+        })
+    }
+
+    /// Resolves the input names against `rules` (their `features`
+    /// columns): each must be a feature known at the attempt.
+    pub fn resolve(&mut self, rules: &RuleSet) -> Result<(), String> {
+        let schema = Schema::features(rules);
+        let known = || {
+            schema
+                .columns()
+                .iter()
+                .filter(|c| is_input(c.field))
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut fields = Vec::with_capacity(self.input_names.len());
+        for name in &self.input_names {
+            if AFTER_THE_ATTEMPT.contains(&name.as_str()) {
+                return Err(format!(
+                    "inputs: `{name}` is known only after the attempt (a model fed it learns from the future); inputs known at the attempt: {}",
+                    known()
+                ));
+            }
+            let field = schema
+                .columns()
+                .iter()
+                .find(|c| &c.name == name)
+                .map(|c| c.field);
+            match field {
+                Some(f) if is_input(f) => fields.push(f),
+                Some(_) => {
+                    return Err(format!(
+                        "inputs: `{name}` names the call, it is no feature; inputs known at the attempt: {}",
+                        known()
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "inputs: no feature column `{name}`; inputs known at the attempt: {}",
+                        known()
+                    ))
+                }
+            }
+        }
+        self.inputs = fields;
+        Ok(())
+    }
+
+    /// The fields fed to the model, in order.
+    pub fn inputs(&self) -> &[Field] {
+        &self.inputs
+    }
+
+    /// Whether the model's features include the distinct callees.
+    pub fn uses(&self, field: Field) -> bool {
+        self.inputs.contains(&field)
+    }
+
+    /// Appends the model's inputs for one decided attempt.
+    pub fn features(&self, verdict: &Verdict, out: &mut Vec<f32>) {
+        let row = Row::of_verdict(verdict);
+        out.extend(self.inputs.iter().map(|f| as_input(f.value(row))));
+    }
+
+    /// The scores of `rows` (row after row, one value per input).
+    pub fn score(&self, rows: &[f32]) -> Result<Vec<f32>, String> {
+        self.scorer.score(rows)
+    }
+}
+
+/// Whether a feature column may feed a model: known at the attempt.
+fn is_input(field: Field) -> bool {
+    matches!(
+        field,
+        Field::Count(_)
+            | Field::SincePrevMs
+            | Field::DistinctCallees
+            | Field::LocalHour(_)
+            | Field::LocalWeekday(_)
+    )
+}
+
+/// A feature value as the model takes it: through `f64`, as a pandas frame
+/// holds it, to `f32`; null as NaN.
+fn as_input(value: Value<'_>) -> f32 {
+    match value {
+        Value::Int(Some(v)) => v as f64 as f32,
+        Value::UInt(Some(v)) => v as f64 as f32,
+        _ => f32::NAN,
+    }
+}
+
+/// Whether the model scores this verdict (see the module).
+fn scored(rules: &RuleSet, v: &Verdict) -> bool {
+    !v.end && !v.record.degraded && (!v.duplicate || v.record.rules_version == rules.version())
+}
+
+/// Scores every attempt among `verdicts` in one batch and decides them as
+/// the module says. A scoring failure (a model that loaded and ran on a
+/// probe row cannot fail on others; if it does) leaves the rules' decisions
+/// and no score, and is returned for the caller to report.
+pub fn decide<'a>(
+    rules: &RuleSet,
+    verdicts: impl IntoIterator<Item = &'a mut Verdict>,
+) -> Result<(), String> {
+    let Some(model) = rules.model() else {
+        return Ok(());
+    };
+    let mut picked: Vec<&mut Verdict> = verdicts.into_iter().filter(|v| scored(rules, v)).collect();
+    if picked.is_empty() {
+        return Ok(());
+    }
+    let mut rows = Vec::with_capacity(picked.len() * model.inputs.len());
+    for v in &picked {
+        model.features(v, &mut rows);
+    }
+    let scores = model.score(&rows)?;
+    for (v, s) in picked.iter_mut().zip(scores) {
+        settle(rules, model, v, s);
+    }
+    Ok(())
+}
+
+/// One attempt's decision given its score (see the module).
+pub fn settle(rules: &RuleSet, model: &Model, v: &mut Verdict, score: f32) {
+    v.score = Some(score);
+    let r = &mut v.record;
+    let listed = [REASON_ALLOWLIST, REASON_DENYLIST, REASON_BAD_CALLER].contains(&r.reason.as_str());
+    if r.decision != Decision::Allow || listed {
+        return;
+    }
+    if score >= model.threshold {
+        if model.shadow || rules.shadow {
+            if !r.shadow {
+                r.shadow = true;
+                r.reason = CompactString::const_new(REASON_MODEL);
+            }
+        } else {
+            r.decision = Decision::Reject;
+            r.reason = CompactString::const_new(REASON_MODEL);
+            r.shadow = false;
+            r.warn = None;
+            r.retry_after_ms = Some(model.retry_after_ms);
+            return;
+        }
+    }
+    if r.warn.is_none() && model.warn.is_some_and(|w| score >= w) {
+        r.warn = Some(CompactString::const_new(REASON_MODEL));
+    }
+}
