@@ -41,7 +41,7 @@ fi
 # the features test reads a Parquet file with pyarrow and polars, from a
 # virtualenv of their own (Debian's system Python takes no pip installs).
 venv="${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}"
-if ! "$venv/bin/python" -c "import polars, pyarrow, matplotlib, nbconvert, nbclient, ipykernel" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import polars, pyarrow, matplotlib, nbconvert, nbclient, ipykernel, lightgbm, onnxmltools, onnx, onnxruntime" 2>/dev/null; then
   echo "== installing the notebook's Python packages into $venv"
   if ! python3 -c "import ensurepip, venv" 2>/dev/null; then
     as_root apt-get update -qq

@@ -22,7 +22,7 @@ use crate::store::sharded::ShardedStore;
 ///
 /// Work a selection does not need is skipped: without `distinct_callees`
 /// (and `rules_version`, which names the rule set including that
-/// feature), the callees are not tracked, and without `callee` either,
+/// feature, and a model fed it), the callees are not tracked, and without `callee` either,
 /// not even read.
 pub async fn export(
     input: &Path,
@@ -33,9 +33,14 @@ pub async fn export(
 ) -> Result<TableReport, ReplayError> {
     let schema = Schema::features(rules).select(columns)?;
     let lean;
+    // (A model fed the distinct callees needs them whatever the columns.)
+    let model_needs = rules
+        .model()
+        .is_some_and(|m| m.uses(Field::DistinctCallees));
     let rules = if rules.tracks_callees()
         && !schema.has(Field::DistinctCallees)
         && !schema.has(Field::RulesVersion)
+        && !model_needs
     {
         lean = rules.with_distinct_callees(false);
         &lean

@@ -384,6 +384,42 @@ async fn a_trunk_channel_limit_through_the_mock_cluster_decides_as_replay() {
     assert!(latest.is_some(), "no pool state in Redis");
 }
 
+/// A rule set with an enforcing model (`data/model.onnx`, at a threshold
+/// where it rejects calls the rules allow) through the mock cluster: every
+/// decision and score, the features topic and the `features` file equal
+/// replay's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_through_the_mock_cluster_scores_and_decides_as_replay() {
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
+    let dir = tempfile::tempdir().unwrap();
+    let rules = common::model_rules(dir.path(), false, 0.5);
+    let s = sample_with(20_000, 11, &rules).await;
+    let by_model = s
+        .expected
+        .values()
+        .filter(|v| v["reason"] == "model")
+        .count();
+    assert!(by_model > 100, "{by_model} model rejects");
+    assert!(s.expected.values().all(|v| v["score"].is_f64()));
+    let n = callguard::online::produce::produce(
+        s.log.events.iter().map(|(_, e)| e),
+        &brokers,
+        &[],
+        "calls",
+    )
+    .await
+    .unwrap();
+    assert_eq!(n, 20_000);
+    let run = start_in_process(config(&brokers, "g-model"), &redis.url(), s.rules.clone()).await;
+    let records =
+        read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
+    let stats = run.stop().await;
+    assert_parity(&s, &records);
+    assert_eq!(stats.dead_letters, 0);
+    assert_features_topic(&s, &brokers, Duration::from_secs(120)).await;
+}
+
 async fn mock_cluster_parity(group: &str, linger: Duration) {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
@@ -499,6 +535,7 @@ fn features_file(s: &Sample) -> HashMap<String, Value> {
         AnyValue::Boolean(b) => Value::from(b),
         AnyValue::UInt64(u) => Value::from(u),
         AnyValue::Int64(i) => Value::from(i),
+        AnyValue::Float32(f) => Value::from(f64::from(f)),
         AnyValue::String(t) => Value::from(t),
         AnyValue::StringOwned(t) => Value::from(t.as_str()),
         // Checked and replaced below (a zoned time has no text here).

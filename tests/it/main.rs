@@ -14,6 +14,7 @@ mod deploy;
 mod failover;
 mod features;
 mod fuzz;
+mod model;
 mod notebook;
 mod reliability;
 mod replay_cli;

@@ -276,7 +276,8 @@ pub fn decide<'a>(
 pub fn settle(rules: &RuleSet, model: &Model, v: &mut Verdict, score: f32) {
     v.score = Some(score);
     let r = &mut v.record;
-    let listed = [REASON_ALLOWLIST, REASON_DENYLIST, REASON_BAD_CALLER].contains(&r.reason.as_str());
+    let listed =
+        [REASON_ALLOWLIST, REASON_DENYLIST, REASON_BAD_CALLER].contains(&r.reason.as_str());
     if r.decision != Decision::Allow || listed {
         return;
     }

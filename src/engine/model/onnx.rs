@@ -64,7 +64,12 @@ impl Scorer {
         let plan = model
             .into_optimized()
             .and_then(|m| m.into_runnable())
-            .map_err(|e| format!("the model cannot run on [calls, {width}] floats: {}", root_cause(&e)))?;
+            .map_err(|e| {
+                format!(
+                    "the model cannot run on [calls, {width}] floats: {}",
+                    root_cause(&e)
+                )
+            })?;
         let scorer = Scorer { plan, width, pick };
         // A first run, on one row of missing values: a model that loads but
         // cannot score is an error now, not at the first call.

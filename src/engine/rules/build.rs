@@ -152,7 +152,13 @@ fn check_model(set: &RuleSet, mut model: Model) -> Result<Model, RulesError> {
         set.rules
             .iter()
             .find(|r| r.kind == WindowKind::Concurrent || r.sum.is_some())
-            .map(|r| format!("the caller's {} rule `{}`", if r.sum.is_some() { "sum" } else { "concurrent" }, r.name))
+            .map(|r| {
+                format!(
+                    "the caller's {} rule `{}`",
+                    if r.sum.is_some() { "sum" } else { "concurrent" },
+                    r.name
+                )
+            })
     };
     match clash {
         Some(what) => Err(RulesError::Invalid(format!(

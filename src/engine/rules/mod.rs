@@ -27,10 +27,10 @@ use sha2::{Digest, Sha256};
 pub use crate::engine::duration::{format_duration, parse_duration_ms};
 use crate::engine::event::{CallEvent, BAD_CALLER};
 pub use crate::engine::filter::Filter;
+use crate::engine::model::Model;
 pub use crate::engine::rule::{
     BadCallerPolicy, CountPolicy, Rate, Rule, RuleKey, Sum, SumOf, WindowKind,
 };
-use crate::engine::model::Model;
 use crate::error::RulesError;
 
 /// Reason when the caller is on the allowlist.

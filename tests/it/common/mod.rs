@@ -297,6 +297,41 @@ pub fn ev(caller: &str, id: &str, ts: i64) -> CallEvent {
     CallEvent::new(id, caller, ts)
 }
 
+/// The inputs of `data/model.onnx`, in its order.
+pub const MODEL_INPUTS: &str =
+    "count_burst,count_minute,count_hour,since_prev_ms,distinct_callees,local_hour";
+
+/// `data/rules.toml` with `[model]` `data/model.onnx` (by its absolute
+/// path), in shadow or enforcing, at `threshold`, written as `rules.toml`
+/// in `dir`: its path.
+pub fn model_rules(dir: &std::path::Path, shadow: bool, threshold: f32) -> PathBuf {
+    model_rules_of(
+        dir,
+        &std::fs::canonicalize("data/model.onnx").unwrap(),
+        shadow,
+        threshold,
+    )
+}
+
+/// [`model_rules`] with the model at `model`.
+pub fn model_rules_of(
+    dir: &std::path::Path,
+    model: &std::path::Path,
+    shadow: bool,
+    threshold: f32,
+) -> PathBuf {
+    let inputs: Vec<String> = MODEL_INPUTS.split(',').map(|i| format!("{i:?}")).collect();
+    rules_file(
+        dir,
+        &format!(
+            "{}\n[model]\npath = {:?}\ninputs = [{}]\nthreshold = {threshold}\nshadow = {shadow}\n",
+            std::fs::read_to_string("data/rules.toml").unwrap(),
+            model.display().to_string(),
+            inputs.join(", ")
+        ),
+    )
+}
+
 /// Path of the built `callguard` binary.
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_callguard"))
@@ -475,16 +510,16 @@ pub fn replay_records(
         rules,
         &mut events,
     );
+    let mut verdicts: Vec<_> = events.iter().map(|e| store.apply(rules, e)).collect();
+    // A model scores after the store.
+    callguard::store::settle_by_model(rules, verdicts.iter_mut());
     events
         .iter()
-        .map(|event| {
-            let verdict = store.apply(rules, event);
+        .zip(&verdicts)
+        .map(|(event, verdict)| {
             (
                 event.call_id.to_string(),
-                schema.to_json(Row {
-                    event,
-                    verdict: &verdict,
-                }),
+                schema.to_json(Row { event, verdict }),
             )
         })
         .collect()

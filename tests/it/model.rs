@@ -1,0 +1,447 @@
+//! A rule set's model in the call path (`[model]`): scores equal to
+//! onnxruntime's on the `features` rows, the same in every command and
+//! store, the decision order of `crate::engine::model`, reloads, and bad
+//! models refused with a clear error.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::common::{self, HttpConn, RedisServer};
+use callguard::engine::record::Decision;
+use callguard::engine::rules::RuleSet;
+use callguard::offline::read::{read_call_log, ReadOptions};
+use callguard::store::memory::MemoryStore;
+use polars::prelude::*;
+
+fn run_ok(args: &[&std::ffi::OsStr]) -> String {
+    let o = std::process::Command::new(common::bin())
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "callguard {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn os(s: &str) -> &std::ffi::OsStr {
+    std::ffi::OsStr::new(s)
+}
+
+fn parquet(path: &Path) -> DataFrame {
+    ParquetReader::new(std::fs::File::open(path).unwrap())
+        .finish()
+        .unwrap()
+}
+
+/// `python3 notebooks/model.py ARGS`, which needs the notebook's packages.
+fn python(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    let o = std::process::Command::new("python3")
+        .arg("notebooks/model.py")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.code().is_some(),
+        "python3 notebooks/model.py was killed"
+    );
+    o
+}
+
+/// The scores of `features` (a `callguard features` table made with the
+/// model) against onnxruntime's for the same rows.
+fn check_with_onnxruntime(features: &Path, model: &Path) -> String {
+    let o = python(&[
+        os("check"),
+        features.as_os_str(),
+        model.as_os_str(),
+        os("--inputs"),
+        os(common::MODEL_INPUTS),
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "scores differ from onnxruntime's (the notebook's packages: pip install -r notebooks/requirements.txt; scripts/test-all.sh does): {out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// Every call of data/calls.csv scored by `features`, `replay` (in memory
+/// and through Redis) equal to onnxruntime's score of the same feature row,
+/// nulls fed as NaN; and the decisions of the two stores equal.
+#[test]
+fn scores_equal_onnxruntime_in_features_and_replay_in_every_store() {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let rules = common::model_rules(dir.path(), false, 0.5);
+    let features = dir.path().join("features.parquet");
+    run_ok(&[
+        os("features"),
+        os("-i"),
+        os("data/calls.csv"),
+        os("--rules"),
+        rules.as_os_str(),
+        os("-o"),
+        features.as_os_str(),
+    ]);
+    let out = check_with_onnxruntime(&features, Path::new("data/model.onnx"));
+    assert!(out.contains("rows 20000 "), "{out}");
+    // Some rows reached the model with a null (a caller's first call).
+    let f = parquet(&features);
+    assert!(f.column("since_prev_ms").unwrap().null_count() > 100);
+    let scores = f.column("score").unwrap().f32().unwrap().clone();
+    assert_eq!(scores.null_count(), 0);
+    // The model rejected calls the rules allowed.
+    let by_model = f
+        .column("reason")
+        .unwrap()
+        .str()
+        .unwrap()
+        .iter()
+        .filter(|r| *r == Some("model"))
+        .count();
+    assert!(by_model > 100, "{by_model} model rejects");
+    let memory = dir.path().join("memory.parquet");
+    run_ok(&[
+        os("replay"),
+        os("-i"),
+        os("data/calls.csv"),
+        os("--rules"),
+        rules.as_os_str(),
+        os("-o"),
+        memory.as_os_str(),
+    ]);
+    let in_redis = dir.path().join("redis.parquet");
+    run_ok(&[
+        os("replay"),
+        os("-i"),
+        os("data/calls.csv"),
+        os("--rules"),
+        rules.as_os_str(),
+        os("--store"),
+        os("redis"),
+        os("--redis-url"),
+        os(&redis.url()),
+        os("-o"),
+        in_redis.as_os_str(),
+    ]);
+    let (m, r) = (parquet(&memory), parquet(&in_redis));
+    assert!(m.equals_missing(&r), "replay in Redis differs from memory");
+    // The replay's scores and decisions are the features table's, call by call.
+    let by_id = |d: &DataFrame| -> std::collections::HashMap<String, (String, f32)> {
+        let ids = d.column("call_id").unwrap().str().unwrap().clone();
+        let decision = d.column("decision").unwrap().str().unwrap().clone();
+        let score = d.column("score").unwrap().f32().unwrap().clone();
+        (0..d.height())
+            .map(|i| {
+                (
+                    ids.get(i).unwrap().to_string(),
+                    (decision.get(i).unwrap().to_string(), score.get(i).unwrap()),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(by_id(&m), by_id(&f));
+}
+
+/// The rules alone, the model in shadow and the model enforcing, on the same
+/// log: a shadow model changes no decision, only flags; an enforcing one
+/// rejects exactly the calls at or above its threshold that the rules
+/// allowed (a listed caller aside), with the model's Retry-After.
+#[tokio::test]
+async fn shadow_never_rejects_and_enforcing_rejects_exactly_at_the_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = read_call_log(Path::new("data/calls.csv"), &ReadOptions::default()).unwrap();
+    let log = &log;
+    let replay = |rules: RuleSet| async move {
+        callguard::offline::replay::run(log, &rules, &mut MemoryStore::new())
+            .await
+            .unwrap()
+    };
+    let plain = RuleSet::from_file(Path::new("data/rules.toml")).unwrap();
+    let shadow_dir = dir.path().join("shadow");
+    let enforce_dir = dir.path().join("enforce");
+    std::fs::create_dir_all(&shadow_dir).unwrap();
+    std::fs::create_dir_all(&enforce_dir).unwrap();
+    let shadow = RuleSet::from_file(&common::model_rules(&shadow_dir, true, 0.5)).unwrap();
+    let enforcing = RuleSet::from_file(&common::model_rules(&enforce_dir, false, 0.5)).unwrap();
+    assert_ne!(shadow.version(), enforcing.version());
+    let (a, s, e) = (
+        replay(plain).await,
+        replay(shadow.clone()).await,
+        replay(enforcing.clone()).await,
+    );
+    let (mut flagged, mut rejected) = (0, 0);
+    for ((a, s), e) in a.iter().zip(&s).zip(&e) {
+        let (ar, sr, er) = (&a.record, &s.record, &e.record);
+        let score = s.score.expect("every attempt scored");
+        assert_eq!(e.score, Some(score));
+        assert_eq!(a.score, None);
+        assert_eq!(sr.decision, ar.decision, "shadow changed {}", ar.call_id);
+        assert_eq!(sr.counts, ar.counts);
+        let allowed = ar.decision == Decision::Allow && ar.reason != "allowlist";
+        if allowed && score >= 0.5 {
+            assert_eq!(er.decision, Decision::Reject, "{}", ar.call_id);
+            assert_eq!(er.reason, "model");
+            assert_eq!(er.retry_after_ms, Some(60_000));
+            rejected += 1;
+            if !ar.shadow {
+                assert!(sr.shadow && sr.reason == "model", "{}", ar.call_id);
+                flagged += 1;
+            }
+        } else {
+            assert_eq!(er.decision, ar.decision, "{}", ar.call_id);
+            assert_eq!(er.reason, ar.reason);
+            assert_eq!(er.retry_after_ms, ar.retry_after_ms);
+            assert_eq!(sr.reason, ar.reason);
+        }
+    }
+    assert!(rejected > 100 && flagged > 100, "{rejected} {flagged}");
+}
+
+/// Starts `serve` on `rules` and Redis; waits until it is ready.
+struct Serve {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(rules: &Path, redis: &RedisServer) -> Serve {
+    let port = common::free_port();
+    let child = std::process::Command::new(common::bin())
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--redis-url", &redis.url()])
+        .arg("--rules")
+        .arg(rules)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start serve");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "serve not ready");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Serve { child, port }
+}
+
+fn check(conn: &mut HttpConn, e: &callguard::engine::event::CallEvent) -> serde_json::Value {
+    let body = serde_json::json!({
+        "call_id": e.call_id.as_str(),
+        "caller": e.caller.as_str(),
+        "callee": e.callee.as_deref(),
+        "ts": e.ts_ms,
+    });
+    let mut v = conn.post("/v1/check", &body.to_string()).json();
+    let fields = v.as_object_mut().unwrap();
+    fields.remove("duplicate");
+    fields.remove("ratelimit");
+    v
+}
+
+/// A second model (fewer trees, so other scores) trained by the notebook's
+/// script on the features of data/calls.csv, at `to`.
+fn train_other_model(dir: &Path, to: &Path) {
+    let features = dir.join("plain-features.parquet");
+    run_ok(&[
+        os("features"),
+        os("-i"),
+        os("data/calls.csv"),
+        os("--rules"),
+        os("data/rules.toml"),
+        os("-o"),
+        features.as_os_str(),
+    ]);
+    let o = python(&[
+        os("train"),
+        features.as_os_str(),
+        to.as_os_str(),
+        os("--inputs"),
+        os(common::MODEL_INPUTS),
+        os("--trees"),
+        os("7"),
+        os("--depth"),
+        os("2"),
+    ]);
+    assert!(
+        o.status.success(),
+        "training failed (the notebook's packages): {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// `serve` answers each check with the score and decision replay gives the
+/// same calls; a model swapped under it takes effect once, with a new
+/// version; a corrupt model file keeps the one in force and is reported.
+#[test]
+fn serve_scores_as_replay_and_reloads_a_swapped_model_once() {
+    let redis = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model.onnx");
+    std::fs::copy("data/model.onnx", &model).unwrap();
+    let rules = common::model_rules_of(dir.path(), &model, false, 0.5);
+    let set = RuleSet::from_file(&rules).unwrap();
+    let log = read_call_log(Path::new("data/calls.csv"), &ReadOptions::default()).unwrap();
+    let events: Vec<_> = log.events.iter().map(|(_, e)| e.clone()).collect();
+    let (first, rest) = events.split_at(2_000);
+    let expected = common::replay_records(first, &set);
+    let served = serve(&rules, &redis);
+    let mut conn = HttpConn::connect(served.port);
+    let mut by_model = 0;
+    for e in first {
+        let got = check(&mut conn, e);
+        assert_eq!(&got, &expected[e.call_id.as_str()], "call {}", e.call_id);
+        by_model += usize::from(got["reason"] == "model");
+    }
+    assert!(by_model > 0, "no model reject among the first calls");
+    let old_version = set.version().to_string();
+    // Swap the model (written beside and renamed over, as a deploy does).
+    let other = dir.path().join("other.onnx");
+    train_other_model(dir.path(), &other);
+    std::fs::rename(&other, &model).unwrap();
+    let new_set = RuleSet::from_file(&rules).unwrap();
+    assert_ne!(new_set.version(), old_version);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut next = rest.iter();
+    let first_new = loop {
+        let e = next.next().unwrap();
+        let got = check(&mut conn, e);
+        if got["rules_version"] != old_version.as_str() {
+            break got;
+        }
+        assert!(Instant::now() < deadline, "the new model was not loaded");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(first_new["rules_version"], new_set.version());
+    // Once: every later check is decided under the new version.
+    for e in next.by_ref().take(200) {
+        assert_eq!(check(&mut conn, e)["rules_version"], new_set.version());
+    }
+    // A corrupt model: the one in force stays, and /v1/stats says why.
+    std::fs::write(&model, b"not a model").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let stats = common::http_get(served.port, "/v1/stats").unwrap_or_default();
+        if stats.contains("not an ONNX model") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the corrupt model is not reported: {stats}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let e = next.next().unwrap();
+    let got = check(&mut conn, e);
+    assert_eq!(got["rules_version"], new_set.version());
+    assert!(got["score"].is_f64(), "{got}");
+}
+
+/// Writes `data/rules.toml` with a `[model]` of these lines in `dir`.
+fn rules_with_model(dir: &Path, model_lines: &str) -> PathBuf {
+    common::rules_file(
+        dir,
+        &format!(
+            "{}\n[model]\n{model_lines}\n",
+            std::fs::read_to_string("data/rules.toml").unwrap()
+        ),
+    )
+}
+
+/// A bad `[model]`: each refused at start with a message that says what is
+/// wrong, and the command writes nothing.
+#[test]
+fn bad_models_are_refused_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = std::fs::canonicalize("data/model.onnx").unwrap();
+    let m = format!("path = {:?}", model.display().to_string());
+    let six = r#"inputs = ["count_burst", "count_minute", "count_hour", "since_prev_ms", "distinct_callees", "local_hour"]"#;
+    std::fs::write(
+        dir.path().join("junk.onnx"),
+        b"\x00\x01 definitely not protobuf",
+    )
+    .unwrap();
+    // A model with two outputs, neither named `probabilities`.
+    let renamed = dir.path().join("two-outputs.onnx");
+    let o = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import onnx,sys\nm=onnx.load(sys.argv[1])\nfor o in m.graph.output:\n  o.name=o.name+'_x'\nfor n in m.graph.node:\n  n.output[:]=[x+'_x' if x in ('label','probabilities') else x for x in n.output]\nonnx.save(m,sys.argv[2])",
+        ])
+        .arg(&model)
+        .arg(&renamed)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cases = [
+        (
+            format!("{m}\ninputs = [\"count_burst\", \"count_minute\", \"count_hour\", \"since_prev_ms\", \"distinct_callees\", \"duration_ms\"]\nthreshold = 0.9"),
+            "`duration_ms` is known only after the attempt",
+        ),
+        (
+            format!("{m}\ninputs = [\"count_burst\", \"count_minute\", \"count_hour\", \"since_prev_ms\", \"distinct_callees\", \"count_day\"]\nthreshold = 0.9"),
+            "no feature column `count_day`",
+        ),
+        (
+            format!("{m}\ninputs = [\"count_burst\", \"count_minute\", \"count_hour\", \"since_prev_ms\", \"distinct_callees\", \"caller\"]\nthreshold = 0.9"),
+            "`caller` names the call",
+        ),
+        (
+            format!("{m}\ninputs = [\"count_burst\", \"count_minute\"]\nthreshold = 0.9"),
+            "the model takes 6 features a call, and `inputs` names 2",
+        ),
+        (
+            format!("path = \"junk.onnx\"\n{six}\nthreshold = 0.9"),
+            "not an ONNX model",
+        ),
+        (
+            format!("path = \"missing.onnx\"\n{six}\nthreshold = 0.9"),
+            "cannot read",
+        ),
+        (
+            format!("path = {:?}\n{six}\nthreshold = 0.9", renamed.display().to_string()),
+            "none named `probabilities`",
+        ),
+        (
+            format!("{m}\n{six}\nthreshold = 0.9\nwarn = 0.95"),
+            "warn: a number no higher than threshold",
+        ),
+    ];
+    for (lines, want) in cases {
+        let rules = rules_with_model(dir.path(), &lines);
+        let out = dir.path().join("out.csv");
+        let o = std::process::Command::new(common::bin())
+            .args(["replay", "-i", "data/calls.csv", "--rules"])
+            .arg(&rules)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "accepted: {lines}");
+        assert!(err.contains(want), "{lines}\nwant {want:?}, got: {err}");
+        assert!(!out.exists(), "a refused model wrote {}", out.display());
+    }
+    // An enforcing model with a rule that decides before it and would keep
+    // the call's state is refused; in shadow it is taken.
+    let clash = format!(
+        "{}\n[[rule]]\nname = \"channels\"\nkind = \"concurrent\"\nlimit = 5\nmax_duration = \"4h\"\n\n[model]\n{m}\n{six}\nthreshold = 0.9\n",
+        std::fs::read_to_string("data/rules.toml").unwrap()
+    );
+    let e = RuleSet::from_toml(&clash).unwrap_err().to_string();
+    assert!(
+        e.contains("an enforcing model cannot go with the caller's concurrent rule `channels`"),
+        "{e}"
+    );
+    RuleSet::from_toml(&clash.replace("threshold = 0.9", "threshold = 0.9\nshadow = true"))
+        .unwrap();
+}
