@@ -313,6 +313,9 @@ pub enum TuneError {
     /// Reading the log failed.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// The replay a model's sweep reads its scores from failed.
+    #[error(transparent)]
+    Replay(#[from] ReplayError),
 }
 
 /// Kafka failures.

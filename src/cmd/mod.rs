@@ -93,7 +93,7 @@ pub async fn run(command: Command) -> Result<()> {
         Command::Serve(args) => serve::run(*args).await,
         Command::Produce(args) => produce::run(*args).await,
         Command::Demo(args) => demo::run(*args).await,
-        Command::Tune(args) => tune::run(*args),
+        Command::Tune(args) => tune::run(*args).await,
         Command::Features(args) => features::run(*args).await,
         Command::Generate(args) => generate::run(args),
     }

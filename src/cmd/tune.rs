@@ -10,7 +10,10 @@ use callguard::error::IoError;
 use callguard::offline::order::OrderedLog;
 use callguard::offline::read::not_kept;
 use callguard::offline::table::{write_frame, write_invalid, TableFormat};
-use callguard::offline::tune::{observed_limits, render_table, sweep_frame, sweep_ordered, Target};
+use callguard::offline::tune::{
+    default_thresholds, model_sweep_frame, observed_limits, render_model_sweep, render_table,
+    sweep_frame, sweep_model, sweep_ordered, Target,
+};
 
 use crate::cmd::args::LogArgs;
 use crate::cmd::{progress_wanted, report_invalid};
@@ -53,6 +56,18 @@ pub struct TuneArgs {
     /// Plot: `.png` or `.svg`.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Sweep the threshold of the rule set's `[model]` instead of a rule's
+    /// limit: on a labelled log, the calls rejected, recall, precision and
+    /// legit false-reject rate per threshold (from one replay that scores
+    /// every call), the rules alone beside the rules and the model, and the
+    /// highest-recall threshold whose false-reject rate is at most
+    /// `--max-false-reject`.
+    #[arg(long, conflicts_with_all = ["sweep", "limits", "quantile"])]
+    pub model: bool,
+    /// With `--model`: the thresholds to sweep, `T1,T2,...` (0 to 1).
+    /// Default: 0.05 to 0.95 by 0.05, 0.97, 0.99, 0.995.
+    #[arg(long, requires = "model", value_delimiter = ',')]
+    pub thresholds: Option<Vec<f32>>,
 }
 
 /// Where `tune` without `--output` lists a log's invalid rows:
@@ -104,7 +119,10 @@ fn parse_values(s: &str, one: impl Fn(&str) -> Result<u64, String>) -> Result<Ve
 }
 
 /// Runs `callguard tune`.
-pub fn run(args: TuneArgs) -> Result<()> {
+pub async fn run(args: TuneArgs) -> Result<()> {
+    if args.model {
+        return run_model(args).await;
+    }
     // A window rule's limits; a sum rule's are read in its unit below.
     let limits = parse_limits(args.limits.as_deref().unwrap_or("1..200"));
     // Output names are checked before the sweep, not after it.
@@ -127,6 +145,9 @@ pub fn run(args: TuneArgs) -> Result<()> {
         }
     }
     let rules = rule_args.rule_set()?;
+    if rules.model().is_some() {
+        println!("the rule set's [model] is left out of the limit sweep: sweep its threshold with --model");
+    }
     let index = match &args.sweep {
         Some(name) => rules
             .rule_index(name)
@@ -226,5 +247,65 @@ pub fn run(args: TuneArgs) -> Result<()> {
         result.passes
     );
     println!("recommendation: {}", result.explanation);
+    Ok(())
+}
+
+/// `tune --model`: the model's threshold swept (see [`TuneArgs::model`]).
+async fn run_model(args: TuneArgs) -> Result<()> {
+    if let Some(out) = &args.output {
+        TableFormat::from_path(out)?;
+    }
+    if let Some(plot) = &args.plot {
+        callguard::offline::plot::check_path(plot)?;
+    }
+    let rules = args.log.rules.rule_set()?;
+    anyhow::ensure!(
+        rules.model().is_some(),
+        "--model: the rule set has no [model] to tune (see docs/model.md)"
+    );
+    let thresholds = args.thresholds.clone().unwrap_or_else(default_thresholds);
+    if let Some(bad) = thresholds.iter().find(|t| !(0.0..=1.0).contains(*t)) {
+        anyhow::bail!("--thresholds: {bad} is not between 0 and 1");
+    }
+    let mut log_args = args.log.clone();
+    if let Some(col) = &args.label_column {
+        log_args.input.decoder.map.push(format!("label={col}"));
+    }
+    let progress = progress_wanted();
+    let read = log_args.read_options(progress)?;
+    let mut log = OrderedLog::open(&log_args.input.input, &read)?;
+    if rules.uses_ends() {
+        log = log.with_ends();
+    }
+    let rows = log.rows();
+    let (sweep, invalid) = sweep_model(
+        Arc::new(log),
+        &rules,
+        &thresholds,
+        args.max_false_reject,
+        progress,
+    )
+    .await?;
+    print!("{}", render_model_sweep(&sweep));
+    if let Some(out) = &args.output {
+        write_frame(out, &mut model_sweep_frame(&sweep)?)?;
+        println!("sweep table      {}", out.display());
+    }
+    if let Some(plot) = &args.plot {
+        callguard::offline::plot::draw_model(&sweep, plot)?;
+        println!("plot             {}", plot.display());
+    }
+    let invalid_file = match &args.output {
+        Some(out) => write_invalid(out, &invalid)?,
+        None => write_invalid(&invalid_home(&args.log.input.input), &invalid)?,
+    };
+    if let Some(path) = &invalid_file {
+        report_invalid(path, &invalid);
+    }
+    println!(
+        "{} events, {} invalid rows",
+        rows - not_kept(&invalid),
+        not_kept(&invalid)
+    );
     Ok(())
 }

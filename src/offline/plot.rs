@@ -12,7 +12,7 @@ use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
 
 use crate::error::IoError;
-use crate::offline::tune::{Sweep, SweepRow, Target};
+use crate::offline::tune::{ModelSweep, Sweep, SweepRow, Target, ThresholdRow};
 
 /// Fonts tried for the plot's text.
 const FONT_PATHS: [&str; 4] = [
@@ -60,6 +60,133 @@ pub fn draw(sweep: &Sweep, path: &Path) -> Result<(), IoError> {
 }
 
 fn draw_to(sweep: &Sweep, path: &Path, svg: bool) -> Result<(), String> {
+    register_font()?;
+    if svg {
+        let root = SVGBackend::new(path, SIZE).into_drawing_area();
+        panels(sweep, &root)?;
+        root.present().map_err(plot_err)
+    } else {
+        let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+        panels(sweep, &root)?;
+        root.present().map_err(plot_err)
+    }
+}
+
+/// Draws a model's threshold sweep (`tune --model`) to `path` (`.svg` or
+/// `.png`): recall, precision and the legit false-reject rate against the
+/// threshold, the rules alone as dashed levels, the recommendation marked.
+pub fn draw_model(sweep: &ModelSweep, path: &Path) -> Result<(), IoError> {
+    let svg = check_path(path)?;
+    let drawn = register_font().and_then(|()| {
+        if svg {
+            let root = SVGBackend::new(path, SIZE).into_drawing_area();
+            model_panel(sweep, &root)?;
+            root.present().map_err(plot_err)
+        } else {
+            let root = BitMapBackend::new(path, SIZE).into_drawing_area();
+            model_panel(sweep, &root)?;
+            root.present().map_err(plot_err)
+        }
+    });
+    drawn.map_err(|problem| IoError::Plot {
+        path: path.to_path_buf(),
+        problem,
+    })
+}
+
+fn model_panel<DB: DrawingBackend>(
+    s: &ModelSweep,
+    root: &DrawingArea<DB, Shift>,
+) -> Result<(), String>
+where
+    DB::ErrorType: 'static,
+{
+    root.fill(&WHITE).map_err(plot_err)?;
+    let root = root
+        .titled(
+            "callguard tune --model: the model's threshold",
+            ("sans-serif", 24),
+        )
+        .map_err(plot_err)?;
+    let lo = s.rows.first().and_then(|r| r.threshold).unwrap_or(0.0) as f64;
+    let hi = s.rows.last().and_then(|r| r.threshold).unwrap_or(1.0) as f64;
+    let mut c = ChartBuilder::on(&root)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(lo.min(hi - 0.01)..hi, 0f64..100f64)
+        .map_err(plot_err)?;
+    c.configure_mesh()
+        .x_desc("threshold (reject at or above this score)")
+        .y_desc("%")
+        .y_label_formatter(&|v| format!("{v:.0}%"))
+        .draw()
+        .map_err(plot_err)?;
+    let at = |f: &dyn Fn(&ThresholdRow) -> Option<f64>| -> Vec<(f64, f64)> {
+        s.rows
+            .iter()
+            .filter_map(|r| Some((f64::from(r.threshold?), f(r)? * 100.0)))
+            .collect()
+    };
+    let lines: [(&str, RGBColor, Vec<(f64, f64)>, f64); 4] = [
+        (
+            "recall (fraud calls caught)",
+            GREEN,
+            at(&|r| Some(r.recall)),
+            s.rules_alone.recall,
+        ),
+        (
+            "precision",
+            BLUE,
+            at(&|r| r.precision),
+            s.rules_alone.precision.unwrap_or(0.0),
+        ),
+        (
+            "legit false-reject rate",
+            FALSE_REJECT,
+            at(&|r| Some(r.false_reject_rate)),
+            s.rules_alone.false_reject_rate,
+        ),
+        (
+            "legit calls rejected by the model",
+            MAX_LINE,
+            at(&|r| Some(r.model_false_reject_rate)),
+            0.0,
+        ),
+    ];
+    for (name, color, pts, alone) in lines {
+        c.draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(plot_err)?
+            .label(name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        // The rules alone: the level the model adds to.
+        c.draw_series(DashedLineSeries::new(
+            vec![(lo, alone * 100.0), (hi, alone * 100.0)],
+            6,
+            4,
+            color.stroke_width(1),
+        ))
+        .map_err(plot_err)?;
+    }
+    if let Some(t) = s.recommended.and_then(|i| s.rows[i].threshold) {
+        let t = f64::from(t);
+        c.draw_series(std::iter::once(PathElement::new(
+            vec![(t, 0.0), (t, 100.0)],
+            BLACK.stroke_width(1),
+        )))
+        .map_err(plot_err)?
+        .label(format!(
+            "recommended threshold = {t:.3} (dashed: the rules alone)"
+        ))
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+    }
+    legend(&mut c)
+}
+
+/// Registers the plots' TrueType font (for SVG as well as PNG).
+fn register_font() -> Result<(), String> {
     // Text is laid out with a TrueType font, for SVG as well as PNG.
     let font = FONT_PATHS
         .iter()
@@ -71,16 +198,7 @@ fn draw_to(sweep: &Sweep, path: &Path, svg: bool) -> Result<(), String> {
     // plotters keeps registered fonts for the whole program: leaked once per plot.
     let font: &'static [u8] = Box::leak(font.into_boxed_slice());
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
-        .map_err(|_| plot_err("bad font file"))?;
-    if svg {
-        let root = SVGBackend::new(path, SIZE).into_drawing_area();
-        panels(sweep, &root)?;
-        root.present().map_err(plot_err)
-    } else {
-        let root = BitMapBackend::new(path, SIZE).into_drawing_area();
-        panels(sweep, &root)?;
-        root.present().map_err(plot_err)
-    }
+        .map_err(|_| plot_err("bad font file"))
 }
 
 /// The points of one curve: (N, value in percent), rows without a value left out.

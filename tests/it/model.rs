@@ -445,3 +445,95 @@ fn bad_models_are_refused_with_a_clear_error() {
     RuleSet::from_toml(&clash.replace("threshold = 0.9", "threshold = 0.9\nshadow = true"))
         .unwrap();
 }
+
+/// `tune --model`: each threshold's counts equal a replay with the model
+/// enforcing at that threshold; the recommendation is the lowest threshold
+/// whose model's own legit false-reject rate is within the bound; the CLI
+/// writes the table and the plot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_threshold_sweep_equals_a_replay_per_threshold() {
+    use callguard::offline::order::OrderedLog;
+    use callguard::offline::tune::sweep_model;
+    let dir = tempfile::tempdir().unwrap();
+    let shadow = RuleSet::from_file(&common::model_rules(dir.path(), true, 0.9)).unwrap();
+    let log = std::sync::Arc::new(
+        OrderedLog::open(Path::new("data/calls.csv"), &ReadOptions::default()).unwrap(),
+    );
+    let thresholds = [0.3f32, 0.65, 0.9, 0.99];
+    let (sweep, invalid) = sweep_model(log, &shadow, &thresholds, 0.002, false)
+        .await
+        .unwrap();
+    assert!(invalid.is_empty());
+    let calls = read_call_log(Path::new("data/calls.csv"), &ReadOptions::default()).unwrap();
+    for row in &sweep.rows {
+        let t = row.threshold.unwrap();
+        let sub = dir.path().join(format!("t{t}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let enforcing = RuleSet::from_file(&common::model_rules(&sub, false, t)).unwrap();
+        let verdicts = callguard::offline::replay::run(&calls, &enforcing, &mut MemoryStore::new())
+            .await
+            .unwrap();
+        let (mut rejected, mut by_model, mut fraud, mut legit) = (0, 0, 0, 0);
+        for ((_, e), v) in calls.events.iter().zip(&verdicts) {
+            if v.record.decision == Decision::Reject {
+                rejected += 1;
+                by_model += u64::from(v.record.reason == "model");
+                fraud += u64::from(e.label == Some(true));
+                legit += u64::from(e.label == Some(false));
+            }
+        }
+        assert_eq!(
+            (
+                row.rejected,
+                row.by_model,
+                row.fraud_rejected,
+                row.legit_rejected
+            ),
+            (rejected, by_model, fraud, legit),
+            "threshold {t}"
+        );
+    }
+    let alone = &sweep.rules_alone;
+    assert_eq!(alone.by_model, 0);
+    // The lowest threshold within the bound, and none below it is.
+    let i = sweep.recommended.expect("a threshold within 0.2%");
+    assert!(sweep.rows[i].model_false_reject_rate <= 0.002);
+    assert!(sweep.rows[..i]
+        .iter()
+        .all(|r| r.model_false_reject_rate > 0.002));
+    assert!(sweep.rows[i].recall > alone.recall);
+    // The command: table, plot, and the side by side.
+    let table = dir.path().join("sweep.csv");
+    let plot = dir.path().join("sweep.png");
+    let o = std::process::Command::new(common::bin())
+        .args([
+            "tune",
+            "-i",
+            "data/calls.csv",
+            "--rules",
+            "data/rules-model.toml",
+            "--model",
+        ])
+        .arg("-o")
+        .arg(&table)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        out.contains("rules alone")
+            && out.contains("+ model")
+            && out.contains("recommendation: threshold = "),
+        "{out}"
+    );
+    assert!(std::fs::metadata(&plot).unwrap().len() > 10_000);
+    let text = std::fs::read_to_string(&table).unwrap();
+    assert_eq!(text.lines().count(), 1 + 22 + 1, "{text}");
+    assert_eq!(
+        text.lines().filter(|l| l.ends_with(",true")).count(),
+        1,
+        "{text}"
+    );
+}

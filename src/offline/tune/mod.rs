@@ -20,6 +20,7 @@
 //! ([`Sweeper`]): memory holds per-caller tallies and window state, not the
 //! log.
 
+mod model;
 mod report;
 mod rows;
 mod shards;
@@ -28,6 +29,10 @@ use crate::engine::aggregate::{Gate, MemoryLedger};
 use crate::engine::pool::Pools;
 use std::sync::Arc;
 
+pub use model::{
+    default_thresholds, model_sweep_frame, render_model_sweep, sweep_model, ModelSweep,
+    ThresholdRow,
+};
 pub use report::{render_table, sweep_frame};
 #[cfg(any(test, feature = "testing"))]
 pub use rows::row_by_replay;
