@@ -42,6 +42,14 @@ pub struct GenerateArgs {
     /// callee).
     #[arg(long, default_value_t = 0)]
     pub tdos: usize,
+    /// Add this many low-and-slow dialers a day (population
+    /// `low_and_slow`, new numbers every day): at night, a call every 20 to
+    /// 40 s to a new number for one to two hours, under every limit of
+    /// data/rules.toml. The rules alone miss them; their features (calls in
+    /// the hour, distinct callees, the regular gap, the hour) carry them, for
+    /// training a model (docs/model.md).
+    #[arg(long, default_value_t = 0)]
+    pub low_and_slow: usize,
 }
 
 /// What `generate` writes.
@@ -70,7 +78,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.rows,
         args.seed,
         args.days,
-        args.tdos,
+        generate::Extra {
+            tdos: args.tdos,
+            low_and_slow: args.low_and_slow,
+        },
         cdr,
         args.timezone,
     )?;

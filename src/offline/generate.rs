@@ -130,6 +130,43 @@ pub fn add_tdos(calls: &mut Vec<GenCall>, count: usize, seed: u64) {
     sort_by_time(calls);
 }
 
+/// Adds day `day`'s low-and-slow dialers to `calls` (kept sorted):
+/// `callers` numbers, new every day, each working through a list at night
+/// (00:00 to 05:00 UTC) for one to two hours, a call every 20 to 40 s, each
+/// to a new subscriber, rarely answered; labelled fraud, population
+/// `low_and_slow`. Every caller stays under every limit of
+/// `data/rules.toml` (at most 3 a minute, 180 an hour): the rules alone miss
+/// them, while their features (calls in the hour, distinct callees, the
+/// gap since the previous call, the hour of the night) set them apart from
+/// the subscribers and PBXs the generator makes.
+pub fn add_low_and_slow(calls: &mut Vec<GenCall>, callers: usize, seed: u64, day: u64) {
+    let day0 = DAY_START_MS.saturating_add((day as i64).saturating_mul(DAY_MS));
+    for id in 0..callers as u64 {
+        let mut who = rng_of(&[seed, 0x51_0e, id, day + 1]);
+        let mut rng = rng_of(&[seed, 0x51_0e, id, day + 1, day, 1]);
+        let caller = subscriber_number(&mut who);
+        let gap = rng.random_range(20_000..40_000);
+        let mut t = day0 + rng.random_range(0..5 * HOUR_MS);
+        let end = t + rng.random_range(HOUR_MS..2 * HOUR_MS);
+        while t < end {
+            let (ring_ms, talk_ms) = maybe_answered(&mut rng, 0.05, 2_000..20_000);
+            calls.push(GenCall {
+                caller: caller.clone(),
+                callee: subscriber_number(&mut rng),
+                ts_ms: t,
+                ring_ms,
+                talk_ms,
+                fraud: true,
+                population: "low_and_slow",
+                account: None,
+            });
+            // A machine's pace: the same gap, a second's jitter either way.
+            t += gap + rng.random_range(-1_000..=1_000);
+        }
+    }
+    sort_by_time(calls);
+}
+
 /// The log's order: by time, calls at the same millisecond by caller.
 fn sort_by_time(calls: &mut [GenCall]) {
     calls.sort_by(|a, b| a.ts_ms.cmp(&b.ts_ms).then_with(|| a.caller.cmp(&b.caller)));
@@ -508,6 +545,15 @@ fn exp_gap(rng: &mut StdRng, mean_ms: f64) -> i64 {
     (-u.ln() * mean_ms).max(1.0) as i64
 }
 
+/// Traffic [`write_days`] adds to the populations' own.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extra {
+    /// Calls of a TDoS attack on the first day ([`add_tdos`]).
+    pub tdos: usize,
+    /// Low-and-slow dialers a day ([`add_low_and_slow`]).
+    pub low_and_slow: usize,
+}
+
 /// What [`write_days`] wrote.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Written {
@@ -528,7 +574,7 @@ pub fn write_days(
     rows: usize,
     seed: u64,
     days: u64,
-    tdos: usize,
+    extra: Extra,
     format: Option<InputFormat>,
     tz: Tz,
 ) -> Result<Written, IoError> {
@@ -538,8 +584,11 @@ pub fn write_days(
     let mut carried: Vec<GenCall> = Vec::new();
     for day in 0..days {
         let mut calls = generate_day(rows, seed, day);
-        if day == 0 && tdos > 0 {
-            add_tdos(&mut calls, tdos, seed);
+        if day == 0 && extra.tdos > 0 {
+            add_tdos(&mut calls, extra.tdos, seed);
+        }
+        if extra.low_and_slow > 0 {
+            add_low_and_slow(&mut calls, extra.low_and_slow, seed, day);
         }
         written.calls += calls.len() as u64;
         written.fraud += calls.iter().filter(|c| c.fraud).count() as u64;
@@ -911,7 +960,7 @@ mod tests {
     fn written_days_run_on_in_order() {
         let dir = tempfile::tempdir().unwrap();
         let three = dir.path().join("3.csv");
-        let w = write_days(&three, 2_000, 9, 3, 0, None, Tz::UTC).unwrap();
+        let w = write_days(&three, 2_000, 9, 3, Extra::default(), None, Tz::UTC).unwrap();
         assert_eq!(w.calls, 6_000);
         let text = std::fs::read_to_string(&three).unwrap();
         let rows: Vec<Vec<&str>> = text
@@ -951,7 +1000,16 @@ mod tests {
             pairs(one.iter().map(|(a, b, _)| (a.clone(), b.clone())).collect())
         );
         let cdr = dir.path().join("a.csv");
-        write_days(&cdr, 2_000, 9, 2, 0, Some(InputFormat::Asterisk), Tz::UTC).unwrap();
+        write_days(
+            &cdr,
+            2_000,
+            9,
+            2,
+            Extra::default(),
+            Some(InputFormat::Asterisk),
+            Tz::UTC,
+        )
+        .unwrap();
         let ends: Vec<String> = csv::ReaderBuilder::new()
             .has_headers(false)
             .flexible(true)

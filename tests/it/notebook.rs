@@ -89,3 +89,68 @@ fn the_committed_notebook_shows_its_outputs() {
         assert!(!leaked, "an output names a machine path ({path})");
     }
 }
+
+/// `notebooks/fraud_model.ipynb` runs top to bottom headless against the
+/// binary built for these tests (it generates two days, trains on the
+/// first, checks callguard's scores against onnxruntime's and sweeps the
+/// threshold on the second; its cells assert the scores agree and the model
+/// adds recall on the held-out day); its committed outputs show the plots
+/// and the result, and no machine path.
+#[test]
+fn fraud_model_notebook_runs_top_to_bottom() {
+    let dir = tempfile::tempdir().unwrap();
+    let executed = dir.path().join("executed.ipynb");
+    let o = Command::new("jupyter")
+        .current_dir("notebooks")
+        .env("CALLGUARD_BIN", common::bin())
+        .env("CALLGUARD_NOTEBOOK_OUT", dir.path())
+        .env("MPLBACKEND", "Agg")
+        .args([
+            "nbconvert",
+            "--to",
+            "notebook",
+            "--execute",
+            "--ClearOutputPreprocessor.enabled=True",
+            "--ExecutePreprocessor.timeout=600",
+            "fraud_model.ipynb",
+            "--output",
+        ])
+        .arg(&executed)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the notebook failed (pip install -r notebooks/requirements.txt; scripts/test-all.sh does):\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let text = std::fs::read_to_string(&executed).unwrap();
+    assert!(
+        text.contains("over_1e-05 0 "),
+        "no score check in the output"
+    );
+    assert!(
+        text.contains("(rules + model)"),
+        "no comparison in the output"
+    );
+    for plot in ["model.png", "model-sweep.png"] {
+        let len = std::fs::metadata(dir.path().join(plot)).map_or(0, |m| m.len());
+        assert!(len > 10_000, "{plot}: {len} bytes");
+    }
+    let committed = std::fs::read_to_string("notebooks/fraud_model.ipynb").unwrap();
+    let nb: serde_json::Value = serde_json::from_str(&committed).unwrap();
+    let outputs: Vec<String> = nb["cells"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| c["outputs"].as_array().into_iter().flatten())
+        .map(|o| o.to_string())
+        .collect();
+    assert!(outputs.iter().filter(|o| o.contains("image/png")).count() >= 2);
+    assert!(outputs.iter().any(|o| o.contains("(rules + model)")));
+    for path in ["/root/", "/home/", "/tmp/", "/work/"] {
+        assert!(
+            !outputs.iter().any(|o| o.contains(path)),
+            "an output names {path}"
+        );
+    }
+}
