@@ -32,7 +32,8 @@
 #   script": "default" passes no --redis-mode, so it measures what a
 #   user gets, the cached store; "script" and "cached" pass the flag). CONSUME_ARGS adds options to the consume of
 #   sections 2 and 3 (e.g. "--batch-size 100"). SKIP_STORE=1 leaves section 1 out
-#   (an A/B of two builds of `consume` through CALLGUARD_BIN). AGGREGATE=1
+#   (an A/B of two builds of `consume` through CALLGUARD_BIN). MODEL_RULES=FILE
+#   runs section 2 again on that rule set (one with a [model]). AGGREGATE=1
 #   runs section 2 again with a rule keyed by callee added, and with a
 #   global rule added (a 1-s window, then a 1-min one); SKIP_LATENCY=1
 #   leaves section 3 out. LATENCY_MEMORY=1 runs section 3 once more with
@@ -189,7 +190,11 @@ e2e() {
   kill "$cpid" 2>/dev/null || true
   wait "$cpid" 2>/dev/null || true
 }
-for mode in $modes; do e2e "$mode"; done
+for mode in $modes; do
+  e2e "$mode"
+  # MODEL_RULES=FILE: section 2 again on a rule set with a [model] (scripts/bench-model.sh).
+  if [ -n "${MODEL_RULES:-}" ]; then e2e "$mode" "$MODEL_RULES" "-model"; fi
+done
 # AGGREGATE=1: section 2 again with a rule keyed by callee added, then with
 # a global rule over every call added instead (issue #30).
 if [ "${AGGREGATE:-0}" = 1 ]; then

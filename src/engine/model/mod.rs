@@ -300,3 +300,130 @@ pub fn settle(rules: &RuleSet, model: &Model, v: &mut Verdict, score: f32) {
         r.warn = Some(CompactString::const_new(REASON_MODEL));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::event::CallEvent;
+
+    const INPUTS: [&str; 6] = [
+        "count_burst",
+        "count_minute",
+        "count_hour",
+        "since_prev_ms",
+        "distinct_callees",
+        "local_hour",
+    ];
+
+    fn rules(shadow: bool, warn: Option<f32>) -> RuleSet {
+        let text = std::fs::read_to_string("data/rules.toml").unwrap();
+        let mut spec = RuleSet::from_toml(&text.replace("allow = []", "allow = [\"+3491\"]"))
+            .unwrap()
+            .spec();
+        let bytes = std::fs::read("data/model.onnx").unwrap();
+        spec.model = Some(
+            Model::load(
+                "data/model.onnx".into(),
+                &bytes,
+                INPUTS.iter().map(|s| s.to_string()).collect(),
+                0.5,
+                shadow,
+                warn,
+                30_000,
+            )
+            .unwrap(),
+        );
+        RuleSet::build(spec).unwrap()
+    }
+
+    fn verdict(rules: &RuleSet, caller: &str) -> Verdict {
+        let mut v = Verdict::of_end(&CallEvent::new("c1", caller, 1_764_547_200_000), rules);
+        v.end = false;
+        v.record.reason = CompactString::const_new("ok");
+        v
+    }
+
+    #[test]
+    fn the_decision_order_of_a_score() {
+        let enforcing = rules(false, Some(0.3));
+        let model = enforcing.model().unwrap();
+        // Over the threshold: rejected, the model's Retry-After, no warning.
+        let mut v = verdict(&enforcing, "+34600000001");
+        settle(&enforcing, model, &mut v, 0.5);
+        let r = &v.record;
+        assert_eq!((r.decision, r.reason.as_str()), (Decision::Reject, "model"));
+        assert_eq!(
+            (r.retry_after_ms, r.warn.as_deref(), v.score),
+            (Some(30_000), None, Some(0.5))
+        );
+        // Under it, over `warn`: allowed and warned.
+        let mut v = verdict(&enforcing, "+34600000001");
+        settle(&enforcing, model, &mut v, 0.4);
+        assert_eq!(v.record.decision, Decision::Allow);
+        assert_eq!(v.record.warn.as_deref(), Some("model"));
+        // A rule's warning comes first.
+        let mut v = verdict(&enforcing, "+34600000001");
+        v.record.warn = Some("minute".into());
+        settle(&enforcing, model, &mut v, 0.4);
+        assert_eq!(v.record.warn.as_deref(), Some("minute"));
+        // A rule's reject stands, and keeps its reason and Retry-After.
+        let mut v = verdict(&enforcing, "+34600000001");
+        v.record.decision = Decision::Reject;
+        v.record.reason = "burst".into();
+        v.record.retry_after_ms = Some(900);
+        settle(&enforcing, model, &mut v, 0.99);
+        assert_eq!(
+            (v.record.reason.as_str(), v.record.retry_after_ms),
+            ("burst", Some(900))
+        );
+        // A listed caller is scored, not rejected.
+        let mut v = verdict(&enforcing, "+34911000001");
+        v.record.reason = REASON_ALLOWLIST.into();
+        settle(&enforcing, model, &mut v, 0.99);
+        assert_eq!((v.record.decision, v.score), (Decision::Allow, Some(0.99)));
+        // In shadow: flagged, not rejected; a shadow rule's flag comes first.
+        let shadow = rules(true, None);
+        let model = shadow.model().unwrap();
+        let mut v = verdict(&shadow, "+34600000001");
+        settle(&shadow, model, &mut v, 0.7);
+        assert_eq!(
+            (v.record.decision, v.record.shadow),
+            (Decision::Allow, true)
+        );
+        assert_eq!(v.record.reason, "model");
+        let mut v = verdict(&shadow, "+34600000001");
+        v.record.shadow = true;
+        v.record.reason = "hour".into();
+        settle(&shadow, model, &mut v, 0.7);
+        assert_eq!(v.record.reason, "hour");
+    }
+
+    #[test]
+    fn ends_degraded_calls_and_other_sets_redeliveries_are_not_scored() {
+        let set = rules(false, None);
+        let mut end = verdict(&set, "+34600000001");
+        end.end = true;
+        let mut degraded = verdict(&set, "+34600000001");
+        degraded.record.degraded = true;
+        let mut other = verdict(&set, "+34600000001");
+        other.duplicate = true;
+        other.record.rules_version = "0123456789ab".into();
+        let mut same = verdict(&set, "+34600000001");
+        same.duplicate = true;
+        decide(&set, [&mut end, &mut degraded, &mut other, &mut same]).unwrap();
+        assert_eq!((end.score, degraded.score, other.score), (None, None, None));
+        assert!(same.score.is_some());
+    }
+
+    #[test]
+    fn a_null_feature_reaches_the_model_as_nan() {
+        let set = rules(false, None);
+        let v = verdict(&set, "+34600000001");
+        let mut row = Vec::new();
+        set.model().unwrap().features(&v, &mut row);
+        // No counts (0 is written as null), no previous call, no callees.
+        assert_eq!(row.len(), 6);
+        assert!(row[..5].iter().all(|x| x.is_nan()), "{row:?}");
+        assert_eq!(row[5], 0.0, "midnight UTC");
+    }
+}
