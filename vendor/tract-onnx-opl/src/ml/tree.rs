@@ -350,6 +350,34 @@ impl TreeEnsemble {
         Ok(output)
     }
 
+    /// [`Self::eval_2d`] for a sum, tree by tree over the rows: a tree's
+    /// nodes stay in cache across the batch instead of the whole ensemble
+    /// being walked for every row. Each row still adds its trees' weights
+    /// in tree order: the same sums.
+    fn eval_2d_sum_by_tree<T>(&self, input: &ArrayView2<T>) -> TractResult<Array2<f32>>
+    where
+        T: AsPrimitive<f32>,
+    {
+        self.check_n_features(input.shape()[1])?;
+        let n = input.shape()[0];
+        let mut output = Array2::zeros((n, self.n_classes));
+        let mut aggs: tract_smallvec::SmallVec<[SumFn; 16]> =
+            iter::repeat_with(Default::default).take(self.n_classes).collect();
+        for t in 0..self.data.trees.len() {
+            for i in 0..n {
+                unsafe {
+                    self.data.eval_unchecked(
+                        t,
+                        &input.index_axis(Axis(0), i),
+                        &mut output.index_axis_mut(Axis(0), i),
+                        &mut aggs,
+                    );
+                }
+            }
+        }
+        Ok(output)
+    }
+
     fn eval_1d<A, T>(&self, input: &ArrayView1<T>) -> TractResult<Array1<f32>>
     where
         A: AggregateFn,
@@ -381,7 +409,7 @@ impl TreeEnsemble {
             .into_dyn())
         } else if let Ok(input) = input.view().into_dimensionality::<Ix2>() {
             Ok(match self.aggregate_fn {
-                Aggregate::Sum => self.eval_2d::<SumFn, T>(&input),
+                Aggregate::Sum => self.eval_2d_sum_by_tree::<T>(&input),
                 Aggregate::Avg => self.eval_2d::<AvgFn, T>(&input),
                 Aggregate::Min => self.eval_2d::<MinFn, T>(&input),
                 Aggregate::Max => self.eval_2d::<MaxFn, T>(&input),
