@@ -388,7 +388,7 @@ impl RuleSet {
         }
         let model = file
             .model
-            .map(|m| m.load(dir, retry_after_ms, &mut files))
+            .map(|m| m.load(dir, retry_after_ms, &mut files).map(Arc::new))
             .transpose()?;
         RuleSet::build(RuleSpec {
             rules,

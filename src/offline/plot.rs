@@ -128,7 +128,7 @@ where
             .filter_map(|r| Some((f64::from(r.threshold?), f(r)? * 100.0)))
             .collect()
     };
-    let lines: [(&str, RGBColor, Vec<(f64, f64)>, f64); 4] = [
+    let lines: [Curve<'_>; 4] = [
         (
             "recall (fraud calls caught)",
             GREEN,
@@ -184,6 +184,9 @@ where
     }
     legend(&mut c)
 }
+
+/// A model sweep's curve: its name, colour, points, and the rules alone's level.
+type Curve<'a> = (&'a str, RGBColor, Vec<(f64, f64)>, f64);
 
 /// Registers the plots' TrueType font (for SVG as well as PNG).
 fn register_font() -> Result<(), String> {

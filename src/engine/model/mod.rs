@@ -321,7 +321,7 @@ mod tests {
             .unwrap()
             .spec();
         let bytes = std::fs::read("data/model.onnx").unwrap();
-        spec.model = Some(
+        spec.model = Some(Arc::new(
             Model::load(
                 "data/model.onnx".into(),
                 &bytes,
@@ -332,7 +332,7 @@ mod tests {
                 30_000,
             )
             .unwrap(),
-        );
+        ));
         RuleSet::build(spec).unwrap()
     }
 

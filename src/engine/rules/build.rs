@@ -127,7 +127,9 @@ impl RuleSet {
         set.pools = set.rules.iter().any(Rule::is_pooled);
         check_pools(&set)?;
         set.sums = set.rules.iter().any(|r| r.sum.is_some() && !r.is_pooled());
-        set.model = model.map(|m| check_model(&set, m)).transpose()?;
+        set.model = model
+            .map(|m| check_model(&set, std::sync::Arc::unwrap_or_clone(m)).map(std::sync::Arc::new))
+            .transpose()?;
         set.version = set.compute_version();
         Ok(set)
     }

@@ -95,8 +95,9 @@ pub struct RuleSet {
     /// Files the set was read from besides the rules file (`callees_file`s,
     /// the model).
     files: Vec<PathBuf>,
-    /// The model that scores every attempt after the rules (`[model]`).
-    model: Option<Model>,
+    /// The model that scores every attempt after the rules (`[model]`;
+    /// shared: a rule set is cloned per batch in places).
+    model: Option<std::sync::Arc<Model>>,
     version: String,
 }
 
@@ -130,7 +131,7 @@ pub struct RuleSpec {
     /// The set's time zone (`timezone`), if set.
     pub timezone: Option<chrono_tz::Tz>,
     /// The model scoring every attempt after the rules (`[model]`), if any.
-    pub model: Option<Model>,
+    pub model: Option<std::sync::Arc<Model>>,
 }
 
 impl RuleSpec {
@@ -375,7 +376,7 @@ impl RuleSet {
     /// The model scoring every attempt after the rules, if the set has one
     /// ([`crate::engine::model`]).
     pub fn model(&self) -> Option<&Model> {
-        self.model.as_ref()
+        self.model.as_deref()
     }
 
     /// Whether verdicts are settled after the caller's store: by pools, or

@@ -156,7 +156,7 @@ fn in_shadow(rules: &RuleSet) -> Result<RuleSet, RulesError> {
     let model = spec.model.as_mut().ok_or_else(|| {
         RulesError::Invalid("--model: the rule set has no [model] to tune".into())
     })?;
-    model.shadow = true;
+    std::sync::Arc::make_mut(model).shadow = true;
     RuleSet::build(spec)
 }
 
