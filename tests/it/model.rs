@@ -537,3 +537,120 @@ async fn the_threshold_sweep_equals_a_replay_per_threshold() {
         "{text}"
     );
 }
+
+/// `consume` (the binary, on the mock cluster): a model swapped under it
+/// takes effect once, with a new version, from one call to the next; a
+/// corrupt model file keeps the one in force (counted as a failed reload)
+/// and calls go on being scored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() {
+    use common::kafka::{
+        mock_cluster, produce_raw, read_decisions, signal, spawn_consumer, TOPICS,
+    };
+    let redis = RedisServer::start(&[]);
+    let (_kafka, brokers) = mock_cluster(&TOPICS.map(|t| (t, 1)));
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model.onnx");
+    std::fs::copy("data/model.onnx", &model).unwrap();
+    let rules = common::model_rules_of(dir.path(), &model, false, 0.5);
+    let v1 = RuleSet::from_file(&rules).unwrap().version().to_string();
+    let port = common::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = spawn_consumer(
+        &brokers,
+        &redis.url(),
+        "g-model-reload",
+        &rules,
+        &["--metrics-addr", &addr],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !common::http_get(port, "/readyz").is_some_and(|r| r.contains(" 200 ")) {
+        assert!(Instant::now() < deadline, "consume not ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut sent = 0usize;
+    let mut send = || {
+        sent += 1;
+        let i = sent;
+        let msg = format!(
+            "{{\"call_id\":\"m{i}\",\"caller\":\"+3461100{i:04}\",\"callee\":\"+34600000001\",\"ts\":{}}}",
+            1_764_547_200_000i64 + i as i64 * 1_000
+        );
+        (i, format!("+3461100{i:04}"), msg)
+    };
+    let decided = |records: &[serde_json::Value], i: usize| {
+        records
+            .iter()
+            .find(|r| r["call_id"] == format!("m{i}"))
+            .cloned()
+            .unwrap()
+    };
+    let (i, key, m) = send();
+    produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
+    let r = decided(
+        &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
+        i,
+    );
+    assert_eq!(r["rules_version"], v1.as_str());
+    assert!(r["score"].is_f64(), "{r}");
+    // Swap the model (written beside it and renamed over it).
+    let other = dir.path().join("other.onnx");
+    train_other_model(dir.path(), &other);
+    std::fs::rename(&other, &model).unwrap();
+    let v2 = RuleSet::from_file(&rules).unwrap().version().to_string();
+    assert_ne!(v1, v2);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (i, key, m) = send();
+        produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
+        let r = decided(
+            &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
+            i,
+        );
+        if r["rules_version"] == v2.as_str() {
+            break;
+        }
+        assert_eq!(r["rules_version"], v1.as_str(), "{r}");
+        assert!(Instant::now() < deadline, "the new model was not loaded");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Once: the calls after it are all decided under the new version.
+    for _ in 0..3 {
+        let (i, key, m) = send();
+        produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
+        let r = decided(
+            &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
+            i,
+        );
+        assert_eq!(r["rules_version"], v2.as_str());
+    }
+    // A corrupt model: a failed reload, the model in force kept.
+    std::fs::write(&model, b"not a model").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let metrics = common::http_get(port, "/metrics").unwrap_or_default();
+        let failed = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("callguard_rule_reloads_total{kind=\"error\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if failed >= 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the corrupt model was not noticed: {metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (i, key, m) = send();
+    produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
+    let r = decided(
+        &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
+        i,
+    );
+    assert_eq!(r["rules_version"], v2.as_str());
+    assert!(r["score"].is_f64(), "{r}");
+    signal(&child, "TERM");
+    assert!(child.wait().unwrap().success());
+}
