@@ -544,9 +544,7 @@ async fn the_threshold_sweep_equals_a_replay_per_threshold() {
 /// and calls go on being scored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() {
-    use common::kafka::{
-        mock_cluster, produce_raw, read_decisions, signal, spawn_consumer, TOPICS,
-    };
+    use common::kafka::{mock_cluster, signal, spawn_consumer, TOPICS};
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = mock_cluster(&TOPICS.map(|t| (t, 1)));
     let dir = tempfile::tempdir().unwrap();
@@ -568,29 +566,8 @@ async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() 
         assert!(Instant::now() < deadline, "consume not ready");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut sent = 0usize;
-    let mut send = || {
-        sent += 1;
-        let i = sent;
-        let msg = format!(
-            "{{\"call_id\":\"m{i}\",\"caller\":\"+3461100{i:04}\",\"callee\":\"+34600000001\",\"ts\":{}}}",
-            1_764_547_200_000i64 + i as i64 * 1_000
-        );
-        (i, format!("+3461100{i:04}"), msg)
-    };
-    let decided = |records: &[serde_json::Value], i: usize| {
-        records
-            .iter()
-            .find(|r| r["call_id"] == format!("m{i}"))
-            .cloned()
-            .unwrap()
-    };
-    let (i, key, m) = send();
-    produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
-    let r = decided(
-        &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
-        i,
-    );
+    let mut sent = 0;
+    let r = decide_next(&brokers, &mut sent).await;
     assert_eq!(r["rules_version"], v1.as_str());
     assert!(r["score"].is_f64(), "{r}");
     // Swap the model (written beside it and renamed over it).
@@ -601,12 +578,7 @@ async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() 
     assert_ne!(v1, v2);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let (i, key, m) = send();
-        produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
-        let r = decided(
-            &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
-            i,
-        );
+        let r = decide_next(&brokers, &mut sent).await;
         if r["rules_version"] == v2.as_str() {
             break;
         }
@@ -616,12 +588,7 @@ async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() 
     }
     // Once: the calls after it are all decided under the new version.
     for _ in 0..3 {
-        let (i, key, m) = send();
-        produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
-        let r = decided(
-            &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
-            i,
-        );
+        let r = decide_next(&brokers, &mut sent).await;
         assert_eq!(r["rules_version"], v2.as_str());
     }
     // A corrupt model: a failed reload, the model in force kept.
@@ -643,14 +610,35 @@ async fn consume_reloads_a_swapped_model_once_and_keeps_it_over_a_corrupt_one() 
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (i, key, m) = send();
-    produce_raw(&brokers, "calls", &[(Some(key.as_bytes()), m.as_bytes())]).await;
-    let r = decided(
-        &read_decisions(&brokers, "call-decisions", i, Duration::from_secs(60)).await,
-        i,
-    );
+    let r = decide_next(&brokers, &mut sent).await;
     assert_eq!(r["rules_version"], v2.as_str());
     assert!(r["score"].is_f64(), "{r}");
     signal(&child, "TERM");
     assert!(child.wait().unwrap().success());
+}
+
+/// Sends the next call (`m<n>`, a caller of its own) to `calls` and waits
+/// for its decision record.
+async fn decide_next(brokers: &str, sent: &mut usize) -> serde_json::Value {
+    use common::kafka::{produce_raw, read_decisions};
+    *sent += 1;
+    let i = *sent;
+    let caller = format!("+3461100{i:04}");
+    let msg = serde_json::json!({
+        "call_id": format!("m{i}"),
+        "caller": caller,
+        "callee": "+34600000001",
+        "ts": 1_764_547_200_000i64 + i as i64 * 1_000,
+    });
+    produce_raw(
+        brokers,
+        "calls",
+        &[(Some(caller.as_bytes()), msg.to_string().as_bytes())],
+    )
+    .await;
+    read_decisions(brokers, "call-decisions", i, Duration::from_secs(60))
+        .await
+        .into_iter()
+        .find(|r| r["call_id"] == format!("m{i}"))
+        .expect("the call's decision")
 }

@@ -6,8 +6,10 @@ use crate::common;
 
 use std::process::Command;
 
-#[test]
-fn threshold_tuning_notebook_runs_top_to_bottom() {
+/// Runs `notebooks/<name>` headless from a clean state (the committed
+/// outputs dropped first) against the binary built for these tests, its
+/// files in `out`; the executed notebook's text.
+fn execute(name: &str, out: &std::path::Path) -> String {
     let found = Command::new("jupyter")
         .args(["nbconvert", "--version"])
         .output()
@@ -16,12 +18,11 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
         found,
         "`jupyter nbconvert` not found: pip install -r notebooks/requirements.txt (scripts/test-all.sh does)"
     );
-    let dir = tempfile::tempdir().unwrap();
-    let executed = dir.path().join("executed.ipynb");
+    let executed = out.join("executed.ipynb");
     let o = Command::new("jupyter")
         .current_dir("notebooks")
         .env("CALLGUARD_BIN", common::bin())
-        .env("CALLGUARD_NOTEBOOK_OUT", dir.path())
+        .env("CALLGUARD_NOTEBOOK_OUT", out)
         .env("MPLBACKEND", "Agg")
         .args([
             "nbconvert",
@@ -30,8 +31,8 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
             "--execute",
             // From a clean state: the committed outputs are dropped first.
             "--ClearOutputPreprocessor.enabled=True",
-            "--ExecutePreprocessor.timeout=300",
-            "threshold_tuning.ipynb",
+            "--ExecutePreprocessor.timeout=600",
+            name,
             "--output",
         ])
         .arg(&executed)
@@ -39,10 +40,16 @@ fn threshold_tuning_notebook_runs_top_to_bottom() {
         .unwrap();
     assert!(
         o.status.success(),
-        "the notebook failed:\n{}",
+        "{name} failed (its packages: pip install -r notebooks/requirements.txt; scripts/test-all.sh does):\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let text = std::fs::read_to_string(&executed).unwrap();
+    std::fs::read_to_string(&executed).unwrap()
+}
+
+#[test]
+fn threshold_tuning_notebook_runs_top_to_bottom() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = execute("threshold_tuning.ipynb", dir.path());
     // The last cell prints "chosen N = <n>: ..." (the source has the words too).
     let chosen = text
         .split("chosen N = ")
@@ -99,31 +106,7 @@ fn the_committed_notebook_shows_its_outputs() {
 #[test]
 fn fraud_model_notebook_runs_top_to_bottom() {
     let dir = tempfile::tempdir().unwrap();
-    let executed = dir.path().join("executed.ipynb");
-    let o = Command::new("jupyter")
-        .current_dir("notebooks")
-        .env("CALLGUARD_BIN", common::bin())
-        .env("CALLGUARD_NOTEBOOK_OUT", dir.path())
-        .env("MPLBACKEND", "Agg")
-        .args([
-            "nbconvert",
-            "--to",
-            "notebook",
-            "--execute",
-            "--ClearOutputPreprocessor.enabled=True",
-            "--ExecutePreprocessor.timeout=600",
-            "fraud_model.ipynb",
-            "--output",
-        ])
-        .arg(&executed)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "the notebook failed (pip install -r notebooks/requirements.txt; scripts/test-all.sh does):\n{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let text = std::fs::read_to_string(&executed).unwrap();
+    let text = execute("fraud_model.ipynb", dir.path());
     assert!(
         text.contains("over_1e-05 0 "),
         "no score check in the output"
