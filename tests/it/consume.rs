@@ -390,8 +390,6 @@ async fn a_trunk_channel_limit_through_the_mock_cluster_decides_as_replay() {
 /// replay's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_model_through_the_mock_cluster_scores_and_decides_as_replay() {
-    let redis = RedisServer::start(&[]);
-    let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
     let dir = tempfile::tempdir().unwrap();
     let rules = common::model_rules(dir.path(), false, 0.5);
     let s = sample_with(20_000, 11, &rules).await;
@@ -402,28 +400,19 @@ async fn a_model_through_the_mock_cluster_scores_and_decides_as_replay() {
         .count();
     assert!(by_model > 100, "{by_model} model rejects");
     assert!(s.expected.values().all(|v| v["score"].is_f64()));
-    let n = callguard::online::produce::produce(
-        s.log.events.iter().map(|(_, e)| e),
-        &brokers,
-        &[],
-        "calls",
-    )
-    .await
-    .unwrap();
-    assert_eq!(n, 20_000);
-    let run = start_in_process(config(&brokers, "g-model"), &redis.url(), s.rules.clone()).await;
-    let records =
-        read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
-    let stats = run.stop().await;
-    assert_parity(&s, &records);
-    assert_eq!(stats.dead_letters, 0);
-    assert_features_topic(&s, &brokers, Duration::from_secs(120)).await;
+    mock_cluster_parity_of(&s, "g-model", Duration::ZERO).await;
 }
 
 async fn mock_cluster_parity(group: &str, linger: Duration) {
+    mock_cluster_parity_of(&sample(20_000, 11).await, group, linger).await;
+}
+
+/// The sample's 20,000 calls through the mock cluster (3 partitions) and
+/// `consume` in process on Redis: every decision, the features topic and
+/// the `features` file equal the replay's, and no dead letter.
+async fn mock_cluster_parity_of(s: &Sample, group: &str, linger: Duration) {
     let redis = RedisServer::start(&[]);
     let (_kafka, brokers) = common::kafka::mock_cluster(&TOPICS.map(|t| (t, 3)));
-    let s = sample(20_000, 11).await;
     let n = callguard::online::produce::produce(
         s.log.events.iter().map(|(_, e)| e),
         &brokers,
@@ -439,9 +428,9 @@ async fn mock_cluster_parity(group: &str, linger: Duration) {
     let records =
         read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
     let stats = run.stop().await;
-    assert_parity(&s, &records);
+    assert_parity(s, &records);
     assert_eq!(stats.dead_letters, 0);
-    assert_features_topic(&s, &brokers, Duration::from_secs(120)).await;
+    assert_features_topic(s, &brokers, Duration::from_secs(120)).await;
 }
 
 /// Reads the features topic (one record per call) and checks it against the
