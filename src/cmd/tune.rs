@@ -40,7 +40,8 @@ pub struct TuneArgs {
     /// Column holding the ground truth (1/0, true/false, fraud/legit).
     #[arg(long)]
     pub label_column: Option<String>,
-    /// With labels: recommend the smallest N whose legit false-reject rate is at most this.
+    /// With labels: recommend the smallest N whose legit false-reject rate is at most this
+    /// (with `--model`: the lowest threshold whose model's own rate is).
     #[arg(long, default_value_t = 0.002, conflicts_with = "quantile")]
     pub max_false_reject: f64,
     /// Without labels (or to override): recommend this quantile of per-caller peak counts.
@@ -60,8 +61,9 @@ pub struct TuneArgs {
     /// limit: on a labelled log, the calls rejected, recall, precision and
     /// legit false-reject rate per threshold (from one replay that scores
     /// every call), the rules alone beside the rules and the model, and the
-    /// highest-recall threshold whose false-reject rate is at most
-    /// `--max-false-reject`.
+    /// highest-recall threshold whose model's own legit false-reject rate
+    /// (legit calls it rejects that the rules allow) is at most
+    /// `--max-false-reject`. See docs/model.md.
     #[arg(long, conflicts_with_all = ["sweep", "limits", "quantile"])]
     pub model: bool,
     /// With `--model`: the thresholds to sweep, `T1,T2,...` (0 to 1).
