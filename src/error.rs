@@ -316,6 +316,9 @@ pub enum TuneError {
     /// The replay a model's sweep reads its scores from failed.
     #[error(transparent)]
     Replay(#[from] ReplayError),
+    /// A model's sweep found no labelled attempt.
+    #[error("no labelled attempt to tune the model on ({0} without a label): give --label-column")]
+    NoLabels(u64),
 }
 
 /// Kafka failures.

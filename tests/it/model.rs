@@ -114,22 +114,32 @@ fn scores_equal_onnxruntime_in_features_and_replay_in_every_store() {
         os("-o"),
         memory.as_os_str(),
     ]);
-    let in_redis = dir.path().join("redis.parquet");
-    run_ok(&[
-        os("replay"),
-        os("-i"),
-        os("data/calls.csv"),
-        os("--rules"),
-        rules.as_os_str(),
-        os("--store"),
-        os("redis"),
-        os("--redis-url"),
-        os(&redis.url()),
-        os("-o"),
-        in_redis.as_os_str(),
-    ]);
-    let (m, r) = (parquet(&memory), parquet(&in_redis));
-    assert!(m.equals_missing(&r), "replay in Redis differs from memory");
+    // Through Redis, in both store modes, each on a prefix of its own.
+    let m = parquet(&memory);
+    for mode in ["cached", "script"] {
+        let in_redis = dir.path().join(format!("redis-{mode}.parquet"));
+        run_ok(&[
+            os("replay"),
+            os("-i"),
+            os("data/calls.csv"),
+            os("--rules"),
+            rules.as_os_str(),
+            os("--store"),
+            os("redis"),
+            os("--redis-url"),
+            os(&redis.url()),
+            os("--redis-mode"),
+            os(mode),
+            os("--key-prefix"),
+            os(&format!("{mode}:")),
+            os("-o"),
+            in_redis.as_os_str(),
+        ]);
+        assert!(
+            m.equals_missing(&parquet(&in_redis)),
+            "replay in Redis ({mode}) differs from memory"
+        );
+    }
     // The replay's scores and decisions are the features table's, call by call.
     let by_id = |d: &DataFrame| -> std::collections::HashMap<String, (String, f32)> {
         let ids = d.column("call_id").unwrap().str().unwrap().clone();

@@ -121,7 +121,7 @@ impl Model {
         if inputs.is_empty() {
             return Err("inputs: name the feature columns the model takes, in its order".into());
         }
-        if !(threshold.is_finite()) {
+        if !threshold.is_finite() {
             return Err("threshold: a number".into());
         }
         if warn.is_some_and(|w| !w.is_finite() || w > threshold) {
@@ -202,7 +202,7 @@ impl Model {
         &self.inputs
     }
 
-    /// Whether the model's features include the distinct callees.
+    /// Whether `field` is one of the model's inputs.
     pub fn uses(&self, field: Field) -> bool {
         self.inputs.contains(&field)
     }

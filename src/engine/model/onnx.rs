@@ -77,11 +77,6 @@ impl Scorer {
         Ok(scorer)
     }
 
-    /// Features per row.
-    pub fn width(&self) -> usize {
-        self.width
-    }
-
     /// The scores of `rows` (row after row, `width` values each).
     pub fn score(&self, rows: &[f32]) -> Result<Vec<f32>, String> {
         let n = rows.len() / self.width.max(1);

@@ -8,7 +8,6 @@
 //! reject and, of those they allow (listed callers aside), the ones scored
 //! T or more: every T is read off the same replay.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use crate::engine::record::Decision;
@@ -120,12 +119,7 @@ pub async fn sweep_model(
     )
     .await?;
     if scored.is_empty() {
-        return Err(TuneError::Io(IoError::BadShape {
-            path: Path::new("the call log").to_path_buf(),
-            problem: format!(
-                "no labelled attempt to tune the model on ({unlabelled} without a label): give --label-column"
-            ),
-        }));
+        return Err(TuneError::NoLabels(unlabelled));
     }
     let mut thresholds = thresholds.to_vec();
     thresholds.sort_by(f32::total_cmp);
