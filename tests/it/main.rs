@@ -23,4 +23,5 @@ mod semantics;
 mod serve;
 mod sip;
 mod status_page;
+mod tree_walk;
 mod tune;

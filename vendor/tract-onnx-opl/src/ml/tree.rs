@@ -283,6 +283,210 @@ pub struct TreeEnsemble {
     pub max_used_feature: usize,
     pub n_classes: usize,
     pub aggregate_fn: Aggregate, // TODO: should this be an argument to eval()?
+    /// The ensemble compiled for [`Walk::eval`], when it can be (see there).
+    pub walk: Option<Arc<Walk>>,
+}
+
+/// Rows walked side by side: independent chains of loads for the CPU to
+/// overlap, where one row's walk waits on each load in turn.
+const LANES: usize = 8;
+
+/// A sum ensemble compiled for batches. Every comparison is turned into
+/// `v <= t` with a NaN going to `children[0]`: a node whose NaN goes the
+/// other way reads the feature negated (`-x` sits at column `k + f` of a
+/// walked row), since `x > t` is `-x <= below(-t)`. A leaf is a node whose
+/// two children are itself (so every row walks its tree's depth, no leaf
+/// test per step) and keeps its weight in its node. Built by
+/// [`Walk::compile`] only for ensembles where this gives the same leaves as
+/// [`TreeEnsembleData`]'s walk: one weight a leaf, comparisons other than
+/// `==` and `!=`, no NaN threshold.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+pub struct Walk {
+    /// Per node: `[column (0..2k, set by eval), t (or the leaf's weight) as
+    /// bits, child when v <= t fails (or v is NaN), child when it holds]`;
+    /// the column is kept as the feature and whether it is negated.
+    nodes: Vec<[u32; 4]>,
+    /// Per node: the feature read negated.
+    negated: Vec<bool>,
+    /// Per tree: its root and the number of steps to its deepest leaf.
+    trees: Vec<(u32, u32)>,
+    /// Per node: the class a leaf's weight adds to (0 for a branch).
+    class: Vec<u32>,
+    /// The highest feature a branch reads.
+    max_feature: usize,
+}
+
+/// The greatest `f32` below `t` (`t` neither NaN nor `-inf`): for every
+/// other `x`, `x < t` exactly when `x <= below(t)`.
+fn below(t: f32) -> f32 {
+    if t == 0.0 {
+        -f32::from_bits(1)
+    } else if t > 0.0 {
+        f32::from_bits(t.to_bits() - 1)
+    } else {
+        f32::from_bits(t.to_bits() + 1)
+    }
+}
+
+/// A branch in the walk's form, `(negated, t, first, second)`: a row goes
+/// to `second` when its value (the feature, negated if `negated`) is
+/// `<= t`, and to `first` otherwise, a NaN included. `None` for `==` and
+/// `!=`.
+fn as_walked(
+    code: u8,
+    t: f32,
+    if_true: u32,
+    if_false: u32,
+    nan_is_true: bool,
+) -> Option<(bool, f32, u32, u32)> {
+    let nan_to = if nan_is_true { if_true } else { if_false };
+    let (t, fails, holds) = match code {
+        5 => (t, if_false, if_true), // x <= t
+        4 => (t, if_true, if_false), // x > t
+        // x < -inf never holds and x >= -inf always does: every number
+        // passes `x <= inf`, a NaN does not.
+        3 | 6 if t == f32::NEG_INFINITY => {
+            let always = if code == 3 { if_false } else { if_true };
+            return Some((false, f32::INFINITY, nan_to, always));
+        }
+        3 => (below(t), if_false, if_true), // x < t
+        6 => (below(t), if_true, if_false), // x >= t
+        _ => return None,
+    };
+    if nan_to != holds || holds == fails {
+        Some((false, t, fails, holds))
+    } else if t == f32::INFINITY {
+        // x <= inf holds for every number, and a NaN goes the same way.
+        Some((false, t, holds, holds))
+    } else {
+        // x <= t fails exactly when -x <= below(-t) holds, and a NaN
+        // fails that one.
+        Some((true, below(-t), holds, fails))
+    }
+}
+
+impl Walk {
+    /// `None` when the ensemble has a node this walk does not take (see
+    /// [`Walk`]) or a tree deeper than 64, or reads outside its tables.
+    pub fn compile(data: &TreeEnsembleData, n_classes: usize) -> Option<Walk> {
+        let rows = data.nodes.try_as_plain_ram().ok()?.as_slice::<u32>().ok()?;
+        let leaves = data.leaves.try_as_plain_ram().ok()?.as_slice::<u32>().ok()?;
+        let roots = data.trees.try_as_plain_ram().ok()?.as_slice::<u32>().ok()?;
+        let n_nodes = rows.len() / 5;
+        let mut nodes = Vec::with_capacity(n_nodes);
+        let mut negated = Vec::with_capacity(n_nodes);
+        let mut class = Vec::with_capacity(n_nodes);
+        let mut max_feature = 0;
+        for (ix, row) in rows.chunks_exact(5).enumerate() {
+            let code = (row[4] & 0xFF) as u8;
+            if (1..=6).contains(&code) {
+                let (feature, t) = (row[0], f32::from_bits(row[3]));
+                let (if_true, if_false) = (row[1], row[2]);
+                if t.is_nan() || if_true as usize >= n_nodes || if_false as usize >= n_nodes {
+                    return None;
+                }
+                let nan_is_true = row[4] & 0x0100 != 0;
+                let (negate, t, first, second) =
+                    as_walked(code, t, if_true, if_false, nan_is_true)?;
+                nodes.push([feature, t.to_bits(), first, second]);
+                negated.push(negate);
+                max_feature = max_feature.max(feature as usize);
+                class.push(0);
+            } else {
+                let (start, end) = (row[0] as usize, row[1] as usize);
+                if end != start + 1 || end * 2 > leaves.len() {
+                    return None;
+                }
+                let (leaf_class, weight) = (leaves[start * 2], leaves[start * 2 + 1]);
+                if leaf_class as usize >= n_classes {
+                    return None;
+                }
+                nodes.push([0, weight, ix as u32, ix as u32]);
+                negated.push(false);
+                class.push(leaf_class);
+            }
+        }
+        let trees = roots
+            .iter()
+            .map(|&root| Some((root, Self::depth(&nodes, root)?)))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Walk { nodes, negated, trees, class, max_feature })
+    }
+
+    /// The steps from `root` to its deepest leaf; `None` past 64 (a cycle,
+    /// or a tree this walk is not for) or for a root outside the table.
+    fn depth(nodes: &[[u32; 4]], root: u32) -> Option<u32> {
+        nodes.get(root as usize)?;
+        let mut deepest = 0;
+        let mut stack = vec![(root, 0u32)];
+        while let Some((at, depth)) = stack.pop() {
+            let [_, _, fails, holds] = nodes[at as usize];
+            if fails == at && holds == at {
+                deepest = deepest.max(depth);
+            } else if depth >= 64 {
+                return None;
+            } else {
+                stack.push((fails, depth + 1));
+                stack.push((holds, depth + 1));
+            }
+        }
+        Some(deepest)
+    }
+
+    /// The node table for rows of `k` features: each branch's column.
+    fn columns(&self, k: usize) -> Vec<[u32; 4]> {
+        let mut nodes = self.nodes.clone();
+        for (node, &negated) in nodes.iter_mut().zip(&self.negated) {
+            if negated {
+                node[0] += k as u32;
+            }
+        }
+        nodes
+    }
+
+    /// The sums of `input`'s rows (`n` rows of `k` features, row-major),
+    /// `n x n_classes`: tree by tree, [`LANES`] rows at a time, each row
+    /// adding its trees' weights in tree order (the same sums as
+    /// [`TreeEnsemble::eval_2d_sum_by_tree`]). `k` must exceed
+    /// `max_feature`.
+    fn eval(&self, input: &[f32], n: usize, k: usize, n_classes: usize) -> Vec<f32> {
+        assert!(k > self.max_feature && input.len() == n * k);
+        let nodes = self.columns(k);
+        let width = 2 * k;
+        let blocks = n.div_ceil(LANES);
+        let mut rows = vec![0f32; blocks * LANES * width];
+        for (row, x) in rows.chunks_exact_mut(width).zip(input.chunks_exact(k)) {
+            row[..k].copy_from_slice(x);
+            for (neg, &x) in row[k..].iter_mut().zip(x) {
+                *neg = -x;
+            }
+        }
+        let mut out = vec![0f32; blocks * LANES * n_classes];
+        for &(root, depth) in &self.trees {
+            for (block, sums) in
+                rows.chunks_exact(LANES * width).zip(out.chunks_exact_mut(LANES * n_classes))
+            {
+                let mut at = [root as usize; LANES];
+                for _ in 0..depth {
+                    for (lane, at) in at.iter_mut().enumerate() {
+                        // SAFETY: `compile` checked every child index against
+                        // the node table and every feature against
+                        // `max_feature`, asserted below `k` above, so every
+                        // column is below `2k`; a leaf reads column 0.
+                        let [column, t, fails, holds] = unsafe { *nodes.get_unchecked(*at) };
+                        let v = unsafe { *block.get_unchecked(lane * width + column as usize) };
+                        *at = if v <= f32::from_bits(t) { holds } else { fails } as usize;
+                    }
+                }
+                for (lane, &at) in at.iter().enumerate() {
+                    let weight = f32::from_bits(nodes[at][1]);
+                    sums[lane * n_classes + self.class[at] as usize] += weight;
+                }
+            }
+        }
+        out.truncate(n * n_classes);
+        out
+    }
 }
 
 impl TreeEnsemble {
@@ -292,7 +496,11 @@ impl TreeEnsemble {
         n_classes: usize,
         aggregate_fn: Aggregate,
     ) -> TractResult<Self> {
-        Ok(Self { data, max_used_feature, n_classes, aggregate_fn })
+        let walk = match aggregate_fn {
+            Aggregate::Sum => Walk::compile(&data, n_classes).map(Arc::new),
+            _ => None,
+        };
+        Ok(Self { data, max_used_feature, n_classes, aggregate_fn, walk })
     }
 
     pub fn n_classes(&self) -> usize {
@@ -359,7 +567,12 @@ impl TreeEnsemble {
         T: AsPrimitive<f32>,
     {
         self.check_n_features(input.shape()[1])?;
-        let n = input.shape()[0];
+        let (n, k) = (input.shape()[0], input.shape()[1]);
+        if let Some(walk) = self.walk.as_ref().filter(|walk| k > walk.max_feature) {
+            let rows: Vec<f32> = input.iter().map(|x| x.as_()).collect();
+            let sums = walk.eval(&rows, n, k, self.n_classes);
+            return Ok(Array2::from_shape_vec((n, self.n_classes), sums)?);
+        }
         let mut output = Array2::zeros((n, self.n_classes));
         let mut aggs: tract_smallvec::SmallVec<[SumFn; 16]> =
             iter::repeat_with(Default::default).take(self.n_classes).collect();

@@ -103,7 +103,7 @@ fn load(builder: &mut ModelBuilder, invocation: &ResolvedInvocation) -> TractRes
     let aggregate_fn: String = invocation.named_arg_as(builder, "aggregate_fn")?;
     let aggregate_fn = parse_aggregate(&aggregate_fn)?;
     let data = TreeEnsembleData { trees, nodes, leaves };
-    let ensemble = TreeEnsemble { data, n_classes, max_used_feature, aggregate_fn };
+    let ensemble = TreeEnsemble::build(data, max_used_feature, n_classes, aggregate_fn)?;
     let op = TreeEnsembleClassifier { ensemble };
     builder.wire(op, &[input])
 }
