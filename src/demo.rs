@@ -86,7 +86,7 @@ const BAD_MESSAGES: [(&str, &str); 3] = [
 
 /// Runs the demo, printing a live summary every second.
 pub async fn run(config: DemoConfig) -> Result<DemoReport, DemoError> {
-    let log = OrderedLog::open(&config.input, &config.read)?.read_all();
+    let log = OrderedLog::open(&config.input, &config.read)?.read_all()?;
     let kafka = EmbeddedKafka::start()?;
     let brokers = kafka.bootstrap();
     for (topic, p) in [

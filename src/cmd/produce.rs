@@ -80,6 +80,7 @@ pub async fn run(args: ProduceArgs) -> Result<()> {
         }
         invalid.append(&mut chunk.invalid);
     }
+    log.check()?;
     let n = loader.finish().await?;
     invalid.sort_by_key(|r| r.row);
     let skipped = not_kept(&invalid);

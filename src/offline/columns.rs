@@ -89,6 +89,11 @@ impl EventColumns {
         &self.ts
     }
 
+    /// The caller of event `i` (as [`EventColumns::event`] gives it).
+    pub fn caller(&self, i: usize) -> CompactString {
+        self.unpack(self.caller[i]).unwrap_or_default()
+    }
+
     /// The file row (1-based) of event `i`.
     pub fn row(&self, i: usize) -> u64 {
         self.row[i]

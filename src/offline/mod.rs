@@ -21,5 +21,6 @@ pub mod order;
 pub mod plot;
 pub mod read;
 pub mod replay;
+pub mod spill;
 pub mod table;
 pub mod tune;

@@ -10,7 +10,8 @@ use rayon::slice::ParallelSliceMut;
 use crate::engine::event::CallEvent;
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
-use crate::offline::read::{not_kept, read_events, CallLog, InvalidRow, ReadOptions};
+use crate::offline::read::{not_kept, read_events_into, CallLog, InvalidRow, ReadOptions};
+use crate::offline::spill::{Collected, Merged, Spill, Spiller};
 
 /// Rows handed out per chunk of an [`OrderedLog`]: a few chunks (being
 /// built, decided, written) are in memory at once, each with its events
@@ -36,7 +37,9 @@ pub struct EventChunk {
 /// ties keep file order, as [`CallLog::sort_by_time`]; a log already in
 /// time order, as most are, needs no index). Events exist only for the
 /// chunk being processed, so a log of millions of rows never becomes
-/// millions of objects.
+/// millions of objects. A log longer than [`ReadOptions::sort_rows`] is
+/// put in order on disk instead ([`crate::offline::spill`]): the same
+/// order and caller numbers, every call id taken as possibly repeated.
 pub struct OrderedLog {
     events: EventColumns,
     /// The events' indices in processing order; `None` when that is the
@@ -53,6 +56,13 @@ pub struct OrderedLog {
     callers: Vec<u32>,
     /// Rows that are not valid events, by row number.
     invalid: Vec<InvalidRow>,
+    /// The events, spilled in sorted runs (the columns above then empty).
+    spill: Option<Spill>,
+    /// With a spill: the calls' ends are merged in ([`OrderedLog::with_ends`]).
+    spill_ends: bool,
+    /// A spill's runs that could not be read back: the chunks stopped
+    /// there ([`OrderedLog::check`]).
+    failure: std::sync::Mutex<Option<IoError>>,
 }
 
 impl OrderedLog {
@@ -70,7 +80,24 @@ impl OrderedLog {
     }
 
     fn open_with(path: &Path, opts: &ReadOptions, number: bool) -> Result<Self, IoError> {
-        let (events, invalid) = read_events(path, opts)?;
+        let mut spiller = Spiller::new(opts.sort_rows);
+        let invalid = read_events_into(path, opts, &mut |batch| spiller.take(batch))?;
+        let events = match spiller.finish()? {
+            Collected::Whole(events) => *events,
+            Collected::Spilled(spill) => {
+                return Ok(OrderedLog {
+                    events: EventColumns::default(),
+                    order: None,
+                    ends: None,
+                    unique: Vec::new(),
+                    callers: Vec::new(),
+                    invalid,
+                    spill: Some(spill),
+                    spill_ends: false,
+                    failure: Default::default(),
+                })
+            }
+        };
         if events.len() > u32::MAX as usize {
             return Err(IoError::BadShape {
                 path: path.to_path_buf(),
@@ -107,6 +134,9 @@ impl OrderedLog {
             unique,
             callers,
             invalid,
+            spill: None,
+            spill_ends: false,
+            failure: Default::default(),
         })
     }
 
@@ -118,6 +148,11 @@ impl OrderedLog {
     /// rules; without them an end changes nothing, and the log keeps one
     /// event per row.
     pub fn with_ends(mut self) -> Self {
+        if self.spill.is_some() {
+            // A log without ends merges in the same order either way.
+            self.spill_ends = true;
+            return self;
+        }
         let n = self.events.len();
         let ends = (0..n).filter(|&i| self.events.has_end(i)).count();
         let has_end_rows = (0..n).any(|i| self.events.is_end(i));
@@ -154,12 +189,97 @@ impl OrderedLog {
 
     /// Events in processing order (rows' events and calls' ends).
     fn len(&self) -> usize {
+        if let Some(spill) = &self.spill {
+            return spill.len(self.spill_ends);
+        }
         self.ends.as_ref().map_or(self.events.len(), Vec::len)
     }
 
     /// Rows in the file (valid or not).
     pub fn rows(&self) -> usize {
-        self.events.len() + not_kept(&self.invalid)
+        let events = self.spill.as_ref().map_or(self.events.len(), Spill::events);
+        events + not_kept(&self.invalid)
+    }
+
+    /// Whether the log is put in order on disk (longer than its sort
+    /// budget).
+    pub fn spilled(&self) -> bool {
+        self.spill.is_some()
+    }
+
+    /// Fails if a spilled log's runs could not be read back whole: its
+    /// chunks then stopped early. Call it after taking the chunks.
+    pub fn check(&self) -> Result<(), IoError> {
+        match self
+            .failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&self, e: IoError) {
+        let mut failure = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if failure.is_none() {
+            *failure = Some(e);
+        }
+    }
+
+    /// A spilled log's chunks of `size` events: each chunk's number and
+    /// its events as merged. Stops at a run that cannot be read, or that
+    /// holds fewer events than were written, recording why
+    /// ([`OrderedLog::check`]).
+    fn spilled_chunks<'a>(
+        &'a self,
+        spill: &'a Spill,
+        size: usize,
+    ) -> impl Iterator<Item = (usize, Vec<Merged>)> + 'a {
+        let size = size.max(1);
+        let expected = spill.len(self.spill_ends);
+        let mut merge = match spill.merge(self.spill_ends) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                self.fail(e);
+                None
+            }
+        };
+        let (mut seen, mut c) = (0, 0);
+        std::iter::from_fn(move || {
+            let m = merge.as_mut()?;
+            let mut chunk = Vec::with_capacity(size.min(expected - seen.min(expected)).max(1));
+            let mut error = None;
+            while chunk.len() < size {
+                match m.next() {
+                    Some(Ok(x)) => chunk.push(x),
+                    Some(Err(e)) => {
+                        error = Some(e);
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            if let Some(e) = error {
+                self.fail(e);
+                merge = None;
+                return None;
+            }
+            seen += chunk.len();
+            if chunk.is_empty() {
+                if seen != expected {
+                    self.fail(IoError::Io {
+                        context: format!("the sort's runs gave back {seen} of {expected} events"),
+                        source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+                    });
+                }
+                merge = None;
+                return None;
+            }
+            c += 1;
+            Some((c - 1, chunk))
+        })
     }
 
     /// The chunks of `size` events (at least one when there are invalid
@@ -204,9 +324,43 @@ impl OrderedLog {
 
     /// The log in processing order, `size` events at a time. Row numbers
     /// are the file's (1-based); the invalid rows come with the first chunk.
-    pub fn chunks(&self, size: usize) -> impl Iterator<Item = CallLog> + '_ {
-        self.chunk_ranges(size)
-            .map(|(c, range)| self.call_log(c, range))
+    pub fn chunks(&self, size: usize) -> Box<dyn Iterator<Item = CallLog> + '_> {
+        match &self.spill {
+            Some(spill) => Box::new(
+                self.spilled_chunks(spill, size)
+                    .map(|(c, items)| self.spilled_call_log(c, items)),
+            ),
+            None => Box::new(
+                self.chunk_ranges(size)
+                    .map(|(c, range)| self.call_log(c, range)),
+            ),
+        }
+    }
+
+    /// Chunk `c` of a spilled log, its events as merged, as a [`CallLog`]:
+    /// every call id taken as possibly repeated.
+    fn spilled_call_log(&self, c: usize, items: Vec<Merged>) -> CallLog {
+        let mut log = CallLog {
+            events: Vec::with_capacity(items.len()),
+            invalid: self.invalid_for(c),
+            unique: vec![false; items.len()],
+            callers: Vec::with_capacity(items.len()),
+        };
+        for (row, caller, event) in items {
+            log.events.push((row, event));
+            log.callers.push(caller);
+        }
+        log
+    }
+
+    /// Chunk `c` of a spilled log as an [`EventChunk`] (as
+    /// [`OrderedLog::spilled_call_log`]).
+    fn spilled_event_chunk(&self, c: usize, items: Vec<Merged>) -> EventChunk {
+        EventChunk {
+            unique: vec![false; items.len()],
+            events: items.into_iter().map(|(_, _, e)| e).collect(),
+            invalid: self.invalid_for(c),
+        }
     }
 
     /// Chunk `c`, the events at positions `range`, as a [`CallLog`].
@@ -250,10 +404,18 @@ impl OrderedLog {
     fn ahead<T: 'static>(
         self: Arc<Self>,
         size: usize,
-        build: fn(&Self, usize, Range<usize>) -> T,
+        (build, build_spilled): Builders<T>,
         mut send: impl FnMut(T) -> bool + Send + 'static,
     ) {
         std::thread::spawn(move || {
+            if let Some(spill) = &self.spill {
+                for (c, items) in self.spilled_chunks(spill, size) {
+                    if !send(build_spilled(&self, c, items)) {
+                        break;
+                    }
+                }
+                return;
+            }
             for (c, range) in self.chunk_ranges(size) {
                 if !send(build(&self, c, range)) {
                     break;
@@ -269,7 +431,7 @@ impl OrderedLog {
         size: usize,
         send: impl FnMut(CallLog) -> bool + Send + 'static,
     ) {
-        self.ahead(size, Self::call_log, send);
+        self.ahead(size, (Self::call_log, Self::spilled_call_log), send);
     }
 
     /// The log as [`EventChunk`]s of `size` events, in processing order,
@@ -279,11 +441,11 @@ impl OrderedLog {
         size: usize,
         send: impl FnMut(EventChunk) -> bool + Send + 'static,
     ) {
-        self.ahead(size, Self::event_chunk, send);
+        self.ahead(size, (Self::event_chunk, Self::spilled_event_chunk), send);
     }
 
     /// The whole log, decoded and in processing order (for small logs).
-    pub fn read_all(&self) -> CallLog {
+    pub fn read_all(&self) -> Result<CallLog, IoError> {
         let mut all = CallLog::default();
         for chunk in self.chunks(CHUNK_ROWS) {
             all.events.extend(chunk.events);
@@ -292,9 +454,17 @@ impl OrderedLog {
             all.callers.extend(chunk.callers);
         }
         all.invalid.sort_by_key(|r| r.row);
-        all
+        self.check()?;
+        Ok(all)
     }
 }
+
+/// How [`OrderedLog::ahead`] builds a chunk: from a range of positions in
+/// memory, or from the events merged from a spill.
+type Builders<T> = (
+    fn(&OrderedLog, usize, Range<usize>) -> T,
+    fn(&OrderedLog, usize, Vec<Merged>) -> T,
+);
 
 /// A place in the processing order of a log with its calls' ends.
 #[derive(Debug, Clone, Copy)]

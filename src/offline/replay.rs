@@ -243,7 +243,7 @@ pub async fn run_ordered<S: WindowStore>(
     };
     let mut replaying = Replaying::new(&log, progress);
     let (tx, mut chunks) = tokio::sync::mpsc::channel(2);
-    log.events_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
+    Arc::clone(&log).events_ahead(CHUNK_ROWS, move |c| tx.blocking_send(c).is_ok());
     while let Some(chunk) = chunks.recv().await {
         // (A batched store keeps every record: the unique-id hint serves
         // the sharded in-memory replay only.)
@@ -258,6 +258,7 @@ pub async fn run_ordered<S: WindowStore>(
         };
         replaying.decided(chunk, invalid, &mut sink)?;
     }
+    log.check()?;
     Ok(replaying.finish())
 }
 
@@ -344,7 +345,7 @@ fn run_sharded(
 ) -> Result<Streamed, ReplayError> {
     let mut replaying = Replaying::new(&log, progress);
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.events_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
+    Arc::clone(&log).events_ahead(CHUNK_ROWS, move |c| tx.send(c).is_ok());
     let shards = store.shards_mut();
     let n = shards.len();
     let lost = || IoError::WorkerLost("shard");
@@ -447,6 +448,7 @@ fn run_sharded(
     for tally in tallies {
         replaying.tally.merge(tally);
     }
+    log.check()?;
     Ok(replaying.finish())
 }
 

@@ -27,7 +27,8 @@ fn sample(rows: usize, seed: u64) -> (Vec<CallEvent>, RuleSet, HashMap<String, V
     let (_dir, path) = common::generated_csv(rows, seed);
     let log = callguard::offline::order::OrderedLog::open(&path, &Default::default())
         .unwrap()
-        .read_all();
+        .read_all()
+        .unwrap();
     let events: Vec<CallEvent> = log.events.into_iter().map(|(_, e)| e).collect();
     let rules = RuleSet::from_file(std::path::Path::new("data/rules.toml")).unwrap();
     let expected = common::replay_records(&events, &rules);

@@ -59,7 +59,8 @@ async fn sample_with_ends(rows: usize, seed: u64, rules: &std::path::Path) -> Sa
     let log = OrderedLog::open(&path, &ReadOptions::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     sample_of(dir, path, log, rules).await
 }
 
@@ -212,7 +213,8 @@ async fn call_ends_through_the_mock_cluster_decide_as_replay() {
     let log = OrderedLog::open(&path, &ReadOptions::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     let ends = log
         .events
         .iter()

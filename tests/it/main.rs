@@ -22,6 +22,7 @@ mod rule_kinds;
 mod semantics;
 mod serve;
 mod sip;
+mod spill;
 mod status_page;
 mod tree_walk;
 mod tune;

@@ -364,7 +364,8 @@ fn ordered_chunks_equal_the_sorted_log() {
     }
     let small = OrderedLog::open(&path, &ReadOptions::default())
         .unwrap()
-        .read_all();
+        .read_all()
+        .unwrap();
     let ids: Vec<&str> = small
         .events
         .iter()

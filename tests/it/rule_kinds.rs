@@ -573,7 +573,8 @@ async fn the_example_trunk_rules_stop_irsf_and_no_pbx() {
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     let verdicts = callguard::offline::replay::run(&log, &rules, &mut MemoryStore::new())
         .await
         .unwrap();

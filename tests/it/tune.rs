@@ -708,7 +708,8 @@ fn a_concurrent_rule_is_swept_as_replay_decides() {
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     assert!(log.events.iter().any(|(_, e)| e.kind == EventKind::End));
     let limits = [1, 2, 3, 5, 8];
     let s = sweep(&log, &rules, 1, &limits, Target::MaxFalseReject(0.01)).unwrap();
@@ -767,7 +768,8 @@ fn a_sum_rule_is_swept_as_replay_decides() {
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     let limits = [600, 1_800, 3_600, 5_400];
     let s = sweep(&log, &rules, 1, &limits, Target::MaxFalseReject(0.01)).unwrap();
     for r in &s.rows {
@@ -854,7 +856,8 @@ fn pools_are_swept_as_replay_decides() {
     let log = OrderedLog::open(&path, &Default::default())
         .unwrap()
         .with_ends()
-        .read_all();
+        .read_all()
+        .unwrap();
     for (index, limits) in [
         (1, vec![2, 4, 8, 16]),
         (2, vec![1_800, 7_200, 18_000]),

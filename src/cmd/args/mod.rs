@@ -184,6 +184,13 @@ pub struct InputArgs {
     /// separated by another one is reported with the delimiter to pass.
     #[arg(long, default_value = ",", value_parser = parse_delimiter)]
     pub delimiter: u8,
+    /// Rows held in memory to put the log in time order (about 60 bytes
+    /// each). A longer log is sorted in runs of this many rows, written to
+    /// the temporary directory ($TMPDIR, about 60 bytes a row) and merged:
+    /// memory stays bounded whatever the log's length or order.
+    #[arg(long, default_value_t = callguard::offline::spill::DEFAULT_SORT_ROWS as u64,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub sort_rows: u64,
 }
 
 /// Checks `--ts-format` as it is parsed.
@@ -220,6 +227,7 @@ impl InputArgs {
             delimiter: self.delimiter,
             progress,
             callees: true,
+            sort_rows: usize::try_from(self.sort_rows).unwrap_or(usize::MAX),
         })
     }
 }

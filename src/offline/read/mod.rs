@@ -48,6 +48,10 @@ pub struct ReadOptions {
     /// it: a callee never makes a row invalid (a bad one is no callee), so
     /// the same rows are valid either way.
     pub callees: bool,
+    /// Rows held in memory to put the log in processing order; a longer
+    /// log is sorted in runs of this many on disk
+    /// ([`crate::offline::spill`]).
+    pub sort_rows: usize,
 }
 
 impl Default for ReadOptions {
@@ -60,6 +64,7 @@ impl Default for ReadOptions {
             delimiter: b',',
             progress: false,
             callees: true,
+            sort_rows: crate::offline::spill::DEFAULT_SORT_ROWS,
         }
     }
 }
@@ -394,6 +399,24 @@ pub fn read_events(
     path: &Path,
     opts: &ReadOptions,
 ) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
+    let mut events = EventColumns::default();
+    let invalid = read_events_into(path, opts, &mut |batch| {
+        events.append(batch);
+        Ok(())
+    })?;
+    Ok((events, invalid))
+}
+
+/// Rows the Parquet reader hands on at a time.
+const PARQUET_BATCH: usize = 65_536;
+
+/// [`read_events`], handing the events to `sink` in file order, a batch at
+/// a time (a sink's error ends the read); returns the invalid rows.
+pub fn read_events_into(
+    path: &Path,
+    opts: &ReadOptions,
+    sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
+) -> Result<Vec<InvalidRow>, IoError> {
     if !path.exists() {
         return Err(IoError::NoSuchFile(path.to_path_buf()));
     }
@@ -406,8 +429,9 @@ pub fn read_events(
             check_required(&decoder, &opts.decoder.map, &parquet_columns(path)?)?;
             let wanted = wanted_columns(&decoder.map, opts);
             let df = read_frame_columns(path, InputFormat::Parquet, b',', Some(&wanted))?;
-            let mut events = EventColumns::with_capacity(df.height());
+            let mut events = EventColumns::with_capacity(df.height().min(PARQUET_BATCH));
             let mut invalid = Vec::new();
+            let mut sink_error = None;
             decode_frame(
                 &df,
                 &decoder,
@@ -419,12 +443,19 @@ pub fn read_events(
                     Ok(e) => {
                         invalid.extend(InvalidRow::dropped(row, &e));
                         events.push(row, &e);
+                        if events.len() >= PARQUET_BATCH && sink_error.is_none() {
+                            sink_error = sink(std::mem::take(&mut events)).err();
+                        }
                     }
                     Err(error) => invalid.push(InvalidRow::new(row, error)),
                 },
             )?;
-            Ok((events, invalid))
+            if let Some(e) = sink_error {
+                return Err(e);
+            }
+            sink(events)?;
+            Ok(invalid)
         }
-        format => read_csv_events(path, opts, format),
+        format => read_csv_events(path, opts, format, sink),
     }
 }

@@ -83,7 +83,8 @@ pub(super) fn read_csv_events(
     path: &Path,
     opts: &ReadOptions,
     format: InputFormat,
-) -> Result<(EventColumns, Vec<InvalidRow>), IoError> {
+    sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
+) -> Result<Vec<InvalidRow>, IoError> {
     let io = |source| IoError::Io {
         context: format!("reading {}", path.display()),
         source,
@@ -108,35 +109,39 @@ pub(super) fn read_csv_events(
     let header = resolve_header(path, opts, format, &first_text)?;
     let first = header.first_is_data.then_some(first);
     let bar = progress_bar(size, opts.progress, "reading");
-    let decoded = decode_in_order(reader, first, &header, opts, size, &bar);
+    let decoded = decode_in_order(reader, first, &header, opts, &bar, sink);
     bar.finish_and_clear();
     let decoded = decoded.map_err(csv_err)?;
+    if let Some(e) = decoded.sink_error {
+        return Err(e);
+    }
     check_quotes_closed(path, decoded.last_multiline)?;
-    Ok((decoded.events, decoded.invalid))
+    Ok(decoded.invalid)
 }
 
-/// What [`decode_in_order`] read.
+/// What [`decode_in_order`] read (its events went to the sink).
 struct Decoded {
-    events: EventColumns,
     invalid: Vec<InvalidRow>,
+    /// The sink's first error: the events after it were read, not taken.
+    sink_error: Option<IoError>,
     /// The last record spans lines (an unclosed quote, perhaps).
     last_multiline: bool,
 }
 
 /// Parses the records on one thread and decodes batches of them on
-/// others, putting the batches back in file order. `first`: a first
+/// others, handing the batches to `sink` in file order. `first`: a first
 /// record that is data (not a header).
 fn decode_in_order<R: std::io::Read + Send>(
     reader: csv::Reader<R>,
     first: Option<csv::ByteRecord>,
     header: &Header,
     opts: &ReadOptions,
-    size: u64,
     bar: &indicatif::ProgressBar,
+    sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
 ) -> Result<Decoded, csv::Error> {
     let mut out = Decoded {
-        events: EventColumns::with_capacity((size / 64) as usize),
         invalid: Vec::new(),
+        sink_error: None,
         last_multiline: false,
     };
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
@@ -157,7 +162,11 @@ fn decode_in_order<R: std::io::Read + Send>(
         for decoded in done_rx {
             waiting.insert(decoded.seq, decoded);
             while let Some(d) = waiting.remove(&next) {
-                out.events.append(d.events);
+                // After a sink error the rest is drained, not taken: the
+                // threads finish their batches either way.
+                if out.sink_error.is_none() {
+                    out.sink_error = sink(d.events).err();
+                }
                 out.invalid.extend(d.invalid);
                 if let Some(last) = d.records.last() {
                     out.last_multiline = last.iter().any(|f| f.contains(&b'\n'));

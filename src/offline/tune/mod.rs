@@ -642,7 +642,7 @@ pub fn sweep_ordered(
     let mut sweeper = Sweeper::new(rules, index, limits, target)?;
     let bar = progress_bar(log.rows() as u64, progress, "sweeping");
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    Arc::clone(&log).decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let mut invalid = Vec::new();
     // Rules keyed by callee or global count before the caller's rules
     // and whatever they decide: one pass in processing order fills them
@@ -662,6 +662,7 @@ pub fn sweep_ordered(
         }
     }
     bar.finish_and_clear();
+    log.check()?;
     invalid.sort_by_key(|r| r.row);
     Ok((sweeper.finish(), invalid))
 }
@@ -679,7 +680,9 @@ pub fn observed_limits(
 ) -> Result<Vec<u64>, TuneError> {
     let open = rules.with_limit(index, u64::MAX / 4)?;
     let mut peaks = if open.rules[index].is_pooled() {
-        pool_peaks(log, &open, index, progress)
+        let peaks = pool_peaks(Arc::clone(&log), &open, index, progress);
+        log.check()?;
+        peaks
     } else {
         caller_peaks(log, &open, index, progress)?
     };
@@ -716,7 +719,7 @@ fn caller_peaks(
     let mut sweeper = Sweeper::new(open, index, &[], Target::Quantile(1.0))?;
     let bar = progress_bar(log.rows() as u64, progress, "observing sums");
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    Arc::clone(&log).decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
     for mut chunk in chunks {
         bar.inc((chunk.events.len() + not_kept(&chunk.invalid)) as u64);
@@ -724,6 +727,7 @@ fn caller_peaks(
         sweeper.feed_log(&chunk);
     }
     bar.finish_and_clear();
+    log.check()?;
     let merged = sweeper.merge_shards();
     Ok(merged.callers.iter().map(|t| t.peak).collect())
 }
@@ -735,7 +739,7 @@ fn caller_peaks(
 fn pool_peaks(log: Arc<OrderedLog>, open: &RuleSet, index: usize, progress: bool) -> Vec<u64> {
     let bar = progress_bar(log.rows() as u64, progress, "observing sums");
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
-    log.decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
+    Arc::clone(&log).decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let (mut gate, mut ledger) = (Gate::new(), MemoryLedger::new());
     let (mut store, mut pools) = (MemoryStore::new(), Pools::new());
     let mut peaks: foldhash::HashMap<String, u64> = Default::default();

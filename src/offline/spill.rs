@@ -1,0 +1,533 @@
+//! A call log longer than the sort budget, put in processing order on
+//! disk: the events read so far are sorted and written to a temporary file
+//! (a run) each time they reach the budget, and the runs are merged back a
+//! chunk at a time. Memory holds one run while reading, and one event a run
+//! (plus the calls still in progress, with their ends) while merging,
+//! whatever the length or the order of the log.
+//!
+//! The order is [`super::order::OrderedLog`]'s, exactly: by time, ties in
+//! file order; with the calls' ends, an end before an attempt at the same
+//! millisecond and a derived end right after its row. Callers are numbered
+//! by first appearance in the file, as in memory.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BinaryHeap, VecDeque};
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use compact_str::CompactString;
+
+use crate::engine::event::{CallEvent, EventKind};
+use crate::error::IoError;
+use crate::offline::columns::EventColumns;
+
+/// Rows a log may hold in memory to be put in processing order (about 60
+/// bytes each); a longer log is spilled in runs of this many.
+pub const DEFAULT_SORT_ROWS: usize = 10_000_000;
+
+/// An event as merged: its file row, its caller's number and the event.
+pub type Merged = (u64, u32, CallEvent);
+
+fn io_error(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> IoError {
+    let context = context.into();
+    move |source| IoError::Io { context, source }
+}
+
+/// Collects a log's events in file order, spilling a sorted run each time
+/// `budget` of them are held.
+pub struct Spiller {
+    budget: usize,
+    current: EventColumns,
+    dir: Option<tempfile::TempDir>,
+    runs: usize,
+    events: usize,
+    ends: usize,
+    numbers: foldhash::HashMap<CompactString, u32>,
+}
+
+/// What a [`Spiller`] holds once the log is read.
+pub enum Collected {
+    /// The log fit the budget: its events, in file order.
+    Whole(Box<EventColumns>),
+    /// The log was spilled.
+    Spilled(Spill),
+}
+
+impl Spiller {
+    /// A spiller holding at most `budget` events (at least one).
+    pub fn new(budget: usize) -> Self {
+        Spiller {
+            budget: budget.max(1),
+            current: EventColumns::default(),
+            dir: None,
+            runs: 0,
+            events: 0,
+            ends: 0,
+            numbers: Default::default(),
+        }
+    }
+
+    /// Takes the next events of the file, spilling a run at the budget.
+    pub fn take(&mut self, batch: EventColumns) -> Result<(), IoError> {
+        if self.current.is_empty() {
+            self.current = batch;
+        } else {
+            self.current.append(batch);
+        }
+        if self.current.len() >= self.budget {
+            self.spill()?;
+        }
+        Ok(())
+    }
+
+    /// The log as read: whole when it never reached the budget.
+    pub fn finish(mut self) -> Result<Collected, IoError> {
+        if self.dir.is_none() {
+            return Ok(Collected::Whole(Box::new(self.current)));
+        }
+        if !self.current.is_empty() {
+            self.spill()?;
+        }
+        let Some(dir) = self.dir else {
+            return Ok(Collected::Whole(Box::new(self.current)));
+        };
+        tracing::info!(
+            events = self.events,
+            runs = self.runs,
+            "the log is longer than --sort-rows ({}): put in time order on disk",
+            self.budget
+        );
+        Ok(Collected::Spilled(Spill {
+            dir,
+            runs: self.runs,
+            events: self.events,
+            ends: self.ends,
+        }))
+    }
+
+    /// Writes the events held as a run, in processing order (by time,
+    /// ties in file order), each with its caller's number.
+    fn spill(&mut self) -> Result<(), IoError> {
+        let events = std::mem::take(&mut self.current);
+        if self.dir.is_none() {
+            let dir = tempfile::Builder::new()
+                .prefix("callguard-sort-")
+                .tempdir()
+                .map_err(io_error("creating a directory for the sort's runs"))?;
+            self.dir = Some(dir);
+        }
+        let Some(dir) = &self.dir else {
+            return Ok(());
+        };
+        let path = run_path(dir.path(), self.runs);
+        // Numbered in file order, as in memory; events decoded one at a
+        // time as written.
+        let numbers: Vec<u32> = (0..events.len())
+            .map(|i| {
+                let next = self.numbers.len() as u32;
+                *self.numbers.entry(events.caller(i)).or_insert(next)
+            })
+            .collect();
+        let ts = events.times();
+        let mut order: Vec<u32> = (0..events.len() as u32).collect();
+        if !ts.is_sorted() {
+            order.sort_by_key(|&i| ts[i as usize]);
+        }
+        let context = format!("writing the sort's run {}", path.display());
+        let file = File::create(&path).map_err(io_error(context.clone()))?;
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        for &i in &order {
+            let i = i as usize;
+            let event = events.event(i);
+            write_event(&mut w, events.row(i), numbers[i], &event)
+                .map_err(io_error(context.clone()))?;
+            self.ends += usize::from(end_of(&event).is_some());
+        }
+        w.flush().map_err(io_error(context))?;
+        self.events += events.len();
+        self.runs += 1;
+        Ok(())
+    }
+}
+
+fn run_path(dir: &Path, run: usize) -> PathBuf {
+    dir.join(format!("run-{run}.bin"))
+}
+
+/// A log's events spilled in sorted runs (removed with it).
+pub struct Spill {
+    dir: tempfile::TempDir,
+    runs: usize,
+    events: usize,
+    ends: usize,
+}
+
+impl Spill {
+    /// The events spilled (the rows' events, not their derived ends).
+    pub fn events(&self) -> usize {
+        self.events
+    }
+
+    /// The events in processing order, and with `ends` the derived ends of
+    /// the calls with a duration, each with its row and caller number.
+    pub fn merge(&self, ends: bool) -> Result<Merge, IoError> {
+        let mut merge = Merge {
+            runs: Vec::with_capacity(self.runs),
+            heads: BinaryHeap::with_capacity(self.runs),
+            pending: BinaryHeap::new(),
+            group: VecDeque::new(),
+            ends,
+        };
+        for run in 0..self.runs {
+            let path = run_path(self.dir.path(), run);
+            let file = File::open(&path).map_err(io_error(format!(
+                "reading the sort's run {}",
+                path.display()
+            )))?;
+            merge
+                .runs
+                .push((BufReader::with_capacity(1 << 16, file), path));
+            merge.refill(run)?;
+        }
+        Ok(merge)
+    }
+
+    /// Events in processing order: the rows' events, and with `ends` the
+    /// derived ends.
+    pub fn len(&self, ends: bool) -> usize {
+        self.events + if ends { self.ends } else { 0 }
+    }
+}
+
+/// The head of a run: its next event, ordered by (time, row).
+struct Head {
+    ts: i64,
+    row: u64,
+    run: usize,
+    caller: u32,
+    event: CallEvent,
+}
+
+impl PartialEq for Head {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Head {}
+impl PartialOrd for Head {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Head {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.ts, self.row).cmp(&(other.ts, other.row))
+    }
+}
+
+/// An event placed in processing order by its key: (time, class, row,
+/// derived end), class 0 for ends (with `ends`) and 1 for attempts.
+struct Placed {
+    key: (i64, u8, u64, u8),
+    caller: u32,
+    event: CallEvent,
+}
+
+impl PartialEq for Placed {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+    }
+}
+impl Eq for Placed {}
+impl PartialOrd for Placed {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Placed {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.key.cmp(&other.key)
+    }
+}
+
+/// The runs merged into processing order (see [`Spill::merge`]).
+pub struct Merge {
+    runs: Vec<(BufReader<File>, PathBuf)>,
+    heads: BinaryHeap<Reverse<Head>>,
+    /// Derived ends later than the events merged so far.
+    pending: BinaryHeap<Reverse<Placed>>,
+    /// Events of the millisecond being handed out, in order.
+    group: VecDeque<Placed>,
+    ends: bool,
+}
+
+impl Merge {
+    /// Reads run `run`'s next event into the heads.
+    fn refill(&mut self, run: usize) -> Result<(), IoError> {
+        let (reader, path) = &mut self.runs[run];
+        let read = read_event(reader).map_err(io_error(format!(
+            "reading the sort's run {}",
+            path.display()
+        )))?;
+        if let Some((row, caller, event)) = read {
+            self.heads.push(Reverse(Head {
+                ts: event.ts_ms,
+                row,
+                run,
+                caller,
+                event,
+            }));
+        }
+        Ok(())
+    }
+
+    /// Gathers every event of the earliest millisecond left (rows' events
+    /// and derived ends) into `group`, in order; false when none is left.
+    fn fill_group(&mut self) -> Result<bool, IoError> {
+        let head = self.heads.peek().map(|h| h.0.ts);
+        let end = self.pending.peek().map(|p| p.0.key.0);
+        let t = match (head, end) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) => a,
+            (None, Some(b)) => b,
+            (None, None) => return Ok(false),
+        };
+        let mut group = Vec::new();
+        while self.heads.peek().is_some_and(|h| h.0.ts == t) {
+            let Some(Reverse(head)) = self.heads.pop() else {
+                break;
+            };
+            self.refill(head.run)?;
+            // A derived end at this very millisecond (a duration of 0)
+            // joins the group below, with the pending ones.
+            if let Some(end) = end_of(&head.event).filter(|_| self.ends) {
+                self.pending.push(Reverse(Placed {
+                    key: (end.ts_ms, 0, head.row, 1),
+                    caller: head.caller,
+                    event: end,
+                }));
+            }
+            let class = u8::from(self.ends && head.event.kind != EventKind::End);
+            group.push(Placed {
+                key: (t, class, head.row, 0),
+                caller: head.caller,
+                event: head.event,
+            });
+        }
+        while self.pending.peek().is_some_and(|p| p.0.key.0 == t) {
+            if let Some(Reverse(placed)) = self.pending.pop() {
+                group.push(placed);
+            }
+        }
+        group.sort_unstable();
+        self.group.extend(group);
+        Ok(true)
+    }
+}
+
+impl Iterator for Merge {
+    type Item = Result<Merged, IoError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.group.is_empty() {
+            match self.fill_group() {
+                Ok(true) => {}
+                Ok(false) => return None,
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        self.group
+            .pop_front()
+            .map(|p| Ok((p.key.2, p.caller, p.event)))
+    }
+}
+
+/// A call-log row's end, when it is an attempt with a duration: the end
+/// [`EventColumns::end_of`] gives for it.
+pub fn end_of(e: &CallEvent) -> Option<CallEvent> {
+    let duration = e.duration_ms.filter(|_| e.kind == EventKind::Attempt)?;
+    Some(CallEvent {
+        call_id: e.call_id.clone(),
+        caller: e.caller.clone(),
+        ts_ms: e.ts_ms.saturating_add(duration),
+        callee: e.callee.clone(),
+        kind: EventKind::End,
+        talk_ms: e.talk_ms,
+        account: e.account.clone(),
+        list_number: e.list_number.clone(),
+        filter_callee: e.filter_callee.clone(),
+        ..Default::default()
+    })
+}
+
+// A run's record: ts (i64), row (u64), caller number (u32), flags (u8),
+// then the duration and talk time (i64) when present, then the texts, each
+// a u32 length and its bytes: call id, caller, and when present callee,
+// account, list number, filter callee. Little-endian.
+const END: u8 = 1;
+const DURATION: u8 = 2;
+const TALK: u8 = 4;
+const LABELLED: u8 = 8;
+const FRAUD: u8 = 16;
+const CALLEE: u8 = 32;
+const ACCOUNT: u8 = 64;
+const LIST_NUMBER: u8 = 128;
+// A second flags byte.
+const FILTER_CALLEE: u8 = 1;
+
+fn write_text(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    w.write_all(&(s.len() as u32).to_le_bytes())?;
+    w.write_all(s.as_bytes())
+}
+
+fn write_event(w: &mut impl Write, row: u64, caller: u32, e: &CallEvent) -> std::io::Result<()> {
+    let mut flags = 0u8;
+    flags |= if e.kind == EventKind::End { END } else { 0 };
+    flags |= if e.duration_ms.is_some() { DURATION } else { 0 };
+    flags |= if e.talk_ms.is_some() { TALK } else { 0 };
+    flags |= if e.label.is_some() { LABELLED } else { 0 };
+    flags |= if e.label == Some(true) { FRAUD } else { 0 };
+    flags |= if e.callee.is_some() { CALLEE } else { 0 };
+    flags |= if e.account.is_some() { ACCOUNT } else { 0 };
+    flags |= if e.list_number.is_some() {
+        LIST_NUMBER
+    } else {
+        0
+    };
+    let more = if e.filter_callee.is_some() {
+        FILTER_CALLEE
+    } else {
+        0
+    };
+    w.write_all(&e.ts_ms.to_le_bytes())?;
+    w.write_all(&row.to_le_bytes())?;
+    w.write_all(&caller.to_le_bytes())?;
+    w.write_all(&[flags, more])?;
+    for v in [e.duration_ms, e.talk_ms].into_iter().flatten() {
+        w.write_all(&v.to_le_bytes())?;
+    }
+    write_text(w, &e.call_id)?;
+    write_text(w, &e.caller)?;
+    let texts = [
+        e.callee.as_deref(),
+        e.account.as_deref(),
+        e.list_number.as_deref(),
+        e.filter_callee.as_deref(),
+    ];
+    for s in texts.into_iter().flatten() {
+        write_text(w, s)?;
+    }
+    Ok(())
+}
+
+fn read_array<const N: usize>(r: &mut impl Read) -> std::io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    r.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn read_text(r: &mut impl Read) -> std::io::Result<CompactString> {
+    let len = u32::from_le_bytes(read_array(r)?) as usize;
+    let mut bytes = vec![0u8; len];
+    r.read_exact(&mut bytes)?;
+    CompactString::from_utf8(bytes).map_err(std::io::Error::other)
+}
+
+/// The next record of a run; `None` at its end.
+fn read_event(r: &mut impl Read) -> std::io::Result<Option<Merged>> {
+    let mut first = [0u8; 8];
+    match r.read_exact(&mut first) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let ts_ms = i64::from_le_bytes(first);
+    let row = u64::from_le_bytes(read_array(r)?);
+    let caller = u32::from_le_bytes(read_array(r)?);
+    let [flags, more] = read_array(r)?;
+    let duration_ms = if flags & DURATION != 0 {
+        Some(i64::from_le_bytes(read_array(r)?))
+    } else {
+        None
+    };
+    let talk_ms = if flags & TALK != 0 {
+        Some(i64::from_le_bytes(read_array(r)?))
+    } else {
+        None
+    };
+    let call_id = read_text(r)?;
+    let caller_number = read_text(r)?;
+    let mut text = |bit: bool| -> std::io::Result<Option<CompactString>> {
+        if bit {
+            read_text(r).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let callee = text(flags & CALLEE != 0)?;
+    let account = text(flags & ACCOUNT != 0)?;
+    let list_number = text(flags & LIST_NUMBER != 0)?.map(String::from);
+    let filter_callee = text(more & FILTER_CALLEE != 0)?;
+    let event = CallEvent {
+        call_id,
+        caller: caller_number,
+        ts_ms,
+        callee,
+        kind: if flags & END != 0 {
+            EventKind::End
+        } else {
+            EventKind::Attempt
+        },
+        duration_ms,
+        talk_ms,
+        account,
+        label: (flags & LABELLED != 0).then_some(flags & FRAUD != 0),
+        list_number,
+        filter_callee,
+        ..Default::default()
+    };
+    Ok(Some((row, caller, event)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_reads_back_as_written() {
+        let full = CallEvent {
+            call_id: "c-1".into(),
+            caller: "+34600000001".into(),
+            ts_ms: -5,
+            callee: Some("+900123".into()),
+            kind: EventKind::End,
+            duration_ms: Some(0),
+            talk_ms: Some(12),
+            account: Some("trunk-7".into()),
+            label: Some(true),
+            list_number: Some("+34911".into()),
+            filter_callee: Some("+9001".into()),
+            ..Default::default()
+        };
+        let bare = CallEvent {
+            label: Some(false),
+            ..CallEvent::new("x", "p:ab", i64::MAX)
+        };
+        let mut buf = Vec::new();
+        write_event(&mut buf, 7, 3, &full).unwrap();
+        write_event(&mut buf, u64::MAX, 0, &bare).unwrap();
+        let mut r = &buf[..];
+        assert_eq!(read_event(&mut r).unwrap(), Some((7, 3, full)));
+        assert_eq!(read_event(&mut r).unwrap(), Some((u64::MAX, 0, bare)));
+        assert_eq!(read_event(&mut r).unwrap(), None);
+    }
+
+    #[test]
+    fn a_cut_record_is_an_error_not_an_end() {
+        let mut buf = Vec::new();
+        write_event(&mut buf, 1, 0, &CallEvent::new("a", "+341", 1)).unwrap();
+        let mut r = &buf[..buf.len() - 1];
+        assert!(read_event(&mut r).is_err());
+    }
+}

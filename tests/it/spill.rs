@@ -1,0 +1,206 @@
+//! A log longer than its sort budget (`--sort-rows`), put in order on disk
+//! (`callguard::offline::spill`): the same events in the same order, with
+//! the same caller numbers and invalid rows, as the log ordered in memory;
+//! and the same records from `replay`, `features` and `tune`.
+
+use std::path::Path;
+
+use callguard::offline::order::OrderedLog;
+use callguard::offline::read::ReadOptions;
+use polars::prelude::SerReader;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::common;
+
+/// A random call log as CSV: few callers and times (ties), repeated call
+/// ids, durations (zero among them), end rows, talk times, accounts,
+/// labels, and some invalid rows, in no order.
+fn random_log(rng: &mut StdRng, rows: usize) -> String {
+    let mut csv =
+        String::from("call_id,caller,callee,ts,duration_ms,event,talk_ms,account,label\n");
+    for i in 0..rows {
+        let id = if rng.random_bool(0.1) {
+            format!("c{}", rng.random_range(0..5))
+        } else {
+            format!("c-{i}")
+        };
+        let caller = match rng.random_range(0..20) {
+            0 => "12".to_string(), // not a number: an invalid row
+            n => format!("+3460000000{}", n % 7),
+        };
+        let ts = if rng.random_bool(0.02) {
+            "soon".to_string() // an invalid row
+        } else {
+            (1_764_583_200_000i64 + rng.random_range(0..40) * 500).to_string()
+        };
+        let duration = match rng.random_range(0..4) {
+            0 => String::new(),
+            1 => "0".into(),
+            _ => (rng.random_range(0..6) * 500).to_string(),
+        };
+        let event = if rng.random_bool(0.1) { "end" } else { "" };
+        let talk = if rng.random_bool(0.3) { "1000" } else { "" };
+        let account = if rng.random_bool(0.2) { "trunk-1" } else { "" };
+        let label = ["", "fraud", "legit"][rng.random_range(0..3)];
+        csv.push_str(&format!(
+            "{id},{caller},+3491000000{},{ts},{duration},{event},{talk},{account},{label}\n",
+            rng.random_range(0..4)
+        ));
+    }
+    csv
+}
+
+fn open(path: &Path, sort_rows: usize, ends: bool) -> OrderedLog {
+    let opts = ReadOptions {
+        sort_rows,
+        ..ReadOptions::default()
+    };
+    let log = OrderedLog::open(path, &opts).unwrap();
+    if ends {
+        log.with_ends()
+    } else {
+        log
+    }
+}
+
+/// 200 random logs, each ordered in memory and on disk with budgets of 1,
+/// 7 and 50 rows, with and without the calls' ends: the same events (rows,
+/// fields, order), caller numbers and invalid rows; on disk every call id
+/// is taken as possibly repeated.
+#[test]
+fn a_spilled_log_merges_in_the_order_and_numbers_of_memory() {
+    let mut rng = StdRng::seed_from_u64(54);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    let mut spilled_runs = 0;
+    for case in 0..200 {
+        let rows = rng.random_range(1..=300);
+        std::fs::write(&path, random_log(&mut rng, rows)).unwrap();
+        for ends in [false, true] {
+            let memory = open(&path, usize::MAX, ends);
+            assert!(!memory.spilled());
+            let want = memory.read_all().unwrap();
+            for budget in [1, 7, 50] {
+                let disk = open(&path, budget, ends);
+                assert_eq!(disk.rows(), memory.rows(), "case {case}");
+                let valid = memory.rows() - not_kept(&want);
+                assert_eq!(
+                    disk.spilled(),
+                    valid >= budget,
+                    "case {case}, budget {budget}"
+                );
+                spilled_runs += usize::from(disk.spilled());
+                let got = disk.read_all().unwrap();
+                let at = format!("case {case}, budget {budget}, ends {ends}");
+                assert_eq!(got.events, want.events, "{at}");
+                assert_eq!(got.invalid, want.invalid, "{at}");
+                if disk.spilled() {
+                    assert_eq!(got.callers, want.callers, "{at}");
+                    assert!(got.unique.iter().all(|u| !u), "{at}");
+                } else {
+                    assert_eq!(got.unique, want.unique, "{at}");
+                }
+            }
+        }
+    }
+    assert!(spilled_runs > 800, "only {spilled_runs} spilled");
+}
+
+fn not_kept(log: &callguard::offline::read::CallLog) -> usize {
+    callguard::offline::read::not_kept(&log.invalid)
+}
+
+fn run(args: &[&str], tmp: &Path) -> String {
+    let o = std::process::Command::new(common::bin())
+        .args(args)
+        .env("TMPDIR", tmp)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "callguard {args:?}: {err}");
+    err
+}
+
+/// A generated log with its rows shuffled, longer than `--sort-rows 997`:
+/// `replay` (the rules, and the fraud rules with calls held open until
+/// their ends), `features` and `tune` write the same files as with the log
+/// ordered in memory, say that they sorted on disk, and leave no run
+/// behind.
+#[test]
+fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
+    let (dir, sorted) = common::generated_csv(6000, 54);
+    let text = std::fs::read_to_string(&sorted).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    let header = lines.remove(0);
+    lines.shuffle(&mut StdRng::seed_from_u64(5));
+    let input = dir.path().join("shuffled.csv");
+    std::fs::write(&input, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
+    let input = input.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let spilled = "put in time order on disk";
+    let jobs: [(&str, Vec<&str>, &str); 4] = [
+        ("replay", vec!["--rules", "data/rules.toml"], "csv"),
+        ("replay", vec!["--rules", "data/rules-fraud.toml"], "csv"),
+        ("features", vec!["--rules", "data/rules.toml"], "parquet"),
+        (
+            "tune",
+            vec![
+                "--rules",
+                "data/rules.toml",
+                "--sweep",
+                "minute",
+                "--limits",
+                "1..12",
+                "--label-column",
+                "label",
+            ],
+            "csv",
+        ),
+    ];
+    for (k, (command, extra, ext)) in jobs.iter().enumerate() {
+        let (a, b) = (
+            out(&format!("{k}-memory.{ext}")),
+            out(&format!("{k}-disk.{ext}")),
+        );
+        let mut args = vec![*command, "-i", input];
+        args.extend(extra.iter().copied());
+        let mut memory = args.clone();
+        memory.extend(["-o", &a]);
+        let err = run(&memory, tmp.path());
+        assert!(
+            !err.contains(spilled),
+            "{command} {extra:?} in memory: {err}"
+        );
+        let mut disk = args.clone();
+        disk.extend(["-o", &b, "--sort-rows", "997"]);
+        let err = run(&disk, tmp.path());
+        assert!(
+            err.contains(spilled),
+            "{command} {extra:?}: no sort on disk said: {err}"
+        );
+        let (a, b) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+        assert!(!a.is_empty());
+        if *ext == "parquet" {
+            let frame = |bytes: Vec<u8>| {
+                polars::prelude::ParquetReader::new(std::io::Cursor::new(bytes))
+                    .finish()
+                    .unwrap()
+            };
+            assert!(frame(a).equals_missing(&frame(b)), "{command} {extra:?}");
+        } else {
+            assert_eq!(
+                String::from_utf8_lossy(&a),
+                String::from_utf8_lossy(&b),
+                "{command} {extra:?}"
+            );
+        }
+        let left: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert!(
+            left.is_empty(),
+            "{command} left {left:?} in the temporary directory"
+        );
+    }
+}
