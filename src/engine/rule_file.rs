@@ -55,6 +55,8 @@ struct ModelEntry {
     #[serde(default)]
     shadow: bool,
     warn: Option<f32>,
+    #[serde(default)]
+    block: bool,
 }
 
 impl ModelEntry {
@@ -74,7 +76,7 @@ impl ModelEntry {
         let bytes = std::fs::read(&path)
             .map_err(|e| err(format!("path: cannot read {}: {e}", path.display())))?;
         files.push(path.clone());
-        Model::load(
+        let mut model = Model::load(
             path.clone(),
             &bytes,
             self.inputs,
@@ -83,7 +85,9 @@ impl ModelEntry {
             self.warn,
             retry_after_ms,
         )
-        .map_err(|e| err(format!("{}: {e}", path.display())))
+        .map_err(|e| err(format!("{}: {e}", path.display())))?;
+        model.block = self.block;
+        Ok(model)
     }
 }
 

@@ -24,7 +24,7 @@ use crate::offline::columns::EventColumns;
 
 /// Rows a log may hold in memory to be put in processing order (about 60
 /// bytes each); a longer log is spilled in runs of this many.
-pub const DEFAULT_SORT_ROWS: usize = 10_000_000;
+pub const DEFAULT_SORT_ROWS: usize = 4_000_000;
 
 /// An event as merged: its file row, its caller's number and the event.
 pub type Merged = (u64, u32, CallEvent);

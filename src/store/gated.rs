@@ -76,7 +76,7 @@ impl PoolStore {
     ) -> Result<(), StoreError> {
         if !rules.has_pools() {
             crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
-            return Ok(());
+            return self.block_model_rejects(rules, events, verdicts).await;
         }
         let start = std::time::Instant::now();
         let taken = match self {
@@ -84,6 +84,7 @@ impl PoolStore {
             PoolStore::Redis(p) => p.apply(rules, events, verdicts).await?,
         };
         crate::store::settle_by_model(rules, verdicts.iter_mut().flatten());
+        self.block_model_rejects(rules, events, verdicts).await?;
         if taken == 0 {
             return Ok(());
         }
@@ -91,6 +92,22 @@ impl PoolStore {
         stats.events += taken;
         stats.micros += start.elapsed().as_micros() as u64;
         Ok(())
+    }
+}
+
+impl PoolStore {
+    /// The block keys of the model's rejects, where asked (see
+    /// [`RedisPools::block_model_rejects`]); none in process.
+    async fn block_model_rejects(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        verdicts: &[Option<Verdict>],
+    ) -> Result<(), StoreError> {
+        match self {
+            PoolStore::Memory(_) => Ok(()),
+            PoolStore::Redis(p) => p.block_model_rejects(rules, events, verdicts).await,
+        }
     }
 }
 

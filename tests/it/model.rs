@@ -226,10 +226,15 @@ impl Drop for Serve {
 }
 
 fn serve(rules: &Path, redis: &RedisServer) -> Serve {
+    serve_with(rules, redis, &[])
+}
+
+fn serve_with(rules: &Path, redis: &RedisServer, extra: &[&str]) -> Serve {
     let port = common::free_port();
     let child = std::process::Command::new(common::bin())
         .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
         .args(["--redis-url", &redis.url()])
+        .args(extra)
         .arg("--rules")
         .arg(rules)
         .stdout(std::process::Stdio::null())
@@ -651,4 +656,67 @@ async fn decide_next(brokers: &str, sent: &mut usize) -> serde_json::Value {
         .into_iter()
         .find(|r| r["call_id"] == format!("m{i}"))
         .expect("the call's decision")
+}
+
+/// Block keys of model rejects: with `--block-keys` and `[model] block =
+/// true`, each caller the model rejects gets its block key, `model`, for
+/// the reject's Retry-After, in both Redis modes; without `block = true`,
+/// a model reject writes none (a rule's reject still does).
+#[test]
+fn a_model_reject_sets_the_block_key_only_when_asked() {
+    let log = read_call_log(Path::new("data/calls.csv"), &ReadOptions::default()).unwrap();
+    let events: Vec<_> = log
+        .events
+        .iter()
+        .map(|(_, e)| e.clone())
+        .take(1_500)
+        .collect();
+    for (mode, block) in [("cached", true), ("script", true), ("cached", false)] {
+        let redis = RedisServer::start(&[]);
+        let dir = tempfile::tempdir().unwrap();
+        let rules = common::model_rules(dir.path(), false, 0.5);
+        if block {
+            let text = std::fs::read_to_string(&rules).unwrap();
+            std::fs::write(&rules, format!("{text}block = true\n")).unwrap();
+        }
+        let set = RuleSet::from_file(&rules).unwrap();
+        assert_eq!(set.model().unwrap().block, block);
+        let served = serve_with(&rules, &redis, &["--block-keys", "--redis-mode", mode]);
+        let mut conn = HttpConn::connect(served.port);
+        let mut con = redis.connection();
+        let (mut by_model, mut by_rule) = (0, 0);
+        for e in &events {
+            let got = check(&mut conn, e);
+            let key = format!("cg:block:{{{}}}", e.caller);
+            let value: Option<String> = redis::cmd("GET").arg(&key).query(&mut con).unwrap();
+            let what = format!("{mode}, block {block}, call {}: {got}", e.call_id);
+            match got["reason"].as_str().unwrap() {
+                "model" if got["decision"] == "reject" => {
+                    by_model += 1;
+                    if block {
+                        assert_eq!(value.as_deref(), Some("model"), "{what}");
+                        let ttl: i64 = redis::cmd("PTTL").arg(&key).query(&mut con).unwrap();
+                        let retry = got["retry_after_ms"].as_i64().unwrap();
+                        assert!(ttl > 0 && ttl <= retry, "{what}: PTTL {ttl}");
+                    } else {
+                        // (A key a rule's earlier reject set may remain.)
+                        assert_ne!(value.as_deref(), Some("model"), "{what}");
+                    }
+                }
+                // A rule's reject sets the key to the rule, as always.
+                reason if got["decision"] == "reject" && reason != "denylist" => {
+                    by_rule += 1;
+                    assert_eq!(value.as_deref(), Some(reason), "{what}");
+                }
+                _ => {}
+            }
+            if by_model >= 20 && by_rule >= 5 {
+                break;
+            }
+        }
+        assert!(
+            by_model >= 20 && by_rule >= 5,
+            "{mode}: {by_model} model and {by_rule} rule rejects"
+        );
+    }
 }

@@ -60,6 +60,9 @@ pub struct Model {
     pub warn: Option<f32>,
     /// Retry-After of a model reject, milliseconds.
     pub retry_after_ms: i64,
+    /// A model reject sets the caller's block key (`block = true`), where
+    /// the store writes block keys (`--block-keys`), as a rule's does.
+    pub block: bool,
     /// SHA-256 of the model file (hex): part of the rule set's version.
     pub hash: String,
     scorer: Arc<Scorer>,
@@ -86,6 +89,7 @@ impl PartialEq for Model {
             && self.shadow == other.shadow
             && self.warn.map(f32::to_bits) == other.warn.map(f32::to_bits)
             && self.retry_after_ms == other.retry_after_ms
+            && self.block == other.block
     }
 }
 
@@ -146,6 +150,7 @@ impl Model {
             shadow,
             warn,
             retry_after_ms,
+            block: false,
             hash,
             scorer: Arc::new(scorer),
         })

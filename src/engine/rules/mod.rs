@@ -599,17 +599,19 @@ impl RuleSet {
             }
             // The model by its file's hash and how its score decides.
             if let Some(model) = &self.model {
-                m.insert(
-                    "model".into(),
-                    serde_json::json!({
-                        "sha256": model.hash,
-                        "inputs": model.input_names,
-                        "threshold": model.threshold,
-                        "shadow": model.shadow,
-                        "warn": model.warn,
-                        "retry_after_ms": model.retry_after_ms,
-                    }),
-                );
+                let mut entry = serde_json::json!({
+                    "sha256": model.hash,
+                    "inputs": model.input_names,
+                    "threshold": model.threshold,
+                    "shadow": model.shadow,
+                    "warn": model.warn,
+                    "retry_after_ms": model.retry_after_ms,
+                });
+                // (Only when set: the versions of sets without it stay.)
+                if model.block {
+                    entry["block"] = true.into();
+                }
+                m.insert("model".into(), entry);
             }
         }
         let digest = Sha256::digest(canonical.to_string().as_bytes());

@@ -184,14 +184,21 @@ fn decode_in_order<R: std::io::Read + Send>(
     Ok(out)
 }
 
+/// Batches of records in flight at most (being parsed, decoded, or
+/// waiting for the sink): the read runs no further ahead of a slow sink
+/// (one spilling a sorted run to disk) than this.
+const BATCHES_IN_FLIGHT: usize = 32;
+
 /// The parsing thread: fills batches of [`CSV_BATCH`] records (reusing
-/// those that come back) and hands them on, numbered.
+/// those that come back, at most [`BATCHES_IN_FLIGHT`] of them) and hands
+/// them on, numbered.
 fn parse_batches<R: std::io::Read>(
     mut reader: csv::Reader<R>,
     first: Option<csv::ByteRecord>,
     full_tx: &std::sync::mpsc::SyncSender<(usize, Vec<csv::ByteRecord>)>,
     empty_rx: &std::sync::mpsc::Receiver<Vec<csv::ByteRecord>>,
 ) -> Result<(), csv::Error> {
+    let mut made = 1;
     let mut filled = usize::from(first.is_some());
     let mut batch: Vec<csv::ByteRecord> = first.into_iter().collect();
     for seq in 0.. {
@@ -209,7 +216,19 @@ fn parse_batches<R: std::io::Read>(
         if done {
             break;
         }
-        batch = empty_rx.try_recv().unwrap_or_default();
+        // The sink hands each batch back once it took its events; every
+        // batch in flight reaches it, so waiting for one cannot stall.
+        batch = match empty_rx.try_recv() {
+            Ok(b) => b,
+            Err(_) if made < BATCHES_IN_FLIGHT => {
+                made += 1;
+                Vec::new()
+            }
+            Err(_) => match empty_rx.recv() {
+                Ok(b) => b,
+                Err(_) => break,
+            },
+        };
         filled = 0;
     }
     Ok(())

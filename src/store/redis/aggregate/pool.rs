@@ -11,8 +11,9 @@
 use redis::Value;
 
 use crate::engine::event::{CallEvent, EventKind};
+use crate::engine::model::REASON_MODEL;
 use crate::engine::pool::{call_key, pools_of, settle, Found, Opening, MAX_PENDING_ENDS};
-use crate::engine::record::Verdict;
+use crate::engine::record::{Decision, Verdict};
 use crate::engine::rules::{RuleSet, SumOf, WindowKind};
 use crate::error::StoreError;
 use crate::store::redis::classify;
@@ -60,6 +61,54 @@ impl RedisPools {
         self.conn
             .as_mut()
             .ok_or_else(|| StoreError::transient("not connected to Redis"))
+    }
+
+    /// Sets the block key of each caller the model rejected in this batch
+    /// (`verdicts` index for index with `events`), to `model` for the
+    /// reject's Retry-After, when the set's `[model]` asks for it (`block =
+    /// true`) and this store writes block keys (`--block-keys`): as a
+    /// rule's reject sets it. Nothing to write is no Redis call.
+    pub async fn block_model_rejects(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        verdicts: &[Option<Verdict>],
+    ) -> Result<(), StoreError> {
+        if !self.config.block_keys || !rules.model().is_some_and(|m| m.block) {
+            return Ok(());
+        }
+        let blocks: Vec<(String, i64)> = events
+            .iter()
+            .zip(verdicts)
+            .filter_map(|(e, v)| {
+                let r = &v.as_ref()?.record;
+                let by_model = r.decision == Decision::Reject && r.reason == REASON_MODEL;
+                let ttl = r.retry_after_ms.filter(|&ms| ms > 0)?;
+                by_model.then(|| (self.config.block_key(&e.caller), ttl))
+            })
+            .collect();
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let timeout = self.config.timeout;
+        let conn = &mut self.conn().await?.0;
+        for group in conn.groups(blocks.len(), |i| blocks[i].0.clone()) {
+            let mut pipe = redis::pipe();
+            for i in group {
+                let (key, ttl) = &blocks[i];
+                pipe.cmd("SET")
+                    .arg(key)
+                    .arg(REASON_MODEL)
+                    .arg("PX")
+                    .arg(*ttl)
+                    .ignore();
+            }
+            if let Err(e) = conn.query(&pipe, timeout).await {
+                self.conn = None;
+                return Err(classify(e));
+            }
+        }
+        Ok(())
     }
 
     /// The keys' common head, `<prefix>P{pools}`.
