@@ -22,8 +22,9 @@ use crate::engine::event::{CallEvent, EventKind};
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
 
-/// Rows a log may hold in memory to be put in processing order (about 60
-/// bytes each); a longer log is spilled in runs of this many.
+/// Rows a log may hold in memory to be put in processing order (about 150
+/// bytes each while reading); a longer log is spilled in runs of this many
+/// (about 90 bytes a row on disk).
 pub const DEFAULT_SORT_ROWS: usize = 4_000_000;
 
 /// An event as merged: its file row, its caller's number and the event.
