@@ -203,4 +203,38 @@ fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
             "{command} left {left:?} in the temporary directory"
         );
     }
+    // The same log as Parquet (text columns): read a slice of rows at a
+    // time under the budget, it replays as the CSV did, in memory and on
+    // disk.
+    let parquet = dir.path().join("shuffled.parquet");
+    let mut frame = polars::prelude::CsvReadOptions::default()
+        .with_infer_schema_length(Some(0))
+        .try_into_reader_with_file_path(Some(input.into()))
+        .unwrap()
+        .finish()
+        .unwrap();
+    polars::prelude::ParquetWriter::new(std::fs::File::create(&parquet).unwrap())
+        .finish(&mut frame)
+        .unwrap();
+    let from_csv = std::fs::read_to_string(out("0-memory.csv")).unwrap();
+    for budget in ["1000000", "997"] {
+        let to = out(&format!("parquet-{budget}.csv"));
+        let parquet = parquet.to_str().unwrap();
+        let args = [
+            "replay",
+            "-i",
+            parquet,
+            "--rules",
+            "data/rules.toml",
+            "-o",
+            &to,
+        ];
+        let err = run(&[&args[..], &["--sort-rows", budget]].concat(), tmp.path());
+        assert_eq!(err.contains(spilled), budget == "997", "{err}");
+        assert_eq!(
+            std::fs::read_to_string(&to).unwrap(),
+            from_csv,
+            "Parquet, --sort-rows {budget}"
+        );
+    }
 }

@@ -16,6 +16,7 @@ use crate::engine::event::{CallEvent, Decoder, FieldMap, FIELDS};
 use crate::error::{EventError, IoError};
 use crate::offline::cdr::{Layout, Preset};
 use crate::offline::columns::EventColumns;
+use crate::progress::progress_bar;
 
 #[cfg(any(test, feature = "testing"))]
 mod polars_csv;
@@ -225,6 +226,45 @@ fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
     Ok(schema.iter_names().map(|n| n.to_string()).collect())
 }
 
+/// Rows of a Parquet file.
+fn parquet_rows(path: &Path) -> Result<usize, IoError> {
+    let ctx = format!("reading {}", path.display());
+    let file = File::open(path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    ParquetReader::new(file).num_rows().map_err(polars_err(ctx))
+}
+
+/// A Parquet file's rows `slice` (offset, length; all with `None`) as a
+/// frame of text columns; with `wanted`, only those of its columns that
+/// exist.
+fn read_parquet_slice(
+    path: &Path,
+    wanted: Option<&[&str]>,
+    slice: Option<(usize, usize)>,
+) -> Result<DataFrame, IoError> {
+    let ctx = format!("reading {}", path.display());
+    let file = File::open(path).map_err(|source| IoError::Io {
+        context: ctx.clone(),
+        source,
+    })?;
+    let mut reader = ParquetReader::new(file).with_slice(slice);
+    if let Some(wanted) = wanted {
+        let schema = reader.schema().map_err(polars_err(ctx.clone()))?;
+        // Each column once, even when two fields map to it.
+        let mut present: Vec<String> = Vec::with_capacity(wanted.len());
+        for w in wanted.iter().filter(|w| schema.contains(w)) {
+            if !present.iter().any(|p| p == w) {
+                present.push(w.to_string());
+            }
+        }
+        reader = reader.with_columns(Some(present));
+    }
+    let df = reader.finish().map_err(polars_err(ctx.clone()))?;
+    to_text_columns(df).map_err(polars_err(ctx))
+}
+
 /// Reads a file into a data frame of text columns; with `wanted`, only those
 /// of its columns that exist (the others are never materialised). CSV and
 /// switches' CDR files (an explicit preset; `Auto` is plain CSV here) are
@@ -237,32 +277,12 @@ pub fn read_frame_columns(
     delimiter: u8,
     wanted: Option<&[&str]>,
 ) -> Result<DataFrame, IoError> {
-    let ctx = format!("reading {}", path.display());
     if !path.exists() {
         return Err(IoError::NoSuchFile(path.to_path_buf()));
     }
     let format = resolve_format(path, format);
     let df = match format {
-        InputFormat::Parquet => {
-            let file = File::open(path).map_err(|source| IoError::Io {
-                context: ctx.clone(),
-                source,
-            })?;
-            let mut reader = ParquetReader::new(file);
-            if let Some(wanted) = wanted {
-                let schema = reader.schema().map_err(polars_err(ctx.clone()))?;
-                // Each column once, even when two fields map to it.
-                let mut present: Vec<String> = Vec::with_capacity(wanted.len());
-                for w in wanted.iter().filter(|w| schema.contains(w)) {
-                    if !present.iter().any(|p| p == w) {
-                        present.push(w.to_string());
-                    }
-                }
-                reader = reader.with_columns(Some(present));
-            }
-            let df = reader.finish().map_err(polars_err(ctx.clone()))?;
-            to_text_columns(df).map_err(polars_err(ctx))?
-        }
+        InputFormat::Parquet => read_parquet_slice(path, wanted, None)?,
         #[cfg(any(test, feature = "testing"))]
         InputFormat::Asterisk | InputFormat::FreeSwitch | InputFormat::KamailioAcc => {
             let preset = format
@@ -410,6 +430,62 @@ pub fn read_events(
 /// Rows the Parquet reader hands on at a time.
 const PARQUET_BATCH: usize = 65_536;
 
+/// [`read_events_into`] for Parquet: the file read a slice of rows at a
+/// time (at most [`PARQUET_SLICE`], and no more than `opts.sort_rows`), so
+/// its frame never holds the whole file.
+fn read_parquet_events(
+    path: &Path,
+    opts: &ReadOptions,
+    decoder: &Decoder,
+    wanted: &[&str],
+    sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
+) -> Result<Vec<InvalidRow>, IoError> {
+    let total = parquet_rows(path)?;
+    let slice = PARQUET_SLICE.min(opts.sort_rows).max(1);
+    let bar = progress_bar(total as u64, opts.progress, "reading");
+    let mut events = EventColumns::with_capacity(total.min(PARQUET_BATCH));
+    let mut invalid = Vec::new();
+    let mut sink_error = None;
+    let mut offset = 0;
+    loop {
+        let df = read_parquet_slice(path, Some(wanted), Some((offset, slice)))?;
+        let first = offset as u64;
+        decode_frame(
+            &df,
+            decoder,
+            InputFormat::Parquet,
+            opts.timezone,
+            opts.ts_format.as_deref(),
+            false,
+            |row, event| match event {
+                Ok(e) => {
+                    let row = first + row;
+                    invalid.extend(InvalidRow::dropped(row, &e));
+                    events.push(row, &e);
+                    if events.len() >= PARQUET_BATCH && sink_error.is_none() {
+                        sink_error = sink(std::mem::take(&mut events)).err();
+                    }
+                }
+                Err(error) => invalid.push(InvalidRow::new(first + row, error)),
+            },
+        )?;
+        if let Some(e) = sink_error {
+            return Err(e);
+        }
+        offset += df.height();
+        bar.set_position(offset as u64);
+        if df.height() == 0 || offset >= total {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    sink(events)?;
+    Ok(invalid)
+}
+
+/// Rows of a Parquet log read into a frame at a time.
+const PARQUET_SLICE: usize = 1 << 20;
+
 /// [`read_events`], handing the events to `sink` in file order, a batch at
 /// a time (a sink's error ends the read); returns the invalid rows.
 pub fn read_events_into(
@@ -428,33 +504,7 @@ pub fn read_events_into(
             // not only those the projection would read.
             check_required(&decoder, &opts.decoder.map, &parquet_columns(path)?)?;
             let wanted = wanted_columns(&decoder.map, opts);
-            let df = read_frame_columns(path, InputFormat::Parquet, b',', Some(&wanted))?;
-            let mut events = EventColumns::with_capacity(df.height().min(PARQUET_BATCH));
-            let mut invalid = Vec::new();
-            let mut sink_error = None;
-            decode_frame(
-                &df,
-                &decoder,
-                InputFormat::Parquet,
-                opts.timezone,
-                opts.ts_format.as_deref(),
-                opts.progress,
-                |row, event| match event {
-                    Ok(e) => {
-                        invalid.extend(InvalidRow::dropped(row, &e));
-                        events.push(row, &e);
-                        if events.len() >= PARQUET_BATCH && sink_error.is_none() {
-                            sink_error = sink(std::mem::take(&mut events)).err();
-                        }
-                    }
-                    Err(error) => invalid.push(InvalidRow::new(row, error)),
-                },
-            )?;
-            if let Some(e) = sink_error {
-                return Err(e);
-            }
-            sink(events)?;
-            Ok(invalid)
+            read_parquet_events(path, opts, &decoder, &wanted, sink)
         }
         format => read_csv_events(path, opts, format, sink),
     }
