@@ -11,7 +11,7 @@ use crate::engine::event::CallEvent;
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
 use crate::offline::read::{not_kept, read_events_into, CallLog, InvalidRow, ReadOptions};
-use crate::offline::spill::{Collected, Merged, Spill, Spiller};
+use crate::offline::spill::{id_hash, Collected, Merged, Spill, Spiller};
 
 /// Rows handed out per chunk of an [`OrderedLog`]: a few chunks (being
 /// built, decided, written) are in memory at once, each with its events
@@ -39,7 +39,7 @@ pub struct EventChunk {
 /// chunk being processed, so a log of millions of rows never becomes
 /// millions of objects. A log longer than [`ReadOptions::sort_rows`] is
 /// put in order on disk instead ([`crate::offline::spill`]): the same
-/// order and caller numbers, every call id taken as possibly repeated.
+/// order, caller numbers and unique call ids.
 pub struct OrderedLog {
     events: EventColumns,
     /// The events' indices in processing order; `None` when that is the
@@ -337,13 +337,12 @@ impl OrderedLog {
         }
     }
 
-    /// Chunk `c` of a spilled log, its events as merged, as a [`CallLog`]:
-    /// every call id taken as possibly repeated.
+    /// Chunk `c` of a spilled log, its events as merged, as a [`CallLog`].
     fn spilled_call_log(&self, c: usize, items: Vec<Merged>) -> CallLog {
         let mut log = CallLog {
             events: Vec::with_capacity(items.len()),
             invalid: self.invalid_for(c),
-            unique: vec![false; items.len()],
+            unique: self.spilled_unique(&items),
             callers: Vec::with_capacity(items.len()),
         };
         for (row, caller, event) in items {
@@ -353,11 +352,22 @@ impl OrderedLog {
         log
     }
 
+    /// Per merged event: its call id occurs on no other row.
+    fn spilled_unique(&self, items: &[Merged]) -> Vec<bool> {
+        let Some(spill) = &self.spill else {
+            return vec![false; items.len()];
+        };
+        items
+            .iter()
+            .map(|(_, _, e)| spill.unique(&e.call_id))
+            .collect()
+    }
+
     /// Chunk `c` of a spilled log as an [`EventChunk`] (as
     /// [`OrderedLog::spilled_call_log`]).
     fn spilled_event_chunk(&self, c: usize, items: Vec<Merged>) -> EventChunk {
         EventChunk {
-            unique: vec![false; items.len()],
+            unique: self.spilled_unique(&items),
             events: items.into_iter().map(|(_, _, e)| e).collect(),
             invalid: self.invalid_for(c),
         }
@@ -477,12 +487,10 @@ struct Pos {
 }
 
 /// Per event: whether its call id occurs on no other event. Compares
-/// 64-bit hashes, so a collision can only make an id look repeated, which
-/// is safe: it keeps its idempotency record.
+/// 64-bit hashes ([`id_hash`]), so a collision can only make an id look
+/// repeated, which is safe: it keeps its idempotency record.
 fn unique_ids(events: &EventColumns) -> Vec<bool> {
-    use std::hash::BuildHasher;
-    let state = foldhash::fast::FixedState::with_seed(0x0069_6473);
-    let hash = |i: usize| state.hash_one(events.call_id(i));
+    let hash = |i: usize| id_hash(events.call_id(i));
     let mut sorted: Vec<u64> = (0..events.len()).map(hash).collect();
     sorted.par_sort_unstable();
     let repeated: foldhash::HashSet<u64> = sorted

@@ -99,11 +99,13 @@ impl Spiller {
             "the log is longer than --sort-rows ({}): put in time order on disk",
             self.budget
         );
+        let repeated = repeated_ids(dir.path(), self.runs)?;
         Ok(Collected::Spilled(Spill {
             dir,
             runs: self.runs,
             events: self.events,
             ends: self.ends,
+            repeated,
         }))
     }
 
@@ -146,6 +148,7 @@ impl Spiller {
             self.ends += usize::from(end_of(&event).is_some());
         }
         w.flush().map_err(io_error(context))?;
+        write_hashes(&hashes_path(dir.path(), self.runs), &events)?;
         self.events += events.len();
         self.runs += 1;
         Ok(())
@@ -156,15 +159,92 @@ fn run_path(dir: &Path, run: usize) -> PathBuf {
     dir.join(format!("run-{run}.bin"))
 }
 
+fn hashes_path(dir: &Path, run: usize) -> PathBuf {
+    dir.join(format!("ids-{run}.bin"))
+}
+
+/// A call id's 64-bit hash, for telling ids that occur once in a log
+/// (the in-memory order's and the spill's alike). A collision can only make
+/// an id look repeated, which is safe: it keeps its idempotency record.
+pub fn id_hash(id: &str) -> u64 {
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x0069_6473).hash_one(id)
+}
+
+/// Writes the hashes of a run's call ids, sorted, to `path`.
+fn write_hashes(path: &Path, events: &EventColumns) -> Result<(), IoError> {
+    let context = format!("writing the sort's id hashes {}", path.display());
+    let mut hashes: Vec<u64> = (0..events.len())
+        .map(|i| id_hash(events.call_id(i)))
+        .collect();
+    hashes.sort_unstable();
+    let file = File::create(path).map_err(io_error(context.clone()))?;
+    let mut w = BufWriter::with_capacity(1 << 20, file);
+    for h in hashes {
+        w.write_all(&h.to_le_bytes())
+            .map_err(io_error(context.clone()))?;
+    }
+    w.flush().map_err(io_error(context))
+}
+
+/// The hashes that occur more than once over all runs' sorted id hashes
+/// (merged from disk, then removed): the log's repeated call ids.
+fn repeated_ids(dir: &Path, runs: usize) -> Result<foldhash::HashSet<u64>, IoError> {
+    let next = |r: &mut BufReader<File>, path: &Path| -> Result<Option<u64>, IoError> {
+        let mut b = [0u8; 8];
+        match r.read_exact(&mut b) {
+            Ok(()) => Ok(Some(u64::from_le_bytes(b))),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+            Err(e) => Err(io_error(format!("reading {}", path.display()))(e)),
+        }
+    };
+    let mut readers = Vec::with_capacity(runs);
+    let mut heap = BinaryHeap::with_capacity(runs);
+    for run in 0..runs {
+        let path = hashes_path(dir, run);
+        let file = File::open(&path).map_err(io_error(format!("reading {}", path.display())))?;
+        let mut r = BufReader::with_capacity(1 << 16, file);
+        if let Some(h) = next(&mut r, &path)? {
+            heap.push(Reverse((h, run)));
+        }
+        readers.push((r, path));
+    }
+    let mut repeated = foldhash::HashSet::default();
+    let mut last = None;
+    while let Some(Reverse((h, run))) = heap.pop() {
+        if last == Some(h) {
+            repeated.insert(h);
+        }
+        last = Some(h);
+        let (r, path) = &mut readers[run];
+        if let Some(h) = next(r, path)? {
+            heap.push(Reverse((h, run)));
+        }
+    }
+    for (_, path) in readers {
+        // (Gone with the directory anyway; removed now to free the disk.)
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(repeated)
+}
+
 /// A log's events spilled in sorted runs (removed with it).
 pub struct Spill {
     dir: tempfile::TempDir,
     runs: usize,
     events: usize,
     ends: usize,
+    /// Hashes of the call ids that occur more than once in the log.
+    repeated: foldhash::HashSet<u64>,
 }
 
 impl Spill {
+    /// Whether call id `id` occurs on no other row of the log (as the
+    /// in-memory order tells it).
+    pub fn unique(&self, id: &str) -> bool {
+        !self.repeated.contains(&id_hash(id))
+    }
+
     /// The events spilled (the rows' events, not their derived ends).
     pub fn events(&self) -> usize {
         self.events
