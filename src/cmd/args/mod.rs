@@ -189,7 +189,7 @@ pub struct InputArgs {
     /// rows, written to the temporary directory ($TMPDIR, about 90 bytes a
     /// row) and merged back: memory stays bounded whatever the log's length
     /// or order, and the records are the same; the run takes longer (1.4 to
-    /// 1.8 times, measured on 30 million rows).
+    /// 1.6 times, measured on 30 million rows).
     #[arg(long, default_value_t = callguard::offline::spill::DEFAULT_SORT_ROWS as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub sort_rows: u64,
