@@ -249,7 +249,7 @@ impl OrderedLog {
         let (mut seen, mut c) = (0, 0);
         std::iter::from_fn(move || {
             let m = merge.as_mut()?;
-            let mut chunk = Vec::with_capacity(size.min(expected - seen.min(expected)).max(1));
+            let mut chunk = Vec::with_capacity(size.min(expected.saturating_sub(seen)).max(1));
             let mut error = None;
             while chunk.len() < size {
                 match m.next() {

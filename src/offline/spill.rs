@@ -145,7 +145,7 @@ impl Spiller {
             let event = events.event(i);
             write_event(&mut w, events.row(i), numbers[i], &event)
                 .map_err(io_error(context.clone()))?;
-            self.ends += usize::from(end_of(&event).is_some());
+            self.ends += usize::from(has_end(&event));
         }
         w.flush().map_err(io_error(context))?;
         write_hashes(&hashes_path(dir.path(), self.runs), &events)?;
@@ -382,7 +382,7 @@ impl Merge {
             self.refill(head.run)?;
             // A derived end at this very millisecond (a duration of 0)
             // joins the group below, with the pending ones.
-            if let Some(end) = end_of(&head.event).filter(|_| self.ends) {
+            if let Some(end) = self.ends.then(|| end_of(&head.event)).flatten() {
                 self.pending.push(Reverse(Placed {
                     key: (end.ts_ms, 0, head.row, 1),
                     caller: head.caller,
@@ -424,10 +424,16 @@ impl Iterator for Merge {
     }
 }
 
+/// Whether a call-log row has an end of its own: an attempt with a
+/// duration (as [`EventColumns::has_end`]).
+fn has_end(e: &CallEvent) -> bool {
+    e.kind == EventKind::Attempt && e.duration_ms.is_some()
+}
+
 /// A call-log row's end, when it is an attempt with a duration: the end
 /// [`EventColumns::end_of`] gives for it.
 pub fn end_of(e: &CallEvent) -> Option<CallEvent> {
-    let duration = e.duration_ms.filter(|_| e.kind == EventKind::Attempt)?;
+    let duration = e.duration_ms.filter(|_| has_end(e))?;
     Some(CallEvent {
         call_id: e.call_id.clone(),
         caller: e.caller.clone(),

@@ -215,25 +215,27 @@ fn check_required(decoder: &Decoder, user: &FieldMap, names: &[String]) -> Resul
     Ok(())
 }
 
-/// The column names of a Parquet file, from its metadata.
-fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
+/// A reader of the Parquet file at `path`, and the context its errors name.
+fn parquet_reader(path: &Path) -> Result<(ParquetReader<File>, String), IoError> {
     let ctx = format!("reading {}", path.display());
     let file = File::open(path).map_err(|source| IoError::Io {
         context: ctx.clone(),
         source,
     })?;
-    let schema = ParquetReader::new(file).schema().map_err(polars_err(ctx))?;
+    Ok((ParquetReader::new(file), ctx))
+}
+
+/// The column names of a Parquet file, from its metadata.
+fn parquet_columns(path: &Path) -> Result<Vec<String>, IoError> {
+    let (mut reader, ctx) = parquet_reader(path)?;
+    let schema = reader.schema().map_err(polars_err(ctx))?;
     Ok(schema.iter_names().map(|n| n.to_string()).collect())
 }
 
 /// Rows of a Parquet file.
 fn parquet_rows(path: &Path) -> Result<usize, IoError> {
-    let ctx = format!("reading {}", path.display());
-    let file = File::open(path).map_err(|source| IoError::Io {
-        context: ctx.clone(),
-        source,
-    })?;
-    ParquetReader::new(file).num_rows().map_err(polars_err(ctx))
+    let (mut reader, ctx) = parquet_reader(path)?;
+    reader.num_rows().map_err(polars_err(ctx))
 }
 
 /// A Parquet file's rows `slice` (offset, length; all with `None`) as a
@@ -244,12 +246,8 @@ fn read_parquet_slice(
     wanted: Option<&[&str]>,
     slice: Option<(usize, usize)>,
 ) -> Result<DataFrame, IoError> {
-    let ctx = format!("reading {}", path.display());
-    let file = File::open(path).map_err(|source| IoError::Io {
-        context: ctx.clone(),
-        source,
-    })?;
-    let mut reader = ParquetReader::new(file).with_slice(slice);
+    let (reader, ctx) = parquet_reader(path)?;
+    let mut reader = reader.with_slice(slice);
     if let Some(wanted) = wanted {
         let schema = reader.schema().map_err(polars_err(ctx.clone()))?;
         // Each column once, even when two fields map to it.
