@@ -12,9 +12,21 @@ use callguard::offline::generate;
 /// centres, robocallers, wangiri bursts) for trying and testing callguard.
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
-    /// Number of calls (a day, with --days).
-    #[arg(long, default_value_t = 20_000)]
-    pub rows: usize,
+    /// Number of calls (a day, with --days; default 20,000). With
+    /// --subscribers: the calls of the day to write, every caller's calls
+    /// thinned alike (default: the whole day, about 3.5 calls a subscriber).
+    #[arg(long)]
+    pub rows: Option<usize>,
+    /// Write a day of a carrier's whole population instead: this many
+    /// subscribers, each with a daily call rate of its own from a
+    /// heavy-tailed mix (most 1 to 5 calls a day, one in 200 a PBX trunk
+    /// with 50 to 500, one in 100,000 a flood of thousands within hours;
+    /// populations `subscriber`, `pbx`, `flood`). Written a minute at a time:
+    /// memory holds 8 bytes a subscriber. For measuring cost at a carrier's
+    /// shape (scripts/bench-population.sh).
+    #[arg(long, conflicts_with_all = ["days", "tdos", "low_and_slow"],
+          value_parser = clap::value_parser!(u64).range(1..=generate::population::MAX_SUBSCRIBERS))]
+    pub subscribers: Option<u64>,
     /// Days of traffic, from 2025-12-01, each of --rows calls: the same
     /// subscribers, PBXs and call centres every day (their calls differ),
     /// fraud from new numbers every day. Written a day at a time, so
@@ -52,6 +64,9 @@ pub struct GenerateArgs {
     pub low_and_slow: usize,
 }
 
+/// Calls a day without --rows.
+const DEFAULT_ROWS: usize = 20_000;
+
 /// What `generate` writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum CdrFormat {
@@ -73,9 +88,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         CdrFormat::Freeswitch => Some(InputFormat::FreeSwitch),
         CdrFormat::KamailioAcc => Some(InputFormat::KamailioAcc),
     };
+    if let Some(n) = args.subscribers {
+        return population(&args, n, cdr);
+    }
     let written = generate::write_days(
         &args.output,
-        args.rows,
+        args.rows.unwrap_or(DEFAULT_ROWS),
         args.seed,
         args.days,
         generate::Extra {
@@ -89,6 +107,29 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         "wrote {} calls ({} labelled fraud) to {}",
         written.calls,
         written.fraud,
+        args.output.display()
+    );
+    Ok(())
+}
+
+/// `generate --subscribers N`.
+fn population(args: &GenerateArgs, subscribers: u64, cdr: Option<InputFormat>) -> Result<()> {
+    let w = generate::population::write_population(
+        &args.output,
+        subscribers,
+        args.rows.map(|r| r as u64),
+        args.seed,
+        cdr,
+        args.timezone,
+    )?;
+    println!(
+        "wrote {} calls ({} labelled fraud) of {} subscribers ({} PBX trunks, {} floods; a whole day is about {} calls) to {}",
+        w.written.calls,
+        w.written.fraud,
+        subscribers,
+        w.pbxs,
+        w.floods,
+        w.day_calls,
         args.output.display()
     );
     Ok(())

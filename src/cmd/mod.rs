@@ -139,6 +139,24 @@ pub fn progress_wanted() -> bool {
     std::io::stderr().is_terminal()
 }
 
+/// What the cached store's callers in memory did, for a summary line
+/// (`None` for a store without them).
+pub fn describe_cache(c: &callguard::store::CacheStats) -> Option<String> {
+    if c.lookups == 0 {
+        return None;
+    }
+    Some(format!(
+        "{} callers looked up, {} in memory ({:.1}%); {} read back from Redis, {} dropped from memory; {} held at the end (about {} MiB)",
+        c.lookups,
+        c.hits,
+        100.0 * c.hits as f64 / c.lookups as f64,
+        c.rereads,
+        c.evictions,
+        c.callers,
+        c.bytes >> 20
+    ))
+}
+
 /// The rules of a set and its version, for a summary line.
 pub fn describe_rules(rules: &RuleSet) -> String {
     let list: Vec<String> = rules.rules.iter().map(ToString::to_string).collect();

@@ -6,12 +6,13 @@ use anyhow::Result;
 use clap::Args;
 
 use callguard::engine::record::Schema;
-use callguard::offline::replay::to_table;
+use callguard::offline::replay::{to_table, ReplayStore};
+use callguard::store::WindowStore;
 
 use callguard::store::redis::{self, PrefixReuse, ReplayClaim};
 
 use crate::cmd::args::{LogArgs, StoreArgs, StoreKind};
-use crate::cmd::{describe_rules, progress_wanted, report_invalid};
+use crate::cmd::{describe_cache, describe_rules, progress_wanted, report_invalid};
 
 /// Decide every call of a historical call log, offline, with the same
 /// window semantics as the online consumer.
@@ -84,6 +85,11 @@ pub async fn run(args: ReplayArgs) -> Result<()> {
     .await?;
     println!("rules            {}", describe_rules(&rules));
     println!("{}", report.streamed.summary);
+    if let ReplayStore::Batched(s) = &store {
+        if let Some(line) = describe_cache(&s.stats().cache) {
+            println!("cache            {line}");
+        }
+    }
     println!("decisions        {}", args.output.display());
     if let Some(path) = &report.invalid_file {
         report_invalid(path, &report.streamed.invalid);

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use crate::engine::event::{CallEvent, BAD_CALLER};
 use crate::engine::record::Verdict;
 use crate::online::status::{Counters, HealthView, Status, PAGE};
-use crate::store::{LeaseStats, PoolStats, StoreStats};
+use crate::store::{CacheStats, LeaseStats, PoolStats, StoreStats};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{Html, IntoResponse, Json};
@@ -93,6 +93,19 @@ pub struct Metrics {
     /// caller since it was read (each was decided again on the current
     /// state). A steady rise means two instances decide the same callers.
     pub store_conflicts: Counter,
+    /// Cached store: callers looked up in memory, one per batch with calls
+    /// of theirs, by result (`hit`; `miss`: new, or dropped earlier).
+    pub cache_lookups: Family<KindLabel, Counter>,
+    /// Cached store: callers not in memory whose state Redis had, read
+    /// back before deciding (dropped earlier, or another instance's).
+    pub cache_rereads: Counter,
+    /// Cached store: callers dropped from memory to keep within
+    /// --cached-callers and --cached-mib.
+    pub cache_evictions: Counter,
+    /// Cached store: callers in memory now.
+    pub cache_callers: Gauge,
+    /// Cached store: about how many bytes they take.
+    pub cache_bytes: Gauge,
     /// Lease calls for the rules keyed by callee or global (batches that
     /// needed credits not held).
     pub lease_calls: Counter,
@@ -199,6 +212,11 @@ impl Metrics {
             store_latency: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
             store_errors: Family::default(),
             store_conflicts: Counter::default(),
+            cache_lookups: Family::default(),
+            cache_rereads: Counter::default(),
+            cache_evictions: Counter::default(),
+            cache_callers: Gauge::default(),
+            cache_bytes: Gauge::default(),
             lease_calls: Counter::default(),
             lease_counters: Family::default(),
             lease_credits: Family::default(),
@@ -311,6 +329,31 @@ impl Metrics {
             "store_conflicts",
             "Cached store writes refused because another writer had changed the caller (decided again)",
             self.store_conflicts.clone(),
+        );
+        r.register(
+            "cache_lookups",
+            "Cached store: callers looked up in memory, one per batch with calls of theirs, by result (hit; miss: new, or dropped earlier)",
+            self.cache_lookups.clone(),
+        );
+        r.register(
+            "cache_rereads",
+            "Cached store: callers not in memory whose state Redis had, read back before deciding",
+            self.cache_rereads.clone(),
+        );
+        r.register(
+            "cache_evictions",
+            "Cached store: callers dropped from memory to keep within --cached-callers and --cached-mib",
+            self.cache_evictions.clone(),
+        );
+        r.register(
+            "cache_callers",
+            "Cached store: callers held in memory",
+            self.cache_callers.clone(),
+        );
+        r.register(
+            "cache_bytes",
+            "Cached store: about how many bytes the callers in memory take (windows, records, logs; allocator slack on top)",
+            self.cache_bytes.clone(),
         );
         r.register(
             "store_data_lost",
@@ -467,6 +510,7 @@ impl Metrics {
         }
         self.count_leases(&now.lease, &before.lease);
         self.count_pools(&now.pools, &before.pools);
+        self.count_cache(&now.cache, &before.cache);
         let n = now.data_losses.saturating_sub(before.data_losses);
         if n > 0 {
             self.store_data_lost.inc_by(n);
@@ -478,6 +522,29 @@ impl Metrics {
                 );
             }
         }
+    }
+
+    /// Counts what the cached store's memory did between two snapshots,
+    /// and sets its size now.
+    fn count_cache(&self, now: &CacheStats, before: &CacheStats) {
+        let hits = now.hits.saturating_sub(before.hits);
+        let misses = now
+            .lookups
+            .saturating_sub(before.lookups)
+            .saturating_sub(hits);
+        for (kind, n) in [("hit", hits), ("miss", misses)] {
+            if n > 0 {
+                self.cache_lookups
+                    .get_or_create(&KindLabel { kind: kind.into() })
+                    .inc_by(n);
+            }
+        }
+        self.cache_rereads
+            .inc_by(now.rereads.saturating_sub(before.rereads));
+        self.cache_evictions
+            .inc_by(now.evictions.saturating_sub(before.evictions));
+        self.cache_callers.set(now.callers as i64);
+        self.cache_bytes.set(now.bytes as i64);
     }
 
     /// Counts what the pools did between two snapshots.

@@ -96,6 +96,28 @@ pub struct StoreStats {
     pub lease: LeaseStats,
     /// The pools' work (a store before the pools; zeros otherwise).
     pub pools: PoolStats,
+    /// The cached store's callers in memory (zeros for other stores).
+    pub cache: CacheStats,
+}
+
+/// What the cached store's callers in memory did, since it connected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Callers looked up, once per batch that has calls of theirs.
+    pub lookups: u64,
+    /// Of those, found in memory.
+    pub hits: u64,
+    /// Of those not found, callers Redis had (dropped from memory earlier,
+    /// or written by another instance): read back before their calls were
+    /// decided. The rest were new.
+    pub rereads: u64,
+    /// Callers dropped from memory to keep within its bounds.
+    pub evictions: u64,
+    /// Callers held now.
+    pub callers: u64,
+    /// About how many bytes they take now (their windows, records and
+    /// logs; allocator slack comes on top).
+    pub bytes: u64,
 }
 
 /// What the pools (concurrent and sum rules keyed by account, callee or

@@ -144,6 +144,79 @@ fn redis_replay_writes_the_same_records_as_memory() {
     assert_eq!(m, std::fs::read_to_string(&red).unwrap());
 }
 
+/// `replay --store redis` says what the cached store's memory did: every
+/// caller of a batch is one lookup, a caller not held is new or read back
+/// from Redis, and a cache of 50 callers over 300 drops callers and reads
+/// them back, while the records stay those of the in-memory store.
+#[test]
+fn redis_replay_reports_its_cache() {
+    let server = RedisServer::start(&[]);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("rounds.csv");
+    // 300 callers, each calling once in each of 4 rounds a minute apart.
+    let (callers, rounds) = (300usize, 4usize);
+    let mut text = String::from("call_id,caller,ts\n");
+    let mut order = Vec::new();
+    for r in 0..rounds {
+        for c in 0..callers {
+            let ts = 1_764_547_200_000i64 + (r * 60_000 + c * 10) as i64;
+            let ts = chrono::DateTime::from_timestamp_millis(ts).unwrap();
+            text += &format!("r{r}c{c},+3461000{c:04},{}\n", ts.to_rfc3339());
+            order.push(c);
+        }
+    }
+    std::fs::write(&log, text).unwrap();
+    // Lookups: the distinct callers of each batch of 512 calls.
+    let lookups: usize = order
+        .chunks(512)
+        .map(|b| b.iter().collect::<std::collections::HashSet<_>>().len())
+        .sum();
+    let (mem, red) = (dir.path().join("m.csv"), dir.path().join("r.csv"));
+    let base = ["-i", log.to_str().unwrap(), "--rule", "m:sliding:60s:10"];
+    let o = replay(&[&base[..], &["-o", mem.to_str().unwrap()]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let url = server.url();
+    let o = replay(
+        &[
+            &base[..],
+            &[
+                "--store",
+                "redis",
+                "--redis-url",
+                &url,
+                "--cached-callers",
+                "50",
+            ],
+            &["-o", red.to_str().unwrap()],
+        ]
+        .concat(),
+    );
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read_to_string(&mem).unwrap(),
+        std::fs::read_to_string(&red).unwrap()
+    );
+    let line = out
+        .lines()
+        .find_map(|l| l.strip_prefix("cache"))
+        .unwrap_or_else(|| panic!("no cache line in {out}"));
+    let numbers: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let [looked, hits, _pct, reread, dropped, held, _mib] = numbers[..] else {
+        panic!("unexpected cache line: {line}");
+    };
+    assert_eq!(looked as usize, lookups, "{line}");
+    // Every caller is new once; every other caller not held is read back.
+    assert!(hits > 0.0, "{line}");
+    assert_eq!(looked - hits - callers as f64, reread, "{line}");
+    assert!(reread > 0.0, "{line}");
+    assert!(dropped >= (callers - 50) as f64, "{line}");
+    assert!(held <= 50.0, "{line}");
+}
+
 #[test]
 fn clear_errors_for_bad_inputs() {
     let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ use callguard::engine::event::CallEvent;
 use callguard::engine::record::Decision;
 use callguard::engine::rules::RuleSet;
 use callguard::online::consumer::StoreErrorPolicy;
-use callguard::online::metrics::{Health, Metrics};
+use callguard::online::metrics::{Health, KindLabel, Metrics};
 use callguard::online::produce::event_json;
 use callguard::online::serve::{self, ServeConfig};
 use callguard::store::cached::CacheLimit;
@@ -1040,6 +1040,37 @@ fn two_cached_instances_share_their_callers() {
     }
     let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
     assert!(conflicts >= 6, "{conflicts} conflicts counted");
+}
+
+/// The cached store's memory shows in the metrics: each check's caller is
+/// one lookup, a hit when held; the gauges hold the callers and their
+/// bytes.
+#[test]
+fn the_cache_shows_in_the_metrics() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:4".into()]).unwrap();
+    let a = Served::start_with(config(), redis_config(&redis), rules, true);
+    let mut conn = a.conn();
+    for (i, caller) in ["+34911000001", "+34911000001", "+34911000002"]
+        .into_iter()
+        .enumerate()
+    {
+        let body =
+            serde_json::json!({"call_id": format!("m{i}"), "caller": caller, "ts": T0 + i as i64})
+                .to_string();
+        let r = conn.post("/v1/check", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let m = &a.metrics;
+    let lookups = |kind: &str| {
+        m.cache_lookups
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .get()
+    };
+    assert_eq!((lookups("hit"), lookups("miss")), (1, 2));
+    assert_eq!(m.cache_callers.get(), 2);
+    assert!(m.cache_bytes.get() > 0);
+    assert_eq!((m.cache_evictions.get(), m.cache_rereads.get()), (0, 0));
 }
 
 /// A flooding caller checked on two cached instances at once (a load

@@ -115,6 +115,11 @@ pub(super) struct Cache {
     bytes: usize,
     /// Batches so far: the clock of least recent use.
     clock: u64,
+    /// Callers looked up ([`Cache::take`]), and of those found.
+    lookups: u64,
+    hits: u64,
+    /// Callers dropped by [`Cache::evict`].
+    evictions: u64,
 }
 
 impl Cache {
@@ -125,6 +130,9 @@ impl Cache {
             max_bytes: max_bytes.max(1),
             bytes: 0,
             clock: 0,
+            lookups: 0,
+            hits: 0,
+            evictions: 0,
         }
     }
 
@@ -158,11 +166,24 @@ impl Cache {
         self.map.get(caller).map(|c| &c.state)
     }
 
-    /// Takes `caller` out (a new, empty entry if it is not held).
+    /// Takes `caller` out (a new, empty entry if it is not held): a
+    /// lookup, and a hit if it was held.
     pub(super) fn take(&mut self, caller: &str) -> Box<Cached> {
-        let c = self.map.remove(caller).unwrap_or_default();
+        self.lookups += 1;
+        let c = match self.map.remove(caller) {
+            Some(c) => {
+                self.hits += 1;
+                c
+            }
+            None => Box::default(),
+        };
         self.bytes -= c.bytes;
         c
+    }
+
+    /// Lookups, hits and evictions so far.
+    pub(super) fn counts(&self) -> (u64, u64, u64) {
+        (self.lookups, self.hits, self.evictions)
     }
 
     /// Puts `caller` back, used now.
@@ -203,6 +224,7 @@ impl Cache {
         for k in gone {
             if let Some(c) = self.map.remove(&k) {
                 self.bytes -= c.bytes;
+                self.evictions += 1;
             }
         }
     }
@@ -212,15 +234,17 @@ impl Cache {
     }
 
     fn retain(&mut self, keep: impl Fn(&Cached) -> bool) {
-        let mut dropped = 0;
+        let (mut dropped, mut n) = (0, 0);
         self.map.retain(|_, c| {
             let k = keep(c);
             if !k {
                 dropped += c.bytes;
+                n += 1;
             }
             k
         });
         self.bytes -= dropped;
+        self.evictions += n;
     }
 }
 
@@ -280,6 +304,10 @@ mod tests {
         cache.put("c0", c0);
         cache.evict(0);
         assert_eq!(cache.len(), 6);
+        // One lookup (c0, held), three dropped.
+        assert_eq!(cache.counts(), (1, 1, 3));
+        drop(cache.take("c1"));
+        assert_eq!(cache.counts(), (2, 1, 3));
         for gone in ["c1", "c2", "c3"] {
             assert!(!cache.map.contains_key(gone), "{gone} kept");
         }
@@ -299,6 +327,7 @@ mod tests {
         cache.evict(100);
         // The idle one, then the least recently used down to 3.
         assert_eq!(cache.len(), 3);
+        assert_eq!(cache.counts().2, 2, "both counted as evictions");
         assert!(!cache.map.contains_key("c4"));
         assert!(!cache.map.contains_key("c0"));
     }

@@ -46,7 +46,7 @@ use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
 use crate::store::redis::conn::ModeClaim;
 use crate::store::redis::{classify, Conn, RedisConfig};
-use crate::store::{StoreStats, WindowStore, CONTENDED};
+use crate::store::{CacheStats, StoreStats, WindowStore, CONTENDED};
 
 mod cache;
 mod commit;
@@ -458,9 +458,18 @@ impl WindowStore for CachedStore {
     }
 
     fn stats(&self) -> StoreStats {
+        let (lookups, hits, evictions) = self.cache.counts();
         StoreStats {
             conflicts: self.conflicts,
             data_losses: self.claim.lost,
+            cache: CacheStats {
+                lookups,
+                hits,
+                rereads: self.misses,
+                evictions,
+                callers: self.cache.len() as u64,
+                bytes: self.cache.bytes() as u64,
+            },
             ..StoreStats::default()
         }
     }

@@ -37,6 +37,8 @@ use rand::{Rng, SeedableRng};
 use crate::error::IoError;
 use crate::offline::cdr::InputFormat;
 
+pub mod population;
+
 /// Start of the generated day (2025-12-01T00:00:00Z), epoch ms.
 pub const DAY_START_MS: i64 = 1_764_547_200_000;
 const DAY_MS: i64 = 86_400_000;
