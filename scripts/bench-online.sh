@@ -119,6 +119,17 @@ quantiles() {
       printf " ms (%d observed)\n", cum[n] }'
 }
 now() { date +%s.%N; }
+# The seeds' one-key sliding script (as examples/bench_store.rs runs it)
+# over EVENTS calls on this Redis, events/s: the peer of `replay --store
+# redis` (issue #54, item 5).
+seeds_rate() {
+  local sha
+  redis-cli -p "$rport" flushall > /dev/null
+  sha=$(redis-cli -p "$rport" script load "redis.call('ZREMRANGEBYSCORE', KEYS[1], 0, tonumber(ARGV[1]) - tonumber(ARGV[2])) local c = redis.call('ZCARD', KEYS[1]) if c < tonumber(ARGV[3]) then redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4]) redis.call('PEXPIRE', KEYS[1], ARGV[2]) return 1 end return 0")
+  redis-benchmark -p "$rport" -n "$events" -P 256 -c 8 -r 100000 -q \
+    EVALSHA "$sha" 1 'seed:__rand_int__' 1764547200000 60000 20 '__rand_int__' \
+    | tr '\r' '\n' | awk '{for (i = 2; i <= NF; i++) if ($i == "requests") v = $(i - 1)} END {print v + 0}'
+}
 # Redis's time per command over the load (`INFO commandstats` since the
 # last reset): "EVALSHA 4235 calls, 366 µs each, 1.55 s; SET ...".
 redis_commands() {
@@ -145,8 +156,10 @@ e2e() {
   echo
   echo "# 2. End to end, $events events, $rules, --redis-mode $mode"
   redis-cli -p "$rport" flushall > /dev/null
-  local t0 t1 n n0 store_rate e2e_rate
+  local t0 t1 n n0 store_rate e2e_rate seeds
   local r0 store_cpu store_redis consume_cpu consume_redis
+  seeds=$(seeds_rate)
+  redis-cli -p "$rport" flushall > /dev/null
   r0=$(redis_cpu)
   t0=$(now)
   store_cpu=$( ( "$bin" replay -i "$work/calls.csv" --rules "$rules" --store redis --redis-url "$redis" \
@@ -174,8 +187,10 @@ e2e() {
   consume_redis=$(echo "$(redis_cpu) - $r0" | bc -l)
   e2e_rate=$(echo "($n - $n0) / ($t1 - $t0)" | bc -l)
   printf '| what | events/s |\n|---|---|\n'
+  printf '| the seeds'"'"' one-key sliding script (redis-benchmark, P 256, 8 clients, 100,000 callers) | %.0f |\n' "$seeds"
   printf '| replay --store redis --redis-mode %s (the store) | %.0f |\n' "$mode" "$store_rate"
   printf '| consume, tansu + redis (from the first decision) | %.0f |\n' "$e2e_rate"
+  printf 'ratio replay --store redis / the seeds'"'"' script: %.2f\n' "$(echo "$store_rate / $seeds" | bc -l)"
   printf 'ratio consume / store: %.2f (decided %s of %s)\n' "$(echo "$e2e_rate / $store_rate" | bc -l)" "$n" "$events"
   echo "consume: $(batches), over $(printf '%.2f' "$(echo "$t1 - $t0" | bc -l)") s"
   if [ -n "$tag" ]; then

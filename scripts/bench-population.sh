@@ -3,8 +3,8 @@
 # population of N subscribers (`generate --subscribers N`: most call 1 to 5
 # times a day, PBX trunks hundreds, a few floods thousands), for each N of
 # SIZES (default "1000000 5000000 20000000"), ROWS calls of it (default
-# 3000000: a whole day of about 0.9 M subscribers, a thinned one above
-# that, whose active callers mostly call once), data/rules.toml,
+# 4000000: about a whole day of 1 M subscribers, a thinned day of the
+# larger ones, whose active callers mostly call once), data/rules.toml,
 # idempotency on, the default cached store and cache. For each N:
 #
 #   1. `replay --store redis` on a fresh redis-server: events/s, callguard's
@@ -20,14 +20,14 @@
 #      timed from its first decision to its last: events/s, peak RSS, the
 #      cache's metrics and Redis's memory as above.
 #
-#   [SIZES="1000000 5000000 20000000"] [ROWS=3000000] [CONSUME=1] scripts/bench-population.sh
+#   [SIZES="1000000 5000000 20000000"] [ROWS=4000000] [CONSUME=1] scripts/bench-population.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release --quiet --bin callguard
 bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 sizes="${SIZES:-1000000 5000000 20000000}"
-rows="${ROWS:-3000000}"
+rows="${ROWS:-4000000}"
 consume="${CONSUME:-1}"
 rules=data/rules.toml
 source scripts/loopback.sh

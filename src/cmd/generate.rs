@@ -14,7 +14,7 @@ use callguard::offline::generate;
 pub struct GenerateArgs {
     /// Number of calls (a day, with --days; default 20,000). With
     /// --subscribers: the calls of the day to write, every caller's calls
-    /// thinned alike (default: the whole day, about 3.5 calls a subscriber).
+    /// thinned alike (default: the whole day, about 4 calls a subscriber).
     #[arg(long)]
     pub rows: Option<usize>,
     /// Write a day of a carrier's whole population instead: this many
