@@ -69,6 +69,7 @@ impl Approx {
 /// `before` holds (a stable insert): at the back, without a search, for
 /// calls in time order.
 pub(super) fn insert_sorted<T>(deque: &mut VecDeque<T>, item: T, before: impl Fn(&T) -> bool) {
+    super::grow_small(deque);
     if deque.back().is_none_or(&before) {
         deque.push_back(item);
     } else {

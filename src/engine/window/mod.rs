@@ -123,7 +123,8 @@ fn outcome(rules: &RuleSet, judgement: Judgement) -> (Decision, CompactString) {
 /// its Redis keys (`f:<name>:<W>:<bucket>`, `a:<name>:<W>:`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct RuleId {
-    name: String,
+    /// (Inline up to 24 bytes: no allocation per caller and rule.)
+    name: CompactString,
     window_ms: i64,
     /// A sum rule's `max_duration` (else 0): how long its calls wait.
     max_duration_ms: i64,
@@ -149,9 +150,13 @@ fn slot<'a, T: Default>(slots: &'a mut Vec<(RuleId, T)>, rule: &Rule) -> &'a mut
     let at = match slot_index(slots, rule) {
         Some(at) => at,
         None => {
+            if slots.len() == slots.capacity() && slots.len() < 4 {
+                // A few rules: room for one more, not four.
+                slots.reserve_exact(1);
+            }
             slots.push((
                 RuleId {
-                    name: rule.name.clone(),
+                    name: rule.name.as_str().into(),
                     window_ms: rule.window_ms,
                     max_duration_ms: rule.sum.as_ref().map_or(0, |s| s.max_duration_ms),
                 },
@@ -211,7 +216,9 @@ pub struct CallerState {
     /// Ends that came before their calls, for the idempotency horizon.
     pending_ends: PendingEnds,
     /// Idempotency: call id → the verdict it got.
-    seen: HashMap<CompactString, Verdict>,
+    /// (Boxed: a table of a few entries holds its spare room in pointers,
+    /// not in whole verdicts.)
+    seen: HashMap<CompactString, Box<Verdict>>,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
     /// Sorted deques here and below: calls in time order append at the
     /// back and trim the front, and a sparse caller costs a few bytes, not
@@ -385,15 +392,16 @@ impl CallerState {
         let v = self.seen.get(call_id)?;
         (v.record.ts_ms > dedup_horizon).then(|| Verdict {
             duplicate: true,
-            ..v.clone()
+            ..Verdict::clone(v)
         })
     }
 
     /// Keeps a decided call's verdict for redeliveries.
     fn remember(&mut self, t: i64, call_id: &str, verdict: &Verdict) {
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
+        grow_small(&mut self.seen_by_ts);
         self.seen_by_ts.insert(pos, (t, call_id.into()));
-        self.seen.insert(call_id.into(), verdict.clone());
+        self.seen.insert(call_id.into(), Box::new(verdict.clone()));
     }
 
     /// No window data older than the horizon can matter: start afresh
@@ -800,6 +808,15 @@ impl CallerState {
                 }
             }
         }
+    }
+}
+
+/// Makes room for one more entry in a deque of a few: exactly, below four
+/// entries (a caller who called once keeps one slot, not the four a
+/// deque's doubling starts at); as a deque grows, from there on.
+fn grow_small<T>(d: &mut VecDeque<T>) {
+    if d.len() == d.capacity() && d.len() < 4 {
+        d.reserve_exact(1);
     }
 }
 

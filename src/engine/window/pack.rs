@@ -158,7 +158,7 @@ impl Unpacker<'_> {
 
     fn rule_id(&mut self) -> Option<RuleId> {
         Some(RuleId {
-            name: self.string()?.to_string(),
+            name: self.string()?.into(),
             window_ms: self.signed()?,
             max_duration_ms: 0,
         })
@@ -286,7 +286,7 @@ impl CallerState {
     /// Reads what [`CallerState::pack_sums_state`] wrote.
     fn unpack_sums_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
         for _ in 0..r.len()? {
-            let name = r.string()?.to_string();
+            let name = r.string()?.into();
             let window_ms = r.signed()?;
             let max_duration_ms = r.signed()?;
             let mut sums = Sums::default();
@@ -576,7 +576,7 @@ impl CallerState {
         let t = verdict.record.ts_ms;
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
         self.seen_by_ts.insert(pos, (t, call_id.into()));
-        self.seen.insert(call_id.into(), verdict);
+        self.seen.insert(call_id.into(), Box::new(verdict));
     }
 
     /// Takes back many records at once, as [`CallerState::restore_record`]
@@ -588,7 +588,7 @@ impl CallerState {
         for (call_id, verdict) in records {
             self.seen_by_ts
                 .push_back((verdict.record.ts_ms, call_id.clone()));
-            self.seen.insert(call_id, verdict);
+            self.seen.insert(call_id, Box::new(verdict));
         }
         // Stable: records of the same time keep their order.
         self.seen_by_ts.make_contiguous().sort_by_key(|(ts, _)| *ts);
@@ -645,7 +645,8 @@ impl CallerState {
                 .iter()
                 .map(|(_, c)| size_of::<(RuleId, Callees)>() + c.approx_bytes())
                 .sum::<usize>()
-            + self.seen.len() * (size_of::<(CompactString, Verdict)>() + 16)
+            + self.seen.len()
+                * (size_of::<(CompactString, Box<Verdict>)>() + size_of::<Verdict>() + 16)
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
             + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
             + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
@@ -665,7 +666,7 @@ impl CallerState {
     /// The call records the state keeps (call id and verdict), in no
     /// particular order.
     pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
-        self.seen.iter().map(|(id, v)| (id.as_str(), v))
+        self.seen.iter().map(|(id, v)| (id.as_str(), &**v))
     }
 }
 

@@ -189,6 +189,10 @@ fn records_write(
             // this batch is replaced.
             if !made.is_empty() || !journal.dropped_records.is_empty() {
                 list.retain(|(id, _)| state.holds_record(id) && !made.iter().any(|(m, _)| m == id));
+                if list.len() + made.len() <= 4 {
+                    // A caller of a few calls: room for them, not for four.
+                    list.reserve_exact(made.len());
+                }
                 list.extend(made.drain(..).filter(|(id, _)| state.holds_record(id)));
             }
             if list.len() > plan.records_apart_above {
