@@ -69,14 +69,15 @@ impl Spiller {
         }
     }
 
-    /// Takes the next events of the file, spilling a run at the budget.
+    /// Takes the next events of the file, spilling a run past the budget
+    /// (a log of exactly the budget stays in memory).
     pub fn take(&mut self, batch: EventColumns) -> Result<(), IoError> {
         if self.current.is_empty() {
             self.current = batch;
         } else {
             self.current.append(batch);
         }
-        if self.current.len() >= self.budget {
+        if self.current.len() > self.budget {
             self.spill()?;
         }
         Ok(())
@@ -608,6 +609,29 @@ mod tests {
         assert_eq!(read_event(&mut r).unwrap(), Some((7, 3, full)));
         assert_eq!(read_event(&mut r).unwrap(), Some((u64::MAX, 0, bare)));
         assert_eq!(read_event(&mut r).unwrap(), None);
+    }
+
+    fn columns(rows: std::ops::Range<u64>) -> EventColumns {
+        let mut c = EventColumns::default();
+        for r in rows {
+            c.push(r, &CallEvent::new(format!("c{r}"), "+341", r as i64));
+        }
+        c
+    }
+
+    #[test]
+    fn a_log_of_exactly_the_budget_stays_in_memory() {
+        let mut s = Spiller::new(10);
+        s.take(columns(0..6)).unwrap();
+        s.take(columns(6..10)).unwrap();
+        assert!(matches!(s.finish().unwrap(), Collected::Whole(c) if c.len() == 10));
+        let mut s = Spiller::new(10);
+        s.take(columns(0..10)).unwrap();
+        s.take(columns(10..11)).unwrap();
+        match s.finish().unwrap() {
+            Collected::Spilled(spill) => assert_eq!((spill.runs, spill.events), (1, 11)),
+            Collected::Whole(_) => panic!("a log over the budget was kept whole"),
+        }
     }
 
     #[test]
