@@ -219,13 +219,17 @@ pub enum ReplayStore<S> {
     /// decides on a thread of its own while the chunk before is merged and
     /// written.
     Sharded(ShardedStore),
-    /// Any store, in batches of [`REPLAY_BATCH`] (Redis: one round trip
-    /// each).
+    /// Any store, in batches of [`REPLAY_BATCH`].
     Batched(S),
 }
 
-/// Events per store call of a batched replay.
-pub const REPLAY_BATCH: usize = 512;
+/// Events per store call of a batched replay. Large: no caller waits on a
+/// replay's answer, the cached store pipelines a batch's commits group
+/// after group, and every batch's end drains that pipeline (a caller with
+/// several calls in a batch is also written once). 16,384 against 512:
+/// 1.7-2x the events/s of `replay --store redis` on a million calls, the
+/// same records (BENCHMARKS.md).
+pub const REPLAY_BATCH: usize = 16384;
 
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
 /// each chunk decided, in order (its invalid rows are gathered apart).

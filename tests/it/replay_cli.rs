@@ -146,29 +146,30 @@ fn redis_replay_writes_the_same_records_as_memory() {
 
 /// `replay --store redis` says what the cached store's memory did: every
 /// caller of a batch is one lookup, a caller not held is new or read back
-/// from Redis, and a cache of 50 callers over 300 drops callers and reads
-/// them back, while the records stay those of the in-memory store.
+/// from Redis, and a cache of 500 callers over 3,000 drops callers and
+/// reads them back, while the records stay those of the in-memory store.
 #[test]
 fn redis_replay_reports_its_cache() {
     let server = RedisServer::start(&[]);
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("rounds.csv");
-    // 300 callers, each calling once in each of 4 rounds a minute apart.
-    let (callers, rounds) = (300usize, 4usize);
+    // 3,000 callers, each calling once in each of 12 rounds a minute
+    // apart: several of replay's batches.
+    let (callers, rounds) = (3_000usize, 12usize);
     let mut text = String::from("call_id,caller,ts\n");
     let mut order = Vec::new();
     for r in 0..rounds {
         for c in 0..callers {
             let ts = 1_764_547_200_000i64 + (r * 60_000 + c * 10) as i64;
             let ts = chrono::DateTime::from_timestamp_millis(ts).unwrap();
-            text += &format!("r{r}c{c},+3461000{c:04},{}\n", ts.to_rfc3339());
+            text += &format!("r{r}c{c},+346100{c:05},{}\n", ts.to_rfc3339());
             order.push(c);
         }
     }
     std::fs::write(&log, text).unwrap();
-    // Lookups: the distinct callers of each batch of 512 calls.
+    // Lookups: the distinct callers of each of replay's batches.
     let lookups: usize = order
-        .chunks(512)
+        .chunks(callguard::offline::replay::REPLAY_BATCH)
         .map(|b| b.iter().collect::<std::collections::HashSet<_>>().len())
         .sum();
     let (mem, red) = (dir.path().join("m.csv"), dir.path().join("r.csv"));
@@ -185,7 +186,7 @@ fn redis_replay_reports_its_cache() {
                 "--redis-url",
                 &url,
                 "--cached-callers",
-                "50",
+                "500",
             ],
             &["-o", red.to_str().unwrap()],
         ]
@@ -213,8 +214,8 @@ fn redis_replay_reports_its_cache() {
     assert!(hits > 0.0, "{line}");
     assert_eq!(looked - hits - callers as f64, reread, "{line}");
     assert!(reread > 0.0, "{line}");
-    assert!(dropped >= (callers - 50) as f64, "{line}");
-    assert!(held <= 50.0, "{line}");
+    assert!(dropped >= (callers - 500) as f64, "{line}");
+    assert!(held <= 500.0, "{line}");
 }
 
 #[test]
