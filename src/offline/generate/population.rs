@@ -211,32 +211,47 @@ pub fn write_population(
 
 /// A call of ordinary caller `i` within the minute from `t0`.
 fn ordinary_call(seed: u64, i: u64, subscribers: u64, t0: i64, rng: &mut StdRng) -> GenCall {
-    let (ring_ms, talk_ms) = legit_call(rng);
-    let pbx = matches!(kind_of(seed, i), Kind::Pbx(_));
-    GenCall {
-        caller: number_of(i),
-        callee: number_of(rng.random_range(0..subscribers)),
-        ts_ms: t0 + rng.random_range(0..60_000),
-        ring_ms,
-        talk_ms,
-        fraud: false,
-        population: if pbx { "pbx" } else { "subscriber" },
-        account: pbx.then(|| format!("trunk{i}")),
+    let shape = legit_call(rng);
+    match kind_of(seed, i) {
+        Kind::Pbx(_) => call(
+            i,
+            subscribers,
+            t0,
+            rng,
+            shape,
+            "pbx",
+            Some(format!("trunk{i}")),
+        ),
+        _ => call(i, subscribers, t0, rng, shape, "subscriber", None),
     }
 }
 
 /// A flood's call within the minute from `t0`: short, seldom answered.
 fn flood_call(i: u64, subscribers: u64, t0: i64, rng: &mut StdRng) -> GenCall {
-    let (ring_ms, talk_ms) = maybe_answered(rng, 0.15, 3_000..40_000);
+    let shape = maybe_answered(rng, 0.15, 3_000..40_000);
+    call(i, subscribers, t0, rng, shape, "flood", None)
+}
+
+/// Subscriber `i`'s call of `(ring, talk)` ms to a random subscriber, at a
+/// random time of the minute from `t0`; fraud for a flood.
+fn call(
+    i: u64,
+    subscribers: u64,
+    t0: i64,
+    rng: &mut StdRng,
+    (ring_ms, talk_ms): (i64, i64),
+    population: &'static str,
+    account: Option<String>,
+) -> GenCall {
     GenCall {
         caller: number_of(i),
         callee: number_of(rng.random_range(0..subscribers)),
         ts_ms: t0 + rng.random_range(0..60_000),
         ring_ms,
         talk_ms,
-        fraud: true,
-        population: "flood",
-        account: None,
+        fraud: population == "flood",
+        population,
+        account,
     }
 }
 
