@@ -76,30 +76,44 @@ pub fn number_of(i: u64) -> String {
     )
 }
 
-/// The population: the ordinary callers' rates, summed, and the floods.
+/// A flooding subscriber: its calls of the day, and the minutes it calls
+/// through.
+struct Flood {
+    i: u64,
+    calls: f64,
+    minutes: std::ops::Range<usize>,
+}
+
+/// The population: the ordinary callers' rates, summed, the PBXs among
+/// them and the floods.
 struct Population {
     /// `sums[i]`: the daily calls of subscribers `0..=i` (floods 0).
     sums: Vec<f64>,
-    floods: Vec<(u64, Kind)>,
-    pbxs: u64,
+    /// The PBX trunks' subscribers, in order.
+    pbxs: Vec<u64>,
+    floods: Vec<Flood>,
 }
 
 impl Population {
     fn new(subscribers: u64, seed: u64) -> Self {
         let mut sums = Vec::with_capacity(subscribers as usize);
-        let (mut total, mut floods, mut pbxs) = (0.0, Vec::new(), 0);
+        let (mut total, mut pbxs, mut floods) = (0.0, Vec::new(), Vec::new());
         for i in 0..subscribers {
             match kind_of(seed, i) {
                 Kind::Subscriber(r) => total += r,
                 Kind::Pbx(r) => {
                     total += r;
-                    pbxs += 1;
+                    pbxs.push(i);
                 }
-                k @ Kind::Flood(..) => floods.push((i, k)),
+                Kind::Flood(calls, start, minutes) => floods.push(Flood {
+                    i,
+                    calls,
+                    minutes: start as usize..(start + minutes) as usize,
+                }),
             }
             sums.push(total);
         }
-        Population { sums, floods, pbxs }
+        Population { sums, pbxs, floods }
     }
 
     /// The ordinary callers' calls a day.
@@ -108,13 +122,11 @@ impl Population {
     }
 
     fn flood_calls(&self) -> f64 {
-        self.floods
-            .iter()
-            .map(|(_, k)| match k {
-                Kind::Flood(n, ..) => *n,
-                _ => 0.0,
-            })
-            .sum()
+        self.floods.iter().map(|f| f.calls).sum()
+    }
+
+    fn is_pbx(&self, i: u64) -> bool {
+        self.pbxs.binary_search(&i).is_ok()
     }
 
     /// An ordinary caller drawn in proportion to the rates.
@@ -156,7 +168,8 @@ pub fn write_population(
     format: Option<InputFormat>,
     tz: Tz,
 ) -> Result<PopulationWritten, IoError> {
-    let pop = Population::new(subscribers.clamp(1, MAX_SUBSCRIBERS), seed);
+    let subscribers = subscribers.clamp(1, MAX_SUBSCRIBERS);
+    let pop = Population::new(subscribers, seed);
     let day = pop.ordinary() + pop.flood_calls();
     let share = rows.map_or(1.0, |r| r as f64 / day.max(1.0));
     let ordinary = pop.ordinary() * share;
@@ -178,19 +191,15 @@ pub fn write_population(
         let t0 = DAY_START_MS + m as i64 * 60_000;
         for _ in 0..n {
             let caller = pop.draw(&mut rng);
-            calls.push(ordinary_call(seed, caller, subscribers, t0, &mut rng));
+            let pbx = pop.is_pbx(caller);
+            calls.push(ordinary_call(caller, pbx, subscribers, t0, &mut rng));
         }
-        for &(i, k) in &pop.floods {
-            if let Kind::Flood(total, start, minutes) = k {
-                let (start, minutes) = (start as usize, minutes as usize);
-                if (start..start + minutes).contains(&m) {
-                    let total = total * share;
-                    let (k, len) = ((m - start) as f64, minutes as f64);
-                    let n = due(total, k + 1.0, len) - due(total, k, len);
-                    for _ in 0..n {
-                        calls.push(flood_call(i, subscribers, t0, &mut rng));
-                    }
-                }
+        for f in pop.floods.iter().filter(|f| f.minutes.contains(&m)) {
+            let total = f.calls * share;
+            let (k, len) = ((m - f.minutes.start) as f64, f.minutes.len() as f64);
+            let n = due(total, k + 1.0, len) - due(total, k, len);
+            for _ in 0..n {
+                calls.push(flood_call(f.i, subscribers, t0, &mut rng));
             }
         }
         sort_by_time(&mut calls);
@@ -203,17 +212,18 @@ pub fn write_population(
     out.finish()?;
     Ok(PopulationWritten {
         written,
-        pbxs: pop.pbxs,
+        pbxs: pop.pbxs.len() as u64,
         floods: pop.floods.len() as u64,
         day_calls: day.round() as u64,
     })
 }
 
-/// A call of ordinary caller `i` within the minute from `t0`.
-fn ordinary_call(seed: u64, i: u64, subscribers: u64, t0: i64, rng: &mut StdRng) -> GenCall {
+/// A call of ordinary caller `i` (a PBX trunk's if `pbx`) within the
+/// minute from `t0`.
+fn ordinary_call(i: u64, pbx: bool, subscribers: u64, t0: i64, rng: &mut StdRng) -> GenCall {
     let shape = legit_call(rng);
-    match kind_of(seed, i) {
-        Kind::Pbx(_) => call(
+    if pbx {
+        call(
             i,
             subscribers,
             t0,
@@ -221,8 +231,9 @@ fn ordinary_call(seed: u64, i: u64, subscribers: u64, t0: i64, rng: &mut StdRng)
             shape,
             "pbx",
             Some(format!("trunk{i}")),
-        ),
-        _ => call(i, subscribers, t0, rng, shape, "subscriber", None),
+        )
+    } else {
+        call(i, subscribers, t0, rng, shape, "subscriber", None)
     }
 }
 
