@@ -223,13 +223,14 @@ pub enum ReplayStore<S> {
     Batched(S),
 }
 
-/// Events per store call of a batched replay. Large: no caller waits on a
-/// replay's answer, the cached store pipelines a batch's commits group
-/// after group, and every batch's end drains that pipeline (a caller with
-/// several calls in a batch is also written once). 16,384 against 512:
-/// 1.7-2x the events/s of `replay --store redis` on a million calls, the
-/// same records (BENCHMARKS.md).
-pub const REPLAY_BATCH: usize = 16384;
+/// Events per store call of a batched replay. Larger than `consume`'s: no
+/// caller waits on a replay's answer, the cached store pipelines a batch's
+/// commits group after group, and every batch's end drains that pipeline.
+/// 4,096 against 512: about 1.7x the events/s of `replay --store redis` on
+/// a million calls, the same records (BENCHMARKS.md). 16,384 was faster
+/// still, but a batch's pool script call then ran past the 2 s Redis
+/// timeout on a loaded machine.
+pub const REPLAY_BATCH: usize = 4096;
 
 /// Replays an [`OrderedLog`] a chunk at a time through a store; `sink` gets
 /// each chunk decided, in order (its invalid rows are gathered apart).
