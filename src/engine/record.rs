@@ -386,8 +386,7 @@ pub struct Schema {
     /// Column indices by name: the key order of [`Schema::to_json`]'s
     /// objects, which [`Schema::write_json`] writes directly.
     by_name: Vec<usize>,
-    /// Per entry of `by_name`, the JSON text before its value: `"name":`,
-    /// after a comma but for the first.
+    /// Per entry of `by_name`, the JSON text before its value: `"name":`.
     keys: Vec<Vec<u8>>,
 }
 
@@ -452,9 +451,8 @@ impl Schema {
         by_name.sort_by(|&a, &b| columns[a].name.cmp(&columns[b].name));
         let keys = by_name
             .iter()
-            .enumerate()
-            .map(|(k, &i)| {
-                let mut key = if k > 0 { vec![b','] } else { Vec::new() };
+            .map(|&i| {
+                let mut key = Vec::new();
                 json_text(&mut key, &columns[i].name);
                 key.push(b':');
                 key
@@ -596,27 +594,69 @@ impl Schema {
     /// directly (no intermediate map: a topic's payloads are written once
     /// per call on the hot path). Byte for byte the same text.
     pub fn write_json(&self, row: Row<'_>, out: &mut Vec<u8>) {
+        self.write_json_with(row, &[], out);
+    }
+
+    /// [`Schema::write_json`] with `extra` members merged in, as the map
+    /// of [`Schema::to_json`] with them inserted would be written: keys in
+    /// order, an extra member replacing a column of its name. `extra` is
+    /// sorted by key, each value already JSON text (a check's answer adds
+    /// `duplicate` and `ratelimit` to the decision record).
+    pub fn write_json_with(&self, row: Row<'_>, extra: &[(&str, &[u8])], out: &mut Vec<u8>) {
         out.push(b'{');
         let mut digits = itoa::Buffer::new();
+        let mut extra = extra.iter().peekable();
         for (key, &i) in self.keys.iter().zip(&self.by_name) {
-            out.extend_from_slice(key);
-            match self.columns[i].field.value(row) {
-                Value::Text(Some(s)) => json_text(out, s),
-                Value::Int(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
-                Value::UInt(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
-                Value::Bool(Some(b)) => out.extend_from_slice(if b { b"true" } else { b"false" }),
-                Value::Time(ms) => json_time(out, ms),
-                Value::Float(Some(f)) if f.is_finite() => {
-                    out.extend_from_slice(ryu::Buffer::new().format_finite(f64::from(f)).as_bytes())
-                }
-                Value::Text(None)
-                | Value::Int(None)
-                | Value::UInt(None)
-                | Value::Bool(None)
-                | Value::Float(_) => out.extend_from_slice(b"null"),
+            let name = self.columns[i].name.as_str();
+            let mut replaced = false;
+            while let Some((k, v)) = extra.next_if(|(k, _)| *k <= name) {
+                replaced |= *k == name;
+                json_member(out, k, v);
+            }
+            if !replaced {
+                json_separator(out);
+                out.extend_from_slice(key);
+                write_value(self.columns[i].field.value(row), &mut digits, out);
             }
         }
+        for (k, v) in extra {
+            json_member(out, k, v);
+        }
         out.push(b'}');
+    }
+}
+
+/// Appends a comma unless `out` has just opened an object.
+fn json_separator(out: &mut Vec<u8>) {
+    if out.last() != Some(&b'{') {
+        out.push(b',');
+    }
+}
+
+/// Appends the member `"key":value`, `value` being JSON text.
+fn json_member(out: &mut Vec<u8>, key: &str, value: &[u8]) {
+    json_separator(out);
+    json_text(out, key);
+    out.push(b':');
+    out.extend_from_slice(value);
+}
+
+/// Appends one column's value as `serde_json` writes it.
+fn write_value(value: Value<'_>, digits: &mut itoa::Buffer, out: &mut Vec<u8>) {
+    match value {
+        Value::Text(Some(s)) => json_text(out, s),
+        Value::Int(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
+        Value::UInt(Some(v)) => out.extend_from_slice(digits.format(v).as_bytes()),
+        Value::Bool(Some(b)) => out.extend_from_slice(if b { b"true" } else { b"false" }),
+        Value::Time(ms) => json_time(out, ms),
+        Value::Float(Some(f)) if f.is_finite() => {
+            out.extend_from_slice(ryu::Buffer::new().format_finite(f64::from(f)).as_bytes())
+        }
+        Value::Text(None)
+        | Value::Int(None)
+        | Value::UInt(None)
+        | Value::Bool(None)
+        | Value::Float(_) => out.extend_from_slice(b"null"),
     }
 }
 
@@ -748,6 +788,21 @@ mod tests {
                     String::from_utf8(out).unwrap(),
                     schema.to_json(row).to_string()
                 );
+                // Members merged in: before, between and after the
+                // columns, one replacing a column.
+                let extra: [(&str, &[u8]); 4] = [
+                    ("a", b"1"),
+                    ("caller", b"\"x\""),
+                    ("duplicate", b"true"),
+                    ("zz_last", b"[1,{}]"),
+                ];
+                let mut out = Vec::new();
+                schema.write_json_with(row, &extra, &mut out);
+                let mut map = schema.to_json(row);
+                for (k, v) in extra {
+                    map[k] = serde_json::from_slice(v).unwrap();
+                }
+                assert_eq!(String::from_utf8(out).unwrap(), map.to_string());
             }
         }
     }

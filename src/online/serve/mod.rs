@@ -587,19 +587,15 @@ fn decided(
     reject_status: Option<StatusCode>,
     ignored: &[String],
 ) -> Response {
-    let mut body = schema.to_json(Row::of_verdict(v));
-    body["duplicate"] = json!(v.duplicate);
-    if !ignored.is_empty() {
-        body["ignored"] = json!(ignored);
-    }
-    if let Some(limits) = ratelimit::body(limits, v) {
-        body["ratelimit"] = limits;
-    }
     let status = match (v.record.decision, reject_status) {
         (Decision::Reject, Some(s)) => s,
         _ => StatusCode::OK,
     };
-    let mut r = (status, axum::Json(body)).into_response();
+    let json = [(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    )];
+    let mut r = (status, json, decided_body(v, schema, limits, ignored)).into_response();
     ratelimit::add_headers(r.headers_mut(), limits, v);
     if status != StatusCode::OK {
         if let Some(ms) = v.record.retry_after_ms {
@@ -611,10 +607,66 @@ fn decided(
     r
 }
 
+/// A decided check's body: the decision record's JSON with `duplicate`,
+/// `ignored` (if any) and `ratelimit` (if a rule limits the call) merged
+/// in, keys in order; written directly, a check at a time.
+fn decided_body(
+    v: &Verdict,
+    schema: &Schema,
+    limits: &[ratelimit::RuleLimit],
+    ignored: &[String],
+) -> Vec<u8> {
+    let ignored = (!ignored.is_empty()).then(|| serde_json::to_vec(ignored).unwrap_or_default());
+    let ratelimit = ratelimit::body(limits, v);
+    let duplicate: &[u8] = if v.duplicate { b"true" } else { b"false" };
+    let extra = [
+        Some(("duplicate", duplicate)),
+        ignored.as_deref().map(|i| ("ignored", i)),
+        ratelimit.as_deref().map(|r| ("ratelimit", r)),
+    ];
+    let extra: Vec<(&str, &[u8])> = extra.into_iter().flatten().collect();
+    let mut out = Vec::with_capacity(384);
+    schema.write_json_with(Row::of_verdict(v), &extra, &mut out);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::online::policy::clamp_to_clock;
+
+    /// A check's body is the text of the decision record's map with
+    /// `duplicate`, `ignored` and `ratelimit` inserted, as serde writes it.
+    #[test]
+    fn the_decided_body_is_the_map_s_text() {
+        let rules = RuleSet::from_args(
+            None,
+            &["burst:fixed:1s:2".into(), "minute:sliding:60s:10".into()],
+        )
+        .unwrap();
+        let schema = Schema::decisions(&rules);
+        let limits = ratelimit::limits(&rules);
+        let event = CallEvent::new("c\"1", "+34911000001", 1_764_547_200_123);
+        let mut v = Verdict::degraded(&event, &rules, Decision::Reject);
+        v.record.reason = "minute".into();
+        v.record.counts = smallvec::smallvec![1, 11];
+        v.record.retry_after_ms = Some(12_300);
+        for (duplicate, ignored) in [
+            (false, vec![]),
+            (true, vec!["calee".to_string(), "x\"y".into()]),
+        ] {
+            v.duplicate = duplicate;
+            let mut expected = schema.to_json(Row::of_verdict(&v));
+            expected["duplicate"] = json!(duplicate);
+            if !ignored.is_empty() {
+                expected["ignored"] = json!(ignored);
+            }
+            let rl = ratelimit::body(&limits, &v).unwrap();
+            expected["ratelimit"] = serde_json::from_slice(&rl).unwrap();
+            let body = decided_body(&v, &schema, &limits, &ignored);
+            assert_eq!(String::from_utf8(body).unwrap(), expected.to_string());
+        }
+    }
 
     #[test]
     fn only_times_ahead_by_more_than_the_grace_are_clamped() {

@@ -82,14 +82,22 @@ fn nearest_with_reset<'a>(
 /// The same as a JSON object for the answer's body (`ratelimit`: `rule`,
 /// `limit`, `remaining`, `reset`), for a client that reads only bodies (a
 /// Kamailio `http_client` query, which passes them on in its SIP reply).
-pub(super) fn body(limits: &[RuleLimit], v: &Verdict) -> Option<serde_json::Value> {
+/// Written as JSON text, keys in order (as a `serde_json` map writes them).
+pub(super) fn body(limits: &[RuleLimit], v: &Verdict) -> Option<Vec<u8>> {
     let (rule, left, reset) = nearest_with_reset(limits, v)?;
-    Some(serde_json::json!({
-        "rule": rule.name,
-        "limit": rule.limit,
-        "remaining": left,
-        "reset": reset,
-    }))
+    let mut digits = itoa::Buffer::new();
+    let mut out = Vec::with_capacity(64 + rule.name.len());
+    out.extend_from_slice(b"{\"limit\":");
+    out.extend_from_slice(digits.format(rule.limit).as_bytes());
+    out.extend_from_slice(b",\"remaining\":");
+    out.extend_from_slice(digits.format(left).as_bytes());
+    out.extend_from_slice(b",\"reset\":");
+    out.extend_from_slice(digits.format(reset).as_bytes());
+    out.extend_from_slice(b",\"rule\":");
+    // Writing a str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut out, &rule.name);
+    out.push(b'}');
+    Some(out)
 }
 
 /// Adds the rate-limit headers of `v` to `headers`.
@@ -145,6 +153,22 @@ mod tests {
 
     fn header(h: &HeaderMap, name: &str) -> String {
         h.get(name).unwrap().to_str().unwrap().to_string()
+    }
+
+    /// The body's object is the text `serde_json` writes for the same map.
+    #[test]
+    fn the_body_is_serde_s_text() {
+        let rules = RuleSet::from_args(None, &["minute_2:sliding:60s:10".into()]).unwrap();
+        let limits = limits(&rules);
+        let v = verdict(Decision::Reject, "minute_2", &[12], Some(4_001));
+        let body = String::from_utf8(body(&limits, &v).unwrap()).unwrap();
+        let expected = serde_json::json!({
+            "rule": "minute_2",
+            "limit": 10,
+            "remaining": 0,
+            "reset": 5,
+        });
+        assert_eq!(body, expected.to_string());
     }
 
     #[test]
