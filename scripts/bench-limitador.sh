@@ -15,7 +15,9 @@
 #
 # LIMITADOR_STORAGE: redis (default; counters in Redis, exact, as
 # callguard's store) or redis_cached (limitador's cache in front, which
-# counts in memory and flushes to Redis later).
+# counts in memory and flushes to Redis later). FLOOR=1 adds a third server
+# to each round: serve answering GET /healthz, the same HTTP work with no
+# check, so the rate no check can pass on this machine shows beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 limitador="${1:?usage: scripts/bench-limitador.sh LIMITADOR_BIN [SECONDS] [ROUNDS]}"
@@ -69,7 +71,9 @@ function request()
   n = n + 1
   local caller = string.format("+3460%07d", math.random(0, 99999))
   local body
-  if path == "/check_and_report" then
+  if path == "/healthz" then
+    return wrk.format("GET", path)
+  elseif path == "/check_and_report" then
     body = string.format('{"namespace":"callguard","values":{"caller":"%s"},"delta":1}', caller)
   else
     body = string.format('{"call_id":"w%s-%d-%d","caller":"%s","callee":"+34910000001"}', run, tid, n, caller)
@@ -93,11 +97,12 @@ run_round() {
   local name="$1" port pid path t0 t1 out rps p50 p99 rejects requests
   redis-cli -p "$rport" flushall >/dev/null
   port="$(free_port)"
-  if [ "$name" = callguard ]; then
+  if [ "$name" = callguard ] || [ "$name" = floor ]; then
     "$bin" serve --listen "127.0.0.1:$port" --redis-url "redis://127.0.0.1:$rport" \
       --rules "$work/rules.toml" --reject-status 429 2>"$work/serve.log" &
     pid=$!; path=/v1/check
     wait_http "$port" /readyz
+    if [ "$name" = floor ]; then path=/healthz; fi
   else
     "$limitador" -B 127.0.0.1 -P "$port" -b 127.0.0.1 -p "$(free_port)" \
       "$work/limits.yaml" "$storage" "redis://127.0.0.1:$rport" >"$work/limitador.log" 2>&1 &
@@ -133,7 +138,9 @@ echo "== serve vs limitador ($storage): redis-server $(redis-server --version | 
 printf '%-10s %10s %9s %9s %8s %14s\n' server "checks/s" "p50 ms" "p99 ms" rejected "CPU ms/1k"
 results=()
 for r in $(seq "$rounds"); do
-  for name in callguard limitador; do
+  servers=(callguard limitador)
+  if [ -n "${FLOOR:-}" ]; then servers+=(floor); fi
+  for name in "${servers[@]}"; do
     line="$(run_round "$name")"
     results+=("$line")
     # shellcheck disable=SC2086
@@ -149,4 +156,8 @@ def med(i, f):
     return statistics.median(f(float(a[i]), float(b[i])) for a, b in zip(cg, lim))
 print(f"callguard / limitador, medians of the rounds: checks/s {med(1, lambda a, b: a / b):.2f}x, "
       f"p99 {med(3, lambda a, b: a / b):.2f}x, CPU per check {med(5, lambda a, b: a / b):.2f}x")
+floor = [r for r in rows if r[0] == "floor"]
+if floor:
+    f = statistics.median(float(a[1]) / float(b[1]) for a, b in zip(floor, lim))
+    print(f"HTTP floor (GET /healthz) / limitador checks/s, median: {f:.2f}x")
 '

@@ -25,6 +25,8 @@ pub(super) struct RuleLimit {
     limit: u64,
     window_s: u64,
     shadow: bool,
+    /// `RateLimit-Policy`'s value, which depends on the rule alone.
+    policy: Option<HeaderValue>,
 }
 
 /// The limits of `rules`, in rule order.
@@ -32,11 +34,16 @@ pub(super) fn limits(rules: &RuleSet) -> Vec<RuleLimit> {
     rules
         .rules
         .iter()
-        .map(|r| RuleLimit {
-            name: r.name.clone(),
-            limit: r.limit,
-            window_s: (r.window_ms.max(0) as u64).div_ceil(1000),
-            shadow: r.shadow,
+        .map(|r| {
+            let window_s = (r.window_ms.max(0) as u64).div_ceil(1000);
+            let policy = format!("\"{}\";q={};w={window_s}", r.name, r.limit);
+            RuleLimit {
+                name: r.name.clone(),
+                limit: r.limit,
+                window_s,
+                shadow: r.shadow,
+                policy: HeaderValue::from_str(&policy).ok(),
+            }
         })
         .collect()
 }
@@ -105,20 +112,22 @@ pub(super) fn add_headers(headers: &mut HeaderMap, limits: &[RuleLimit], v: &Ver
     let Some((rule, left, reset)) = nearest_with_reset(limits, v) else {
         return;
     };
-    let fields = [
-        ("x-ratelimit-limit", rule.limit.to_string()),
-        ("x-ratelimit-remaining", left.to_string()),
-        ("x-ratelimit-reset", reset.to_string()),
-        (
-            "ratelimit-policy",
-            format!("\"{}\";q={};w={}", rule.name, rule.limit, rule.window_s),
-        ),
-        ("ratelimit", format!("\"{}\";r={left};t={reset}", rule.name)),
+    // Numbers straight into header values, the policy made once per rule:
+    // this runs for every check.
+    let numbers = [
+        ("x-ratelimit-limit", rule.limit),
+        ("x-ratelimit-remaining", left),
+        ("x-ratelimit-reset", reset),
     ];
-    for (name, value) in fields {
-        if let Ok(value) = HeaderValue::from_str(&value) {
-            headers.insert(HeaderName::from_static(name), value);
-        }
+    for (name, value) in numbers {
+        headers.insert(HeaderName::from_static(name), HeaderValue::from(value));
+    }
+    if let Some(policy) = &rule.policy {
+        headers.insert(HeaderName::from_static("ratelimit-policy"), policy.clone());
+    }
+    let now = format!("\"{}\";r={left};t={reset}", rule.name);
+    if let Ok(value) = HeaderValue::from_str(&now) {
+        headers.insert(HeaderName::from_static("ratelimit"), value);
     }
 }
 
