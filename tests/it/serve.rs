@@ -288,6 +288,7 @@ fn rejects_with_retry_after(cached: bool) {
     for (id, dt, left) in [("a", 0, "1"), ("b", 1_000, "0")] {
         let r = check(&mut conn, id, dt);
         assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("content-type"), Some("application/json"));
         assert_eq!(r.json()["retry_after_ms"], serde_json::Value::Null);
         assert_eq!(r.header("retry-after"), None);
         // The rate-limit headers: the burst rule, its calls left, and its
@@ -301,6 +302,7 @@ fn rejects_with_retry_after(cached: bool) {
     // 10 s window, at +11 s: 9,000 ms from now.
     let r = check(&mut conn, "c", 2_000);
     assert_eq!(r.status, 429, "{}", r.body);
+    assert_eq!(r.header("content-type"), Some("application/json"));
     let body = r.json();
     assert_eq!(body["decision"], "reject");
     assert_eq!(body["reason"], "burst");

@@ -624,7 +624,7 @@ fn decided_body(
         ignored.as_deref().map(|i| ("ignored", i)),
         ratelimit.as_deref().map(|r| ("ratelimit", r)),
     ];
-    let extra: Vec<(&str, &[u8])> = extra.into_iter().flatten().collect();
+    let extra: smallvec::SmallVec<[(&str, &[u8]); 3]> = extra.into_iter().flatten().collect();
     let mut out = Vec::with_capacity(384);
     schema.write_json_with(Row::of_verdict(v), &extra, &mut out);
     out
