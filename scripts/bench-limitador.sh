@@ -7,8 +7,12 @@
 # so wrk's "Non-2xx" count is each one's rejects.
 #
 # Per round it prints checks/s, p50/p99 latency, rejects, and the server's
-# own CPU per 1,000 checks (utime+stime from /proc), then the medians of
-# the round ratios. limitador is not part of this project: build it apart
+# own CPU per 1,000 checks (utime+stime from /proc), redis-server's CPU
+# per 1,000 checks, and how busy the machine's cores were over the run
+# (all cores, from /proc/stat; "steal" is time the host gave to other
+# guests), then the medians of the round ratios. The busy share says
+# whether the machine, rather than a server, set the rate: wrk, the server
+# and redis-server share its cores. limitador is not part of this project: build it apart
 # and pass its binary (BENCHMARKS.md says how).
 #
 #   scripts/bench-limitador.sh LIMITADOR_BIN [SECONDS per round, default 20] [ROUNDS, default 3]
@@ -33,6 +37,7 @@ bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 
 source scripts/loopback.sh
 start_redis
+redis_pid="${pids[-1]}"
 
 cat > "$work/rules.toml" <<'EOF'
 count = "attempts"
@@ -83,6 +88,9 @@ end
 EOF
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+# The machine's CPU ticks: "busy steal all" (all cores; busy excludes idle,
+# iowait and steal).
+machine_ticks() { awk '/^cpu / {print $2+$3+$4+$7+$8, $9, $2+$3+$4+$5+$6+$7+$8+$9}' /proc/stat; }
 wait_http() {
   for _ in $(seq 200); do
     curl -s -o /dev/null "http://127.0.0.1:$1$2" && return 0
@@ -111,9 +119,9 @@ run_round() {
   fi
   track "$pid"
   wrk -t2 -c32 -d3s -s "$work/load.lua" "http://127.0.0.1:$port" -- "$path" 1 >/dev/null
-  t0="$(cpu_ticks "$pid")"
+  t0="$(cpu_ticks "$pid")"; r0="$(cpu_ticks "$redis_pid")"; m0="$(machine_ticks)"
   out="$(wrk -t2 -c32 -d"${secs}s" --latency -s "$work/load.lua" "http://127.0.0.1:$port" -- "$path" 2)"
-  t1="$(cpu_ticks "$pid")"
+  t1="$(cpu_ticks "$pid")"; r1="$(cpu_ticks "$redis_pid")"; m1="$(machine_ticks)"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
   requests="$(awk '/requests in/ {print $1}' <<<"$out")"
@@ -121,21 +129,26 @@ run_round() {
   p50="$(awk '$1 == "50%" {print $2}' <<<"$out")"
   p99="$(awk '$1 == "99%" {print $2}' <<<"$out")"
   if grep -q 'Socket errors' <<<"$out"; then echo "$name: $(grep 'Socket errors' <<<"$out")" >&2; fi
-  python3 - "$name" "$rps" "$p50" "$p99" "${rejects:-0}" "$requests" "$((t1 - t0))" "$(getconf CLK_TCK)" <<'EOF'
+  python3 - "$name" "$rps" "$p50" "$p99" "${rejects:-0}" "$requests" "$((t1 - t0))" "$(getconf CLK_TCK)" \
+    "$((r1 - r0))" "$m0" "$m1" <<'EOF'
 import sys
-name, rps, p50, p99, rejects, requests, ticks, hz = sys.argv[1:]
+name, rps, p50, p99, rejects, requests, ticks, hz, rticks, m0, m1 = sys.argv[1:]
+busy, steal, total = (int(b) - int(a) for a, b in zip(m0.split(), m1.split()))
 def ms(v):
     for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
         if v.endswith(unit) and (unit != "s" or not v.endswith(("us", "ms"))):
             return float(v[: -len(unit)]) * f
     raise SystemExit(f"unreadable latency {v!r}")
-cpu_ms = int(ticks) * 1000 / int(hz) / max(int(requests), 1) * 1000
-print(f"{name} {float(rps):.0f} {ms(p50):.3f} {ms(p99):.3f} {int(rejects) / max(int(requests), 1):.3f} {cpu_ms:.1f}")
+def per_1k(t):
+    return int(t) * 1000 / int(hz) / max(int(requests), 1) * 1000
+print(f"{name} {float(rps):.0f} {ms(p50):.3f} {ms(p99):.3f} {int(rejects) / max(int(requests), 1):.3f} "
+      f"{per_1k(ticks):.1f} {per_1k(rticks):.1f} {100 * busy / max(total, 1):.0f} {100 * steal / max(total, 1):.0f}")
 EOF
 }
 
 echo "== serve vs limitador ($storage): redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, wrk -t2 -c32, ${secs}s x $rounds rounds"
-printf '%-10s %10s %9s %9s %8s %14s\n' server "checks/s" "p50 ms" "p99 ms" rejected "CPU ms/1k"
+printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s\n' server "checks/s" "p50 ms" "p99 ms" rejected "CPU ms/1k" \
+  "redis ms/1k" "busy %" "steal %"
 results=()
 for r in $(seq "$rounds"); do
   servers=(callguard limitador)
@@ -144,7 +157,7 @@ for r in $(seq "$rounds"); do
     line="$(run_round "$name")"
     results+=("$line")
     # shellcheck disable=SC2086
-    printf '%-10s %10s %9s %9s %8s %14s\n' $line
+    printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s\n' $line
   done
 done
 printf '%s\n' "${results[@]}" | python3 -c '
@@ -156,6 +169,10 @@ def med(i, f):
     return statistics.median(f(float(a[i]), float(b[i])) for a, b in zip(cg, lim))
 print(f"callguard / limitador, medians of the rounds: checks/s {med(1, lambda a, b: a / b):.2f}x, "
       f"p99 {med(3, lambda a, b: a / b):.2f}x, CPU per check {med(5, lambda a, b: a / b):.2f}x")
+for name, rs in (("callguard", cg), ("limitador", lim)):
+    print(f"{name}: cores busy {statistics.median(float(r[7]) for r in rs):.0f}% (steal "
+          f"{statistics.median(float(r[8]) for r in rs):.0f}%), server + redis-server CPU "
+          f"{statistics.median(float(r[5]) + float(r[6]) for r in rs):.1f} ms per 1,000 checks")
 floor = [r for r in rows if r[0] == "floor"]
 if floor:
     f = statistics.median(float(a[1]) / float(b[1]) for a, b in zip(floor, lim))

@@ -80,7 +80,7 @@ impl OrderedLog {
     }
 
     fn open_with(path: &Path, opts: &ReadOptions, number: bool) -> Result<Self, IoError> {
-        let mut spiller = Spiller::new(opts.sort_rows);
+        let mut spiller = Spiller::rereading(opts.sort_rows, path, opts);
         let invalid = read_events_into(path, opts, &mut |batch| spiller.take(batch))?;
         let events = match spiller.finish()? {
             Collected::Whole(events) => *events,
@@ -202,9 +202,16 @@ impl OrderedLog {
     }
 
     /// Whether the log is put in order on disk (longer than its sort
-    /// budget).
+    /// budget), by runs or by reading it again.
     pub fn spilled(&self) -> bool {
         self.spill.is_some()
+    }
+
+    /// Of a spilled log: the runs written to disk, and the events read
+    /// from the file a second time (its beginning that came in time
+    /// order) rather than written to runs.
+    pub fn spill_shape(&self) -> Option<(usize, usize)> {
+        self.spill.as_ref().map(|s| (s.runs(), s.reread()))
     }
 
     /// Fails if a spilled log's runs could not be read back whole: its

@@ -5,6 +5,14 @@
 //! (plus the calls still in progress, with their ends) while merging,
 //! whatever the length or the order of the log.
 //!
+//! A log file already in time order, as CDR files are, is not written to
+//! runs: while its events come in order, each budget's worth is let go
+//! (only its call ids' hashes are kept on disk, 8 bytes a row), and the
+//! merge reads those events from the file a second time ([`Prefix`]). If
+//! the order breaks partway, the events from there on are sorted in runs
+//! as above and merged with the file's ordered beginning. Input that cannot
+//! be read twice (a pipe) is always sorted in runs.
+//!
 //! The order is [`super::order::OrderedLog`]'s, exactly: by time, ties in
 //! file order; with the calls' ends, an end before an attempt at the same
 //! millisecond and a derived end right after its row. Callers are numbered
@@ -15,12 +23,15 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::time::SystemTime;
 
 use compact_str::CompactString;
 
 use crate::engine::event::{CallEvent, EventKind};
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
+use crate::offline::read::{read_events_into, ReadOptions};
 
 /// Rows a log may hold in memory to be put in processing order (about 150
 /// bytes each while reading); a longer log is spilled in runs of this many
@@ -36,15 +47,80 @@ fn io_error(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> IoErro
 }
 
 /// Collects a log's events in file order, spilling a sorted run each time
-/// `budget` of them are held.
+/// `budget` of them are held (or, while they come in time order from a
+/// file that can be read again, letting them go).
 pub struct Spiller {
     budget: usize,
     current: EventColumns,
     dir: Option<tempfile::TempDir>,
+    /// Runs written to disk.
     runs: usize,
+    /// Files of call id hashes written (one per run or events let go).
+    id_files: usize,
     events: usize,
     ends: usize,
     numbers: foldhash::HashMap<CompactString, u32>,
+    /// The file, when it can be read again.
+    source: Option<Source>,
+    /// Every event taken so far came in time order.
+    in_order: bool,
+    /// The time of the last event taken.
+    last_ts: Option<i64>,
+    /// Events let go: the file's first valid events, in time order.
+    prefix: usize,
+}
+
+/// A log file that can be read a second time, as it was first read.
+#[derive(Debug, Clone)]
+pub struct Source {
+    path: PathBuf,
+    opts: ReadOptions,
+    /// The file's length and modification time when first read.
+    stamp: (u64, Option<SystemTime>),
+}
+
+impl Source {
+    /// `path` as a source, when it is a regular file (not a pipe).
+    fn of(path: &Path, opts: &ReadOptions) -> Option<Source> {
+        let meta = std::fs::metadata(path).ok().filter(|m| m.is_file())?;
+        Some(Source {
+            path: path.to_path_buf(),
+            opts: ReadOptions {
+                progress: false,
+                ..opts.clone()
+            },
+            stamp: (meta.len(), meta.modified().ok()),
+        })
+    }
+
+    /// Fails if the file is no longer as first read.
+    fn check_unchanged(&self) -> Result<(), IoError> {
+        let now = std::fs::metadata(&self.path)
+            .map(|m| (m.len(), m.modified().ok()))
+            .map_err(io_error(format!("reading {} again", self.path.display())))?;
+        if now == self.stamp {
+            return Ok(());
+        }
+        Err(self.changed())
+    }
+
+    fn changed(&self) -> IoError {
+        IoError::BadShape {
+            path: self.path.clone(),
+            problem: "the file changed while it was read. A log already in time order and \
+                      longer than --sort-rows is read twice (rather than copied to disk): \
+                      copy the file and read the copy"
+                .into(),
+        }
+    }
+}
+
+/// A log's ordered beginning, let go while reading: its first `events`
+/// valid events, read again from `source` when merged.
+#[derive(Debug)]
+pub struct Prefix {
+    source: Source,
+    events: usize,
 }
 
 /// What a [`Spiller`] holds once the log is read.
@@ -56,31 +132,75 @@ pub enum Collected {
 }
 
 impl Spiller {
-    /// A spiller holding at most `budget` events (at least one).
+    /// A spiller holding at most `budget` events (at least one), always
+    /// sorting in runs.
     pub fn new(budget: usize) -> Self {
         Spiller {
             budget: budget.max(1),
             current: EventColumns::default(),
             dir: None,
             runs: 0,
+            id_files: 0,
             events: 0,
             ends: 0,
             numbers: Default::default(),
+            source: None,
+            in_order: true,
+            last_ts: None,
+            prefix: 0,
+        }
+    }
+
+    /// A spiller for the log in `path`, read with `opts`: while its events
+    /// come in time order it lets them go rather than write them, to read
+    /// them again from the file, when `path` is a regular file.
+    pub fn rereading(budget: usize, path: &Path, opts: &ReadOptions) -> Self {
+        Spiller {
+            source: Source::of(path, opts),
+            ..Spiller::new(budget)
         }
     }
 
     /// Takes the next events of the file, spilling a run past the budget
     /// (a log of exactly the budget stays in memory).
     pub fn take(&mut self, batch: EventColumns) -> Result<(), IoError> {
+        self.note_order(&batch);
         if self.current.is_empty() {
             self.current = batch;
         } else {
             self.current.append(batch);
         }
         if self.current.len() > self.budget {
-            self.spill()?;
+            self.put_away()?;
         }
         Ok(())
+    }
+
+    /// Notes whether `batch` keeps the events taken in time order.
+    fn note_order(&mut self, batch: &EventColumns) {
+        if !self.in_order {
+            return;
+        }
+        let ts = batch.times();
+        let follows = match (self.last_ts, ts.first()) {
+            (Some(last), Some(&first)) => last <= first,
+            _ => true,
+        };
+        if follows && ts.is_sorted() {
+            self.last_ts = ts.last().copied().or(self.last_ts);
+        } else {
+            self.in_order = false;
+        }
+    }
+
+    /// The events held, let go while they are the file's ordered
+    /// beginning, else written as a run.
+    fn put_away(&mut self) -> Result<(), IoError> {
+        if self.source.is_some() && self.in_order {
+            self.let_go()
+        } else {
+            self.spill()
+        }
     }
 
     /// The log as read: whole when it never reached the budget.
@@ -89,50 +209,95 @@ impl Spiller {
             return Ok(Collected::Whole(Box::new(self.current)));
         }
         if !self.current.is_empty() {
-            self.spill()?;
+            self.put_away()?;
         }
         let Some(dir) = self.dir else {
             return Ok(Collected::Whole(Box::new(self.current)));
         };
-        tracing::info!(
-            events = self.events,
-            runs = self.runs,
-            "the log is longer than --sort-rows ({}): put in time order on disk",
-            self.budget
-        );
-        let repeated = repeated_ids(dir.path(), self.runs)?;
+        let prefix = match self.source {
+            Some(source) if self.prefix > 0 => Some(Box::new(Prefix {
+                source,
+                events: self.prefix,
+            })),
+            _ => None,
+        };
+        if self.runs == 0 {
+            tracing::info!(
+                events = self.events,
+                "the log is longer than --sort-rows ({}) and in time order: \
+                 read from the file a second time, not sorted on disk",
+                self.budget
+            );
+        } else {
+            tracing::info!(
+                events = self.events,
+                runs = self.runs,
+                in_order = self.prefix,
+                "the log is longer than --sort-rows ({}): put in time order on disk \
+                 (its first events in order read from the file a second time)",
+                self.budget
+            );
+        }
+        let repeated = repeated_ids(dir.path(), self.id_files)?;
         Ok(Collected::Spilled(Spill {
             dir,
             runs: self.runs,
+            prefix,
             events: self.events,
             ends: self.ends,
             repeated,
         }))
     }
 
-    /// Writes the events held as a run, in processing order (by time,
-    /// ties in file order), each with its caller's number.
-    fn spill(&mut self) -> Result<(), IoError> {
-        let events = std::mem::take(&mut self.current);
-        if self.dir.is_none() {
-            let dir = tempfile::Builder::new()
-                .prefix("callguard-sort-")
-                .tempdir()
-                .map_err(io_error("creating a directory for the sort's runs"))?;
-            self.dir = Some(dir);
+    /// The directory of the runs and id hashes, made on first use.
+    fn dir(&mut self) -> Result<PathBuf, IoError> {
+        if let Some(dir) = &self.dir {
+            return Ok(dir.path().to_path_buf());
         }
-        let Some(dir) = &self.dir else {
-            return Ok(());
-        };
-        let path = run_path(dir.path(), self.runs);
-        // Numbered in file order, as in memory; events decoded one at a
-        // time as written.
-        let numbers: Vec<u32> = (0..events.len())
+        let dir = tempfile::Builder::new()
+            .prefix("callguard-sort-")
+            .tempdir()
+            .map_err(io_error("creating a directory for the sort's runs"))?;
+        let path = dir.path().to_path_buf();
+        self.dir = Some(dir);
+        Ok(path)
+    }
+
+    /// Numbers the callers of `events` not seen before, in file order (as
+    /// in memory); each event's caller number.
+    fn number(&mut self, events: &EventColumns) -> Vec<u32> {
+        (0..events.len())
             .map(|i| {
                 let next = self.numbers.len() as u32;
                 *self.numbers.entry(events.caller(i)).or_insert(next)
             })
-            .collect();
+            .collect()
+    }
+
+    /// Lets the events held go, the log's ordered beginning so far: their
+    /// callers are numbered, their ends counted and their call ids' hashes
+    /// written; the merge reads them from the file again.
+    fn let_go(&mut self) -> Result<(), IoError> {
+        let events = std::mem::take(&mut self.current);
+        let dir = self.dir()?;
+        self.number(&events);
+        self.ends += (0..events.len()).filter(|&i| events.has_end(i)).count();
+        write_hashes(&hashes_path(&dir, self.id_files), &events)?;
+        self.id_files += 1;
+        self.events += events.len();
+        self.prefix += events.len();
+        Ok(())
+    }
+
+    /// Writes the events held as a run, in processing order (by time,
+    /// ties in file order), each with its caller's number.
+    fn spill(&mut self) -> Result<(), IoError> {
+        let events = std::mem::take(&mut self.current);
+        let dir = self.dir()?;
+        let path = run_path(&dir, self.runs);
+        // Numbered in file order, as in memory; events decoded one at a
+        // time as written.
+        let numbers = self.number(&events);
         let ts = events.times();
         let mut order: Vec<u32> = (0..events.len() as u32).collect();
         if !ts.is_sorted() {
@@ -149,7 +314,8 @@ impl Spiller {
             self.ends += usize::from(has_end(&event));
         }
         w.flush().map_err(io_error(context))?;
-        write_hashes(&hashes_path(dir.path(), self.runs), &events)?;
+        write_hashes(&hashes_path(&dir, self.id_files), &events)?;
+        self.id_files += 1;
         self.events += events.len();
         self.runs += 1;
         Ok(())
@@ -190,7 +356,7 @@ fn write_hashes(path: &Path, events: &EventColumns) -> Result<(), IoError> {
 
 /// The hashes that occur more than once over all runs' sorted id hashes
 /// (merged from disk, then removed): the log's repeated call ids.
-fn repeated_ids(dir: &Path, runs: usize) -> Result<foldhash::HashSet<u64>, IoError> {
+fn repeated_ids(dir: &Path, files: usize) -> Result<foldhash::HashSet<u64>, IoError> {
     let next = |r: &mut BufReader<File>, path: &Path| -> Result<Option<u64>, IoError> {
         let mut b = [0u8; 8];
         match r.read_exact(&mut b) {
@@ -199,9 +365,9 @@ fn repeated_ids(dir: &Path, runs: usize) -> Result<foldhash::HashSet<u64>, IoErr
             Err(e) => Err(io_error(format!("reading {}", path.display()))(e)),
         }
     };
-    let mut readers = Vec::with_capacity(runs);
-    let mut heap = BinaryHeap::with_capacity(runs);
-    for run in 0..runs {
+    let mut readers = Vec::with_capacity(files);
+    let mut heap = BinaryHeap::with_capacity(files);
+    for run in 0..files {
         let path = hashes_path(dir, run);
         let file = File::open(&path).map_err(io_error(format!("reading {}", path.display())))?;
         let mut r = BufReader::with_capacity(1 << 16, file);
@@ -232,7 +398,10 @@ fn repeated_ids(dir: &Path, runs: usize) -> Result<foldhash::HashSet<u64>, IoErr
 /// A log's events spilled in sorted runs (removed with it).
 pub struct Spill {
     dir: tempfile::TempDir,
+    /// Runs written to disk.
     runs: usize,
+    /// The log's ordered beginning, read from the file again.
+    prefix: Option<Box<Prefix>>,
     events: usize,
     ends: usize,
     /// Hashes of the call ids that occur more than once in the log.
@@ -251,16 +420,30 @@ impl Spill {
         self.events
     }
 
+    /// Runs written to disk (none for a log file in time order).
+    pub fn runs(&self) -> usize {
+        self.runs
+    }
+
+    /// The events read from the file a second time rather than written to
+    /// runs: the log's beginning that came in time order.
+    pub fn reread(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.events)
+    }
+
     /// The events in processing order, and with `ends` the derived ends of
     /// the calls with a duration, each with its row and caller number.
     pub fn merge(&self, ends: bool) -> Result<Merge, IoError> {
         let mut merge = Merge {
-            runs: Vec::with_capacity(self.runs),
-            heads: BinaryHeap::with_capacity(self.runs),
+            runs: Vec::with_capacity(self.runs + 1),
+            heads: BinaryHeap::with_capacity(self.runs + 1),
             pending: BinaryHeap::new(),
             group: VecDeque::new(),
             ends,
         };
+        if let Some(prefix) = &self.prefix {
+            merge.runs.push(Run::File(Box::new(Reread::start(prefix)?)));
+        }
         for run in 0..self.runs {
             let path = run_path(self.dir.path(), run);
             let file = File::open(&path).map_err(io_error(format!(
@@ -269,7 +452,9 @@ impl Spill {
             )))?;
             merge
                 .runs
-                .push((BufReader::with_capacity(1 << 16, file), path));
+                .push(Run::Disk(BufReader::with_capacity(1 << 16, file), path));
+        }
+        for run in 0..merge.runs.len() {
             merge.refill(run)?;
         }
         Ok(merge)
@@ -333,9 +518,111 @@ impl Ord for Placed {
     }
 }
 
+/// A source of events in processing order, merged with the others.
+enum Run {
+    /// A run written to disk.
+    Disk(BufReader<File>, PathBuf),
+    /// The log's ordered beginning, read from its file again.
+    File(Box<Reread>),
+}
+
+impl Run {
+    /// The run's next event; `None` at its end.
+    fn next(&mut self) -> Result<Option<Merged>, IoError> {
+        match self {
+            Run::Disk(reader, path) => read_event(reader).map_err(io_error(format!(
+                "reading the sort's run {}",
+                path.display()
+            ))),
+            Run::File(reread) => reread.next(),
+        }
+    }
+}
+
+/// A log file's ordered beginning read a second time, on a thread of its
+/// own, its callers numbered again by first appearance (the same numbers:
+/// the beginning was numbered first).
+struct Reread {
+    batches: Receiver<Result<EventColumns, IoError>>,
+    batch: EventColumns,
+    at: usize,
+    /// Events still to hand out.
+    left: usize,
+    last_ts: i64,
+    numbers: foldhash::HashMap<CompactString, u32>,
+    source: Source,
+}
+
+impl Reread {
+    fn start(prefix: &Prefix) -> Result<Self, IoError> {
+        prefix.source.check_unchanged()?;
+        let (tx, batches) = sync_channel(2);
+        let (path, opts, want) = (
+            prefix.source.path.clone(),
+            prefix.source.opts.clone(),
+            prefix.events,
+        );
+        std::thread::spawn(move || {
+            let mut sent = 0;
+            let read = read_events_into(&path, &opts, &mut |batch| {
+                sent += batch.len();
+                let stop = || IoError::Io {
+                    context: "the second read stopped".into(),
+                    source: std::io::ErrorKind::Interrupted.into(),
+                };
+                tx.send(Ok(batch)).map_err(|_| stop())?;
+                // The rest of the file was sorted in runs.
+                if sent >= want {
+                    return Err(stop());
+                }
+                Ok(())
+            });
+            if let Err(e) = read {
+                if sent < want {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        });
+        Ok(Reread {
+            batches,
+            batch: EventColumns::default(),
+            at: 0,
+            left: prefix.events,
+            last_ts: i64::MIN,
+            numbers: Default::default(),
+            source: prefix.source.clone(),
+        })
+    }
+
+    fn next(&mut self) -> Result<Option<Merged>, IoError> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        while self.at >= self.batch.len() {
+            match self.batches.recv() {
+                Ok(Ok(batch)) => (self.batch, self.at) = (batch, 0),
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Err(self.source.changed()),
+            }
+        }
+        let i = self.at;
+        self.at += 1;
+        self.left -= 1;
+        let event = self.batch.event(i);
+        // Read in order the first time: out of order now, it changed.
+        if event.ts_ms < self.last_ts {
+            return Err(self.source.changed());
+        }
+        self.last_ts = event.ts_ms;
+        let next = self.numbers.len() as u32;
+        let caller = *self.numbers.entry(self.batch.caller(i)).or_insert(next);
+        Ok(Some((self.batch.row(i), caller, event)))
+    }
+}
+
 /// The runs merged into processing order (see [`Spill::merge`]).
 pub struct Merge {
-    runs: Vec<(BufReader<File>, PathBuf)>,
+    runs: Vec<Run>,
     heads: BinaryHeap<Reverse<Head>>,
     /// Derived ends later than the events merged so far.
     pending: BinaryHeap<Reverse<Placed>>,
@@ -347,12 +634,7 @@ pub struct Merge {
 impl Merge {
     /// Reads run `run`'s next event into the heads.
     fn refill(&mut self, run: usize) -> Result<(), IoError> {
-        let (reader, path) = &mut self.runs[run];
-        let read = read_event(reader).map_err(io_error(format!(
-            "reading the sort's run {}",
-            path.display()
-        )))?;
-        if let Some((row, caller, event)) = read {
+        if let Some((row, caller, event)) = self.runs[run].next()? {
             self.heads.push(Reverse(Head {
                 ts: event.ts_ms,
                 row,
@@ -629,7 +911,9 @@ mod tests {
         s.take(columns(0..10)).unwrap();
         s.take(columns(10..11)).unwrap();
         match s.finish().unwrap() {
-            Collected::Spilled(spill) => assert_eq!((spill.runs, spill.events), (1, 11)),
+            Collected::Spilled(spill) => {
+                assert_eq!((spill.runs, spill.events, spill.reread()), (1, 11, 0))
+            }
             Collected::Whole(_) => panic!("a log over the budget was kept whole"),
         }
     }

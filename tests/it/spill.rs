@@ -120,24 +120,112 @@ fn run(args: &[&str], tmp: &Path) -> String {
     err
 }
 
-/// A generated log with its rows shuffled, longer than `--sort-rows 997`:
-/// `replay` (the rules, and the fraud rules with calls held open until
-/// their ends), `features` and `tune` write the same files as with the log
-/// ordered in memory, say that they sorted on disk, and leave no run
-/// behind.
-#[test]
-fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
-    let (dir, sorted) = common::generated_csv(6000, 54);
-    let text = std::fs::read_to_string(&sorted).unwrap();
-    let mut lines: Vec<&str> = text.lines().collect();
+/// A log's CSV lines ordered by time (stable; a row whose time is not a
+/// number sorts first): a log file as a switch writes it.
+fn in_time_order(csv: &str) -> String {
+    let mut lines: Vec<&str> = csv.lines().collect();
     let header = lines.remove(0);
-    lines.shuffle(&mut StdRng::seed_from_u64(5));
-    let input = dir.path().join("shuffled.csv");
-    std::fs::write(&input, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
-    let input = input.to_str().unwrap();
+    let ts = |l: &str| l.split(',').nth(3).and_then(|t| t.parse::<i64>().ok());
+    lines.sort_by_key(|l| ts(l).unwrap_or(i64::MIN));
+    format!("{header}\n{}\n", lines.join("\n"))
+}
+
+/// Random logs in time order, whole or for a random beginning (the rest
+/// in no order), ordered with budgets of 1, 7 and 50 rows: the same
+/// events, caller numbers, unique call ids and invalid rows as in memory.
+/// A log in order is read from its file again and writes no run; one
+/// whose order breaks writes runs only for what follows the break.
+#[test]
+fn a_log_in_time_order_is_read_again_not_sorted_on_disk() {
+    let mut rng = StdRng::seed_from_u64(5454);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("calls.csv");
+    let (mut streamed, mut mixed) = (0, 0);
+    for case in 0..80 {
+        let whole = rng.random_bool(0.5);
+        // A file is read in batches of 4,096 rows: an order that breaks
+        // after the first batch needs a longer log.
+        let rows = if whole {
+            rng.random_range(1..=300)
+        } else {
+            rng.random_range(4_200..=9_000)
+        };
+        let sorted = in_time_order(&random_log(&mut rng, rows));
+        let text = if whole {
+            sorted
+        } else {
+            // The ordered beginning (past the first batch), then the rest
+            // shuffled.
+            let mut lines: Vec<&str> = sorted.lines().collect();
+            let cut = rng.random_range(4_098..lines.len());
+            lines[cut..].shuffle(&mut rng);
+            format!("{}\n", lines.join("\n"))
+        };
+        std::fs::write(&path, text).unwrap();
+        for ends in [false, true] {
+            let memory = open(&path, usize::MAX, ends);
+            let want = memory.read_all().unwrap();
+            let valid = memory.rows() - not_kept(&want);
+            for budget in [1, 7, 50] {
+                let disk = open(&path, budget, ends);
+                let at = format!("case {case}, budget {budget}, ends {ends}");
+                let shape = disk.spill_shape();
+                assert_eq!(shape.is_some(), valid > budget, "{at}");
+                if let Some((runs, reread)) = shape {
+                    if whole {
+                        assert_eq!((runs, reread), (0, valid), "{at}");
+                    }
+                    assert!(reread <= valid, "{at}");
+                    streamed += usize::from(runs == 0);
+                    mixed += usize::from(runs > 0 && reread > 0);
+                }
+                let got = disk.read_all().unwrap();
+                assert_eq!(got.events, want.events, "{at}");
+                assert_eq!(got.invalid, want.invalid, "{at}");
+                assert_eq!(got.unique, want.unique, "{at}");
+                if shape.is_some() {
+                    assert_eq!(got.callers, want.callers, "{at}");
+                }
+            }
+        }
+    }
+    assert!(
+        streamed > 100 && mixed > 100,
+        "{streamed} read again, {mixed} mixed"
+    );
+}
+
+/// A log file read again must be the file first read: changed in between,
+/// the chunks stop with an error that says so, never other records.
+#[test]
+fn a_log_changed_between_its_two_reads_is_an_error() {
+    let (dir, sorted) = common::generated_csv(500, 7);
+    let path = dir.path().join("copy.csv");
+    std::fs::copy(&sorted, &path).unwrap();
+    let log = open(&path, 100, false);
+    assert_eq!(log.spill_shape().map(|s| s.0), Some(0));
+    let text = std::fs::read_to_string(&path).unwrap();
+    // The same length, other bytes (a caller's digit), a later time.
+    let at = text.find("+34").unwrap() + 5;
+    let mut bytes = text.into_bytes();
+    bytes[at] = if bytes[at] == b'1' { b'2' } else { b'1' };
+    let file = std::fs::File::options().write(true).open(&path).unwrap();
+    let later = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+    std::io::Write::write_all(&mut &file, &bytes).unwrap();
+    file.set_modified(later).unwrap();
+    drop(file);
+    let err = log.read_all().unwrap_err().to_string();
+    assert!(err.contains("the file changed"), "{err}");
+}
+
+/// Runs `replay` (the rules, and the fraud rules with calls held open
+/// until their ends), `features` and `tune` on `input`, in memory and with
+/// `--sort-rows 997`: the same files, the log said to be ordered as `said`
+/// (and not as `unsaid`), and no run left behind.
+fn small_budget_gives_the_same_files(input: &str, dir: &Path, said: &str, unsaid: &str) {
     let tmp = tempfile::tempdir().unwrap();
-    let out = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
-    let spilled = "put in time order on disk";
+    let out = |name: &str| dir.join(name).to_str().unwrap().to_string();
+    let spilled = said;
     let jobs: [(&str, Vec<&str>, &str); 4] = [
         ("replay", vec!["--rules", "data/rules.toml"], "csv"),
         ("replay", vec!["--rules", "data/rules-fraud.toml"], "csv"),
@@ -175,8 +263,8 @@ fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
         disk.extend(["-o", &b, "--sort-rows", "997"]);
         let err = run(&disk, tmp.path());
         assert!(
-            err.contains(spilled),
-            "{command} {extra:?}: no sort on disk said: {err}"
+            err.contains(spilled) && !err.contains(unsaid),
+            "{command} {extra:?}: not said {said:?}: {err}"
         );
         let (a, b) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
         assert!(!a.is_empty());
@@ -203,7 +291,7 @@ fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
     // The same log as Parquet (text columns): read a slice of rows at a
     // time under the budget, it replays as the CSV did, in memory and on
     // disk.
-    let parquet = dir.path().join("shuffled.parquet");
+    let parquet = dir.join("log.parquet");
     let mut frame = polars::prelude::CsvReadOptions::default()
         .with_infer_schema_length(Some(0))
         .try_into_reader_with_file_path(Some(input.into()))
@@ -228,10 +316,44 @@ fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
         ];
         let err = run(&[&args[..], &["--sort-rows", budget]].concat(), tmp.path());
         assert_eq!(err.contains(spilled), budget == "997", "{err}");
+        assert!(!err.contains(unsaid), "{err}");
         assert_eq!(
             std::fs::read_to_string(&to).unwrap(),
             from_csv,
             "Parquet, --sort-rows {budget}"
         );
     }
+}
+
+/// A generated log with its rows shuffled, longer than `--sort-rows 997`:
+/// sorted on disk, with the records of the log ordered in memory.
+#[test]
+fn an_unordered_log_longer_than_the_sort_budget_gives_the_same_records() {
+    let (dir, sorted) = common::generated_csv(6000, 54);
+    let text = std::fs::read_to_string(&sorted).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    let header = lines.remove(0);
+    lines.shuffle(&mut StdRng::seed_from_u64(5));
+    let input = dir.path().join("shuffled.csv");
+    std::fs::write(&input, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
+    small_budget_gives_the_same_files(
+        input.to_str().unwrap(),
+        dir.path(),
+        "put in time order on disk",
+        "in time order: read from the file a second time",
+    );
+}
+
+/// A generated log, in time order as switches write them, longer than
+/// `--sort-rows 997`: read from the file a second time, no run written,
+/// with the records of the log ordered in memory.
+#[test]
+fn an_ordered_log_longer_than_the_sort_budget_is_read_again() {
+    let (dir, sorted) = common::generated_csv(6000, 54);
+    small_budget_gives_the_same_files(
+        sorted.to_str().unwrap(),
+        dir.path(),
+        "in time order: read from the file a second time",
+        "put in time order on disk",
+    );
 }

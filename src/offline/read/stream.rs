@@ -159,13 +159,19 @@ fn decode_in_order<R: std::io::Read + Send>(
         drop(done_tx);
         let mut waiting = std::collections::BTreeMap::new();
         let mut next = 0;
+        // Dropped at a sink error: the parser then stops within the
+        // batches already in flight.
+        let mut empty_tx = Some(empty_tx);
         for decoded in done_rx {
             waiting.insert(decoded.seq, decoded);
             while let Some(d) = waiting.remove(&next) {
-                // After a sink error the rest is drained, not taken: the
-                // threads finish their batches either way.
+                // After a sink error the batches in flight are drained,
+                // not taken: the threads finish them either way.
                 if out.sink_error.is_none() {
                     out.sink_error = sink(d.events).err();
+                    if out.sink_error.is_some() {
+                        empty_tx = None;
+                    }
                 }
                 out.invalid.extend(d.invalid);
                 if let Some(last) = d.records.last() {
@@ -173,7 +179,9 @@ fn decode_in_order<R: std::io::Read + Send>(
                     bar.set_position(last.position().map_or(0, |p| p.byte()));
                 }
                 // The parser may have finished (or failed) already.
-                let _ = empty_tx.send(d.records);
+                if let Some(tx) = &empty_tx {
+                    let _ = tx.send(d.records);
+                }
                 next += 1;
             }
         }
@@ -191,7 +199,8 @@ const BATCHES_IN_FLIGHT: usize = 32;
 
 /// The parsing thread: fills batches of [`CSV_BATCH`] records (reusing
 /// those that come back, at most [`BATCHES_IN_FLIGHT`] of them) and hands
-/// them on, numbered.
+/// them on, numbered; stops when none come back any more (the sink
+/// failed).
 fn parse_batches<R: std::io::Read>(
     mut reader: csv::Reader<R>,
     first: Option<csv::ByteRecord>,
@@ -220,6 +229,8 @@ fn parse_batches<R: std::io::Read>(
         // batch in flight reaches it, so waiting for one cannot stall.
         batch = match empty_rx.try_recv() {
             Ok(b) => b,
+            // The sink failed: no more batches are wanted.
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
             Err(_) if made < BATCHES_IN_FLIGHT => {
                 made += 1;
                 Vec::new()
