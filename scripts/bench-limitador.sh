@@ -7,8 +7,8 @@
 # so wrk's "Non-2xx" count is each one's rejects.
 #
 # Per round it prints checks/s, p50/p99 latency, rejects, and the server's
-# own CPU per 1,000 checks (utime+stime from /proc), redis-server's CPU
-# per 1,000 checks, and how busy the machine's cores were over the run
+# own CPU per 1,000 checks (utime+stime from /proc), redis-server's and
+# wrk's CPU per 1,000 checks, and how busy the machine's cores were over the run
 # (all cores, from /proc/stat; "steal" is time the host gave to other
 # guests), then the medians of the round ratios. The busy share says
 # whether the machine, rather than a server, set the rate: wrk, the server
@@ -120,7 +120,8 @@ run_round() {
   track "$pid"
   wrk -t2 -c32 -d3s -s "$work/load.lua" "http://127.0.0.1:$port" -- "$path" 1 >/dev/null
   t0="$(cpu_ticks "$pid")"; r0="$(cpu_ticks "$redis_pid")"; m0="$(machine_ticks)"
-  out="$(wrk -t2 -c32 -d"${secs}s" --latency -s "$work/load.lua" "http://127.0.0.1:$port" -- "$path" 2)"
+  out="$(/usr/bin/time -f "wrk-cpu %U %S" -o "$work/wrk.time" \
+    wrk -t2 -c32 -d"${secs}s" --latency -s "$work/load.lua" "http://127.0.0.1:$port" -- "$path" 2)"
   t1="$(cpu_ticks "$pid")"; r1="$(cpu_ticks "$redis_pid")"; m1="$(machine_ticks)"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
@@ -130,9 +131,9 @@ run_round() {
   p99="$(awk '$1 == "99%" {print $2}' <<<"$out")"
   if grep -q 'Socket errors' <<<"$out"; then echo "$name: $(grep 'Socket errors' <<<"$out")" >&2; fi
   python3 - "$name" "$rps" "$p50" "$p99" "${rejects:-0}" "$requests" "$((t1 - t0))" "$(getconf CLK_TCK)" \
-    "$((r1 - r0))" "$m0" "$m1" <<'EOF'
+    "$((r1 - r0))" "$m0" "$m1" "$(awk '/^wrk-cpu/ {print $2 + $3}' "$work/wrk.time")" <<'EOF'
 import sys
-name, rps, p50, p99, rejects, requests, ticks, hz, rticks, m0, m1 = sys.argv[1:]
+name, rps, p50, p99, rejects, requests, ticks, hz, rticks, m0, m1, wrk_s = sys.argv[1:]
 busy, steal, total = (int(b) - int(a) for a, b in zip(m0.split(), m1.split()))
 def ms(v):
     for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
@@ -142,13 +143,14 @@ def ms(v):
 def per_1k(t):
     return int(t) * 1000 / int(hz) / max(int(requests), 1) * 1000
 print(f"{name} {float(rps):.0f} {ms(p50):.3f} {ms(p99):.3f} {int(rejects) / max(int(requests), 1):.3f} "
-      f"{per_1k(ticks):.1f} {per_1k(rticks):.1f} {100 * busy / max(total, 1):.0f} {100 * steal / max(total, 1):.0f}")
+      f"{per_1k(ticks):.1f} {per_1k(rticks):.1f} {100 * busy / max(total, 1):.0f} {100 * steal / max(total, 1):.0f} "
+      f"{float(wrk_s) * 1e6 / max(int(requests), 1):.1f}")
 EOF
 }
 
 echo "== serve vs limitador ($storage): redis-server $(redis-server --version | awk '{print $3}'), $(nproc) cores, wrk -t2 -c32, ${secs}s x $rounds rounds"
-printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s\n' server "checks/s" "p50 ms" "p99 ms" rejected "CPU ms/1k" \
-  "redis ms/1k" "busy %" "steal %"
+printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s %10s\n' server "checks/s" "p50 ms" "p99 ms" rejected "CPU ms/1k" \
+  "redis ms/1k" "busy %" "steal %" "wrk ms/1k"
 results=()
 for r in $(seq "$rounds"); do
   servers=(callguard limitador)
@@ -157,7 +159,7 @@ for r in $(seq "$rounds"); do
     line="$(run_round "$name")"
     results+=("$line")
     # shellcheck disable=SC2086
-    printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s\n' $line
+    printf '%-10s %10s %9s %9s %8s %10s %10s %7s %7s %10s\n' $line
   done
 done
 printf '%s\n' "${results[@]}" | python3 -c '
@@ -172,7 +174,13 @@ print(f"callguard / limitador, medians of the rounds: checks/s {med(1, lambda a,
 for name, rs in (("callguard", cg), ("limitador", lim)):
     print(f"{name}: cores busy {statistics.median(float(r[7]) for r in rs):.0f}% (steal "
           f"{statistics.median(float(r[8]) for r in rs):.0f}%), server + redis-server CPU "
-          f"{statistics.median(float(r[5]) + float(r[6]) for r in rs):.1f} ms per 1,000 checks")
+          f"{statistics.median(float(r[5]) + float(r[6]) for r in rs):.1f} ms per 1,000 checks, "
+          f"with wrk {statistics.median(float(r[5]) + float(r[6]) + float(r[9]) for r in rs):.1f}")
+# The cores the checks of callguard would need at twice the rate of
+# limitador, at the CPU per check measured (server, redis-server and wrk).
+need = statistics.median(
+    2 * float(b[1]) * (float(a[5]) + float(a[6]) + float(a[9])) / 1e6 for a, b in zip(cg, lim))
+print(f"cores callguard, redis-server and wrk would need at 2x the checks/s of limitador: {need:.2f}")
 floor = [r for r in rows if r[0] == "floor"]
 if floor:
     f = statistics.median(float(a[1]) / float(b[1]) for a, b in zip(floor, lim))

@@ -185,11 +185,14 @@ pub struct InputArgs {
     #[arg(long, default_value = ",", value_parser = parse_delimiter)]
     pub delimiter: u8,
     /// Rows held in memory to put the log in time order (about 150 bytes
-    /// each while reading). A longer log is sorted in runs of this many
-    /// rows, written to the temporary directory ($TMPDIR, about 90 bytes a
-    /// row) and merged back: memory stays bounded whatever the log's length
-    /// or order, and the records are the same; the run takes longer (1.4 to
-    /// 1.6 times, measured on 30 million rows).
+    /// each while reading). A longer log file already in time order (as
+    /// switches write CDRs) is read a second time instead of being held. A
+    /// longer unordered log is sorted in runs of this many rows, written to
+    /// the temporary directory ($TMPDIR, about 90 bytes a row) and merged
+    /// back; if the order breaks partway, only the rows after the break go
+    /// to runs. Memory stays bounded whatever the log's length or order,
+    /// and the records are the same. Input that cannot be read twice (a
+    /// pipe) is always sorted in runs.
     #[arg(long, default_value_t = callguard::offline::spill::DEFAULT_SORT_ROWS as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub sort_rows: u64,
