@@ -357,3 +357,46 @@ fn an_ordered_log_longer_than_the_sort_budget_is_read_again() {
         "put in time order on disk",
     );
 }
+
+/// An ordered log longer than `--sort-rows 997` given through a pipe
+/// (`-i /dev/stdin`), which cannot be read twice: sorted in runs, with the
+/// records of the same file read in memory.
+#[test]
+fn a_piped_log_is_sorted_in_runs() {
+    use std::io::Write;
+    let (dir, sorted) = common::generated_csv(3000, 55);
+    let want = dir.path().join("memory.csv");
+    let args = ["replay", "--rules", "data/rules.toml", "-o"];
+    let input = sorted.to_str().unwrap();
+    run(
+        &[&args[..], &[want.to_str().unwrap(), "-i", input]].concat(),
+        dir.path(),
+    );
+    let got = dir.path().join("piped.csv");
+    let mut child = std::process::Command::new(common::bin())
+        .args(args)
+        .args([
+            got.to_str().unwrap(),
+            "-i",
+            "/dev/stdin",
+            "--sort-rows",
+            "997",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let text = std::fs::read(&sorted).unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&text));
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("put in time order on disk"), "{err}");
+    assert_eq!(
+        std::fs::read_to_string(&got).unwrap(),
+        std::fs::read_to_string(&want).unwrap()
+    );
+}
