@@ -60,6 +60,8 @@ pub struct OrderedLog {
     spill: Option<Spill>,
     /// With a spill: the calls' ends are merged in ([`OrderedLog::with_ends`]).
     spill_ends: bool,
+    /// Whether callers are numbered ([`OrderedLog::open_unnumbered`]).
+    numbered: bool,
     /// A spill's runs that could not be read back: the chunks stopped
     /// there ([`OrderedLog::check`]).
     failure: std::sync::Mutex<Option<IoError>>,
@@ -81,6 +83,9 @@ impl OrderedLog {
 
     fn open_with(path: &Path, opts: &ReadOptions, number: bool) -> Result<Self, IoError> {
         let mut spiller = Spiller::rereading(opts.sort_rows, path, opts);
+        if !number {
+            spiller = spiller.unnumbered();
+        }
         let invalid = read_events_into(path, opts, &mut |batch| spiller.take(batch))?;
         let events = match spiller.finish()? {
             Collected::Whole(events) => *events,
@@ -94,6 +99,7 @@ impl OrderedLog {
                     invalid,
                     spill: Some(spill),
                     spill_ends: false,
+                    numbered: number,
                     failure: Default::default(),
                 })
             }
@@ -136,6 +142,7 @@ impl OrderedLog {
             invalid,
             spill: None,
             spill_ends: false,
+            numbered: number,
             failure: Default::default(),
         })
     }
@@ -354,7 +361,9 @@ impl OrderedLog {
         };
         for (row, caller, event) in items {
             log.events.push((row, event));
-            log.callers.push(caller);
+            if self.numbered {
+                log.callers.push(caller);
+            }
         }
         log
     }

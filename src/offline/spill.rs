@@ -60,6 +60,8 @@ pub struct Spiller {
     events: usize,
     ends: usize,
     numbers: foldhash::HashMap<CompactString, u32>,
+    /// Whether callers are numbered ([`Spiller::unnumbered`]).
+    numbered: bool,
     /// The file, when it can be read again.
     source: Option<Source>,
     /// Every event taken so far came in time order.
@@ -121,6 +123,8 @@ impl Source {
 pub struct Prefix {
     source: Source,
     events: usize,
+    /// Whether its callers are numbered.
+    numbered: bool,
 }
 
 /// What a [`Spiller`] holds once the log is read.
@@ -144,6 +148,7 @@ impl Spiller {
             events: 0,
             ends: 0,
             numbers: Default::default(),
+            numbered: true,
             source: None,
             in_order: true,
             last_ts: None,
@@ -158,6 +163,15 @@ impl Spiller {
         Spiller {
             source: Source::of(path, opts),
             ..Spiller::new(budget)
+        }
+    }
+
+    /// The spiller without caller numbers (all 0), for work that never
+    /// uses them (a replay): no map of every caller is kept.
+    pub fn unnumbered(self) -> Self {
+        Spiller {
+            numbered: false,
+            ..self
         }
     }
 
@@ -218,6 +232,7 @@ impl Spiller {
             Some(source) if self.prefix > 0 => Some(Box::new(Prefix {
                 source,
                 events: self.prefix,
+                numbered: self.numbered,
             })),
             _ => None,
         };
@@ -264,8 +279,11 @@ impl Spiller {
     }
 
     /// Numbers the callers of `events` not seen before, in file order (as
-    /// in memory); each event's caller number.
+    /// in memory); each event's caller number (none when unnumbered).
     fn number(&mut self, events: &EventColumns) -> Vec<u32> {
+        if !self.numbered {
+            return Vec::new();
+        }
         (0..events.len())
             .map(|i| {
                 let next = self.numbers.len() as u32;
@@ -309,7 +327,8 @@ impl Spiller {
         for &i in &order {
             let i = i as usize;
             let event = events.event(i);
-            write_event(&mut w, events.row(i), numbers[i], &event)
+            let number = numbers.get(i).copied().unwrap_or(0);
+            write_event(&mut w, events.row(i), number, &event)
                 .map_err(io_error(context.clone()))?;
             self.ends += usize::from(has_end(&event));
         }
@@ -549,7 +568,8 @@ struct Reread {
     /// Events still to hand out.
     left: usize,
     last_ts: i64,
-    numbers: foldhash::HashMap<CompactString, u32>,
+    /// The callers' numbers; `None` when unnumbered (all 0).
+    numbers: Option<foldhash::HashMap<CompactString, u32>>,
     source: Source,
 }
 
@@ -589,7 +609,7 @@ impl Reread {
             at: 0,
             left: prefix.events,
             last_ts: i64::MIN,
-            numbers: Default::default(),
+            numbers: prefix.numbered.then(Default::default),
             source: prefix.source.clone(),
         })
     }
@@ -614,8 +634,13 @@ impl Reread {
             return Err(self.source.changed());
         }
         self.last_ts = event.ts_ms;
-        let next = self.numbers.len() as u32;
-        let caller = *self.numbers.entry(self.batch.caller(i)).or_insert(next);
+        let caller = match &mut self.numbers {
+            Some(numbers) => {
+                let next = numbers.len() as u32;
+                *numbers.entry(self.batch.caller(i)).or_insert(next)
+            }
+            None => 0,
+        };
         Ok(Some((self.batch.row(i), caller, event)))
     }
 }

@@ -186,6 +186,17 @@ fn a_log_in_time_order_is_read_again_not_sorted_on_disk() {
                 if shape.is_some() {
                     assert_eq!(got.callers, want.callers, "{at}");
                 }
+                // Unnumbered (a replay): the same events, no caller numbers.
+                let opts = ReadOptions {
+                    sort_rows: budget,
+                    ..ReadOptions::default()
+                };
+                let bare = OrderedLog::open_unnumbered(&path, &opts).unwrap();
+                let bare = if ends { bare.with_ends() } else { bare };
+                let bare = bare.read_all().unwrap();
+                assert_eq!(bare.events, want.events, "{at}, unnumbered");
+                assert_eq!(bare.unique, want.unique, "{at}, unnumbered");
+                assert!(bare.callers.is_empty(), "{at}, unnumbered");
             }
         }
     }
