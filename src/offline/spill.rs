@@ -628,6 +628,11 @@ impl Reread {
         let i = self.at;
         self.at += 1;
         self.left -= 1;
+        if self.left == 0 {
+            // Written to while read again: its events may not be the ones
+            // counted the first time.
+            self.source.check_unchanged()?;
+        }
         let event = self.batch.event(i);
         // Read in order the first time: out of order now, it changed.
         if event.ts_ms < self.last_ts {

@@ -229,6 +229,26 @@ fn a_log_changed_between_its_two_reads_is_an_error() {
     assert!(err.contains("the file changed"), "{err}");
 }
 
+/// A log file written to while it is read the second time: the chunks
+/// stop at the end with an error that says so.
+#[test]
+fn a_log_written_to_during_its_second_read_is_an_error() {
+    let (dir, sorted) = common::generated_csv(500, 8);
+    let path = dir.path().join("copy.csv");
+    std::fs::copy(&sorted, &path).unwrap();
+    let log = open(&path, 100, false);
+    assert_eq!(log.spill_shape().map(|s| s.0), Some(0));
+    let mut chunks = log.chunks(50);
+    assert_eq!(chunks.next().map(|c| c.events.len()), Some(50));
+    let mut file = std::fs::File::options().append(true).open(&path).unwrap();
+    std::io::Write::write_all(&mut file, b"late-1,+34600000001,,1764590000000,,,,,\n").unwrap();
+    drop(file);
+    let rest: usize = chunks.map(|c| c.events.len()).sum();
+    assert!(rest < 450, "{rest} events after the change");
+    let err = log.check().unwrap_err().to_string();
+    assert!(err.contains("the file changed"), "{err}");
+}
+
 /// Runs `replay` (the rules, and the fraud rules with calls held open
 /// until their ends), `features` and `tune` on `input`, in memory and with
 /// `--sort-rows 997`: the same files, the log said to be ordered as `said`
