@@ -206,15 +206,20 @@ fn a_log_in_time_order_is_read_again_not_sorted_on_disk() {
     );
 }
 
+/// A generated log of 500 rows in time order, opened with a budget of 100:
+/// to be read again from its file, which a test may then change.
+fn ordered_log_to_read_again(seed: u64) -> (tempfile::TempDir, std::path::PathBuf, OrderedLog) {
+    let (dir, path) = common::generated_csv(500, seed);
+    let log = open(&path, 100, false);
+    assert_eq!(log.spill_shape(), Some((0, 500)));
+    (dir, path, log)
+}
+
 /// A log file read again must be the file first read: changed in between,
 /// the chunks stop with an error that says so, never other records.
 #[test]
 fn a_log_changed_between_its_two_reads_is_an_error() {
-    let (dir, sorted) = common::generated_csv(500, 7);
-    let path = dir.path().join("copy.csv");
-    std::fs::copy(&sorted, &path).unwrap();
-    let log = open(&path, 100, false);
-    assert_eq!(log.spill_shape().map(|s| s.0), Some(0));
+    let (_dir, path, log) = ordered_log_to_read_again(7);
     let text = std::fs::read_to_string(&path).unwrap();
     // The same length, other bytes (a caller's digit), a later time.
     let at = text.find("+34").unwrap() + 5;
@@ -233,11 +238,7 @@ fn a_log_changed_between_its_two_reads_is_an_error() {
 /// stop at the end with an error that says so.
 #[test]
 fn a_log_written_to_during_its_second_read_is_an_error() {
-    let (dir, sorted) = common::generated_csv(500, 8);
-    let path = dir.path().join("copy.csv");
-    std::fs::copy(&sorted, &path).unwrap();
-    let log = open(&path, 100, false);
-    assert_eq!(log.spill_shape().map(|s| s.0), Some(0));
+    let (_dir, path, log) = ordered_log_to_read_again(8);
     let mut chunks = log.chunks(50);
     assert_eq!(chunks.next().map(|c| c.events.len()), Some(50));
     let mut file = std::fs::File::options().append(true).open(&path).unwrap();
