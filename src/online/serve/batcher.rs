@@ -32,7 +32,19 @@ struct Decided {
     /// of them was written: a caller contended by another writer was left
     /// out, or the connection was refused before anything was sent.
     applied: &'static str,
+    /// Calls left undecided because another writer kept changing their
+    /// caller, to be tried again in the next batch (nothing of them was
+    /// written); their verdicts are `None`, and they are not answered.
+    retry: Vec<usize>,
 }
+
+/// Batches after the first that may take a call left undecided because
+/// another writer kept changing its caller (each batch gives the store its
+/// rounds again) before it is answered as the failure policy says. Two
+/// instances deciding one flooding caller can starve the slower one for a
+/// batch's rounds on a loaded machine; a call is tried again, within its
+/// answer deadline, rather than answered 503.
+pub(super) const CONTENDED_RETRIES: u8 = 3;
 
 /// Tops a batch up to the batch size within the linger.
 async fn collect(config: &ServeConfig, rx: &mut mpsc::Receiver<Job>, jobs: &mut Vec<Job>) {
@@ -102,14 +114,23 @@ impl<S: WindowStore> Batcher<S> {
         // check.
         let mut idle = IdleProbe::start(&mut self.store, &self.metrics, &self.health).await;
         let mut jobs: Vec<Job> = Vec::with_capacity(self.config.batch_size);
-        while let Some(first) = idle
-            .recv(&mut rx, &mut self.store, &self.metrics, &self.health)
-            .await
-        {
-            jobs.push(first);
+        // Calls a batch left undecided for contention: first in the next.
+        let mut retry: Vec<Job> = Vec::new();
+        loop {
+            if retry.is_empty() {
+                let Some(first) = idle
+                    .recv(&mut rx, &mut self.store, &self.metrics, &self.health)
+                    .await
+                else {
+                    break;
+                };
+                jobs.push(first);
+            } else {
+                jobs.append(&mut retry);
+            }
             collect(&self.config, &mut rx, &mut jobs).await;
             self.follow_rules();
-            self.handle(&mut jobs).await;
+            self.handle(&mut jobs, &mut retry).await;
         }
     }
 
@@ -124,20 +145,36 @@ impl<S: WindowStore> Batcher<S> {
     }
 
     /// Decides a batch, publishes its first decisions and answers each
-    /// check.
-    async fn handle(&mut self, jobs: &mut Vec<Job>) {
+    /// check; the calls to try again for contention go to `retry`.
+    async fn handle(&mut self, jobs: &mut Vec<Job>, retry: &mut Vec<Job>) {
         // Calls whose handler gave up at its deadline are dropped unapplied.
-        let (mut events, replies): (Vec<CallEvent>, Vec<oneshot::Sender<Outcome>>) = jobs
-            .drain(..)
-            .filter(|j| j.claim.send())
-            .map(|j| (j.event, j.reply))
-            .unzip();
+        let mut events = Vec::with_capacity(jobs.len());
+        let mut replies = Vec::with_capacity(jobs.len());
+        let mut held = Vec::with_capacity(jobs.len());
+        for j in jobs.drain(..).filter(|j| j.claim.send()) {
+            events.push(j.event);
+            replies.push(Some(j.reply));
+            held.push((j.claim, j.contended));
+        }
         if events.is_empty() {
             return;
         }
         clamp_to_clock(&mut events, self.current.grace_ms, now_ms(), &self.metrics);
         self.metrics.batch_size.observe(events.len() as f64);
-        let decided = self.store_verdicts(&events).await;
+        let contended: Vec<u8> = held.iter().map(|h| h.1).collect();
+        let decided = self.store_verdicts(&events, &contended).await;
+        for &i in &decided.retry {
+            let (claim, contended) = &held[i];
+            if let Some(reply) = replies[i].take() {
+                claim.requeue();
+                retry.push(Job {
+                    event: events[i].clone(),
+                    reply,
+                    claim: claim.clone(),
+                    contended: contended + 1,
+                });
+            }
+        }
         if self.producer.is_some() {
             let publishable = self.publishable(&events, &decided);
             if let Some((p, topics)) = &self.producer {
@@ -157,8 +194,10 @@ impl<S: WindowStore> Batcher<S> {
     }
 
     /// The store's verdicts under the failure policy: undecided calls stay
-    /// so under `block` (answered 503), or are decided degraded.
-    async fn store_verdicts(&mut self, events: &[CallEvent]) -> Decided {
+    /// so under `block` (answered 503), or are decided degraded; calls
+    /// left undecided for contention are tried again instead while each
+    /// has batches left (`contended[i]`: batches that left call `i` so).
+    async fn store_verdicts(&mut self, events: &[CallEvent], contended: &[u8]) -> Decided {
         let rules = &self.current;
         let (verdicts, why, applied) = match apply_observed(
             &mut self.store,
@@ -187,8 +226,22 @@ impl<S: WindowStore> Batcher<S> {
                 verdicts,
                 why,
                 applied,
+                retry: Vec::new(),
             };
         };
+        let undecided = || (0..events.len()).filter(|&i| verdicts[i].is_none());
+        // Contended, nothing of them written, each with a batch left.
+        if why.as_deref() == Some(CONTENDED)
+            && undecided().all(|i| contended.get(i).copied().unwrap_or(u8::MAX) < CONTENDED_RETRIES)
+        {
+            let retry = undecided().collect();
+            return Decided {
+                verdicts,
+                why,
+                applied,
+                retry,
+            };
+        }
         let settled = {
             let store = &self.store;
             let cached = |c: &str| store.cached_state(c);
@@ -207,6 +260,7 @@ impl<S: WindowStore> Batcher<S> {
             verdicts,
             why,
             applied,
+            retry: Vec::new(),
         }
     }
 
@@ -230,11 +284,13 @@ impl<S: WindowStore> Batcher<S> {
             .collect()
     }
 
-    /// Answers each check with its verdict, or that the store failed.
-    fn answer(&self, replies: Vec<oneshot::Sender<Outcome>>, decided: Decided) {
+    /// Answers each check with its verdict, or that the store failed; a
+    /// reply taken for another try (`None`) is skipped.
+    fn answer(&self, replies: Vec<Option<oneshot::Sender<Outcome>>>, decided: Decided) {
         let applied = decided.applied;
         self.metrics.count_batch(decided.verdicts.iter().flatten());
         for (reply, v) in replies.into_iter().zip(decided.verdicts) {
+            let Some(reply) = reply else { continue };
             let outcome = match v {
                 Some(v) => Outcome::Decided(Box::new(v), self.schema.clone(), self.limits.clone()),
                 None => Outcome::Unavailable {
@@ -309,4 +365,106 @@ fn publish(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::StoreError;
+    use crate::online::serve::Claim;
+    use crate::store::memory::MemoryStore;
+
+    /// A store that leaves every call undecided, as a caller another
+    /// writer kept changing, for its first `refusals` batches.
+    struct Contended {
+        inner: MemoryStore,
+        refusals: usize,
+        batches: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl WindowStore for Contended {
+        async fn apply_batch(
+            &mut self,
+            rules: &RuleSet,
+            events: &[CallEvent],
+        ) -> Result<Vec<Verdict>, StoreError> {
+            self.inner.apply_batch(rules, events).await
+        }
+
+        async fn apply_batch_partial(
+            &mut self,
+            rules: &RuleSet,
+            events: &[CallEvent],
+        ) -> Result<Vec<Option<Verdict>>, StoreError> {
+            self.batches
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if self.refusals > 0 {
+                self.refusals -= 1;
+                return Ok(vec![None; events.len()]);
+            }
+            let verdicts = self.inner.apply_batch(rules, events).await?;
+            Ok(verdicts.into_iter().map(Some).collect())
+        }
+    }
+
+    /// One check through a batcher on a store refusing its first
+    /// `refusals` batches: its outcome and the batches the store saw.
+    fn check_with(refusals: usize) -> (Outcome, usize) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let rules = RuleSet::from_args(None, &["m:sliding:60s:5".into()]).unwrap();
+            let (_keep, rules_rx) = watch::channel(rules);
+            let batches = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let store = Contended {
+                inner: MemoryStore::new(),
+                refusals,
+                batches: batches.clone(),
+            };
+            let batcher = Batcher::new(
+                store,
+                rules_rx,
+                Arc::new(ServeConfig::default()),
+                Arc::new(Metrics::new()),
+                Arc::new(Health::default()),
+                None,
+            );
+            let (tx, rx) = mpsc::channel(8);
+            let run = tokio::spawn(batcher.run(rx));
+            let (reply, answer) = oneshot::channel();
+            let job = Job {
+                event: CallEvent::new("c-1", "+34600000001", now_ms()),
+                reply,
+                claim: Arc::new(Claim::default()),
+                contended: 0,
+            };
+            tx.send(job).await.unwrap();
+            let outcome = answer.await.unwrap();
+            drop(tx);
+            run.await.unwrap();
+            (outcome, batches.load(std::sync::atomic::Ordering::SeqCst))
+        })
+    }
+
+    #[test]
+    fn a_contended_call_is_tried_again_in_the_next_batches() {
+        let (outcome, batches) = check_with(2);
+        assert!(
+            matches!(&outcome, Outcome::Decided(v, _, _) if !v.duplicate),
+            "not decided after 2 contended batches"
+        );
+        assert_eq!(batches, 3);
+    }
+
+    #[test]
+    fn a_call_contended_in_every_try_is_answered_not_applied() {
+        let (outcome, batches) = check_with(100);
+        match outcome {
+            Outcome::Unavailable { why, applied } => {
+                assert_eq!(applied, "no");
+                assert!(why.contains(CONTENDED), "{why}");
+            }
+            Outcome::Decided(..) => panic!("decided by a store that refused every batch"),
+        }
+        assert_eq!(batches, 1 + usize::from(CONTENDED_RETRIES));
+    }
 }

@@ -188,6 +188,9 @@ struct Job {
     reply: oneshot::Sender<Outcome>,
     /// Who has the call: see [`Claim`].
     claim: Arc<Claim>,
+    /// Batches that left the call undecided because another writer kept
+    /// changing its caller (see [`batcher::CONTENDED_RETRIES`]).
+    contended: u8,
 }
 
 /// Who has a queued call: the batcher, once it sends the call to the
@@ -209,6 +212,17 @@ impl Claim {
     /// The handler gives the call up; false if it is already at the store.
     fn abandon(&self) -> bool {
         self.swap_from_queued(Claim::ABANDONED)
+    }
+
+    /// The batcher queues the call again: the store left it undecided and
+    /// wrote nothing of it, so the handler may give it up again.
+    fn requeue(&self) {
+        let _ = self.0.compare_exchange(
+            Claim::SENT,
+            Claim::QUEUED,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
     fn swap_from_queued(&self, to: u8) -> bool {
@@ -481,6 +495,7 @@ async fn answer_check(
         event,
         reply,
         claim: claim.clone(),
+        contended: 0,
     };
     if s.jobs.try_send(job).is_err() {
         return unavailable("too many requests queued");
