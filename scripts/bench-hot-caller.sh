@@ -14,20 +14,22 @@ rate="${1:-250}"
 secs="${2:-10}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 cargo build --release --quiet --bin callguard --example bench_serve
-bin="$CARGO_TARGET_DIR/release/callguard"
+# CALLGUARD_BIN: another build of callguard to measure (an A/B).
+bin="${CALLGUARD_BIN:-$CARGO_TARGET_DIR/release/callguard}"
 load="$CARGO_TARGET_DIR/release/examples/bench_serve"
 
 source scripts/loopback.sh
 start_redis
 for mode in ${MODES:-script cached}; do
   redis-cli -p "$rport" flushall >/dev/null
-  pids=()
+  # (Not loopback.sh's `pids`: redis-server must stay tracked.)
+  serve_pids=()
   ports=()
   for i in 1 2; do
     port="$(free_port)"
     "$bin" serve --listen "127.0.0.1:$port" --redis-url "redis://127.0.0.1:$rport" \
       --redis-mode "$mode" --rules data/rules.toml --max-future-skew-s 0 2>"$work/serve-$mode-$i.log" &
-    pids+=($!)
+    serve_pids+=($!)
     track $!
     ports+=("$port")
   done
@@ -42,6 +44,6 @@ for mode in ${MODES:-script cached}; do
   echo "instance 1: $(cat "$work/a.txt")"
   echo "instance 2: $(cat "$work/b.txt")"
   echo "contended batches logged: $(cat "$work"/serve-"$mode"-*.log | grep -c 'commit rounds' || true)"
-  kill "${pids[@]}" 2>/dev/null || true
-  wait "${pids[@]}" 2>/dev/null || true
+  kill "${serve_pids[@]}" 2>/dev/null || true
+  wait "${serve_pids[@]}" 2>/dev/null || true
 done
