@@ -285,10 +285,7 @@ impl Spiller {
             return Vec::new();
         }
         (0..events.len())
-            .map(|i| {
-                let next = self.numbers.len() as u32;
-                *self.numbers.entry(events.caller(i)).or_insert(next)
-            })
+            .map(|i| number_of(&mut self.numbers, events.caller(i)))
             .collect()
     }
 
@@ -339,6 +336,13 @@ impl Spiller {
         self.runs += 1;
         Ok(())
     }
+}
+
+/// `caller`'s number in `numbers`, the next one if it is new (callers
+/// numbered by first appearance).
+fn number_of(numbers: &mut foldhash::HashMap<CompactString, u32>, caller: CompactString) -> u32 {
+    let next = numbers.len() as u32;
+    *numbers.entry(caller).or_insert(next)
 }
 
 fn run_path(dir: &Path, run: usize) -> PathBuf {
@@ -640,10 +644,7 @@ impl Reread {
         }
         self.last_ts = event.ts_ms;
         let caller = match &mut self.numbers {
-            Some(numbers) => {
-                let next = numbers.len() as u32;
-                *numbers.entry(self.batch.caller(i)).or_insert(next)
-            }
+            Some(numbers) => number_of(numbers, self.batch.caller(i)),
             None => 0,
         };
         Ok(Some((self.batch.row(i), caller, event)))

@@ -150,28 +150,28 @@ impl<S: WindowStore> Batcher<S> {
         // Calls whose handler gave up at its deadline are dropped unapplied.
         let mut events = Vec::with_capacity(jobs.len());
         let mut replies = Vec::with_capacity(jobs.len());
-        let mut held = Vec::with_capacity(jobs.len());
+        let mut claims = Vec::with_capacity(jobs.len());
+        let mut contended = Vec::with_capacity(jobs.len());
         for j in jobs.drain(..).filter(|j| j.claim.send()) {
             events.push(j.event);
             replies.push(Some(j.reply));
-            held.push((j.claim, j.contended));
+            claims.push(j.claim);
+            contended.push(j.contended);
         }
         if events.is_empty() {
             return;
         }
         clamp_to_clock(&mut events, self.current.grace_ms, now_ms(), &self.metrics);
         self.metrics.batch_size.observe(events.len() as f64);
-        let contended: Vec<u8> = held.iter().map(|h| h.1).collect();
         let decided = self.store_verdicts(&events, &contended).await;
         for &i in &decided.retry {
-            let (claim, contended) = &held[i];
             if let Some(reply) = replies[i].take() {
-                claim.requeue();
+                claims[i].requeue();
                 retry.push(Job {
                     event: events[i].clone(),
                     reply,
-                    claim: claim.clone(),
-                    contended: contended + 1,
+                    claim: claims[i].clone(),
+                    contended: contended[i] + 1,
                 });
             }
         }
