@@ -241,6 +241,43 @@ async fn a_contended_caller_fails_alone() {
     assert!(!err.to_string().contains(hot), "{err}");
 }
 
+/// A caller left undecided by contention keeps the state Redis returned
+/// with its refusal: its calls, tried again in the next batch (as `serve`
+/// and `consume` do), are decided on it at the first round, counted as
+/// in memory, with no second conflict and no write assumed new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_contended_caller_is_decided_on_the_state_its_refusal_returned() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:3".into()]).unwrap();
+    let urls = vec![server.url()];
+    let mut a = CachedStore::connect(config(urls.clone(), "again:", true), 100)
+        .await
+        .unwrap()
+        .with_max_rounds(1);
+    let mut b = cached(urls, "again:").await;
+    let hot = "+34911000003";
+    let calls = [
+        ev(hot, "k1", T0),
+        ev(hot, "k2", T0 + 1),
+        ev(hot, "k3", T0 + 2),
+        ev(hot, "k4", T0 + 3),
+    ];
+    a.apply_batch(&rules, &calls[..1]).await.unwrap();
+    b.apply_batch(&rules, &calls[1..2]).await.unwrap();
+    let got = a.apply_batch_partial(&rules, &calls[2..3]).await.unwrap();
+    assert!(got[0].is_none(), "the contended call was decided: {got:?}");
+    let (conflicts, misses) = (a.conflicts(), a.misses());
+    // The same call again, then the next: each decided at its first round.
+    let again = a.apply_batch(&rules, &calls[2..3]).await.unwrap();
+    let next = a.apply_batch(&rules, &calls[3..4]).await.unwrap();
+    assert_eq!((a.conflicts(), a.misses()), (conflicts, misses));
+    let expected = memory_run(&rules, &[&calls[..]]).await;
+    assert_eq!(again[0], expected[2]);
+    assert_eq!(next[0], expected[3]);
+    assert_eq!(next[0].record.counts[0], 4);
+    assert!(!again[0].duplicate, "tried again, it is not a redelivery");
+}
+
 /// A caller refused under contention is read back with only its batch's
 /// records (a flood's thousands are not read, so the next commit lands
 /// before the other writer writes again): a redelivered call in that batch

@@ -39,6 +39,19 @@ impl Served {
     /// [`Served::start`] on the window script (`cached = false`) or the
     /// cached store.
     fn start_with(config: ServeConfig, redis: RedisConfig, rules: RuleSet, cached: bool) -> Self {
+        Self::start_on(config, rules, async move {
+            AnyStore::connect_redis(redis, cached.then_some(CacheLimit::callers(1_000)))
+                .await
+                .expect("connect to Redis")
+        })
+    }
+
+    /// [`Served::start`] on the store `connect` makes.
+    fn start_on(
+        config: ServeConfig,
+        rules: RuleSet,
+        connect: impl std::future::Future<Output = AnyStore>,
+    ) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -48,10 +61,7 @@ impl Served {
         let metrics = Arc::new(Metrics::new());
         let served_metrics = metrics.clone();
         let (port, admin_port) = rt.block_on(async {
-            let store =
-                AnyStore::connect_redis(redis, cached.then_some(CacheLimit::callers(1_000)))
-                    .await
-                    .expect("connect to Redis");
+            let store = connect.await;
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             let port = listener.local_addr().unwrap().port();
             let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1042,6 +1052,49 @@ fn two_cached_instances_share_their_callers() {
     }
     let conflicts = a.metrics.store_conflicts.get() + b.metrics.store_conflicts.get();
     assert!(conflicts >= 6, "{conflicts} conflicts counted");
+}
+
+/// A check left undecided because another instance changed its caller
+/// under the commit (here at once: the store gives up after one round) is
+/// tried again in the next batch, on the state Redis returned with the
+/// refusal, and answered as one instance alone would answer it: not a 503,
+/// not a duplicate, counted once.
+#[test]
+fn a_check_contended_at_the_store_is_decided_in_a_later_batch() {
+    let redis = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["minute:sliding:60s:3".into()]).unwrap();
+    let one_round = redis_config(&redis);
+    let a = Served::start_on(config(), rules.clone(), async move {
+        let store = callguard::store::cached::CachedStore::connect(one_round, 1_000)
+            .await
+            .expect("connect to Redis")
+            .with_max_rounds(1);
+        AnyStore::Cached(Box::new(store))
+    });
+    let b = Served::start_with(config(), redis_config(&redis), rules, true);
+    let check = |served: &Served, i: i64| {
+        let body = serde_json::json!({
+            "call_id": format!("again-{i}"),
+            "caller": "+34911000078",
+            "ts": T0 + i * 1_000,
+        })
+        .to_string();
+        let r = served.conn().post("/v1/check", &body);
+        assert_eq!(r.status, 200, "call {i}: {}", r.body);
+        r.json()
+    };
+    check(&a, 0);
+    check(&b, 1);
+    // a holds the caller as it wrote it: its commit is refused.
+    let conflicts = a.metrics.store_conflicts.get();
+    for i in 2..5 {
+        let v = check(&a, i);
+        assert_eq!(v["count_minute"], i + 1, "call {i}: {v}");
+        assert_eq!(v["duplicate"], false, "call {i}: {v}");
+        let expect = if i < 3 { "allow" } else { "reject" };
+        assert_eq!(v["decision"], expect, "call {i}: {v}");
+    }
+    assert_eq!(a.metrics.store_conflicts.get(), conflicts + 1);
 }
 
 /// The cached store's memory shows in the metrics: each check's caller is

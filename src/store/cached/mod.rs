@@ -326,6 +326,9 @@ impl CachedStore {
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
+        // Per caller: its state is the one Redis returned with its latest
+        // refusal (not the decisions of a write Redis refused).
+        let mut read_back = vec![false; pending.len()];
         self.seeds.clear();
         for _ in 0..self.max_rounds {
             let outcomes = match self
@@ -356,6 +359,7 @@ impl CachedStore {
                     }
                     let p = &mut pending[w.pending];
                     p.refused += 1;
+                    read_back[w.pending] = r.read.is_some();
                     if let Some(Found {
                         value,
                         hash,
@@ -386,15 +390,22 @@ impl CachedStore {
             }
         }
         for &p in &todo {
-            // Refused in every round: its calls stay undecided, and its
-            // state (just read) is not kept, so its next call reads again.
+            // Refused in every round: its calls stay undecided (nothing of
+            // them was written).
             for &i in &pending[p].events {
                 verdicts[i] = None;
             }
         }
         let mut contended = todo.into_iter().peekable();
         for (at, mut p) in pending.into_iter().enumerate() {
-            if contended.next_if_eq(&at).is_some() || settled(&mut p) {
+            // A contended caller's state is kept when it is the one Redis
+            // returned with the last refusal, under its version: its calls,
+            // tried again in a later batch, are decided on it and can land
+            // at the first round. When Redis returned nothing (it was written
+            // again while read), the state holds decisions never written: it
+            // is dropped, and its next call reads Redis again.
+            let is_contended = contended.next_if_eq(&at).is_some();
+            if (is_contended && !read_back[at]) || settled(&mut p) {
                 continue;
             }
             self.cache.put(p.caller, p.cached);
