@@ -69,6 +69,20 @@ impl EventColumns {
         }
     }
 
+    /// Makes room for `n` events more, their call ids as long as
+    /// `sample`'s on average.
+    pub fn reserve_like(&mut self, n: usize, sample: &EventColumns) {
+        self.ts.reserve(n);
+        self.row.reserve(n);
+        self.caller.reserve(n);
+        self.callee.reserve(n);
+        self.ids
+            .reserve(n.saturating_mul(sample.ids.len().div_ceil(sample.len().max(1))));
+        self.id_end.reserve(n);
+        self.duration.reserve(n);
+        self.flags.reserve(n);
+    }
+
     /// Number of events.
     pub fn len(&self) -> usize {
         self.ts.len()

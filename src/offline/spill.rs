@@ -46,6 +46,10 @@ fn io_error(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> IoErro
     move |source| IoError::Io { context, source }
 }
 
+/// The fewest bytes a row of a log file takes (a short call id, a caller
+/// and a time, as CSV): bounds the rows a file can hold.
+const MIN_ROW_BYTES: u64 = 16;
+
 /// Collects a log's events in file order, spilling a sorted run each time
 /// `budget` of them are held (or, while they come in time order from a
 /// file that can be read again, letting them go).
@@ -180,7 +184,10 @@ impl Spiller {
     pub fn take(&mut self, batch: EventColumns) -> Result<(), IoError> {
         self.note_order(&batch);
         if self.current.is_empty() {
-            self.current = batch;
+            let mut current = EventColumns::default();
+            current.reserve_like(self.expected_rows(batch.len()), &batch);
+            current.append(batch);
+            self.current = current;
         } else {
             self.current.append(batch);
         }
@@ -188,6 +195,19 @@ impl Spiller {
             self.put_away()?;
         }
         Ok(())
+    }
+
+    /// Events to make room for when a batch of `first` starts the events
+    /// held: as many as the file can hold (at [`MIN_ROW_BYTES`] a row),
+    /// up to the budget. Room reserved and never filled is address space,
+    /// not memory; growing by copying would leave each old copy behind
+    /// (the allocator keeps freed memory mapped to use again), about as
+    /// much again as the columns at their largest.
+    fn expected_rows(&self, first: usize) -> usize {
+        let fits = self.source.as_ref().map_or(first, |s| {
+            usize::try_from(s.stamp.0 / MIN_ROW_BYTES).unwrap_or(usize::MAX)
+        });
+        fits.min(self.budget).max(first)
     }
 
     /// Notes whether `batch` keeps the events taken in time order.
