@@ -14,6 +14,9 @@ pub struct Server {
     child: Child,
     /// Its port.
     pub port: u16,
+    /// Its working directory: a replica writes the primary's snapshot
+    /// there when it syncs, and nothing may land in the checkout.
+    _dir: tempfile::TempDir,
 }
 
 impl Server {
@@ -47,9 +50,12 @@ impl Server {
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
             .unwrap_or_else(|e| panic!("no free loopback port: {e}"));
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("no temporary directory: {e}"));
         let child = Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(dir.path())
             .args(primary.map_or_else(Vec::new, |p| {
                 vec![
                     "--replicaof".to_string(),
@@ -63,7 +69,11 @@ impl Server {
             .unwrap_or_else(|e| {
                 panic!("`redis-server` is needed (Debian: apt-get install redis-server): {e}")
             });
-        let server = Server { child, port };
+        let server = Server {
+            child,
+            port,
+            _dir: dir,
+        };
         let client = redis::Client::open(server.url()).unwrap();
         for _ in 0..500 {
             if let Ok(mut c) = client.get_connection() {
