@@ -39,6 +39,17 @@ async fn cached(urls: Vec<String>, prefix: &str) -> CachedStore {
         .unwrap()
 }
 
+/// Two writers on `server` under `prefix`: one that gives a caller up at
+/// its first refusal (one round a batch), and another with the defaults.
+async fn one_round_and_another(server: &RedisServer, prefix: &str) -> (CachedStore, CachedStore) {
+    let urls = vec![server.url()];
+    let one_round = CachedStore::connect(config(urls.clone(), prefix, true), 100)
+        .await
+        .unwrap()
+        .with_max_rounds(1);
+    (one_round, cached(urls, prefix).await)
+}
+
 async fn memory_run(rules: &RuleSet, batches: &[&[CallEvent]]) -> Vec<Verdict> {
     let mut m = MemoryStore::new();
     let mut out = Vec::new();
@@ -193,12 +204,7 @@ async fn a_batch_of_duplicates_writes_nothing() {
 async fn a_contended_caller_fails_alone() {
     let server = RedisServer::start(&[]);
     let rules = RuleSet::from_args(None, &["s:sliding:60s:3".into()]).unwrap();
-    let urls = vec![server.url()];
-    let mut a = CachedStore::connect(config(urls.clone(), "cont:", true), 100)
-        .await
-        .unwrap()
-        .with_max_rounds(1);
-    let mut b = cached(urls, "cont:").await;
+    let (mut a, mut b) = one_round_and_another(&server, "cont:").await;
     let hot = "+34911000001";
     a.apply_batch(&rules, &[ev(hot, "h1", T0)]).await.unwrap();
     // Another writer changes the hot caller behind a's back.
@@ -249,12 +255,7 @@ async fn a_contended_caller_fails_alone() {
 async fn a_contended_caller_is_decided_on_the_state_its_refusal_returned() {
     let server = RedisServer::start(&[]);
     let rules = RuleSet::from_args(None, &["s:sliding:60s:3".into()]).unwrap();
-    let urls = vec![server.url()];
-    let mut a = CachedStore::connect(config(urls.clone(), "again:", true), 100)
-        .await
-        .unwrap()
-        .with_max_rounds(1);
-    let mut b = cached(urls, "again:").await;
+    let (mut a, mut b) = one_round_and_another(&server, "again:").await;
     let hot = "+34911000003";
     let calls = [
         ev(hot, "k1", T0),
