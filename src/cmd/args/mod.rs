@@ -192,7 +192,8 @@ pub struct InputArgs {
     /// back; if the order breaks partway, only the rows after the break go
     /// to runs. Memory stays bounded whatever the log's length or order,
     /// and the records are the same. Input that cannot be read twice (a
-    /// pipe) is always sorted in runs.
+    /// pipe) is always sorted in runs. Where memory allows, a budget above
+    /// the log's rows is faster: the log is read once and held whole.
     #[arg(long, default_value_t = callguard::offline::spill::DEFAULT_SORT_ROWS as u64,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub sort_rows: u64,
