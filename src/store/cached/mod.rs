@@ -318,6 +318,7 @@ impl CachedStore {
                     events: Vec::new(),
                     cached: self.cache.take(ev.caller.as_str()),
                     refused: 0,
+                    read_back: false,
                 });
                 pending.len() - 1
             });
@@ -326,9 +327,6 @@ impl CachedStore {
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
-        // Per caller: its state is the one Redis returned with its latest
-        // refusal (not the decisions of a write Redis refused).
-        let mut read_back = vec![false; pending.len()];
         self.seeds.clear();
         for _ in 0..self.max_rounds {
             let outcomes = match self
@@ -359,7 +357,7 @@ impl CachedStore {
                     }
                     let p = &mut pending[w.pending];
                     p.refused += 1;
-                    read_back[w.pending] = r.read.is_some();
+                    p.read_back = r.read.is_some();
                     if let Some(Found {
                         value,
                         hash,
@@ -405,7 +403,7 @@ impl CachedStore {
             // again while read), the state holds decisions never written: it
             // is dropped, and its next call reads Redis again.
             let is_contended = contended.next_if_eq(&at).is_some();
-            if (is_contended && !read_back[at]) || settled(&mut p) {
+            if (is_contended && !p.read_back) || settled(&mut p) {
                 continue;
             }
             self.cache.put(p.caller, p.cached);

@@ -35,6 +35,9 @@ pub(super) struct Pending<'a> {
     pub(super) cached: Box<Cached>,
     /// Rounds of this batch whose write of it was refused.
     pub(super) refused: u32,
+    /// Its state is the one Redis returned with its latest refusal (not
+    /// the decisions of a write Redis refused).
+    pub(super) read_back: bool,
 }
 
 /// How a caller's log is written back, and where it then is: `old_len`
