@@ -6,9 +6,14 @@
 //! whatever the length or the order of the log.
 //!
 //! A log file already in time order, as CDR files are, is not written to
-//! runs: while its events come in order, each budget's worth is let go
-//! (only its call ids' hashes are kept on disk, 8 bytes a row), and the
-//! merge reads those events from the file a second time ([`Prefix`]). If
+//! runs: while its events come in order, they are let go (only their call
+//! ids' hashes are kept, written to disk a budget's worth at a time, 8
+//! bytes a row), and the merge reads those events from the file a second
+//! time ([`Prefix`]). The events are held up to the budget first, in case
+//! the log fits it, unless the file's size already says it holds more
+//! than twice the budget ([`crate::offline::read::estimated_rows`]); once
+//! the budget is passed, each batch is let go as it comes. Memory then
+//! holds no more of the log while reading than a batch and the hashes. If
 //! the order breaks partway, the events from there on are sorted in runs
 //! as above and merged with the file's ordered beginning. Input that cannot
 //! be read twice (a pipe) is always sorted in runs.
@@ -31,12 +36,15 @@ use compact_str::CompactString;
 use crate::engine::event::{CallEvent, EventKind};
 use crate::error::IoError;
 use crate::offline::columns::EventColumns;
-use crate::offline::read::{read_events_into, ReadOptions};
+use crate::offline::read::{estimated_rows, read_events_into, ReadOptions};
 
-/// Rows a log may hold in memory to be put in processing order (about 150
-/// bytes each while reading); a longer log is spilled in runs of this many
-/// (about 90 bytes a row on disk).
-pub const DEFAULT_SORT_ROWS: usize = 4_000_000;
+/// Rows a log may hold in memory to be put in processing order (about 120
+/// bytes each while reading: 1.2 GB at this default); a longer log is read
+/// twice when in time order, else spilled in runs of this many (about 90
+/// bytes a row on disk). Ten million holds a few days of a mid-size
+/// carrier's calls, which are then read once: reading twice cost `tune`
+/// 1.8x its time at 10 M rows (BENCHMARKS.md).
+pub const DEFAULT_SORT_ROWS: usize = 10_000_000;
 
 /// An event as merged: its file row, its caller's number and the event.
 pub type Merged = (u64, u32, CallEvent);
@@ -74,6 +82,11 @@ pub struct Spiller {
     last_ts: Option<i64>,
     /// Events let go: the file's first valid events, in time order.
     prefix: usize,
+    /// Hashes of the call ids of events let go, not yet written.
+    let_go_ids: Vec<u64>,
+    /// The file's size says it holds more than twice the budget: its
+    /// events are let go as they come while in order, not held first.
+    expect_long: bool,
 }
 
 /// A log file that can be read a second time, as it was first read.
@@ -157,6 +170,8 @@ impl Spiller {
             in_order: true,
             last_ts: None,
             prefix: 0,
+            let_go_ids: Vec::new(),
+            expect_long: false,
         }
     }
 
@@ -164,8 +179,12 @@ impl Spiller {
     /// come in time order it lets them go rather than write them, to read
     /// them again from the file, when `path` is a regular file.
     pub fn rereading(budget: usize, path: &Path, opts: &ReadOptions) -> Self {
+        let source = Source::of(path, opts);
+        let expect_long = source.is_some()
+            && estimated_rows(path, opts).is_some_and(|rows| rows / 2 > budget as u64);
         Spiller {
-            source: Source::of(path, opts),
+            source,
+            expect_long,
             ..Spiller::new(budget)
         }
     }
@@ -183,6 +202,9 @@ impl Spiller {
     /// (a log of exactly the budget stays in memory).
     pub fn take(&mut self, batch: EventColumns) -> Result<(), IoError> {
         self.note_order(&batch);
+        if self.streams() {
+            return self.let_go(batch);
+        }
         if self.current.is_empty() {
             let mut current = EventColumns::default();
             current.reserve_like(self.expected_rows(batch.len()), &batch);
@@ -210,6 +232,16 @@ impl Spiller {
         fits.min(self.budget).max(first)
     }
 
+    /// Whether the next batch is let go as it comes: the events so far are
+    /// the file's ordered beginning, none is held, and the log is known
+    /// (the budget was passed) or expected to be longer than the budget.
+    fn streams(&self) -> bool {
+        self.source.is_some()
+            && self.in_order
+            && self.current.is_empty()
+            && (self.prefix > 0 || self.expect_long)
+    }
+
     /// Notes whether `batch` keeps the events taken in time order.
     fn note_order(&mut self, batch: &EventColumns) {
         if !self.in_order {
@@ -231,7 +263,8 @@ impl Spiller {
     /// beginning, else written as a run.
     fn put_away(&mut self) -> Result<(), IoError> {
         if self.source.is_some() && self.in_order {
-            self.let_go()
+            let events = std::mem::take(&mut self.current);
+            self.let_go(events)
         } else {
             self.spill()
         }
@@ -245,6 +278,7 @@ impl Spiller {
         if !self.current.is_empty() {
             self.put_away()?;
         }
+        self.write_let_go_ids()?;
         let Some(dir) = self.dir else {
             return Ok(Collected::Whole(Box::new(self.current)));
         };
@@ -259,6 +293,7 @@ impl Spiller {
         if self.runs == 0 {
             tracing::info!(
                 events = self.events,
+                by_its_size = self.expect_long,
                 "the log is longer than --sort-rows ({}) and in time order: \
                  read from the file a second time, not sorted on disk",
                 self.budget
@@ -309,18 +344,34 @@ impl Spiller {
             .collect()
     }
 
-    /// Lets the events held go, the log's ordered beginning so far: their
+    /// Lets `events` go, the next of the log's ordered beginning: their
     /// callers are numbered, their ends counted and their call ids' hashes
-    /// written; the merge reads them from the file again.
-    fn let_go(&mut self) -> Result<(), IoError> {
-        let events = std::mem::take(&mut self.current);
-        let dir = self.dir()?;
+    /// kept (written a budget's worth at a time); the merge reads them from
+    /// the file again.
+    fn let_go(&mut self, events: EventColumns) -> Result<(), IoError> {
+        // (The directory marks the log as spilled, hashes written or not.)
+        self.dir()?;
         self.number(&events);
         self.ends += (0..events.len()).filter(|&i| events.has_end(i)).count();
-        write_hashes(&hashes_path(&dir, self.id_files), &events)?;
-        self.id_files += 1;
+        self.let_go_ids
+            .extend((0..events.len()).map(|i| id_hash(events.call_id(i))));
         self.events += events.len();
         self.prefix += events.len();
+        if self.let_go_ids.len() >= self.budget {
+            self.write_let_go_ids()?;
+        }
+        Ok(())
+    }
+
+    /// Writes the hashes of the events let go and not yet written.
+    fn write_let_go_ids(&mut self) -> Result<(), IoError> {
+        if self.let_go_ids.is_empty() {
+            return Ok(());
+        }
+        let dir = self.dir()?;
+        let hashes = std::mem::take(&mut self.let_go_ids);
+        write_sorted_hashes(&hashes_path(&dir, self.id_files), hashes)?;
+        self.id_files += 1;
         Ok(())
     }
 
@@ -350,7 +401,8 @@ impl Spiller {
             self.ends += usize::from(has_end(&event));
         }
         w.flush().map_err(io_error(context))?;
-        write_hashes(&hashes_path(&dir, self.id_files), &events)?;
+        let hashes = (0..events.len()).map(|i| id_hash(events.call_id(i)));
+        write_sorted_hashes(&hashes_path(&dir, self.id_files), hashes.collect())?;
         self.id_files += 1;
         self.events += events.len();
         self.runs += 1;
@@ -381,12 +433,9 @@ pub fn id_hash(id: &str) -> u64 {
     foldhash::fast::FixedState::with_seed(0x0069_6473).hash_one(id)
 }
 
-/// Writes the hashes of a run's call ids, sorted, to `path`.
-fn write_hashes(path: &Path, events: &EventColumns) -> Result<(), IoError> {
+/// Writes call ids' `hashes`, sorted, to `path`.
+fn write_sorted_hashes(path: &Path, mut hashes: Vec<u64>) -> Result<(), IoError> {
     let context = format!("writing the sort's id hashes {}", path.display());
-    let mut hashes: Vec<u64> = (0..events.len())
-        .map(|i| id_hash(events.call_id(i)))
-        .collect();
     hashes.sort_unstable();
     let file = File::create(path).map_err(io_error(context.clone()))?;
     let mut w = BufWriter::with_capacity(1 << 20, file);
@@ -950,6 +999,61 @@ mod tests {
             c.push(r, &CallEvent::new(format!("c{r}"), "+341", r as i64));
         }
         c
+    }
+
+    /// A file of `rows` lines after a header: a source a spiller may read
+    /// again (the spillers below are given events of their own; the file
+    /// only tells its size).
+    fn file_of(rows: usize) -> tempfile::NamedTempFile {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        writeln!(f, "call_id,caller,ts").unwrap();
+        for r in 0..rows {
+            writeln!(f, "c{r},+341,{r}").unwrap();
+        }
+        f
+    }
+
+    #[test]
+    fn an_ordered_file_of_more_than_twice_the_budget_is_let_go_as_it_comes() {
+        let file = file_of(100);
+        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
+        s.take(columns(0..6)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (6, 0));
+        s.take(columns(6..9)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (9, 0));
+        // The order breaks: from there on, events are held for runs.
+        s.take(columns(3..5)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (9, 2));
+        match s.finish().unwrap() {
+            Collected::Spilled(spill) => {
+                assert_eq!((spill.runs, spill.events, spill.reread()), (1, 11, 9));
+                assert_eq!(spill.repeated.len(), 2, "c3 and c4 occur twice");
+            }
+            Collected::Whole(_) => panic!("a log let go was kept whole"),
+        }
+    }
+
+    #[test]
+    fn an_ordered_file_that_may_fit_is_held_up_to_the_budget_then_let_go() {
+        let file = file_of(20);
+        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
+        s.take(columns(0..6)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (0, 6));
+        s.take(columns(6..12)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (12, 0));
+        // Past the budget, each batch goes as it comes.
+        s.take(columns(12..14)).unwrap();
+        assert_eq!((s.prefix, s.current.len()), (14, 0));
+        match s.finish().unwrap() {
+            Collected::Spilled(spill) => {
+                assert_eq!((spill.runs, spill.events, spill.reread()), (0, 14, 14));
+                assert!(spill.repeated.is_empty());
+            }
+            Collected::Whole(_) => panic!("a log over the budget was kept whole"),
+        }
+        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
+        s.take(columns(0..10)).unwrap();
+        assert!(matches!(s.finish().unwrap(), Collected::Whole(c) if c.len() == 10));
     }
 
     #[test]

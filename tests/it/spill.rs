@@ -84,12 +84,16 @@ fn a_spilled_log_merges_in_the_order_and_numbers_of_memory() {
             for budget in [1, 7, 50] {
                 let disk = open(&path, budget, ends);
                 assert_eq!(disk.rows(), memory.rows(), "case {case}");
+                // Spilled when the valid rows outgrow the budget, or when
+                // the file's size says so (then read twice); never when its
+                // rows, valid or not, fit.
                 let valid = memory.rows() - not_kept(&want);
-                assert_eq!(
-                    disk.spilled(),
-                    valid > budget,
-                    "case {case}, budget {budget}"
-                );
+                if valid > budget {
+                    assert!(disk.spilled(), "case {case}, budget {budget}");
+                }
+                if memory.rows() <= budget {
+                    assert!(!disk.spilled(), "case {case}, budget {budget}");
+                }
                 spilled_runs += usize::from(disk.spilled());
                 let got = disk.read_all().unwrap();
                 let at = format!("case {case}, budget {budget}, ends {ends}");

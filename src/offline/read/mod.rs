@@ -238,6 +238,36 @@ fn parquet_rows(path: &Path) -> Result<usize, IoError> {
     reader.num_rows().map_err(polars_err(ctx))
 }
 
+/// Bytes of a text log's beginning read to estimate its rows.
+const ROW_SAMPLE_BYTES: u64 = 1 << 20;
+
+/// About how many rows the log file at `path` holds, without reading it
+/// through: a Parquet file's count from its metadata; a text file's lines
+/// after the first, counted in its first MiB and scaled to its size
+/// (exact for a file that short). `None` when the file cannot be read or
+/// its first MiB holds no line after the first.
+pub fn estimated_rows(path: &Path, opts: &ReadOptions) -> Option<u64> {
+    if resolve_format(path, opts.format) == InputFormat::Parquet {
+        return parquet_rows(path).ok().map(|n| n as u64);
+    }
+    let mut file = File::open(path).ok()?;
+    let size = file.metadata().ok()?.len();
+    let mut head = Vec::new();
+    std::io::Read::read_to_end(
+        &mut std::io::Read::take(&mut file, ROW_SAMPLE_BYTES),
+        &mut head,
+    )
+    .ok()?;
+    let first_end = head.iter().position(|&b| b == b'\n')? + 1;
+    let rest = &head[first_end..];
+    let lines = rest.iter().filter(|&&b| b == b'\n').count() as u64;
+    if head.len() as u64 == size {
+        return Some(lines + u64::from(rest.last().is_some_and(|&b| b != b'\n')));
+    }
+    let sampled = rest.iter().rposition(|&b| b == b'\n')? as u64 + 1;
+    Some((size - first_end as u64) * lines / sampled)
+}
+
 /// A Parquet file's rows `slice` (offset, length; all with `None`) as a
 /// frame of text columns; with `wanted`, only those of its columns that
 /// exist.
@@ -505,5 +535,51 @@ pub fn read_events_into(
             read_parquet_events(path, opts, &decoder, &wanted, sink)
         }
         format => read_csv_events(path, opts, format, sink),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn csv_of(rows: usize, dir: &Path) -> std::path::PathBuf {
+        let path = dir.join(format!("calls-{rows}.csv"));
+        let mut text = String::from("call_id,caller,ts\n");
+        for i in 0..rows {
+            text.push_str(&format!("c{i},+3491{:07},{}\n", i % 997, 1_764_547_200_000u64 + i as u64));
+        }
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_short_text_file_is_counted_and_a_long_one_estimated_from_its_first_mib() {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = ReadOptions::default();
+        assert_eq!(estimated_rows(&csv_of(5_000, dir.path()), &opts), Some(5_000));
+        let long = csv_of(100_000, dir.path());
+        assert!(std::fs::metadata(&long).unwrap().len() > 3 * ROW_SAMPLE_BYTES);
+        let estimate = estimated_rows(&long, &opts).unwrap();
+        assert!(
+            (95_000..=105_000).contains(&estimate),
+            "100,000 rows estimated at {estimate}"
+        );
+        let unterminated = dir.path().join("last.csv");
+        std::fs::write(&unterminated, "call_id,caller,ts\na,+341,1\nb,+341,2").unwrap();
+        assert_eq!(estimated_rows(&unterminated, &opts), Some(2));
+        let header_only = dir.path().join("header.csv");
+        std::fs::write(&header_only, "call_id,caller,ts").unwrap();
+        assert_eq!(estimated_rows(&header_only, &opts), None);
+    }
+
+    #[test]
+    fn a_parquet_file_is_counted_from_its_metadata() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("calls.parquet");
+        let mut df = df!("call_id" => ["a", "b", "c"], "caller" => ["+1", "+1", "+2"]).unwrap();
+        ParquetWriter::new(File::create(&path).unwrap())
+            .finish(&mut df)
+            .unwrap();
+        assert_eq!(estimated_rows(&path, &ReadOptions::default()), Some(3));
     }
 }
