@@ -546,7 +546,11 @@ mod tests {
         let path = dir.join(format!("calls-{rows}.csv"));
         let mut text = String::from("call_id,caller,ts\n");
         for i in 0..rows {
-            text.push_str(&format!("c{i},+3491{:07},{}\n", i % 997, 1_764_547_200_000u64 + i as u64));
+            text.push_str(&format!(
+                "c{i},+3491{:07},{}\n",
+                i % 997,
+                1_764_547_200_000u64 + i as u64
+            ));
         }
         std::fs::write(&path, text).unwrap();
         path
@@ -556,7 +560,10 @@ mod tests {
     fn a_short_text_file_is_counted_and_a_long_one_estimated_from_its_first_mib() {
         let dir = tempfile::tempdir().unwrap();
         let opts = ReadOptions::default();
-        assert_eq!(estimated_rows(&csv_of(5_000, dir.path()), &opts), Some(5_000));
+        assert_eq!(
+            estimated_rows(&csv_of(5_000, dir.path()), &opts),
+            Some(5_000)
+        );
         let long = csv_of(100_000, dir.path());
         assert!(std::fs::metadata(&long).unwrap().len() > 3 * ROW_SAMPLE_BYTES);
         let estimate = estimated_rows(&long, &opts).unwrap();
