@@ -9,10 +9,11 @@
 # is bounded by the log's length. Each command's peak use of the temporary
 # directory (the sort's runs and id hashes) is sampled every 0.2 s.
 # SHUFFLE=1 shuffles each log's rows first (an unordered log: sorted in
-# runs). Needs about 100 bytes of disk a call for the log, as much again
+# runs). PARQUET=1 gives each log as Parquet (text columns, converted with
+# polars from the notebook's virtualenv, CALLGUARD_VENV). Needs about 100 bytes of disk a call for the log, as much again
 # for the sort's runs of an unordered log, and the outputs.
 #
-#   ROWS=1000000 DAYS="3 30" [SORT_ROWS=N] [SHUFFLE=1] [CALLGUARD_BIN=B] scripts/bench-month.sh
+#   ROWS=1000000 DAYS="3 30" [SORT_ROWS=N] [SHUFFLE=1] [PARQUET=1] [CALLGUARD_BIN=B] scripts/bench-month.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
@@ -57,6 +58,13 @@ for d in $days; do
   if [ -n "${SHUFFLE:-}" ]; then
     { head -1 "$log"; tail -n +2 "$log" | shuf --random-source=<(yes); } > "$log.shuffled"
     mv "$log.shuffled" "$log"
+  fi
+  if [ -n "${PARQUET:-}" ]; then
+    "${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}/bin/python" -c \
+      'import sys, polars as pl; pl.scan_csv(sys.argv[1], infer_schema=False).sink_parquet(sys.argv[2])' \
+      "$log" "$work/calls-$d.parquet"
+    rm -f "$log"
+    log="$work/calls-$d.parquet"
   fi
   r=$(measure replay -i "$log" --rules "$rules" -o "$work/dec.parquet")
   t=$(measure tune -i "$log" --rules "$rules" --sweep minute --limits 1..40 \
