@@ -1013,47 +1013,46 @@ mod tests {
         f
     }
 
+    /// Feeds a spiller of budget 10 reading a file of `file_rows` the
+    /// batches `steps` (rows of events), checking after each the events
+    /// let go and held; returns what it collected.
+    fn feed(file_rows: usize, steps: &[(std::ops::Range<u64>, (usize, usize))]) -> Collected {
+        let file = file_of(file_rows);
+        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
+        for (rows, let_go_and_held) in steps {
+            s.take(columns(rows.clone())).unwrap();
+            assert_eq!(
+                (s.prefix, s.current.len()),
+                *let_go_and_held,
+                "after {rows:?}"
+            );
+        }
+        s.finish().unwrap()
+    }
+
     #[test]
     fn an_ordered_file_of_more_than_twice_the_budget_is_let_go_as_it_comes() {
-        let file = file_of(100);
-        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
-        s.take(columns(0..6)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (6, 0));
-        s.take(columns(6..9)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (9, 0));
-        // The order breaks: from there on, events are held for runs.
-        s.take(columns(3..5)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (9, 2));
-        match s.finish().unwrap() {
-            Collected::Spilled(spill) => {
-                assert_eq!((spill.runs, spill.events, spill.reread()), (1, 11, 9));
-                assert_eq!(spill.repeated.len(), 2, "c3 and c4 occur twice");
-            }
-            Collected::Whole(_) => panic!("a log let go was kept whole"),
-        }
+        // The third batch breaks the order: from there on, events are
+        // held for runs.
+        let steps = [(0..6, (6, 0)), (6..9, (9, 0)), (3..5, (9, 2))];
+        let Collected::Spilled(spill) = feed(100, &steps) else {
+            panic!("a log let go was kept whole")
+        };
+        assert_eq!((spill.runs, spill.events, spill.reread()), (1, 11, 9));
+        assert_eq!(spill.repeated.len(), 2, "c3 and c4 occur twice");
     }
 
     #[test]
     fn an_ordered_file_that_may_fit_is_held_up_to_the_budget_then_let_go() {
-        let file = file_of(20);
-        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
-        s.take(columns(0..6)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (0, 6));
-        s.take(columns(6..12)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (12, 0));
         // Past the budget, each batch goes as it comes.
-        s.take(columns(12..14)).unwrap();
-        assert_eq!((s.prefix, s.current.len()), (14, 0));
-        match s.finish().unwrap() {
-            Collected::Spilled(spill) => {
-                assert_eq!((spill.runs, spill.events, spill.reread()), (0, 14, 14));
-                assert!(spill.repeated.is_empty());
-            }
-            Collected::Whole(_) => panic!("a log over the budget was kept whole"),
-        }
-        let mut s = Spiller::rereading(10, file.path(), &ReadOptions::default());
-        s.take(columns(0..10)).unwrap();
-        assert!(matches!(s.finish().unwrap(), Collected::Whole(c) if c.len() == 10));
+        let steps = [(0..6, (0, 6)), (6..12, (12, 0)), (12..14, (14, 0))];
+        let Collected::Spilled(spill) = feed(20, &steps) else {
+            panic!("a log over the budget was kept whole")
+        };
+        assert_eq!((spill.runs, spill.events, spill.reread()), (0, 14, 14));
+        assert!(spill.repeated.is_empty());
+        let whole = feed(20, &[(0..10, (0, 10))]);
+        assert!(matches!(whole, Collected::Whole(c) if c.len() == 10));
     }
 
     #[test]
