@@ -12,9 +12,12 @@ const EVICT_EVERY: u64 = 16_384;
 
 /// Window state of all callers in a hash map.
 ///
-/// Memory stays bounded: a caller whose latest event is more than the
-/// idempotency horizon (at least the longest window + grace) behind the
-/// newest event time seen is dropped. Dropping never changes a result while a
+/// Memory stays bounded: a caller whose state can no longer change a
+/// decision is dropped ([`CallerState::may_let_go`]): one that keeps only
+/// window counts once its latest call is more than the retention (longest
+/// window + grace) plus the grace behind the newest event time seen, one
+/// with idempotency records or calls in progress once that is more than the
+/// idempotency horizon behind. Dropping never changes a result while a
 /// caller's events arrive in time order, since state older than the horizons
 /// counts as no state.
 #[derive(Debug, Default)]
@@ -96,14 +99,15 @@ impl MemoryStore {
         self.callers.len()
     }
 
-    /// Drops callers idle for longer than the idempotency horizon (at least
-    /// the retention): on time-sorted input their next event would find
-    /// every record of theirs past both horizons, as if they had no state.
+    /// Drops the callers whose state can no longer change a decision
+    /// ([`CallerState::may_let_go`]): on time-sorted input their next event
+    /// decides as if they had none. A caller with only window counts goes
+    /// once they are past the retention (plus the grace); one with
+    /// idempotency records or calls in progress, past the idempotency
+    /// horizon.
     pub fn evict_idle(&mut self, rules: &RuleSet) {
         if let Some(w) = self.watermark {
-            let cutoff = w.saturating_sub(rules.dedup_ms());
-            self.callers
-                .retain(|_, s| s.active_until().is_some_and(|l| l > cutoff));
+            self.callers.retain(|_, s| !s.may_let_go(rules, w));
         }
     }
 }

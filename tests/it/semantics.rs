@@ -326,6 +326,97 @@ fn sweeping_idle_callers_changes_no_verdict() {
     }
 }
 
+/// A caller that keeps only window counts (every call of its seen once in
+/// the input, so no idempotency record; no call open or waiting for its
+/// end) is let go once its latest call is past the retention plus the
+/// grace, not the idempotency horizon; the others as before. Neither
+/// changes a verdict on time-sorted input: the same events, with the same
+/// seen-once flags, through a store that keeps every caller give the same
+/// records, with ends, concurrent and sum rules.
+#[test]
+fn callers_with_only_window_counts_go_after_the_retention_changing_no_verdict() {
+    use rand::{Rng, SeedableRng};
+    use std::collections::{HashMap, HashSet};
+    for seed in 0..9u64 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        // An hour's idempotency horizon, far past every window.
+        let mut rules = random::random_rules(&mut rng)
+            .with_dedup(3_600_000)
+            .unwrap();
+        let with_ends = seed % 3 != 0;
+        let (n, callers) = if with_ends {
+            (6_000, 30)
+        } else {
+            (40_000, 300)
+        };
+        let mut events = random::random_events(&mut rng, n, callers);
+        if seed % 2 == 0 {
+            // No redeliveries: every call seen once.
+            let mut ids = HashSet::new();
+            events.retain(|e| ids.insert(e.call_id.clone()));
+        } else {
+            // Redeliveries stamped later, up to twice the idempotency
+            // horizon: those after their caller's windows passed, but
+            // within the horizon, must find their records.
+            for i in 0..events.len() / 20 {
+                let mut again = events[i * 20].clone();
+                again.ts_ms += rng.random_range(0..2 * rules.dedup_ms());
+                events.push(again);
+            }
+        }
+        if with_ends {
+            rules = match seed % 3 {
+                1 => random::with_concurrent(&mut rng, &rules, 1),
+                _ => random::with_sums(&mut rng, &rules, 1),
+            };
+            events = random::with_ends(&mut rng, &events, 1);
+        }
+        events.sort_by_key(|e| e.ts_ms);
+        let mut occurs: HashMap<&str, usize> = HashMap::new();
+        for e in &events {
+            *occurs.entry(e.call_id.as_str()).or_default() += 1;
+        }
+        let mut swept = MemoryStore::new();
+        let mut kept = MemoryStore::keeping_all();
+        for (i, e) in events.iter().enumerate() {
+            let once = occurs[e.call_id.as_str()] == 1;
+            assert_eq!(
+                swept.apply_unique(&rules, e, once),
+                kept.apply_unique(&rules, e, once),
+                "seed {seed} event #{i} {e:?}"
+            );
+            // Often, so that callers go and come back within the run.
+            if i % 97 == 0 {
+                swept.evict_idle(&rules);
+            }
+        }
+        if !with_ends && seed % 2 == 0 {
+            // Every call seen once: a caller idle for longer than the
+            // retention plus the grace is gone, though its calls lie
+            // within the idempotency horizon.
+            swept.evict_idle(&rules);
+            let newest = events.last().map_or(0, |e| e.ts_ms);
+            let horizon = rules.retention_ms() + rules.grace_ms;
+            let recent: HashSet<&str> = events
+                .iter()
+                .filter(|e| e.ts_ms > newest - horizon)
+                .map(|e| e.caller.as_str())
+                .collect();
+            let within_dedup: HashSet<&str> = events
+                .iter()
+                .filter(|e| e.ts_ms > newest - rules.dedup_ms())
+                .map(|e| e.caller.as_str())
+                .collect();
+            assert_eq!(swept.callers(), recent.len(), "seed {seed}");
+            assert!(
+                recent.len() < within_dedup.len(),
+                "seed {seed}: every caller called lately ({})",
+                recent.len()
+            );
+        }
+    }
+}
+
 /// Skipping the idempotency record of calls whose id occurs once in the
 /// input (what offline replays do) changes no verdict.
 #[test]

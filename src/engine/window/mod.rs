@@ -241,18 +241,34 @@ impl CallerState {
         self.latest
     }
 
-    /// The latest time anything of the caller's was kept at: its latest
-    /// call, or an end that came before its call (kept for the
-    /// idempotency horizon from then). A store may let the caller go once
-    /// this is past that horizon.
-    pub fn active_until(&self) -> Option<i64> {
+    /// Whether a store may let the caller go when the newest event time it
+    /// has seen is `newest`: on time-sorted input, the caller's next event
+    /// (at `newest` or later) would then decide exactly as with no state.
+    ///
+    /// A caller that keeps only window data (no idempotency record, no call
+    /// held open or waiting for its end, no end before its call) goes once
+    /// its latest call is past the retention plus the grace: its next call
+    /// starts afresh, as a new caller does. Anything else is kept for the
+    /// idempotency horizon from the latest time it holds (an end before its
+    /// call, a sum's waiting call or ended amount, the latest call).
+    pub fn may_let_go(&self, rules: &RuleSet, newest: i64) -> bool {
+        let windows_only = self.seen.is_empty()
+            && self.pending_ends.is_empty()
+            && self.open.iter().all(|(_, calls)| calls.len() == 0)
+            && self.sums.iter().all(|(_, s)| s.is_empty());
+        let horizon = if windows_only {
+            (rules.retention_ms().saturating_add(rules.grace_ms)).min(rules.dedup_ms())
+        } else {
+            rules.dedup_ms()
+        };
         let pending = self.pending_ends.newest();
         let sums = self
             .sums
             .iter()
             .filter_map(|(id, s)| s.kept_until(id.window_ms, id.max_duration_ms))
             .max();
-        [self.latest, pending, sums].into_iter().flatten().max()
+        let kept = [self.latest, pending, sums].into_iter().flatten().max();
+        kept.is_none_or(|k| k <= newest.saturating_sub(horizon))
     }
 
     /// Applies one event and returns its verdict.
