@@ -336,7 +336,7 @@ fn sweeping_idle_callers_changes_no_verdict() {
 #[test]
 fn callers_with_only_window_counts_go_after_the_retention_changing_no_verdict() {
     use rand::{Rng, SeedableRng};
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashSet;
     for seed in 0..9u64 {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         // An hour's idempotency horizon, far past every window.
@@ -372,10 +372,7 @@ fn callers_with_only_window_counts_go_after_the_retention_changing_no_verdict() 
             events = random::with_ends(&mut rng, &events, 1);
         }
         events.sort_by_key(|e| e.ts_ms);
-        let mut occurs: HashMap<&str, usize> = HashMap::new();
-        for e in &events {
-            *occurs.entry(e.call_id.as_str()).or_default() += 1;
-        }
+        let occurs = occurrences(&events);
         let mut swept = MemoryStore::new();
         let mut kept = MemoryStore::keeping_all();
         for (i, e) in events.iter().enumerate() {
@@ -417,17 +414,24 @@ fn callers_with_only_window_counts_go_after_the_retention_changing_no_verdict() 
     }
 }
 
+/// How many events of `events` carry each call id.
+fn occurrences(
+    events: &[callguard::engine::event::CallEvent],
+) -> std::collections::HashMap<&str, usize> {
+    let mut n = std::collections::HashMap::new();
+    for e in events {
+        *n.entry(e.call_id.as_str()).or_default() += 1;
+    }
+    n
+}
+
 /// Skipping the idempotency record of calls whose id occurs once in the
 /// input (what offline replays do) changes no verdict.
 #[test]
 fn ids_seen_once_need_no_idempotency_record() {
-    use std::collections::HashMap;
     for seed in 0..40u64 {
         let (rules, events) = random::case(seed, 600, 3);
-        let mut seen: HashMap<&str, usize> = HashMap::new();
-        for e in &events {
-            *seen.entry(e.call_id.as_str()).or_default() += 1;
-        }
+        let seen = occurrences(&events);
         assert!(seen.values().any(|&n| n > 1), "seed {seed}: no duplicates");
         let mut hinted = MemoryStore::new();
         let mut plain = MemoryStore::new();
