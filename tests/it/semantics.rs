@@ -414,6 +414,44 @@ fn callers_with_only_window_counts_go_after_the_retention_changing_no_verdict() 
     }
 }
 
+/// An end that came before its call keeps its caller past the retention,
+/// for the idempotency horizon: the call, when it comes, finds it ended and
+/// holds no slot, as in a store that keeps every caller.
+#[test]
+fn an_end_before_its_call_keeps_the_caller_past_the_retention() {
+    use callguard::engine::event::{CallEvent, EventKind};
+    let rules =
+        callguard::engine::rules::RuleSet::from_args(None, &["open:concurrent:10m:1".into()])
+            .unwrap();
+    let later = T0 + 20 * 60_000;
+    assert!(later - T0 > rules.retention_ms() + rules.grace_ms && later - T0 < rules.dedup_ms());
+    let end = CallEvent {
+        kind: EventKind::End,
+        ..ev("+34911000001", "x", T0)
+    };
+    let events = [
+        end,
+        // Another caller moves the newest time 20 minutes on.
+        ev("+34911000002", "b", later),
+        ev("+34911000001", "x", later),
+        ev("+34911000001", "y", later + 1),
+    ];
+    let mut swept = MemoryStore::new();
+    let mut kept = MemoryStore::keeping_all();
+    for (i, e) in events.iter().enumerate() {
+        let v = swept.apply(&rules, e);
+        assert_eq!(v, kept.apply(&rules, e), "event #{i}");
+        swept.evict_idle(&rules);
+        if i == 1 {
+            assert!(swept.holds("+34911000001"), "the early end was let go");
+        }
+        if i == 3 {
+            // x ended before it came: y is the only call open.
+            assert_eq!(v.record.decision, Decision::Allow);
+        }
+    }
+}
+
 /// How many events of `events` carry each call id.
 fn occurrences(
     events: &[callguard::engine::event::CallEvent],
