@@ -3,7 +3,7 @@
 use crate::engine::event::{CallEvent, EventKind};
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
-use crate::engine::window::CallerState;
+use crate::engine::window::{CallerState, LetGo};
 use crate::error::StoreError;
 use crate::store::WindowStore;
 
@@ -32,6 +32,16 @@ pub struct MemoryStore {
     /// Keep every caller (no eviction): for streams whose partitions may run
     /// far apart in event time.
     keep_all: bool,
+    /// States of callers let go, emptied ([`CallerState::reset`]), for the
+    /// next new callers: most callers of a log are new to the store (they
+    /// call a few times a day, further apart than the windows), so each
+    /// would otherwise allocate a state and free one. At most as many as
+    /// events until the next eviction.
+    #[expect(
+        clippy::vec_box,
+        reason = "the boxes go back into the table as they are, unmoved"
+    )]
+    spare: Vec<Box<CallerState>>,
 }
 
 impl MemoryStore {
@@ -86,7 +96,7 @@ impl MemoryStore {
         match self.callers.get_mut(ev.caller.as_str()) {
             Some(state) => state.apply_unique(rules, ev, unique),
             None => {
-                let mut state = Box::<CallerState>::default();
+                let mut state = self.spare.pop().unwrap_or_default();
                 let v = state.apply_unique(rules, ev, unique);
                 self.callers.insert(ev.caller.clone(), state);
                 v
@@ -106,9 +116,21 @@ impl MemoryStore {
     /// idempotency records or calls in progress, past the idempotency
     /// horizon.
     pub fn evict_idle(&mut self, rules: &RuleSet) {
-        if let Some(w) = self.watermark {
-            self.callers.retain(|_, s| !s.may_let_go(rules, w));
+        let Some(w) = self.watermark else {
+            return;
+        };
+        // The coming new callers are at most the events until the next
+        // eviction: as many states are kept, emptied, for them.
+        let before = EVICT_EVERY.max(self.callers.len() as u64) as usize;
+        let cut = LetGo::new(rules, w);
+        let spare = &mut self.spare;
+        for (_, mut state) in self.callers.extract_if(|_, s| s.may_let_go_by(&cut)) {
+            if spare.len() < before {
+                state.reset();
+                spare.push(state);
+            }
         }
+        spare.truncate(EVICT_EVERY.max(self.callers.len() as u64) as usize);
     }
 }
 

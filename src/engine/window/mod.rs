@@ -186,6 +186,33 @@ pub struct Journal {
 /// starts afresh (see `CallerState::start_afresh`).
 const KEPT_CAPACITY: usize = 16;
 
+/// When a store may let callers go ([`CallerState::may_let_go`]): the
+/// times at or before which a caller's latest data no longer matters.
+#[derive(Debug, Clone, Copy)]
+pub struct LetGo {
+    /// For a caller that keeps only window data: the newest time seen less
+    /// the retention and the grace (at most the idempotency horizon).
+    windows: i64,
+    /// For any other caller: the newest time less the idempotency horizon.
+    records: i64,
+}
+
+impl LetGo {
+    /// The cut-offs under `rules` when the newest event time seen is
+    /// `newest`.
+    pub fn new(rules: &RuleSet, newest: i64) -> Self {
+        let dedup = rules.dedup_ms();
+        let windows = rules
+            .retention_ms()
+            .saturating_add(rules.grace_ms)
+            .min(dedup);
+        LetGo {
+            windows: newest.saturating_sub(windows),
+            records: newest.saturating_sub(dedup),
+        }
+    }
+}
+
 /// All window state of one caller.
 #[derive(Debug, Clone, Default)]
 pub struct CallerState {
@@ -252,14 +279,25 @@ impl CallerState {
     /// idempotency horizon from the latest time it holds (an end before its
     /// call, a sum's waiting call or ended amount, the latest call).
     pub fn may_let_go(&self, rules: &RuleSet, newest: i64) -> bool {
+        self.may_let_go_by(&LetGo::new(rules, newest))
+    }
+
+    /// [`CallerState::may_let_go`] with the cut-offs worked out once, for a
+    /// store that asks of every caller in turn.
+    pub fn may_let_go_by(&self, cut: &LetGo) -> bool {
+        // Kept either way: its latest call is inside both horizons (the
+        // usual case, answered from one field).
+        if self.latest.is_some_and(|l| l > cut.windows) {
+            return false;
+        }
         let windows_only = self.seen.is_empty()
             && self.pending_ends.is_empty()
             && self.open.iter().all(|(_, calls)| calls.len() == 0)
             && self.sums.iter().all(|(_, s)| s.is_empty());
-        let horizon = if windows_only {
-            (rules.retention_ms().saturating_add(rules.grace_ms)).min(rules.dedup_ms())
+        let before = if windows_only {
+            cut.windows
         } else {
-            rules.dedup_ms()
+            cut.records
         };
         let pending = self.pending_ends.newest();
         let sums = self
@@ -268,7 +306,7 @@ impl CallerState {
             .filter_map(|(id, s)| s.kept_until(id.window_ms, id.max_duration_ms))
             .max();
         let kept = [self.latest, pending, sums].into_iter().flatten().max();
-        kept.is_none_or(|k| k <= newest.saturating_sub(horizon))
+        kept.is_none_or(|k| k <= before)
     }
 
     /// Applies one event and returns its verdict.
@@ -459,6 +497,28 @@ impl CallerState {
         callees.shrink_to(KEPT_CAPACITY);
         callees_by_ts.clear();
         callees_by_ts.shrink_to(KEPT_CAPACITY);
+    }
+
+    /// Empties the state whole, as a new caller's (`CallerState::default()`),
+    /// keeping small allocations: a store hands the state of a caller it let
+    /// go to the next new caller rather than free one and allocate another.
+    /// [`CallerState::start_afresh`] and what it keeps: the idempotency
+    /// records, ends before their calls and the sums.
+    pub fn reset(&mut self) {
+        self.start_afresh();
+        let CallerState {
+            sums,
+            pending_ends,
+            seen,
+            seen_by_ts,
+            ..
+        } = self;
+        sums.clear();
+        *pending_ends = PendingEnds::default();
+        seen.clear();
+        seen.shrink_to(KEPT_CAPACITY);
+        seen_by_ts.clear();
+        seen_by_ts.shrink_to(KEPT_CAPACITY);
     }
 
     /// Notes the call's callee, then counts the callees whose latest call is
@@ -1018,5 +1078,47 @@ mod tests {
         let v = s.apply(&rules, &call("b", T0));
         assert!(v.record.shadow);
         assert_eq!(v.record.retry_after_ms, None);
+    }
+
+    /// A state emptied by `reset` is a new caller's, whatever it held:
+    /// every table of every kind of rule, idempotency records, calls open
+    /// and waiting, ends before their calls, sums. (Compared as printed: a
+    /// field `reset` forgot to empty would show.) And it then decides as a
+    /// new state does.
+    #[test]
+    fn a_reset_state_is_a_new_callers() {
+        let text = "count = \"attempts\"\n\
+            [[rule]]\nname = \"s\"\nkind = \"sliding\"\nwindow = \"10m\"\nlimit = 3\n\
+            [[rule]]\nname = \"p\"\nkind = \"sliding\"\nwindow = \"10m\"\nlimit = 5\ncallees = [\"+882\"]\n\
+            [[rule]]\nname = \"f\"\nkind = \"fixed\"\nwindow = \"1h\"\nlimit = 9\n\
+            [[rule]]\nname = \"a\"\nkind = \"sliding-approx\"\nwindow = \"1h\"\nlimit = 9\n\
+            [[rule]]\nname = \"b\"\nkind = \"token-bucket\"\nrate = \"1/m\"\nburst = 2\n\
+            [[rule]]\nname = \"d\"\nkind = \"distinct-callees\"\nwindow = \"1h\"\nlimit = 9\n\
+            [[rule]]\nname = \"cc\"\nkind = \"sliding\"\nwindow = \"1h\"\nlimit = 2\nkey = \"caller+callee\"\n\
+            [[rule]]\nname = \"o\"\nkind = \"concurrent\"\nlimit = 2\nmax_duration = \"1h\"\n\
+            [[rule]]\nname = \"t\"\nkind = \"sliding\"\nwindow = \"1h\"\nsum = \"talk\"\nlimit = \"2m\"\n";
+        let rules = RuleSet::from_toml(text).unwrap();
+        let to = |id: &str, ts_ms: i64, callee: &str| CallEvent {
+            callee: Some(callee.into()),
+            ..call(id, ts_ms)
+        };
+        let script = [
+            to("a", T0, "+882161"),
+            to("b", T0 + 1_000, "+34911"),
+            end("a", T0 + 30_000, 20_000),
+            // An end before its call.
+            end("z", T0 + 40_000, 5_000),
+            to("c", T0 + 50_000, "+882161"),
+            // A redelivery.
+            to("b", T0 + 60_000, "+34911"),
+        ];
+        let mut used = CallerState::default();
+        let fresh: Vec<_> = script.iter().map(|e| used.apply(&rules, e)).collect();
+        let new = format!("{:?}", CallerState::default());
+        assert_ne!(format!("{used:?}"), new, "the script left state behind");
+        used.reset();
+        assert_eq!(format!("{used:?}"), new);
+        let again: Vec<_> = script.iter().map(|e| used.apply(&rules, e)).collect();
+        assert_eq!(format!("{again:?}"), format!("{fresh:?}"));
     }
 }
