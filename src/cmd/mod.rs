@@ -186,7 +186,8 @@ pub fn report_invalid(path: &Path, invalid: &[InvalidRow]) {
         line.push_str(&format!(", of which {not_calls} not call attempts"));
     }
     if dropped > 0 {
-        line.push_str(&format!("; and {dropped} fields dropped from calls kept"));
+        let fields = if dropped == 1 { "field" } else { "fields" };
+        line.push_str(&format!("; and {dropped} {fields} dropped from calls kept"));
     }
     println!("{line})");
 }

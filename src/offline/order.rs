@@ -327,6 +327,47 @@ impl OrderedLog {
         }
     }
 
+    /// Whether a shard may decode its own events ([`OrderedLog::shard_events`]):
+    /// the log is held in memory and its callers are numbered.
+    pub fn by_shards(&self) -> bool {
+        self.spill.is_none() && self.numbered
+    }
+
+    /// Events in processing order (rows' events and calls' ends).
+    pub fn positions(&self) -> usize {
+        self.len()
+    }
+
+    /// The rows that are not valid events, by row number.
+    pub fn invalid(&self) -> &[InvalidRow] {
+        &self.invalid
+    }
+
+    /// A shard's events among the positions `range` (of a log read
+    /// [`OrderedLog::by_shards`]), decoded by the shard itself: those
+    /// whose caller's number is `shard` modulo `shards`, handed to `f` in
+    /// processing order with whether their call id is unique and their
+    /// caller's number. Each shard decodes only its own events, on its own
+    /// thread, rather than take every event decoded by another: an event
+    /// is a few hundred bytes, the columns it comes from forty.
+    pub fn shard_events(
+        &self,
+        range: Range<usize>,
+        (shard, shards): (usize, usize),
+        mut f: impl FnMut(&CallEvent, bool, u32),
+    ) {
+        let shards = shards.max(1) as u32;
+        for p in range {
+            let i = self.at(p);
+            let Some(&caller) = self.callers.get(i) else {
+                continue;
+            };
+            if (caller % shards) as usize == shard {
+                f(&self.event_at(p), self.unique[i], caller);
+            }
+        }
+    }
+
     /// The invalid rows for chunk `c`: all of them with the first.
     fn invalid_for(&self, c: usize) -> Vec<InvalidRow> {
         if c == 0 {

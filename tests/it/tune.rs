@@ -76,8 +76,8 @@ fn sweep_equals_a_replay_for_every_n() {
                 );
                 assert_eq!(numbered.recommended, s.recommended);
             }
-            // As `tune` runs it: the file's chunks queued to a thread per
-            // shard of callers.
+            // As `tune` runs it: a thread per shard of callers, each
+            // decoding its own callers' events from the log.
             let (queued, invalid) = callguard::offline::tune::sweep_ordered(
                 std::sync::Arc::clone(&ordered),
                 &set,
@@ -504,7 +504,9 @@ fn a_named_column_that_does_not_exist_is_an_error() {
 
 /// A log with no valid call is an error that says why and lists the rows;
 /// a bad optional field (a label `unknown`, a duration `1.5`) drops that
-/// field, not the call, so the other calls' counts do not change.
+/// field, not the call, so the other calls' counts do not change. Columns
+/// no rule uses are not read: a rule set without concurrent or sum rules
+/// never sees the bad duration.
 #[test]
 fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
     let dir = tempfile::tempdir().unwrap();
@@ -532,7 +534,7 @@ fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
     // One caller's five calls in a minute, one of them with a bad label
     // and another with a bad duration: the calls all count, and the sweep
     // is the one of the same log with those fields empty.
-    let sweep = |rows: &[(&str, &str)], name: &str| {
+    let sweep = |rows: &[(&str, &str)], name: &str, rules: &[&str]| {
         let path = dir.path().join(name);
         let mut text = String::from("call_id,caller,ts,duration_ms,label\n");
         for (i, (duration, label)) in rows.iter().enumerate() {
@@ -544,14 +546,9 @@ fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
         std::fs::write(&path, text).unwrap();
         let out = dir.path().join(format!("{name}.sweep.csv"));
         let o = std::process::Command::new(common::bin())
-            .args([
-                "tune",
-                "--rule",
-                "minute:sliding:60s",
-                "--limits",
-                "1..6",
-                "-i",
-            ])
+            .arg("tune")
+            .args(rules.iter().flat_map(|r| ["--rule", r]))
+            .args(["--limits", "1..6", "-i"])
             .arg(&path)
             .arg("-o")
             .arg(&out)
@@ -563,26 +560,24 @@ fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
             String::from_utf8_lossy(&o.stdout).into_owned(),
         )
     };
-    let (bad, bad_stdout) = sweep(
-        &[
-            ("1000", "legit"),
-            ("1.5", "legit"),
-            ("1000", "unknown"),
-            ("1000", "legit"),
-            ("1000", "legit"),
-        ],
-        "bad",
-    );
-    let (clean, _) = sweep(
-        &[
-            ("1000", "legit"),
-            ("", "legit"),
-            ("1000", ""),
-            ("1000", "legit"),
-            ("1000", "legit"),
-        ],
-        "clean",
-    );
+    let bad_rows = [
+        ("1000", "legit"),
+        ("1.5", "legit"),
+        ("1000", "unknown"),
+        ("1000", "legit"),
+        ("1000", "legit"),
+    ];
+    let clean_rows = [
+        ("1000", "legit"),
+        ("", "legit"),
+        ("1000", ""),
+        ("1000", "legit"),
+        ("1000", "legit"),
+    ];
+    // With a concurrent rule, the durations are read (the calls' ends).
+    let both = ["minute:sliding:60s", "lines:concurrent:4h:9"];
+    let (bad, bad_stdout) = sweep(&bad_rows, "bad", &both);
+    let (clean, _) = sweep(&clean_rows, "clean", &both);
     assert_eq!(bad, clean);
     assert!(
         bad_stdout.contains("5 events, 0 invalid rows"),
@@ -599,6 +594,18 @@ fn tune_fails_with_a_reason_and_keeps_calls_with_a_bad_optional_field() {
         "{listed}"
     );
     assert_eq!(listed.matches(",true\n").count(), 2, "{listed}");
+
+    // The minute rule alone does not read the durations: only the label
+    // is dropped, and the sweep is the same.
+    let (alone, alone_stdout) = sweep(&bad_rows, "alone", &["minute:sliding:60s"]);
+    let (clean_alone, _) = sweep(&clean_rows, "clean-alone", &["minute:sliding:60s"]);
+    assert_eq!(alone, clean_alone);
+    assert!(alone_stdout.contains("1 field dropped"), "{alone_stdout}");
+    let listed = std::fs::read_to_string(dir.path().join("alone.sweep.invalid.csv")).unwrap();
+    assert!(
+        listed.contains("3,bad_label,") && !listed.contains("bad_number"),
+        "{listed}"
+    );
 }
 
 /// A rule swept inside a set is judged by its own effect: the calls it

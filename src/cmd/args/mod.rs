@@ -234,6 +234,8 @@ impl InputArgs {
             delimiter: self.delimiter,
             progress,
             callees: true,
+            durations: true,
+            accounts: true,
             sort_rows: usize::try_from(self.sort_rows).unwrap_or(usize::MAX),
         })
     }

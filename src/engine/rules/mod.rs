@@ -460,6 +460,11 @@ impl RuleSet {
         })
     }
 
+    /// Whether any rule is keyed by account (counts an account's calls).
+    pub fn keys_by_account(&self) -> bool {
+        self.rules.iter().any(|r| r.key == RuleKey::Account)
+    }
+
     /// Whether any rule sees only some calls.
     pub fn has_filters(&self) -> bool {
         self.filtered

@@ -49,6 +49,15 @@ pub struct ReadOptions {
     /// it: a callee never makes a row invalid (a bad one is no callee), so
     /// the same rows are valid either way.
     pub callees: bool,
+    /// Read `duration_ms` and `talk_ms`. Work whose rules never use a
+    /// call's end (`tune` of a rule set without concurrent and sum rules)
+    /// skips them, as it skips callees: an optional field never makes a
+    /// row invalid, so the same rows are kept either way (only the note
+    /// that a row was kept without a bad one is not made).
+    pub durations: bool,
+    /// Read `account`. Work without rules keyed by account skips it (as
+    /// `durations`).
+    pub accounts: bool,
     /// Rows held in memory to put the log in processing order; a longer
     /// log is sorted in runs of this many on disk
     /// ([`crate::offline::spill`]).
@@ -65,6 +74,8 @@ impl Default for ReadOptions {
             delimiter: b',',
             progress: false,
             callees: true,
+            durations: true,
+            accounts: true,
             sort_rows: crate::offline::spill::DEFAULT_SORT_ROWS,
         }
     }
@@ -410,12 +421,17 @@ fn preset_names(
     })
 }
 
-/// The input's column names to read for `opts`: every mapped field, but the
-/// callee when `opts.callees` is false.
+/// The input's column names to read for `opts`: every mapped field but
+/// those `opts` leaves out (the callee, the durations, the account).
 pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str> {
     FIELDS
         .iter()
-        .filter(|f| opts.callees || **f != "callee")
+        .filter(|f| match **f {
+            "callee" => opts.callees,
+            "duration_ms" | "talk_ms" => opts.durations,
+            "account" => opts.accounts,
+            _ => true,
+        })
         .map(|f| map.source(f))
         .collect()
 }

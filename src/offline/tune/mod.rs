@@ -641,6 +641,15 @@ pub fn sweep_ordered(
 ) -> Result<(Sweep, Vec<InvalidRow>), TuneError> {
     let mut sweeper = Sweeper::new(rules, index, limits, target)?;
     let bar = progress_bar(log.rows() as u64, progress, "sweeping");
+    // The base replay alone, without rules that count before the caller's
+    // (the gate's): its shards decode their own events.
+    if sweeper.replayed.is_empty() && !rules.has_aggregates() && log.by_shards() {
+        let invalid = log.invalid().to_vec();
+        bar.inc(not_kept(&invalid) as u64);
+        sweeper.feed_by_shards(&log, &|n| bar.inc(n));
+        bar.finish_and_clear();
+        return Ok((sweeper.finish(), invalid));
+    }
     let (tx, chunks) = std::sync::mpsc::sync_channel(2);
     Arc::clone(&log).decode_ahead(SWEEP_CHUNK, move |c| tx.send(c).is_ok());
     let mut invalid = Vec::new();

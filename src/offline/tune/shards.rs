@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::engine::event::CallEvent;
 use crate::error::IoError;
+use crate::offline::order::OrderedLog;
 use crate::offline::read::CallLog;
 
 use super::Sweeper;
@@ -48,6 +49,35 @@ impl Sweeper {
             }
             Ok(())
         })
+    }
+}
+
+impl Sweeper {
+    /// Feeds the base replay (only) the whole of `log`, held in memory
+    /// with its callers numbered ([`OrderedLog::by_shards`]), each shard
+    /// decoding its own callers' events on a thread of its own: no thread
+    /// decodes every event for the others. `done(n)`: `n` more events were
+    /// fed (by the first shard's count of positions passed).
+    pub(super) fn feed_by_shards(&mut self, log: &OrderedLog, done: &(dyn Fn(u64) + Sync)) {
+        let shards = self.base.len();
+        let (rules, index) = (&self.rules, self.index);
+        let n = log.positions();
+        std::thread::scope(|s| {
+            for (k, shard) in self.base.iter_mut().enumerate() {
+                s.spawn(move || {
+                    for start in (0..n).step_by(super::SWEEP_CHUNK) {
+                        let range = start..(start + super::SWEEP_CHUNK).min(n);
+                        let len = range.len() as u64;
+                        log.shard_events(range, (k, shards), |e, unique, caller| {
+                            shard.feed(rules, index, e, unique, caller as usize / shards);
+                        });
+                        if k == 0 {
+                            done(len);
+                        }
+                    }
+                });
+            }
+        });
     }
 }
 
