@@ -169,9 +169,10 @@ pub async fn run(args: TuneArgs) -> Result<()> {
     let mut read = log_args.read_options(progress)?;
     // Callees matter to a sweep only where a rule decides by them.
     read.callees = rules.decides_by_callee();
-    // So do durations (and talk) where calls' ends count, and accounts
-    // where a rule is keyed by them.
+    // So do durations where calls' ends count, talk where it is added up,
+    // and accounts where a rule is keyed by them.
     read.durations = rules.uses_ends();
+    read.talk = rules.adds_talk();
     read.accounts = rules.keys_by_account();
     let mut log = OrderedLog::open(&log_args.input.input, &read)?;
     if rules.uses_ends() {

@@ -23,7 +23,9 @@ use crate::store::sharded::ShardedStore;
 /// Work a selection does not need is skipped: without `distinct_callees`
 /// (and `rules_version`, which names the rule set including that
 /// feature, and a model fed it), the callees are not tracked, and without `callee` either,
-/// not even read.
+/// not even read. Columns no rule and no feature reads are not read: talk
+/// and accounts, and durations without `duration_ms`, unless the rules
+/// use calls' ends or accounts.
 pub async fn export(
     input: &Path,
     read: &ReadOptions,
@@ -51,6 +53,11 @@ pub async fn export(
     // callee never makes a row invalid: the same rows are valid either way).
     let mut read = read.clone();
     read.callees &= schema.has(Field::Callee) || rules.tracks_callees();
+    // So are durations, for their column or the calls' ends, talk for a
+    // sum rule, and accounts for a rule keyed by them.
+    read.durations &= schema.has(Field::DurationMs) || rules.uses_ends();
+    read.talk &= rules.adds_talk();
+    read.accounts &= rules.keys_by_account();
     to_table(
         input,
         &read,

@@ -376,3 +376,65 @@ fn a_features_file_replays_to_the_same_decisions() {
         "{err}"
     );
 }
+
+/// Columns no rule and no selected feature reads are not read, so a bad
+/// value there is not listed among the dropped fields; the features'
+/// values are those of the same log with them empty. Talk and accounts
+/// are read only for the rules (`duration_ms` also for its column).
+#[test]
+fn columns_no_rule_or_feature_reads_are_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = |name: &str, duration: &str, talk: &str, account: &str| {
+        let path = dir.path().join(name);
+        let mut text = String::from("call_id,caller,ts,duration_ms,talk_ms,account,label\n");
+        for i in 0..4 {
+            text.push_str(&format!(
+                "c{i},+34911000001,2025-12-01T00:00:{:02}Z,{duration},{talk},{account},legit\n",
+                i * 5
+            ));
+        }
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let runs = std::cell::Cell::new(0);
+    let features = |input: &std::path::Path, rules: &[&str], columns: &str| {
+        runs.set(runs.get() + 1);
+        let out = dir.path().join(format!("run{}.parquet", runs.get()));
+        let o = std::process::Command::new(common::bin())
+            .arg("features")
+            .args(rules.iter().flat_map(|r| ["--rule", r]))
+            .args(["--columns", columns, "-i"])
+            .arg(input)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let listed = std::fs::read_to_string(out.with_extension("invalid.csv")).unwrap_or_default();
+        let table = ParquetReader::new(std::fs::File::open(&out).unwrap())
+            .finish()
+            .unwrap();
+        (listed, table)
+    };
+    let minute = ["minute:sliding:60s:2"];
+    let bad = log("bad.csv", "1.5", "-3", "no spaces allowed");
+    let clean = log("clean.csv", "", "", "");
+    // Durations shown: a bad one is read, and listed; talk and accounts not.
+    let (listed, got) = features(&bad, &minute, "call_id,count_minute,duration_ms");
+    let (_, want) = features(&clean, &minute, "call_id,count_minute,duration_ms");
+    assert!(got.equals_missing(&want));
+    assert!(listed.contains("bad_number"), "{listed}");
+    assert!(
+        !listed.contains("talk") && !listed.contains("account"),
+        "{listed}"
+    );
+    // Neither shown nor used: none is read.
+    let (listed, got) = features(&bad, &minute, "call_id,count_minute");
+    let (_, want) = features(&clean, &minute, "call_id,count_minute");
+    assert!(got.equals_missing(&want));
+    assert!(!listed.contains("bad_"), "{listed}");
+    // A concurrent rule reads durations and talk for the calls' ends.
+    let lines = ["minute:sliding:60s:2", "lines:concurrent:4h:9"];
+    let (listed, _) = features(&bad, &lines, "call_id,count_minute");
+    assert!(listed.contains("bad_number"), "{listed}");
+}

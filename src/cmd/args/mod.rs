@@ -235,6 +235,7 @@ impl InputArgs {
             progress,
             callees: true,
             durations: true,
+            talk: true,
             accounts: true,
             sort_rows: usize::try_from(self.sort_rows).unwrap_or(usize::MAX),
         })

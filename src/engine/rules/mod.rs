@@ -460,6 +460,12 @@ impl RuleSet {
         })
     }
 
+    /// Whether any rule adds up talk (`sum`, of talk or cost; a caller's or
+    /// a pool's).
+    pub fn adds_talk(&self) -> bool {
+        self.rules.iter().any(|r| r.sum.is_some())
+    }
+
     /// Whether any rule is keyed by account (counts an account's calls).
     pub fn keys_by_account(&self) -> bool {
         self.rules.iter().any(|r| r.key == RuleKey::Account)

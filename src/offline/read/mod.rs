@@ -49,13 +49,15 @@ pub struct ReadOptions {
     /// it: a callee never makes a row invalid (a bad one is no callee), so
     /// the same rows are valid either way.
     pub callees: bool,
-    /// Read `duration_ms` and `talk_ms`. Work whose rules never use a
-    /// call's end (`tune` of a rule set without concurrent and sum rules)
-    /// skips them, as it skips callees: an optional field never makes a
-    /// row invalid, so the same rows are kept either way (only the note
-    /// that a row was kept without a bad one is not made).
+    /// Read `duration_ms`. Work whose rules never use a call's end (`tune`
+    /// of a rule set without concurrent and sum rules) skips it, as it
+    /// skips callees: an optional field never makes a row invalid, so the
+    /// same rows are kept either way (only the note that a row was kept
+    /// without a bad one is not made).
     pub durations: bool,
-    /// Read `account`. Work without rules keyed by account skips it (as
+    /// Read `talk_ms`: work without sum rules skips it (as `durations`).
+    pub talk: bool,
+    /// Read `account`: work without rules keyed by account skips it (as
     /// `durations`).
     pub accounts: bool,
     /// Rows held in memory to put the log in processing order; a longer
@@ -75,6 +77,7 @@ impl Default for ReadOptions {
             progress: false,
             callees: true,
             durations: true,
+            talk: true,
             accounts: true,
             sort_rows: crate::offline::spill::DEFAULT_SORT_ROWS,
         }
@@ -428,7 +431,8 @@ pub fn wanted_columns<'a>(map: &'a FieldMap, opts: &ReadOptions) -> Vec<&'a str>
         .iter()
         .filter(|f| match **f {
             "callee" => opts.callees,
-            "duration_ms" | "talk_ms" => opts.durations,
+            "duration_ms" => opts.durations,
+            "talk_ms" => opts.talk,
             "account" => opts.accounts,
             _ => true,
         })
