@@ -762,6 +762,19 @@ impl Crash<'_> {
             while decided() < target && Instant::now() < give_up {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            // Still owning every partition right before the kill: not
+            // while it rejoins the group (under load a member may miss its
+            // heartbeats and rejoin; killed then, tansu 0.6 never expires
+            // it, and the next consumer would wait for it for ever).
+            let deadline = Instant::now() + self.ready_within;
+            while !owns_all() {
+                assert!(
+                    Instant::now() < deadline,
+                    "round {round}: the consumer lost its partitions and did not get them back within {:?}",
+                    self.ready_within
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             let done = decided();
             signal(&child, "KILL");
             let _ = child.wait();
