@@ -695,6 +695,24 @@ struct Crash<'a> {
     key_by: callguard::online::produce::KeyBy,
 }
 
+/// Waits until the consumer whose metrics are on `port` owns every
+/// partition; fails, naming `who`, after `within`.
+async fn until_owning_all(port: u16, within: Duration, who: &str) {
+    let deadline = Instant::now() + within;
+    let owns_all = || {
+        common::http_get(port, "/metrics").is_some_and(|m| {
+            metric_sum(&m, "callguard_assigned_partitions") == f64::from(PARTITIONS)
+        })
+    };
+    while !owns_all() {
+        assert!(
+            Instant::now() < deadline,
+            "{who} did not own all {PARTITIONS} partitions within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 impl Crash<'_> {
     /// Produces the sample's events (attempts and any ends), kills
     /// `rounds` consumers a random while after each owns partitions, and
@@ -735,20 +753,8 @@ impl Crash<'_> {
             // before it has been expired and the group has settled (a
             // member killed while the group rebalances, joining, is never
             // expired by tansu 0.6).
-            let deadline = Instant::now() + self.ready_within;
-            let owns_all = || {
-                common::http_get(port, "/metrics").is_some_and(|m| {
-                    metric_sum(&m, "callguard_assigned_partitions") == f64::from(PARTITIONS)
-                })
-            };
-            while !owns_all() {
-                assert!(
-                    Instant::now() < deadline,
-                    "round {round}: the consumer did not own all {PARTITIONS} partitions within {:?}",
-                    self.ready_within
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            let within = self.ready_within;
+            until_owning_all(port, within, &format!("round {round}: the consumer")).await;
             // Killed mid-work: once it has decided a random share of the
             // calls (a twentieth to a third), or, when no work is left for
             // it, 20 s on (a slow machine still gets a twentieth done by
@@ -766,15 +772,12 @@ impl Crash<'_> {
             // while it rejoins the group (under load a member may miss its
             // heartbeats and rejoin; killed then, tansu 0.6 never expires
             // it, and the next consumer would wait for it for ever).
-            let deadline = Instant::now() + self.ready_within;
-            while !owns_all() {
-                assert!(
-                    Instant::now() < deadline,
-                    "round {round}: the consumer lost its partitions and did not get them back within {:?}",
-                    self.ready_within
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            until_owning_all(
+                port,
+                within,
+                &format!("round {round}: before the kill, the consumer"),
+            )
+            .await;
             let done = decided();
             signal(&child, "KILL");
             let _ = child.wait();
