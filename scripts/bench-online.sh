@@ -36,7 +36,7 @@
 #   runs section 2 again on that rule set (one with a [model]). AGGREGATE=1
 #   runs section 2 again with a rule keyed by callee added, and with a
 #   global rule added (a 1-s window, then a 1-min one); SKIP_LATENCY=1
-#   leaves section 3 out. LATENCY_MEMORY=1 runs section 3 once more with
+#   leaves section 3 out. LATENCY_MEMORY=1 runs section 3 once more (both rates) with
 #   `consume --store memory` (no Redis): callguard's Kafka path alone,
 #   the reference that tells the store's share of the latency from the
 #   rest of callguard's (reading, encoding, producing). ENDS=1 adds
@@ -331,4 +331,5 @@ for mode in $modes; do
 done
 if [ "${LATENCY_MEMORY:-0}" = 1 ]; then
   latency "$rate" "load-memory" "callguard-latency-memory" memory
+  latency "$low" "low-memory" "callguard-latency-low-memory" memory
 fi

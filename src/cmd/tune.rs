@@ -50,8 +50,9 @@ pub struct TuneArgs {
     /// Full sweep table: `.csv` or `.parquet`. Rows that are not valid
     /// calls, and fields dropped from calls kept (a label `unknown`), are
     /// listed in `<name>.invalid.csv` beside it; without `--output`, in
-    /// `<log's name>.invalid.csv` in the current directory. A log with no
-    /// valid call is an error.
+    /// `<log's name>.invalid.csv` in the current directory (columns no rule
+    /// of the set reads, such as `talk_ms` without a sum rule, are not
+    /// read, so not listed). A log with no valid call is an error.
     #[arg(long, short)]
     pub output: Option<PathBuf>,
     /// Plot: `.png` or `.svg`.
