@@ -377,15 +377,23 @@ impl<T> Drop for BackgroundWriter<T> {
 /// Writes invalid rows (`row`, `error_kind`, `error`, and `kept`: true for
 /// a call kept without the field the error names) next to an output file
 /// (`decisions.csv` → `decisions.invalid.csv`); returns the path, if any were written.
+/// With none, an earlier run's list at that path is removed: left there, it
+/// would read as this run's.
 pub fn write_invalid(output: &Path, invalid: &[InvalidRow]) -> Result<Option<PathBuf>, IoError> {
-    if invalid.is_empty() {
-        return Ok(None);
-    }
     let stem = output
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| "output".into());
     let path = output.with_file_name(format!("{stem}.invalid.csv"));
+    if invalid.is_empty() {
+        return match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(IoError::Io {
+                context: format!("removing the earlier run's {}", path.display()),
+                source: e,
+            }),
+            _ => Ok(None),
+        };
+    }
     let mut df = DataFrame::new(
         invalid.len(),
         vec![

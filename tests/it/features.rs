@@ -438,3 +438,38 @@ fn columns_no_rule_or_feature_reads_are_not_read() {
     let (listed, _) = features(&bad, &lines, "call_id,count_minute");
     assert!(listed.contains("bad_number"), "{listed}");
 }
+
+/// A run without invalid rows removes an earlier run's list of them
+/// beside the same output: left there, it would read as this run's.
+#[test]
+fn a_clean_run_removes_an_earlier_runs_invalid_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, ts: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(
+            &path,
+            format!(
+                "call_id,caller,ts\nc1,+34911000001,2025-12-01T00:00:00Z\nc2,+34911000001,{ts}\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let out = dir.path().join("features.parquet");
+    let listed = dir.path().join("features.invalid.csv");
+    let run = |input: &std::path::Path| {
+        let o = std::process::Command::new(common::bin())
+            .args(["features", "--rule", "minute:sliding:60s:2", "-i"])
+            .arg(input)
+            .arg("-o")
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    run(&write("bad.csv", "yesterday"));
+    let text = std::fs::read_to_string(&listed).unwrap();
+    assert!(text.contains("2,bad_timestamp"), "{text}");
+    run(&write("clean.csv", "2025-12-01T00:00:05Z"));
+    assert!(!listed.exists(), "the earlier run's list is still there");
+}
