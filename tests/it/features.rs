@@ -400,16 +400,9 @@ fn columns_no_rule_or_feature_reads_are_not_read() {
     let features = |input: &std::path::Path, rules: &[&str], columns: &str| {
         runs.set(runs.get() + 1);
         let out = dir.path().join(format!("run{}.parquet", runs.get()));
-        let o = std::process::Command::new(common::bin())
-            .arg("features")
-            .args(rules.iter().flat_map(|r| ["--rule", r]))
-            .args(["--columns", columns, "-i"])
-            .arg(input)
-            .arg("-o")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let mut args: Vec<&str> = rules.iter().flat_map(|r| ["--rule", r]).collect();
+        args.extend(["--columns", columns]);
+        features_into(&args, input, &out);
         let listed = std::fs::read_to_string(out.with_extension("invalid.csv")).unwrap_or_default();
         let table = ParquetReader::new(std::fs::File::open(&out).unwrap())
             .finish()
@@ -457,19 +450,26 @@ fn a_clean_run_removes_an_earlier_runs_invalid_rows() {
     };
     let out = dir.path().join("features.parquet");
     let listed = dir.path().join("features.invalid.csv");
-    let run = |input: &std::path::Path| {
-        let o = std::process::Command::new(common::bin())
-            .args(["features", "--rule", "minute:sliding:60s:2", "-i"])
-            .arg(input)
-            .arg("-o")
-            .arg(&out)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
+    let run =
+        |input: &std::path::Path| features_into(&["--rule", "minute:sliding:60s:2"], input, &out);
     run(&write("bad.csv", "yesterday"));
     let text = std::fs::read_to_string(&listed).unwrap();
     assert!(text.contains("2,bad_timestamp"), "{text}");
     run(&write("clean.csv", "2025-12-01T00:00:05Z"));
     assert!(!listed.exists(), "the earlier run's list is still there");
+}
+
+/// Runs `callguard features ARGS -i INPUT -o OUT`; fails the test if the
+/// run fails.
+fn features_into(args: &[&str], input: &std::path::Path, out: &std::path::Path) {
+    let o = std::process::Command::new(common::bin())
+        .arg("features")
+        .args(args)
+        .arg("-i")
+        .arg(input)
+        .arg("-o")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
