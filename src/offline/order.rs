@@ -195,11 +195,16 @@ impl OrderedLog {
     }
 
     /// Events in processing order (rows' events and calls' ends).
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         if let Some(spill) = &self.spill {
             return spill.len(self.spill_ends);
         }
         self.ends.as_ref().map_or(self.events.len(), Vec::len)
+    }
+
+    /// No events at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Rows in the file (valid or not).
@@ -331,11 +336,6 @@ impl OrderedLog {
     /// the log is held in memory and its callers are numbered.
     pub fn by_shards(&self) -> bool {
         self.spill.is_none() && self.numbered
-    }
-
-    /// Events in processing order (rows' events and calls' ends).
-    pub fn positions(&self) -> usize {
-        self.len()
     }
 
     /// The rows that are not valid events, by row number.

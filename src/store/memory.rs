@@ -87,7 +87,7 @@ impl MemoryStore {
         // than once per that many events (amortised O(1) per event).
         if !self.keep_all && self.applied >= self.next_eviction {
             self.evict_idle(rules);
-            self.next_eviction = self.applied + EVICT_EVERY.max(self.callers.len() as u64);
+            self.next_eviction = self.applied + self.eviction_interval();
         }
         if ev.kind == EventKind::End && !rules.caller_uses_ends() {
             // Nothing holds calls open: the end changes nothing.
@@ -121,7 +121,7 @@ impl MemoryStore {
         };
         // The coming new callers are at most the events until the next
         // eviction: as many states are kept, emptied, for them.
-        let before = EVICT_EVERY.max(self.callers.len() as u64) as usize;
+        let before = self.eviction_interval() as usize;
         let cut = LetGo::new(rules, w);
         let spare = &mut self.spare;
         for (_, mut state) in self.callers.extract_if(|_, s| s.may_let_go_by(&cut)) {
@@ -130,7 +130,15 @@ impl MemoryStore {
                 spare.push(state);
             }
         }
-        spare.truncate(EVICT_EVERY.max(self.callers.len() as u64) as usize);
+        let after = self.eviction_interval() as usize;
+        self.spare.truncate(after);
+    }
+
+    /// Events between two evictions: a look at every caller once per as
+    /// many events as callers (amortised O(1) per event), at least
+    /// [`EVICT_EVERY`].
+    fn eviction_interval(&self) -> u64 {
+        EVICT_EVERY.max(self.callers.len() as u64)
     }
 }
 

@@ -50,9 +50,7 @@ impl Sweeper {
             Ok(())
         })
     }
-}
 
-impl Sweeper {
     /// Feeds the base replay (only) the whole of `log`, held in memory
     /// with its callers numbered ([`OrderedLog::by_shards`]), each shard
     /// decoding its own callers' events on a thread of its own: no thread
@@ -61,7 +59,7 @@ impl Sweeper {
     pub(super) fn feed_by_shards(&mut self, log: &OrderedLog, done: &(dyn Fn(u64) + Sync)) {
         let shards = self.base.len();
         let (rules, index) = (&self.rules, self.index);
-        let n = log.positions();
+        let n = log.len();
         std::thread::scope(|s| {
             for (k, shard) in self.base.iter_mut().enumerate() {
                 s.spawn(move || {
