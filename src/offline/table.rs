@@ -2,7 +2,9 @@
 //! [`RecordSchema`]), sweeps and invalid rows, as CSV or Parquet.
 
 use std::fs::File;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use polars::prelude::*;
 use polars_utils::compression::ZstdLevel;
@@ -193,24 +195,75 @@ fn parquet_compression() -> ParquetCompression {
     ParquetCompression::Zstd(ZstdLevel::try_new(1).ok())
 }
 
+/// Bytes a table's file is written in: polars' Parquet writer writes each
+/// page's header, levels and values apart, about 130 bytes a write, which
+/// as system calls took a fifth of a feature table's CPU (BENCHMARKS.md).
+const WRITE_BUFFER: usize = 1 << 20;
+
+/// A buffered handle on a staged file, shared by the writer it is handed
+/// to and its owner: polars' batched writers keep their writer to the end,
+/// so the owner flushes the buffer after the last write, where a failure
+/// (a full disk) is still reported rather than lost in a drop.
+#[derive(Clone)]
+struct SharedFile(Arc<Mutex<BufWriter<File>>>);
+
+impl SharedFile {
+    fn new(file: File) -> Self {
+        SharedFile(Arc::new(Mutex::new(BufWriter::with_capacity(
+            WRITE_BUFFER,
+            file,
+        ))))
+    }
+
+    fn with<R>(
+        &self,
+        f: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<R>,
+    ) -> std::io::Result<R> {
+        let mut file = self
+            .0
+            .lock()
+            .map_err(|_| std::io::Error::other("a table writer panicked"))?;
+        f(&mut file)
+    }
+}
+
+impl Write for SharedFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.with(|f| f.write(buf))
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.with(|f| f.write_all(buf))
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.with(BufWriter::flush)
+    }
+}
+
 /// Writes a frame as CSV or Parquet, chosen by the file extension.
 pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
     let ctx = format!("writing {}", path.display());
     let format = TableFormat::from_path(path)?;
     let (staged, file) = Staged::create(path)?;
+    let mut file = BufWriter::with_capacity(WRITE_BUFFER, file);
     match format {
-        TableFormat::Csv => CsvWriter::new(file)
+        TableFormat::Csv => CsvWriter::new(&mut file)
             .include_header(true)
             .with_datetime_format(Some(CSV_TIME_FORMAT.into()))
             .finish(df)
-            .map_err(polars_err(ctx))?,
+            .map_err(polars_err(ctx.clone()))?,
         TableFormat::Parquet => {
-            ParquetWriter::new(file)
+            ParquetWriter::new(&mut file)
                 .with_compression(parquet_compression())
                 .finish(df)
-                .map_err(polars_err(ctx))?;
+                .map_err(polars_err(ctx.clone()))?;
         }
     }
+    file.flush().map_err(|source| IoError::Io {
+        context: ctx,
+        source,
+    })?;
     staged.commit()
 }
 
@@ -218,14 +271,15 @@ pub fn write_frame(path: &Path, df: &mut DataFrame) -> Result<(), IoError> {
 /// (a Parquet row group per batch), so a large output is never one frame.
 pub struct TableWriter {
     inner: TableSink,
+    file: SharedFile,
     staged: Staged,
     context: String,
     rows: u64,
 }
 
 enum TableSink {
-    Csv(polars::io::csv::write::BatchedWriter<File>),
-    Parquet(Box<polars::io::parquet::write::BatchedWriter<File>>),
+    Csv(polars::io::csv::write::BatchedWriter<SharedFile>),
+    Parquet(Box<polars::io::parquet::write::BatchedWriter<SharedFile>>),
 }
 
 impl TableWriter {
@@ -235,16 +289,17 @@ impl TableWriter {
         let context = format!("writing {}", path.display());
         let format = TableFormat::from_path(path)?;
         let (staged, file) = Staged::create(path)?;
+        let file = SharedFile::new(file);
         let inner = match format {
             TableFormat::Csv => TableSink::Csv(
-                CsvWriter::new(file)
+                CsvWriter::new(file.clone())
                     .include_header(true)
                     .with_datetime_format(Some(CSV_TIME_FORMAT.into()))
                     .batched(schema)
                     .map_err(polars_err(context.clone()))?,
             ),
             TableFormat::Parquet => TableSink::Parquet(Box::new(
-                ParquetWriter::new(file)
+                ParquetWriter::new(file.clone())
                     .with_compression(parquet_compression())
                     .batched(schema)
                     .map_err(polars_err(context.clone()))?,
@@ -252,6 +307,7 @@ impl TableWriter {
         };
         Ok(TableWriter {
             inner,
+            file,
             staged,
             context,
             rows: 0,
@@ -281,6 +337,10 @@ impl TableWriter {
         }
         .map_err(polars_err(self.context.clone()))?;
         drop(self.inner);
+        self.file.flush().map_err(|source| IoError::Io {
+            context: self.context.clone(),
+            source,
+        })?;
         self.staged.commit()?;
         Ok(self.rows)
     }
@@ -438,6 +498,99 @@ mod tests {
 
     fn batch(n: i64) -> DataFrame {
         DataFrame::new(1, vec![Column::new("n".into(), vec![n])]).unwrap()
+    }
+
+    /// A Parquet table larger than the write buffer, in many batches, is
+    /// read back whole: the buffer is flushed after the footer.
+    #[test]
+    fn a_parquet_table_larger_than_the_buffer_is_written_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big.parquet");
+        // Values that do not compress, so the file outgrows the buffer.
+        let values = |b: u64| -> Vec<u64> {
+            (0..20_000u64)
+                .map(|i| (b * 20_000 + i).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                .collect()
+        };
+        let frame_of =
+            |b: u64| DataFrame::new(20_000, vec![Column::new("v".into(), values(b))]).unwrap();
+        let mut w = TableWriter::create(&path, frame_of(0).schema()).unwrap();
+        for b in 0..10 {
+            w.write(&mut frame_of(b)).unwrap();
+        }
+        assert_eq!(w.finish().unwrap(), 200_000);
+        let size = std::fs::metadata(&path).unwrap().len();
+        assert!(size > WRITE_BUFFER as u64, "{size} bytes");
+        let back = ParquetReader::new(File::open(&path).unwrap())
+            .finish()
+            .unwrap();
+        let expected: Vec<u64> = (0..10).flat_map(values).collect();
+        let got: Vec<u64> = back
+            .column("v")
+            .unwrap()
+            .u64()
+            .unwrap()
+            .into_no_null_iter()
+            .collect();
+        assert_eq!(got, expected);
+    }
+
+    /// Run as a child of the test below (`CALLGUARD_FSIZE_CHILD`): files
+    /// may not outgrow 64 KiB, and a table of 160 KB (Parquet) or 400 KB
+    /// (CSV), which fits the write buffer whole, fails at its last flush.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn child_reports_a_failed_last_flush() {
+        if std::env::var_os("CALLGUARD_FSIZE_CHILD").is_none() {
+            return;
+        }
+        // SAFETY: plain integers and a struct of ours: a write past the
+        // limit then fails with EFBIG rather than end the process.
+        unsafe {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let limit = libc::rlimit {
+                rlim_cur: 64 << 10,
+                rlim_max: 64 << 10,
+            };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &limit), 0);
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let values: Vec<u64> = (0..20_000u64)
+            .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .collect();
+        let mut df = DataFrame::new(20_000, vec![Column::new("v".into(), values)]).unwrap();
+        for name in ["full.parquet", "full.csv"] {
+            let path = dir.path().join(name);
+            let mut w = TableWriter::create(&path, df.schema()).unwrap();
+            w.write(&mut df).unwrap();
+            let err = w.finish().unwrap_err().to_string();
+            assert!(err.contains(name), "{err}");
+            assert!(!path.exists(), "a truncated {name} was left at its path");
+        }
+        println!("FLUSH FAILURE REPORTED");
+    }
+
+    /// A table whose last bytes cannot be written (a full disk, a file
+    /// size limit) is an error, and leaves no file at its path.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_failed_last_flush_is_reported_and_leaves_no_table() {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "offline::table::tests::child_reports_a_failed_last_flush",
+                "--nocapture",
+            ])
+            .env("CALLGUARD_FSIZE_CHILD", "1")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("FLUSH FAILURE REPORTED"),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     #[test]
