@@ -6,11 +6,16 @@
 # columns), and `--columns call_id,count_minute,count_hour`, the table the
 # peers write. Prints wall time and peak memory (max RSS) of each, the
 # ratios, and checks that the peers' counts and sweep equal callguard's.
+# The six runs go round ROUNDS times (default 3), in turn, so a slow spell
+# of a shared machine falls on all of them; each time is the median of its
+# rounds, each memory the peak, and each round's ratios are printed too.
 #
-#   scripts/bench-offline.sh [ROWS]     (default 10000000; BENCH_DIR=out/bench)
+#   scripts/bench-offline.sh [ROWS]     (default 10000000; BENCH_DIR=out/bench,
+#                                        ROUNDS=3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rows="${1:-10000000}"
+rounds="${ROUNDS:-3}"
 work="${BENCH_DIR:-out/bench}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/callguard-target}"
 venv="${CALLGUARD_VENV:-$HOME/.cache/callguard-venv}"
@@ -32,14 +37,17 @@ echo "== $(wc -l < "$log") lines, $(du -h "$log" | cut -f1) in $log"
 
 results="$work/results.txt"
 : > "$results"
-# measure NAME CMD...: wall seconds and max RSS (KiB) of CMD, its output in NAME.log.
+# measure NAME CMD...: wall seconds and max RSS (KiB) of CMD, its output in
+# NAME.log; a line `NAME ROUND SECONDS KIB` in the results.
 measure() {
   local name="$1"
   shift
   /usr/bin/time -f "%e %M" -o "$work/$name.time" "$@" > "$work/$name.log" 2>&1
-  echo "$name $(cat "$work/$name.time")" | tee -a "$results"
+  echo "$name $round $(cat "$work/$name.time")" | tee -a "$results"
 }
 
+for round in $(seq 1 "$rounds"); do
+echo "== round $round of $rounds"
 measure callguard-tune "$bin" tune -i "$log" --rule minute:sliding:60s --limits 1..200 \
   -o "$work/callguard-sweep.csv"
 measure duckdb-tune "$py" scripts/bench_duckdb.py sweep "$log" "$work/duckdb-sweep.csv"
@@ -50,6 +58,7 @@ measure callguard-counts "$bin" features -i "$log" \
   --columns call_id,count_minute,count_hour -o "$work/callguard-counts.parquet"
 measure duckdb-features "$py" scripts/bench_duckdb.py counts "$log" "$work/duckdb-counts.parquet"
 measure polars-features "$py" scripts/bench_polars.py counts "$log" "$work/polars-counts.parquet"
+done
 
 echo "== same results?"
 "$py" scripts/bench_duckdb.py check-sweep "$work/callguard-sweep.csv" "$work/duckdb-sweep.csv"
@@ -57,19 +66,26 @@ echo "== same results?"
 "$py" scripts/bench_duckdb.py check "$work/callguard-features.parquet" "$work/polars-counts.parquet"
 "$py" scripts/bench_duckdb.py check "$work/callguard-counts.parquet" "$work/duckdb-counts.parquet"
 
-echo "== $rows rows"
-awk '{ t[$1] = $2; m[$1] = $3 }
+echo "== $rows rows, $rounds rounds"
+awk '
+  { n = ++runs[$1]; t[$1, n] = $3; if ($4 > m[$1]) m[$1] = $4; rt[$2, $1] = $3 }
+  function median(k,   i, j, v, c, x) {
+    c = runs[k]
+    for (i = 1; i <= c; i++) v[i] = t[k, i]
+    for (i = 2; i <= c; i++) { x = v[i]; for (j = i - 1; j >= 1 && v[j] > x; j--) v[j + 1] = v[j]; v[j + 1] = x }
+    return c % 2 ? v[(c + 1) / 2] : (v[c / 2] + v[c / 2 + 1]) / 2
+  }
+  function ratio(label, a, b) {
+    printf "%s: time ratio %s/%s %.2f, memory ratio %.2f (rounds:", label, a, b, median(a) / median(b), m[a] / m[b]
+    for (r = 1; r <= runs[a]; r++) printf " %.2f", rt[r, a] / rt[r, b]
+    printf ")\n"
+  }
   END {
-    printf "%-20s %10s %12s\n", "run", "wall s", "peak MiB"
-    for (k in t) printf "%-20s %10.1f %12.0f\n", k, t[k], m[k] / 1024
-    printf "tune:     time ratio callguard/duckdb %.2f, memory ratio %.2f\n",
-      t["callguard-tune"] / t["duckdb-tune"], m["callguard-tune"] / m["duckdb-tune"]
-    printf "features: time ratio callguard/duckdb %.2f, memory ratio %.2f\n",
-      t["callguard-features"] / t["duckdb-features"], m["callguard-features"] / m["duckdb-features"]
-    printf "features: time ratio callguard/polars %.2f, memory ratio %.2f\n",
-      t["callguard-features"] / t["polars-features"], m["callguard-features"] / m["polars-features"]
-    printf "counts (same columns): time ratio callguard/duckdb %.2f, memory ratio %.2f\n",
-      t["callguard-counts"] / t["duckdb-features"], m["callguard-counts"] / m["duckdb-features"]
-    printf "counts (same columns): time ratio callguard/polars %.2f, memory ratio %.2f\n",
-      t["callguard-counts"] / t["polars-features"], m["callguard-counts"] / m["polars-features"]
+    printf "%-20s %10s %12s\n", "run", "median s", "peak MiB"
+    for (k in runs) printf "%-20s %10.2f %12.0f\n", k, median(k), m[k] / 1024
+    ratio("tune", "callguard-tune", "duckdb-tune")
+    ratio("features", "callguard-features", "duckdb-features")
+    ratio("features", "callguard-features", "polars-features")
+    ratio("counts (same columns)", "callguard-counts", "duckdb-features")
+    ratio("counts (same columns)", "callguard-counts", "polars-features")
   }' "$results"
