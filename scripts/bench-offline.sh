@@ -9,6 +9,8 @@
 # The six runs go round ROUNDS times (default 3), in turn, so a slow spell
 # of a shared machine falls on all of them; each time is the median of its
 # rounds, each memory the peak, and each round's ratios are printed too.
+# Each run starts after the one before has settled (SETTLE seconds, default
+# 5): a run just after a peer's exit was up to 25% slower, whichever tool.
 #
 #   scripts/bench-offline.sh [ROWS]     (default 10000000; BENCH_DIR=out/bench,
 #                                        ROUNDS=3)
@@ -42,6 +44,8 @@ results="$work/results.txt"
 measure() {
   local name="$1"
   shift
+  sync
+  sleep "${SETTLE:-5}"
   /usr/bin/time -f "%e %M" -o "$work/$name.time" "$@" > "$work/$name.log" 2>&1
   echo "$name $round $(cat "$work/$name.time")" | tee -a "$results"
 }
