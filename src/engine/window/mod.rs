@@ -85,6 +85,7 @@ use crate::engine::record::{Counts, Decision, DecisionRecord, Verdict, REASON_OK
 use crate::engine::rules::{CountPolicy, Judgement, Rule, RuleKey, RuleSet, WindowKind};
 
 mod bucket;
+mod callee_times;
 mod counting;
 mod distinct;
 mod open;
@@ -93,6 +94,7 @@ mod pairs;
 mod sums;
 
 pub use bucket::Tat;
+use callee_times::CalleeTimes;
 pub(crate) use counting::approx_rejects_until;
 pub use counting::{approx_estimate, bucket_of};
 use counting::{
@@ -251,15 +253,8 @@ pub struct CallerState {
     /// back and trim the front, and a sparse caller costs a few bytes, not
     /// a B-tree node.
     seen_by_ts: VecDeque<(i64, CompactString)>,
-    /// Distinct callees: callee → latest event time of a call to it
-    /// (numbers are kept inline: no allocation per callee).
-    callees: HashMap<CompactString, i64>,
-    /// (time, callee) ordered by time, for trimming and counting; an entry
-    /// is live while it holds its callee's latest time in `callees`. A
-    /// callee called again leaves its old entry behind, stale, rather than
-    /// removing it from the middle: calls in time order then only append
-    /// and trim, whatever a busy trunk's callee list looks like.
-    callees_by_ts: VecDeque<(i64, CompactString)>,
+    /// Distinct callees: each kept callee's latest event time.
+    callees: CalleeTimes,
 }
 
 impl CallerState {
@@ -481,7 +476,6 @@ impl CallerState {
             seen: _,
             seen_by_ts: _,
             callees,
-            callees_by_ts,
         } = self;
         *latest = None;
         log.clear();
@@ -494,9 +488,6 @@ impl CallerState {
         pairs.clear();
         open.clear();
         callees.clear();
-        callees.shrink_to(KEPT_CAPACITY);
-        callees_by_ts.clear();
-        callees_by_ts.shrink_to(KEPT_CAPACITY);
     }
 
     /// Empties the state whole, as a new caller's (`CallerState::default()`),
@@ -528,21 +519,8 @@ impl CallerState {
         if let Some(callee) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
             self.note_callee(callee, t, rules.max_distinct_callees());
         }
-        // Live entries not after t - Wmax lie between the horizon and
-        // t - Wmax + 1 (at most grace + 1 ms), so counting them is cheap.
-        let after = t.saturating_sub(rules.max_window_ms()).saturating_add(1);
-        // (A scan from the front: the band is short, and scanned below anyway.)
-        let band = self
-            .callees_by_ts
-            .iter()
-            .take_while(|(ts, _)| *ts < after)
-            .count();
-        let not_after = self
-            .callees_by_ts
-            .range(..band)
-            .filter(|(ts, callee)| self.callees.get(callee) == Some(ts))
-            .count();
-        (self.callees.len() - not_after) as u64
+        self.callees
+            .count_from(t.saturating_sub(rules.max_window_ms()).saturating_add(1))
     }
 
     /// Rule `i`'s count for a call at `t` that it sees, this call included.
@@ -797,24 +775,7 @@ impl CallerState {
     /// Raises the callee's latest call time to `t` (never lowers it); a new
     /// callee is kept only while fewer than `cap` are.
     fn note_callee(&mut self, callee: &str, t: i64, cap: u64) {
-        use std::collections::hash_map::Entry;
-        let kept = self.callees.len() as u64;
-        // One lookup (numbers are kept inline: making the key allocates nothing).
-        let name = match self.callees.entry(CompactString::from(callee)) {
-            Entry::Occupied(e) if *e.get() >= t => return,
-            // Its old entry in `callees_by_ts` turns stale.
-            Entry::Occupied(mut e) => {
-                e.insert(t);
-                e.key().clone()
-            }
-            Entry::Vacant(e) if kept < cap => {
-                let name = e.key().clone();
-                e.insert(t);
-                name
-            }
-            Entry::Vacant(_) => return,
-        };
-        insert_sorted(&mut self.callees_by_ts, (t, name), |(ts, _)| *ts <= t);
+        self.callees.note(callee, t, cap);
     }
 
     fn trim(&mut self, rules: &RuleSet, h: &Horizons, mut journal: Option<&mut Journal>) {
@@ -854,17 +815,7 @@ impl CallerState {
                 p.fixed.retain(|&b, _| bucket_end(b, w, grace) > l_new);
             });
         }
-        while self
-            .callees_by_ts
-            .front()
-            .is_some_and(|(ts, _)| *ts <= horizon)
-        {
-            if let Some((ts, callee)) = self.callees_by_ts.pop_front() {
-                if self.callees.get(&callee) == Some(&ts) {
-                    self.callees.remove(&callee);
-                }
-            }
-        }
+        self.callees.trim(horizon);
         while self
             .seen_by_ts
             .front()

@@ -233,7 +233,7 @@ impl CallerState {
             put_varint(out, a.prev);
         }
         put_varint(out, self.callees.len() as u64);
-        for (callee, &ts) in &self.callees {
+        for (callee, ts) in self.callees.iter() {
             put_signed(out, base.wrapping_sub(ts));
             put_str(out, callee);
         }
@@ -536,16 +536,12 @@ impl CallerState {
             let (cur, prev) = (r.varint()?, r.varint()?);
             state.approx.push((id, Approx { bucket, cur, prev }));
         }
+        let mut callees = Vec::new();
         for _ in 0..r.len()? {
             let ts = base.wrapping_sub(r.signed()?);
-            let callee = CompactString::from(r.string()?);
-            state.callees_by_ts.push_back((ts, callee.clone()));
-            state.callees.insert(callee, ts);
+            callees.push((CompactString::from(r.string()?), ts));
         }
-        state
-            .callees_by_ts
-            .make_contiguous()
-            .sort_by_key(|(ts, _)| *ts);
+        state.callees = CalleeTimes::from_entries(callees);
         if format >= PACK_FORMAT_RULES {
             state.unpack_rule_state(&mut r, base)?;
         }
@@ -648,8 +644,7 @@ impl CallerState {
             + self.seen.len()
                 * (size_of::<(CompactString, Box<Verdict>)>() + size_of::<Verdict>() + 16)
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
-            + self.callees.len() * (size_of::<(CompactString, i64)>() + 16)
-            + self.callees_by_ts.len() * size_of::<(i64, CompactString)>()
+            + self.callees.approx_bytes()
             + self
                 .open
                 .iter()
