@@ -34,6 +34,8 @@
 //! knows clap; it maps arguments onto the configurations these modules take.
 //! ARCHITECTURE.md walks a call through the three paths.
 
+#[cfg(test)]
+mod child_test;
 pub mod demo;
 pub mod engine;
 pub mod error;

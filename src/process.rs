@@ -65,18 +65,13 @@ mod tests {
 
     #[test]
     fn the_option_number_names_purge_decommits() {
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new(exe)
-            .args(["--exact", "process::tests::child_reads_purge_decommits"])
-            .env("CALLGUARD_MI_CHILD", "1")
-            .env("MIMALLOC_PURGE_DECOMMITS", "7")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && text.contains("1 passed"),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
+        crate::child_test::passes_in_child(
+            "process::tests::child_reads_purge_decommits",
+            &[
+                ("CALLGUARD_MI_CHILD", "1"),
+                ("MIMALLOC_PURGE_DECOMMITS", "7"),
+            ],
+            "1 passed",
         );
     }
 

@@ -575,21 +575,10 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_failed_last_flush_is_reported_and_leaves_no_table() {
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "offline::table::tests::child_reports_a_failed_last_flush",
-                "--nocapture",
-            ])
-            .env("CALLGUARD_FSIZE_CHILD", "1")
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success() && text.contains("FLUSH FAILURE REPORTED"),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
+        crate::child_test::passes_in_child(
+            "offline::table::tests::child_reports_a_failed_last_flush",
+            &[("CALLGUARD_FSIZE_CHILD", "1")],
+            "FLUSH FAILURE REPORTED",
         );
     }
 
