@@ -141,12 +141,15 @@ impl CalleeTimes {
         self.table = None;
     }
 
-    /// The kept callees and their latest times, in no given order.
-    pub(super) fn iter(&self) -> Box<dyn Iterator<Item = (&CompactString, i64)> + '_> {
-        match &self.table {
-            Some(table) => Box::new(table.latest.iter().map(|(c, &ts)| (c, ts))),
-            None => Box::new(self.listed.iter().map(|(c, ts)| (c, *ts))),
-        }
+    /// The kept callees and their latest times, in no given order (the
+    /// list is empty while there is a table: one of the two holds them).
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&CompactString, i64)> {
+        let listed = self.listed.iter().map(|(c, ts)| (c, *ts));
+        let table = self
+            .table
+            .iter()
+            .flat_map(|t| t.latest.iter().map(|(c, &ts)| (c, ts)));
+        listed.chain(table)
     }
 
     /// The state of `entries` (callee, latest time; a callee given twice
