@@ -16,14 +16,100 @@ use super::{check_required, polars_err, InvalidRow};
 /// Records handed from the parsing thread to a decoding one at a time.
 pub(super) const CSV_BATCH: usize = 4_096;
 
-/// A batch of CSV records, decoded.
+/// Bytes read from a file at a time when its lines are handed on whole
+/// (see [`LineBlock`]).
+pub(super) const LINE_READ: usize = 1 << 20;
+
+/// A batch of a CSV file's records, decoded.
 pub(super) struct DecodedBatch {
     /// The batch's place in the file.
     pub(super) seq: usize,
     pub(super) events: EventColumns,
     pub(super) invalid: Vec<InvalidRow>,
-    /// The records, to be refilled.
-    pub(super) records: Vec<csv::ByteRecord>,
+    /// The batch's text, to be refilled.
+    pub(super) text: BatchText,
+    /// The byte offset in the file where the batch ends.
+    pub(super) end: u64,
+    /// The batch's last record spans lines (an unclosed quote, perhaps).
+    pub(super) last_multiline: bool,
+}
+
+/// A batch's records: parsed by the `csv` crate, or a block of whole
+/// lines of a file without quotes or carriage returns (see
+/// [`LineBlock`]).
+pub(super) enum BatchText {
+    Records(Vec<csv::ByteRecord>),
+    Lines(LineBlock),
+}
+
+/// Whole lines of a CSV file in which no byte is a quote or a carriage
+/// return: there every line is a record and every delimiter ends a field,
+/// exactly as the `csv` crate reads them (blank lines are not records).
+#[derive(Default)]
+pub(super) struct LineBlock {
+    /// The lines' text, each ended by `\n` (the file's last may not be).
+    pub(super) bytes: Vec<u8>,
+    /// Where each non-blank line starts and ends in `bytes` (without its
+    /// `\n`).
+    pub(super) lines: Vec<(u32, u32)>,
+}
+
+/// One record's text and its fields' places in it.
+pub(super) trait Record {
+    /// The record's text.
+    fn text(&self) -> &[u8];
+    /// Where field `c` is in [`Record::text`], if the record has it.
+    fn field(&self, c: usize) -> Option<std::ops::Range<usize>>;
+}
+
+impl Record for &csv::ByteRecord {
+    fn text(&self) -> &[u8] {
+        self.as_slice()
+    }
+
+    fn field(&self, c: usize) -> Option<std::ops::Range<usize>> {
+        self.range(c)
+    }
+}
+
+/// A line of a [`LineBlock`], its fields found up to the last one read.
+pub(super) struct Line<'a> {
+    text: &'a [u8],
+    /// Field `i` runs from `starts[i]` to `starts[i + 1] - 1`, the last
+    /// one found to the end of the line.
+    starts: smallvec::SmallVec<[usize; 16]>,
+}
+
+impl<'a> Line<'a> {
+    /// `line` split at `delimiter` up to field `last` (the fields after
+    /// it are not looked for).
+    pub(super) fn split(line: &'a [u8], delimiter: u8, last: usize) -> Self {
+        let mut starts = smallvec::SmallVec::new();
+        starts.push(0);
+        for at in memchr::memchr_iter(delimiter, line) {
+            starts.push(at + 1);
+            // Field `last + 1`'s start bounds field `last`.
+            if starts.len() > last + 1 {
+                break;
+            }
+        }
+        Line { text: line, starts }
+    }
+}
+
+impl Record for Line<'_> {
+    fn text(&self) -> &[u8] {
+        self.text
+    }
+
+    fn field(&self, c: usize) -> Option<std::ops::Range<usize>> {
+        let start = *self.starts.get(c)?;
+        let end = self
+            .starts
+            .get(c + 1)
+            .map_or(self.text.len(), |next| next - 1);
+        Some(start..end)
+    }
 }
 
 /// Decodes rows given as their text per field of [`FIELDS`].
@@ -58,54 +144,20 @@ impl<'d> RowDecoder<'d> {
         }
     }
 
-    /// Decodes batch `seq` of CSV records (every batch but the last holds
-    /// [`CSV_BATCH`]); `fields[i]` is the column of field `FIELDS[i]`, if
+    /// Decodes a batch of records, the first of which is data row
+    /// `first_row`; `fields[i]` is the column of field `FIELDS[i]`, if
     /// read. A row's number is its record's place among the data records
     /// (the header and blank lines are not counted).
-    pub(super) fn decode_records(
+    pub(super) fn decode_records<R: Record>(
         &mut self,
-        seq: usize,
-        records: Vec<csv::ByteRecord>,
+        first_row: u64,
+        records: impl ExactSizeIterator<Item = R>,
         fields: &[Option<usize>; FIELDS.len()],
-    ) -> DecodedBatch {
+    ) -> (EventColumns, Vec<InvalidRow>) {
         let mut events = EventColumns::with_capacity(records.len());
         let mut invalid = Vec::new();
-        let mut lossy: [String; FIELDS.len()] = Default::default();
-        let first_row = (seq * CSV_BATCH) as u64 + 1;
-        for (record, n) in records.iter().zip(first_row..) {
-            // The record's text is checked once, whole (a few fields of a
-            // few bytes each cost more checked one by one); a field is its
-            // slice of it unless a multi-byte character straddles its edge.
-            let whole = std::str::from_utf8(record.as_slice()).ok();
-            // Invalid UTF-8 is replaced (the row then fails decoding and
-            // is listed, not the file).
-            let mut values: [Option<&str>; FIELDS.len()] = [None; FIELDS.len()];
-            let mut bad = [false; FIELDS.len()];
-            for (f, col) in fields.iter().enumerate() {
-                let Some(range) = col.and_then(|c| record.range(c)).filter(|r| !r.is_empty())
-                else {
-                    continue;
-                };
-                let text = whole.and_then(|w| w.get(range.clone())).map_or_else(
-                    || std::str::from_utf8(&record.as_slice()[range.clone()]),
-                    Ok,
-                );
-                match text {
-                    Ok(s) => values[f] = Some(s),
-                    Err(_) => {
-                        lossy[f] = String::from_utf8_lossy(&record.as_slice()[range]).into_owned();
-                        bad[f] = true;
-                    }
-                }
-            }
-            for (f, l) in lossy.iter().enumerate().filter(|(f, _)| bad[*f]) {
-                values[f] = Some(l.as_str());
-            }
-            let attempt = self
-                .attempt_column
-                .and_then(|c| record.get(c))
-                .map(|m| std::str::from_utf8(m).unwrap_or("?"));
-            match self.decode(&values, attempt) {
+        for (record, n) in records.zip(first_row..) {
+            match self.decode_record(&record, fields) {
                 Ok(e) => {
                     invalid.extend(InvalidRow::dropped(n, &e));
                     events.push(n, &e);
@@ -113,12 +165,57 @@ impl<'d> RowDecoder<'d> {
                 Err(error) => invalid.push(InvalidRow::new(n, error)),
             }
         }
-        DecodedBatch {
-            seq,
-            events,
-            invalid,
-            records,
+        (events, invalid)
+    }
+
+    /// The last column a record's decoding reads.
+    pub(super) fn last_column(&self, fields: &[Option<usize>; FIELDS.len()]) -> usize {
+        fields
+            .iter()
+            .chain(std::iter::once(&self.attempt_column))
+            .flatten()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// One record, its fields as `fields` places them.
+    fn decode_record(
+        &mut self,
+        record: &impl Record,
+        fields: &[Option<usize>; FIELDS.len()],
+    ) -> Result<CallEvent, EventError> {
+        let bytes = record.text();
+        // The record's text is checked once, whole (a few fields of a few
+        // bytes each cost more checked one by one); a field is its slice
+        // of it unless a multi-byte character straddles its edge.
+        let whole = std::str::from_utf8(bytes).ok();
+        // Invalid UTF-8 is replaced (the row then fails decoding and is
+        // listed, not the file).
+        let mut lossy: [Option<String>; FIELDS.len()] = Default::default();
+        let mut values: [Option<&str>; FIELDS.len()] = [None; FIELDS.len()];
+        for (f, col) in fields.iter().enumerate() {
+            let Some(range) = col.and_then(|c| record.field(c)).filter(|r| !r.is_empty()) else {
+                continue;
+            };
+            let text = whole
+                .and_then(|w| w.get(range.clone()))
+                .map_or_else(|| std::str::from_utf8(&bytes[range.clone()]), Ok);
+            match text {
+                Ok(s) => values[f] = Some(s),
+                Err(_) => lossy[f] = Some(String::from_utf8_lossy(&bytes[range]).into_owned()),
+            }
         }
+        for (f, l) in lossy.iter().enumerate() {
+            if let Some(l) = l {
+                values[f] = Some(l.as_str());
+            }
+        }
+        let attempt = self
+            .attempt_column
+            .and_then(|c| record.field(c))
+            .map(|r| std::str::from_utf8(&bytes[r]).unwrap_or("?"));
+        self.decode(&values, attempt)
     }
 
     /// One row: `values[i]` is field `FIELDS[i]`'s text, if present;

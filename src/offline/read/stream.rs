@@ -1,8 +1,17 @@
-//! The streamed CSV reader: one thread parses records with the `csv`
-//! crate, others decode batches of them, and the batches are put back in
-//! file order.
+//! The streamed CSV reader: one thread cuts the file into batches of
+//! records, others decode them, and the batches are put back in file
+//! order.
+//!
+//! Text without quotes and carriage returns (most call logs and CDR
+//! exports) is cut into blocks of whole lines, every line a record and
+//! every delimiter a field's end: the decoding threads find the fields,
+//! and the cutting thread only the ends of lines. From the first block
+//! with a quote or a carriage return on, the `csv` crate parses the
+//! records (quoted fields, Windows ends of line). Both give the same
+//! records in the same batches.
 
 use std::fs::File;
+use std::io::Read;
 use std::path::Path;
 
 use crate::engine::event::{Decoder, FIELDS};
@@ -11,7 +20,7 @@ use crate::offline::cdr::{detect, InputFormat, Preset};
 use crate::offline::columns::EventColumns;
 use crate::progress::progress_bar;
 
-use super::row::{DecodedBatch, RowDecoder, CSV_BATCH};
+use super::row::{BatchText, DecodedBatch, Line, LineBlock, RowDecoder, CSV_BATCH, LINE_READ};
 use super::{
     bad_shape, check_delimiter, check_required, effective_map, preset_names, unclosed_quote_line,
     wanted_columns, InvalidRow, ReadOptions,
@@ -85,18 +94,44 @@ pub(super) fn read_csv_events(
     format: InputFormat,
     sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
 ) -> Result<Vec<InvalidRow>, IoError> {
+    read_csv_events_by(path, opts, format, Parsing::Fastest, sink)
+}
+
+/// How the records after the first are parsed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Parsing {
+    /// As lines split at the delimiter while the text has no quote and no
+    /// carriage return (the same records, parsed on the decoding threads),
+    /// by the `csv` crate from the first block that has one.
+    Fastest,
+    /// By the `csv` crate throughout.
+    #[cfg(test)]
+    CsvCrate,
+}
+
+/// [`read_csv_events`], parsing as `parsing` says.
+pub(super) fn read_csv_events_by(
+    path: &Path,
+    opts: &ReadOptions,
+    format: InputFormat,
+    parsing: Parsing,
+    sink: &mut dyn FnMut(EventColumns) -> Result<(), IoError>,
+) -> Result<Vec<InvalidRow>, IoError> {
     let io = |source| IoError::Io {
         context: format!("reading {}", path.display()),
         source,
     };
     let file = File::open(path).map_err(io)?;
     let size = file.metadata().map_err(io)?.len();
-    let mut reader = csv::ReaderBuilder::new()
-        .delimiter(opts.delimiter)
-        .has_headers(false)
-        .flexible(true)
-        .buffer_capacity(1 << 20)
-        .from_reader(file);
+    // The first record is read apart; the reader's buffer goes on to the
+    // parsing thread with the file (which may be a pipe: no seeking back).
+    let mut reader = csv_reader(
+        Recorded {
+            file,
+            seen: Vec::new(),
+        },
+        opts.delimiter,
+    );
     let csv_err = |e: csv::Error| bad_shape(path, e.to_string());
     let mut first = csv::ByteRecord::new();
     if !reader.read_byte_record(&mut first).map_err(csv_err)? {
@@ -108,8 +143,19 @@ pub(super) fn read_csv_events(
         .collect();
     let header = resolve_header(path, opts, format, &first_text)?;
     let first = header.first_is_data.then_some(first);
+    let after_first = reader.position().byte();
+    let Recorded { file, mut seen } = reader.into_inner();
+    let offset = seen.len() as u64;
+    seen.drain(..(after_first as usize).min(seen.len()));
+    let rest = Rest {
+        file,
+        head: seen,
+        offset,
+        delimiter: opts.delimiter,
+        lines: parsing == Parsing::Fastest,
+    };
     let bar = progress_bar(size, opts.progress, "reading");
-    let decoded = decode_in_order(reader, first, &header, opts, &bar, sink);
+    let decoded = decode_in_order(rest, first, &header, opts, &bar, sink);
     bar.finish_and_clear();
     let decoded = decoded.map_err(csv_err)?;
     if let Some(e) = decoded.sink_error {
@@ -117,6 +163,43 @@ pub(super) fn read_csv_events(
     }
     check_quotes_closed(path, decoded.last_multiline)?;
     Ok(decoded.invalid)
+}
+
+/// The reader of the `csv` crate as callguard reads CSV: no header (the
+/// first record is looked at apart), rows of any length.
+fn csv_reader<R: Read>(from: R, delimiter: u8) -> csv::Reader<R> {
+    csv::ReaderBuilder::new()
+        .delimiter(delimiter)
+        .has_headers(false)
+        .flexible(true)
+        .buffer_capacity(1 << 20)
+        .from_reader(from)
+}
+
+/// A file, and the bytes read from it so far.
+struct Recorded {
+    file: File,
+    seen: Vec<u8>,
+}
+
+impl Read for Recorded {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.file.read(buf)?;
+        self.seen.extend_from_slice(&buf[..n]);
+        Ok(n)
+    }
+}
+
+/// The file past its first record, for the parsing thread.
+struct Rest {
+    /// The text after the first record already read from the file.
+    head: Vec<u8>,
+    file: File,
+    /// Where in the file `file` is.
+    offset: u64,
+    delimiter: u8,
+    /// Whether blocks of lines may be handed on (see [`Parsing`]).
+    lines: bool,
 }
 
 /// What [`decode_in_order`] read (its events went to the sink).
@@ -128,11 +211,22 @@ struct Decoded {
     last_multiline: bool,
 }
 
+/// A batch handed from the parsing thread to a decoding one.
+struct Batch {
+    /// Its place among the batches.
+    seq: usize,
+    /// The data row number of its first record.
+    first_row: u64,
+    /// The byte offset in the file where it ends.
+    end: u64,
+    text: BatchText,
+}
+
 /// Parses the records on one thread and decodes batches of them on
 /// others, handing the batches to `sink` in file order. `first`: a first
 /// record that is data (not a header).
-fn decode_in_order<R: std::io::Read + Send>(
-    reader: csv::Reader<R>,
+fn decode_in_order(
+    rest: Rest,
     first: Option<csv::ByteRecord>,
     header: &Header,
     opts: &ReadOptions,
@@ -145,13 +239,21 @@ fn decode_in_order<R: std::io::Read + Send>(
         last_multiline: false,
     };
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
-    let (full_tx, full_rx) =
-        std::sync::mpsc::sync_channel::<(usize, Vec<csv::ByteRecord>)>(2 * workers);
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Batch>(2 * workers);
     let full_rx = std::sync::Mutex::new(full_rx);
     let (done_tx, done_rx) = std::sync::mpsc::channel::<DecodedBatch>();
-    let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<csv::ByteRecord>>();
+    let (empty_tx, empty_rx) = std::sync::mpsc::channel::<BatchText>();
     std::thread::scope(|s| {
-        let parser = s.spawn(move || parse_batches(reader, first, &full_tx, &empty_rx));
+        let parser = s.spawn(move || {
+            let mut parser = Parser {
+                seq: 0,
+                row: 1,
+                made: 0,
+                full_tx,
+                empty_rx,
+            };
+            parser.run(rest, first)
+        });
         for _ in 0..workers {
             let (full_rx, done_tx) = (&full_rx, done_tx.clone());
             s.spawn(move || decode_batches(header, opts, full_rx, &done_tx));
@@ -174,13 +276,11 @@ fn decode_in_order<R: std::io::Read + Send>(
                     }
                 }
                 out.invalid.extend(d.invalid);
-                if let Some(last) = d.records.last() {
-                    out.last_multiline = last.iter().any(|f| f.contains(&b'\n'));
-                    bar.set_position(last.position().map_or(0, |p| p.byte()));
-                }
+                out.last_multiline = d.last_multiline;
+                bar.set_position(d.end);
                 // The parser may have finished (or failed) already.
                 if let Some(tx) = &empty_tx {
-                    let _ = tx.send(d.records);
+                    let _ = tx.send(d.text);
                 }
                 next += 1;
             }
@@ -192,64 +292,197 @@ fn decode_in_order<R: std::io::Read + Send>(
     Ok(out)
 }
 
-/// Batches of records in flight at most (being parsed, decoded, or
-/// waiting for the sink): the read runs no further ahead of a slow sink
-/// (one spilling a sorted run to disk) than this.
+/// Batches in flight at most (being parsed, decoded, or waiting for the
+/// sink): the read runs no further ahead of a slow sink (one spilling a
+/// sorted run to disk) than this.
 const BATCHES_IN_FLIGHT: usize = 32;
 
-/// The parsing thread: fills batches of [`CSV_BATCH`] records (reusing
-/// those that come back, at most [`BATCHES_IN_FLIGHT`] of them) and hands
-/// them on, numbered; stops when none come back any more (the sink
-/// failed).
-fn parse_batches<R: std::io::Read>(
-    mut reader: csv::Reader<R>,
-    first: Option<csv::ByteRecord>,
-    full_tx: &std::sync::mpsc::SyncSender<(usize, Vec<csv::ByteRecord>)>,
-    empty_rx: &std::sync::mpsc::Receiver<Vec<csv::ByteRecord>>,
-) -> Result<(), csv::Error> {
-    let mut made = 1;
-    let mut filled = usize::from(first.is_some());
-    let mut batch: Vec<csv::ByteRecord> = first.into_iter().collect();
-    for seq in 0.. {
-        if batch.len() < CSV_BATCH {
-            batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
-        }
-        while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
-            filled += 1;
-        }
-        let done = filled < CSV_BATCH;
-        batch.truncate(filled);
-        if filled > 0 && full_tx.send((seq, batch)).is_err() {
-            break;
-        }
-        if done {
-            break;
-        }
-        // The sink hands each batch back once it took its events; every
-        // batch in flight reaches it, so waiting for one cannot stall.
-        batch = match empty_rx.try_recv() {
-            Ok(b) => b,
-            // The sink failed: no more batches are wanted.
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
-            Err(_) if made < BATCHES_IN_FLIGHT => {
-                made += 1;
-                Vec::new()
+/// The parsing thread: hands on numbered batches, reusing those that come
+/// back (at most [`BATCHES_IN_FLIGHT`] are made); stops when none come
+/// back any more (the sink failed).
+struct Parser {
+    /// The next batch's number.
+    seq: usize,
+    /// The next record's data row number.
+    row: u64,
+    /// Batches made so far.
+    made: usize,
+    full_tx: std::sync::mpsc::SyncSender<Batch>,
+    empty_rx: std::sync::mpsc::Receiver<BatchText>,
+}
+
+impl Parser {
+    /// Parses the rest of the file after `first` (a data record, if not a
+    /// header): as blocks of lines while it may, then with the `csv` crate.
+    fn run(&mut self, mut rest: Rest, first: Option<csv::ByteRecord>) -> Result<(), csv::Error> {
+        if let Some(first) = first {
+            if !self.send(rest.offset, BatchText::Records(vec![first])) {
+                return Ok(());
             }
-            Err(_) => match empty_rx.recv() {
-                Ok(b) => b,
-                Err(_) => break,
-            },
+        }
+        let carry = if rest.lines {
+            match self.lines(&mut rest)? {
+                Some(carry) => carry,
+                None => return Ok(()),
+            }
+        } else {
+            std::mem::take(&mut rest.head)
         };
-        filled = 0;
+        let base = rest.offset - carry.len() as u64;
+        let reader = csv_reader(std::io::Cursor::new(carry).chain(rest.file), rest.delimiter);
+        self.records(reader, base)
     }
-    Ok(())
+
+    /// Hands on a batch ending at byte `end`; false when the sink failed.
+    fn send(&mut self, end: u64, text: BatchText) -> bool {
+        let first_row = self.row;
+        self.row += match &text {
+            BatchText::Records(r) => r.len(),
+            BatchText::Lines(b) => b.lines.len(),
+        } as u64;
+        let batch = Batch {
+            seq: self.seq,
+            first_row,
+            end,
+            text,
+        };
+        self.seq += 1;
+        self.full_tx.send(batch).is_ok()
+    }
+
+    /// A batch come back to be refilled; `None` when the sink failed.
+    fn spare(&mut self) -> Option<BatchText> {
+        use std::sync::mpsc::TryRecvError;
+        if self.made < BATCHES_IN_FLIGHT {
+            match self.empty_rx.try_recv() {
+                Ok(text) => return Some(text),
+                Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) => {
+                    self.made += 1;
+                    return Some(BatchText::Records(Vec::new()));
+                }
+            }
+        }
+        // Every batch in flight reaches the sink, which hands it back:
+        // waiting for one cannot stall.
+        self.empty_rx.recv().ok()
+    }
+
+    /// Hands on blocks of [`CSV_BATCH`] lines (as many records as a batch
+    /// of the `csv` crate's, so the batches are the same either way) until
+    /// the end of the file, or until a block holds a quote or a carriage
+    /// return: then the text from that block on is given back (the file
+    /// then continues after it), to be parsed by the `csv` crate. `None`
+    /// when the sink failed.
+    fn lines(&mut self, rest: &mut Rest) -> Result<Option<Vec<u8>>, csv::Error> {
+        // The text read and not yet handed on starts at `buf[at]`.
+        let mut buf = std::mem::take(&mut rest.head);
+        let mut at = 0;
+        let mut eof = false;
+        loop {
+            let Some(text) = self.spare() else {
+                return Ok(None);
+            };
+            let mut block = match text {
+                BatchText::Lines(b) => b,
+                BatchText::Records(_) => LineBlock::default(),
+            };
+            block.bytes.clear();
+            block.lines.clear();
+            // Lines are found from `scan`, the next one starting at `start`
+            // (both relative to `at`, which moves when `buf` is compacted).
+            let (mut scan, mut start) = (at, at);
+            while block.lines.len() < CSV_BATCH {
+                match memchr::memchr(b'\n', &buf[scan..]) {
+                    Some(i) => {
+                        let end = scan + i;
+                        if end > start {
+                            block.lines.push(((start - at) as u32, (end - at) as u32));
+                        }
+                        (scan, start) = (end + 1, end + 1);
+                    }
+                    None if eof => {
+                        // The file's last line may have no end of line.
+                        if buf.len() > start {
+                            block
+                                .lines
+                                .push(((start - at) as u32, (buf.len() - at) as u32));
+                        }
+                        start = buf.len();
+                        break;
+                    }
+                    None => {
+                        buf.drain(..at);
+                        (scan, start, at) = (buf.len(), start - at, 0);
+                        eof = read_more(&mut rest.file, &mut buf, &mut rest.offset)?;
+                    }
+                }
+            }
+            let text = &buf[at..start];
+            if memchr::memchr2(b'"', b'\r', text).is_some() {
+                buf.drain(..at);
+                return Ok(Some(buf));
+            }
+            block.bytes.extend_from_slice(text);
+            at = start;
+            let end = rest.offset - (buf.len() - at) as u64;
+            if !block.lines.is_empty() && !self.send(end, BatchText::Lines(block)) {
+                return Ok(None);
+            }
+            if eof && at == buf.len() {
+                return Ok(Some(Vec::new()));
+            }
+        }
+    }
+
+    /// Hands on batches of [`CSV_BATCH`] records parsed by the `csv` crate
+    /// from `reader`, which starts at byte `base` of the file.
+    fn records<R: Read>(
+        &mut self,
+        mut reader: csv::Reader<R>,
+        base: u64,
+    ) -> Result<(), csv::Error> {
+        loop {
+            let Some(text) = self.spare() else {
+                return Ok(());
+            };
+            let mut batch = match text {
+                BatchText::Records(r) => r,
+                BatchText::Lines(_) => Vec::new(),
+            };
+            if batch.len() < CSV_BATCH {
+                batch.resize_with(CSV_BATCH, csv::ByteRecord::new);
+            }
+            let mut filled = 0;
+            while filled < CSV_BATCH && reader.read_byte_record(&mut batch[filled])? {
+                filled += 1;
+            }
+            let done = filled < CSV_BATCH;
+            batch.truncate(filled);
+            let end = base + reader.position().byte();
+            if filled > 0 && !self.send(end, BatchText::Records(batch)) {
+                return Ok(());
+            }
+            if done {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Reads up to [`LINE_READ`] bytes of `file` onto `buf`; `offset`
+/// follows the file. Returns whether the file ended.
+fn read_more(file: &mut File, buf: &mut Vec<u8>, offset: &mut u64) -> std::io::Result<bool> {
+    let read = file.by_ref().take(LINE_READ as u64).read_to_end(buf)?;
+    *offset += read as u64;
+    Ok(read == 0)
 }
 
 /// A decoding thread: decodes the batches it takes until there are none.
 fn decode_batches(
     header: &Header,
     opts: &ReadOptions,
-    full_rx: &std::sync::Mutex<std::sync::mpsc::Receiver<(usize, Vec<csv::ByteRecord>)>>,
+    full_rx: &std::sync::Mutex<std::sync::mpsc::Receiver<Batch>>,
     done_tx: &std::sync::mpsc::Sender<DecodedBatch>,
 ) {
     let mut row = RowDecoder::new(
@@ -259,16 +492,44 @@ fn decode_batches(
         opts.ts_format.as_deref(),
     );
     row.attempt_column = header.attempt;
+    let last = row.last_column(&header.fields);
     loop {
         let next = match full_rx.lock() {
             Ok(rx) => rx.recv(),
             Err(_) => return,
         };
-        let Ok((seq, batch)) = next else { return };
-        if done_tx
-            .send(row.decode_records(seq, batch, &header.fields))
-            .is_err()
-        {
+        let Ok(batch) = next else { return };
+        let (events, invalid) = match &batch.text {
+            BatchText::Records(records) => {
+                row.decode_records(batch.first_row, records.iter(), &header.fields)
+            }
+            BatchText::Lines(block) => row.decode_records(
+                batch.first_row,
+                block.lines.iter().map(|&(start, end)| {
+                    Line::split(
+                        &block.bytes[start as usize..end as usize],
+                        opts.delimiter,
+                        last,
+                    )
+                }),
+                &header.fields,
+            ),
+        };
+        let last_multiline = match &batch.text {
+            BatchText::Records(records) => records
+                .last()
+                .is_some_and(|r| r.iter().any(|f| f.contains(&b'\n'))),
+            BatchText::Lines(_) => false,
+        };
+        let decoded = DecodedBatch {
+            seq: batch.seq,
+            events,
+            invalid,
+            text: batch.text,
+            end: batch.end,
+            last_multiline,
+        };
+        if done_tx.send(decoded).is_err() {
             return;
         }
     }
@@ -289,5 +550,158 @@ fn check_quotes_closed(path: &Path, last_multiline: bool) -> Result<(), IoError>
             ),
         )),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::event::CallEvent;
+
+    /// Reads `text` as a call log, parsed as `parsing` says: each event
+    /// with its row number, and the invalid rows.
+    fn read(
+        text: &[u8],
+        opts: &ReadOptions,
+        format: InputFormat,
+        parsing: Parsing,
+    ) -> (Vec<(u64, CallEvent)>, Vec<InvalidRow>) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("calls.csv");
+        std::fs::write(&path, text).unwrap();
+        let mut events = Vec::new();
+        let invalid = read_csv_events_by(&path, opts, format, parsing, &mut |columns| {
+            events.extend((0..columns.len()).map(|i| (columns.row(i), columns.event(i))));
+            Ok(())
+        })
+        .unwrap();
+        (events, invalid)
+    }
+
+    /// The same events, rows and invalid rows by lines as by the `csv`
+    /// crate; returns how many events.
+    fn same_both_ways(text: &[u8], opts: &ReadOptions, format: InputFormat) -> usize {
+        let fast = read(text, opts, format, Parsing::Fastest);
+        let csv = read(text, opts, format, Parsing::CsvCrate);
+        assert_eq!(fast.0.len(), csv.0.len(), "events");
+        for (a, b) in fast.0.iter().zip(&csv.0) {
+            assert_eq!(a, b);
+        }
+        assert_eq!(fast.1, csv.1, "invalid rows");
+        fast.0.len()
+    }
+
+    /// A quote-free log of `rows` rows over several line blocks, with what
+    /// the line path must get right: blank lines, short and long rows,
+    /// invalid times and labels, a number that is not UTF-8, empty fields.
+    fn awkward_log(rows: usize, delimiter: char) -> Vec<u8> {
+        let d = delimiter;
+        let mut text =
+            format!("call_id{d}caller{d}callee{d}ts{d}duration_ms{d}label\n").into_bytes();
+        for i in 0..rows {
+            let line = match i % 97 {
+                5 => String::new(),
+                11 => format!("c{i}{d}+3491{i:07}"),
+                17 => format!("c{i}{d}+3491{i:07}{d}{d}not-a-time{d}{d}legit"),
+                23 => format!(
+                    "c{i}{d}+3491{i:07}{d}+3492{i:07}{d}{}{d}12{d}maybe{d}x{d}y",
+                    1_764_547_200_000u64 + i as u64
+                ),
+                31 => format!(
+                    "c{i}{d}{d}+3492{i:07}{d}{}{d}{d}",
+                    1_764_547_200_000u64 + i as u64
+                ),
+                _ => format!(
+                    "c{i}{d}+3491{:07}{d}+3492{i:07}{d}2025-12-01T00:{:02}:{:02}.{:03}Z{d}{}{d}{}",
+                    i % 5003,
+                    (i / 60_000) % 60,
+                    (i / 1000) % 60,
+                    i % 1000,
+                    i % 7_000,
+                    if i % 3 == 0 { "fraud" } else { "legit" }
+                ),
+            };
+            text.extend_from_slice(line.as_bytes());
+            if i % 97 == 41 {
+                text.extend_from_slice(b"\xff\xfe");
+            }
+            text.push(b'\n');
+        }
+        text
+    }
+
+    #[test]
+    fn lines_read_as_the_csv_crate_reads_them() {
+        let opts = ReadOptions::default();
+        let text = awkward_log(20_000, ',');
+        let events = same_both_ways(&text, &opts, InputFormat::Csv);
+        assert!(events > 18_000, "{events} events");
+        // Without the last end of line, and with one line longer than a
+        // block.
+        let mut cut = text.clone();
+        cut.pop();
+        same_both_ways(&cut, &opts, InputFormat::Csv);
+        let mut long = awkward_log(3_000, ',');
+        long.extend_from_slice(format!("x{}\n", "9".repeat(LINE_READ * 2)).as_bytes());
+        long.extend_from_slice(&awkward_log(3_000, ',')[40..]);
+        same_both_ways(&long, &opts, InputFormat::Csv);
+        // Another delimiter.
+        let semi = ReadOptions {
+            delimiter: b';',
+            ..ReadOptions::default()
+        };
+        same_both_ways(&awkward_log(5_000, ';'), &semi, InputFormat::Csv);
+    }
+
+    #[test]
+    fn a_quote_or_a_carriage_return_hands_the_rest_to_the_csv_crate() {
+        let opts = ReadOptions::default();
+        // A quoted field holding a delimiter and an end of line, blocks
+        // into the file: the lines before it are read as lines, the rest
+        // by the csv crate, and the rows are numbered on.
+        let mut text = awkward_log(12_000, ',');
+        text.extend_from_slice(b"\"q1\",\"+34911\",\"+34,92\n2\",1764547200000,5,legit\n");
+        text.extend_from_slice(&awkward_log(4_000, ',')[40..]);
+        let (fast, _) = read(&text, &opts, InputFormat::Csv, Parsing::Fastest);
+        assert!(fast.iter().any(|(_, e)| e.call_id == "q1"));
+        same_both_ways(&text, &opts, InputFormat::Csv);
+        // Windows ends of line throughout, and one stray carriage return.
+        let crlf: Vec<u8> = awkward_log(6_000, ',')
+            .split(|&b| b == b'\n')
+            .flat_map(|l| l.iter().copied().chain(*b"\r\n"))
+            .collect();
+        same_both_ways(&crlf, &opts, InputFormat::Csv);
+        let mut stray = awkward_log(6_000, ',');
+        let at = stray.len() / 2;
+        stray.insert(at, b'\r');
+        same_both_ways(&stray, &opts, InputFormat::Csv);
+    }
+
+    #[test]
+    fn a_file_whose_first_row_is_data_keeps_it() {
+        // Kamailio's acc export has no header: its first row is data, and
+        // its method column says which rows are call attempts.
+        let opts = ReadOptions::default();
+        let golden = std::fs::read("tests/golden/kamailio-acc.csv").unwrap();
+        same_both_ways(&golden, &opts, InputFormat::Auto);
+        let mut rows = Vec::new();
+        for i in 0..12_000u64 {
+            let method = if i % 5 == 4 { "BYE" } else { "INVITE" };
+            rows.extend_from_slice(
+                format!(
+                    "{method},t{i},,id{i}@pbx.example,200,OK,2025-03-30 0{}:{:02}:{:02},+3491{:07},+3460{i:07},127.0.0.1\n",
+                    i / 3600,
+                    (i / 60) % 60,
+                    i % 60,
+                    i % 700
+                )
+                .as_bytes(),
+            );
+        }
+        let kept = same_both_ways(&rows, &opts, InputFormat::Auto);
+        assert_eq!(kept, 12_000 / 5 * 4, "the INVITE rows");
+        let (events, _) = read(&rows, &opts, InputFormat::Auto, Parsing::Fastest);
+        assert_eq!(events[0], (1, events[0].1.clone()));
+        assert_eq!(events[0].1.call_id, "id0@pbx.example");
     }
 }
