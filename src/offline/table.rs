@@ -88,10 +88,11 @@ impl<'a> Builder<'a> {
             Builder::UInt(v) => Ok(Column::new(name, v)),
             Builder::Bool(v) => Ok(Column::new(name, v)),
             Builder::Float(v) => Ok(Column::new(name, v)),
-            Builder::Time(v) => Column::new(name, v).cast(&DataType::Datetime(
-                TimeUnit::Milliseconds,
-                Some(TimeZone::UTC),
-            )),
+            // The epoch milliseconds are the column's values as they are
+            // (a cast would convert each one through the time zone).
+            Builder::Time(v) => Ok(Int64Chunked::from_vec(name, v)
+                .into_datetime(TimeUnit::Milliseconds, Some(TimeZone::UTC))
+                .into_column()),
         }
     }
 }
