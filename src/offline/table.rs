@@ -20,79 +20,74 @@ use crate::offline::read::{polars_err, InvalidRow};
 /// turn: a chunk of verdicts is larger than the caches, and a pass per
 /// column would read it from memory once per column.
 pub fn frame(schema: &RecordSchema, rows: &[Row<'_>]) -> Result<DataFrame, IoError> {
-    let mut builders: Vec<Builder<'_>> = schema
+    let mut builders: Vec<Builder> = schema
         .columns()
         .iter()
-        .map(|c| Builder::new(c.field.kind(), rows.len()))
+        .map(|c| Builder::new(c.field.kind(), c.name.as_str().into(), rows.len()))
         .collect();
     for row in rows {
         for (c, b) in schema.columns().iter().zip(&mut builders) {
             b.push(c.field.value(*row));
         }
     }
-    let columns = schema
-        .columns()
-        .iter()
-        .zip(builders)
-        .map(|(c, b)| b.finish(c.name.as_str().into()))
-        .collect::<PolarsResult<Vec<_>>>()
-        .map_err(polars_err("building a table"))?;
+    let columns = builders.into_iter().map(Builder::finish).collect();
     DataFrame::new(rows.len(), columns).map_err(polars_err("building a table"))
 }
 
-/// The values of one column being collected, by [`Kind`].
-enum Builder<'a> {
-    Text(Vec<Option<&'a str>>),
-    Int(Vec<Option<i64>>),
-    UInt(Vec<Option<u64>>),
-    Bool(Vec<Option<bool>>),
-    Time(Vec<i64>),
-    Float(Vec<Option<f32>>),
+/// One column being built, by [`Kind`]: each value goes straight into
+/// its column's arrays.
+enum Builder {
+    Text(StringChunkedBuilder),
+    Int(PrimitiveChunkedBuilder<Int64Type>),
+    UInt(PrimitiveChunkedBuilder<UInt64Type>),
+    Bool(BooleanChunkedBuilder),
+    Time(PlSmallStr, Vec<i64>),
+    Float(PrimitiveChunkedBuilder<Float32Type>),
 }
 
-impl<'a> Builder<'a> {
-    fn new(kind: Kind, rows: usize) -> Self {
+impl Builder {
+    fn new(kind: Kind, name: PlSmallStr, rows: usize) -> Self {
         match kind {
-            Kind::Text => Builder::Text(Vec::with_capacity(rows)),
-            Kind::Int => Builder::Int(Vec::with_capacity(rows)),
-            Kind::UInt => Builder::UInt(Vec::with_capacity(rows)),
-            Kind::Bool => Builder::Bool(Vec::with_capacity(rows)),
-            Kind::Time => Builder::Time(Vec::with_capacity(rows)),
-            Kind::Float => Builder::Float(Vec::with_capacity(rows)),
+            Kind::Text => Builder::Text(StringChunkedBuilder::new(name, rows)),
+            Kind::Int => Builder::Int(PrimitiveChunkedBuilder::new(name, rows)),
+            Kind::UInt => Builder::UInt(PrimitiveChunkedBuilder::new(name, rows)),
+            Kind::Bool => Builder::Bool(BooleanChunkedBuilder::new(name, rows)),
+            Kind::Time => Builder::Time(name, Vec::with_capacity(rows)),
+            Kind::Float => Builder::Float(PrimitiveChunkedBuilder::new(name, rows)),
         }
     }
 
     /// Appends a value; one of another kind (never produced by a field of
     /// this column's kind) appends a null.
-    fn push(&mut self, value: Value<'a>) {
+    fn push(&mut self, value: Value<'_>) {
         match (self, value) {
-            (Builder::Text(v), Value::Text(x)) => v.push(x),
-            (Builder::Text(v), _) => v.push(None),
-            (Builder::Int(v), Value::Int(x)) => v.push(x),
-            (Builder::Int(v), _) => v.push(None),
-            (Builder::UInt(v), Value::UInt(x)) => v.push(x),
-            (Builder::UInt(v), _) => v.push(None),
-            (Builder::Bool(v), Value::Bool(x)) => v.push(x),
-            (Builder::Bool(v), _) => v.push(None),
-            (Builder::Time(v), Value::Time(x)) => v.push(x),
-            (Builder::Time(v), _) => v.push(0),
-            (Builder::Float(v), Value::Float(x)) => v.push(x),
-            (Builder::Float(v), _) => v.push(None),
+            (Builder::Text(b), Value::Text(x)) => b.append_option(x),
+            (Builder::Text(b), _) => b.append_null(),
+            (Builder::Int(b), Value::Int(x)) => b.append_option(x),
+            (Builder::Int(b), _) => b.append_null(),
+            (Builder::UInt(b), Value::UInt(x)) => b.append_option(x),
+            (Builder::UInt(b), _) => b.append_null(),
+            (Builder::Bool(b), Value::Bool(x)) => b.append_option(x),
+            (Builder::Bool(b), _) => b.append_null(),
+            (Builder::Time(_, v), Value::Time(x)) => v.push(x),
+            (Builder::Time(_, v), _) => v.push(0),
+            (Builder::Float(b), Value::Float(x)) => b.append_option(x),
+            (Builder::Float(b), _) => b.append_null(),
         }
     }
 
-    fn finish(self, name: PlSmallStr) -> PolarsResult<Column> {
+    fn finish(self) -> Column {
         match self {
-            Builder::Text(v) => Ok(Column::new(name, v)),
-            Builder::Int(v) => Ok(Column::new(name, v)),
-            Builder::UInt(v) => Ok(Column::new(name, v)),
-            Builder::Bool(v) => Ok(Column::new(name, v)),
-            Builder::Float(v) => Ok(Column::new(name, v)),
+            Builder::Text(b) => b.finish().into_column(),
+            Builder::Int(b) => b.finish().into_column(),
+            Builder::UInt(b) => b.finish().into_column(),
+            Builder::Bool(b) => b.finish().into_column(),
+            Builder::Float(b) => b.finish().into_column(),
             // The epoch milliseconds are the column's values as they are
             // (a cast would convert each one through the time zone).
-            Builder::Time(v) => Ok(Int64Chunked::from_vec(name, v)
+            Builder::Time(name, v) => Int64Chunked::from_vec(name, v)
                 .into_datetime(TimeUnit::Milliseconds, Some(TimeZone::UTC))
-                .into_column()),
+                .into_column(),
         }
     }
 }
