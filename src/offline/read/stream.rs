@@ -678,6 +678,37 @@ mod tests {
     }
 
     #[test]
+    fn the_rows_after_the_header_are_read_from_where_it_ends() {
+        // The header's own reader reads ahead; the rest starts where the
+        // header ends, whatever ends it (a byte order mark before it too).
+        let opts = ReadOptions::default();
+        for (start, end) in [
+            ("", "\n"),
+            ("\u{feff}", "\n"),
+            ("", "\r\n"),
+            ("\u{feff}", "\r\n"),
+        ] {
+            let mut text = format!("{start}call_id,caller,ts{end}");
+            for i in 0..3 {
+                text.push_str(&format!("c{i},+3491000000{i},176454720000{i}{end}"));
+            }
+            for parsing in [Parsing::Fastest, Parsing::CsvCrate] {
+                let (events, invalid) = read(text.as_bytes(), &opts, InputFormat::Csv, parsing);
+                let got: Vec<(u64, &str)> = events
+                    .iter()
+                    .map(|(n, e)| (*n, e.call_id.as_str()))
+                    .collect();
+                assert_eq!(
+                    got,
+                    [(1, "c0"), (2, "c1"), (3, "c2")],
+                    "{start:?} {end:?} {parsing:?}"
+                );
+                assert!(invalid.is_empty(), "{invalid:?}");
+            }
+        }
+    }
+
+    #[test]
     fn a_file_whose_first_row_is_data_keeps_it() {
         // Kamailio's acc export has no header: its first row is data, and
         // its method column says which rows are call attempts.
