@@ -671,6 +671,7 @@ async fn sigkill_rounds(rules: &std::path::Path, seed: u64, group: &str, mode: &
         mode,
         rounds: 4,
         ready_within: Duration::from_secs(60),
+        tries: 1,
         key_by: Default::default(),
     };
     crash.run(&s, seed).await;
@@ -690,9 +691,30 @@ struct Crash<'a> {
     /// How long a new consumer may take to own partitions (a killed
     /// member holds them until the broker expires it).
     ready_within: Duration,
+    /// Consumers started in turn, `ready_within` shared between them, until
+    /// one owns every partition (see [`Crash::start_owning_all`]).
+    tries: u32,
     /// How the events are keyed (by account: a trunk's calls in one
     /// partition, for rules keyed by account).
     key_by: callguard::online::produce::KeyBy,
+}
+
+/// Whether the consumer whose metrics are on `port` owns every partition
+/// within `within`.
+async fn owning_all_within(port: u16, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        let owns_all = common::http_get(port, "/metrics").is_some_and(|m| {
+            metric_sum(&m, "callguard_assigned_partitions") == f64::from(PARTITIONS)
+        });
+        if owns_all {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Waits until the consumer whose metrics are on `port` owns every
@@ -714,6 +736,44 @@ async fn until_owning_all(port: u16, within: Duration, who: &str) {
 }
 
 impl Crash<'_> {
+    /// Starts a consumer and waits until it owns every partition (killed
+    /// then, the member is expired by tansu 0.6; a member killed while
+    /// the group rebalances, joining, is never expired). Makes
+    /// [`Crash::tries`] consumers in turn, each given its share of
+    /// [`Crash::ready_within`]: on tansu, a consumer that joins while the
+    /// broker still lists the killed member may be handed no partition
+    /// for ever (seen on a slow afternoon: the group settled with the dead
+    /// member holding them all), so it is stopped cleanly (it decided
+    /// nothing) for a new one. Returns the consumer and its metrics port.
+    async fn start_owning_all(&self, redis_url: &str, who: &str) -> (std::process::Child, u16) {
+        let tries = self.tries.max(1);
+        for attempt in 1..=tries {
+            let port = common::free_port();
+            let addr = format!("127.0.0.1:{port}");
+            let mut extra = vec![
+                "-X",
+                "session.timeout.ms=6000",
+                "--batch-size",
+                "200",
+                "--metrics-addr",
+                &addr,
+            ];
+            extra.extend_from_slice(self.mode);
+            let mut child = spawn_consumer(self.brokers, redis_url, self.group, self.rules, &extra);
+            let within = self.ready_within / tries;
+            if owning_all_within(port, within).await {
+                return (child, port);
+            }
+            eprintln!("{who}: no full assignment within {within:?} (try {attempt}); started again");
+            signal(&child, "TERM");
+            let _ = child.wait();
+        }
+        panic!(
+            "{who} did not own all {PARTITIONS} partitions in {tries} tries within {:?}",
+            self.ready_within
+        );
+    }
+
     /// Produces the sample's events (attempts and any ends), kills
     /// `rounds` consumers a random while after each owns partitions, and
     /// runs one to the end: every attempt has one distinct record, equal
@@ -736,25 +796,10 @@ impl Crash<'_> {
             // Killed while consuming: once it owns partitions (a member
             // killed while joining is never expired by tansu 0.6), a random
             // while into the work.
-            let port = common::free_port();
-            let addr = format!("127.0.0.1:{port}");
-            let mut extra = vec![
-                "-X",
-                "session.timeout.ms=6000",
-                "--batch-size",
-                "200",
-                "--metrics-addr",
-                &addr,
-            ];
-            extra.extend_from_slice(self.mode);
-            let mut child =
-                spawn_consumer(self.brokers, &redis.url(), self.group, self.rules, &extra);
-            // Killed once it owns every partition: the member killed
-            // before it has been expired and the group has settled (a
-            // member killed while the group rebalances, joining, is never
-            // expired by tansu 0.6).
             let within = self.ready_within;
-            until_owning_all(port, within, &format!("round {round}: the consumer")).await;
+            let (mut child, port) = self
+                .start_owning_all(&redis.url(), &format!("round {round}: the consumer"))
+                .await;
             // Killed mid-work: once it has decided a random share of the
             // calls (a twentieth to a third), or, when no work is left for
             // it, 20 s on (a slow machine still gets a twentieth done by
@@ -790,9 +835,9 @@ impl Crash<'_> {
             mid_work,
             "no consumer was killed with part of the work done: the kills did not hit mid-work"
         );
-        let mut extra = vec!["-X", "session.timeout.ms=6000", "--batch-size", "200"];
-        extra.extend_from_slice(self.mode);
-        let mut child = spawn_consumer(self.brokers, &redis.url(), self.group, self.rules, &extra);
+        let (mut child, _) = self
+            .start_owning_all(&redis.url(), "the last consumer")
+            .await;
         let records = read_decisions(
             self.brokers,
             "call-decisions",
@@ -913,6 +958,7 @@ async fn tansu_call_ends_with_sigkills_decide_as_replay() {
         // tansu expires a member killed after joining once its session
         // times out, 30-50 s.
         ready_within: Duration::from_secs(180),
+        tries: 3,
         key_by: Default::default(),
     };
     crash.run(&s, 23).await;
@@ -951,6 +997,7 @@ async fn tansu_trunk_pools_with_sigkills_decide_as_replay() {
         mode: &[],
         rounds: 2,
         ready_within: Duration::from_secs(180),
+        tries: 3,
         key_by: callguard::online::produce::KeyBy::Account,
     };
     crash.run(&s, 29).await;
