@@ -51,7 +51,7 @@ pub(super) struct LineBlock {
     pub(super) bytes: Vec<u8>,
     /// Where each non-blank line starts and ends in `bytes` (without its
     /// `\n`).
-    pub(super) lines: Vec<(u32, u32)>,
+    pub(super) lines: Vec<(usize, usize)>,
 }
 
 /// One record's text and its fields' places in it.

@@ -397,16 +397,14 @@ impl Parser {
                     Some(i) => {
                         let end = scan + i;
                         if end > start {
-                            block.lines.push(((start - at) as u32, (end - at) as u32));
+                            block.lines.push((start - at, end - at));
                         }
                         (scan, start) = (end + 1, end + 1);
                     }
                     None if eof => {
                         // The file's last line may have no end of line.
                         if buf.len() > start {
-                            block
-                                .lines
-                                .push(((start - at) as u32, (buf.len() - at) as u32));
+                            block.lines.push((start - at, buf.len() - at));
                         }
                         start = buf.len();
                         break;
@@ -506,11 +504,7 @@ fn decode_batches(
             BatchText::Lines(block) => row.decode_records(
                 batch.first_row,
                 block.lines.iter().map(|&(start, end)| {
-                    Line::split(
-                        &block.bytes[start as usize..end as usize],
-                        opts.delimiter,
-                        last,
-                    )
+                    Line::split(&block.bytes[start..end], opts.delimiter, last)
                 }),
                 &header.fields,
             ),
