@@ -19,6 +19,7 @@ pub mod aggregate;
 pub mod duration;
 pub mod event;
 pub mod filter;
+pub mod local_time;
 pub mod model;
 pub mod pool;
 pub mod rates;

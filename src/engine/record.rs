@@ -15,12 +15,13 @@
 //! milliseconds and `Z` in JSON and CSV (the same text), a UTC-aware
 //! millisecond timestamp (`timestamp[ms, tz=UTC]`) in Parquet.
 
-use chrono::{DateTime, Datelike, SecondsFormat, Timelike};
+use chrono::{DateTime, SecondsFormat};
 use chrono_tz::Tz;
 use compact_str::CompactString;
 use serde_json::{json, Map};
 
 use crate::engine::event::CallEvent;
+use crate::engine::local_time::local_parts;
 use crate::engine::rules::RuleSet;
 use crate::error::UnknownColumn;
 
@@ -329,9 +330,11 @@ impl Field {
             Field::Count(i) => Value::UInt(r.counts.get(i).copied().filter(|&c| c > 0)),
             Field::SincePrevMs => Value::Int(v.since_prev_ms()),
             Field::DistinctCallees => Value::UInt(v.distinct_callees),
-            Field::LocalHour(tz) => Value::UInt(local(r.ts_ms, tz).map(|d| u64::from(d.hour()))),
+            Field::LocalHour(tz) => {
+                Value::UInt(local_parts(r.ts_ms, tz).map(|l| u64::from(l.hour)))
+            }
             Field::LocalWeekday(tz) => {
-                Value::UInt(local(r.ts_ms, tz).map(|d| u64::from(d.weekday().number_from_monday())))
+                Value::UInt(local_parts(r.ts_ms, tz).map(|l| u64::from(l.weekday)))
             }
             Field::Callee => Value::Text(row.event.callee.as_deref()),
             Field::DurationMs => Value::Int(row.event.duration_ms),
@@ -347,12 +350,6 @@ impl Field {
             Field::Score => Value::Float(v.score),
         }
     }
-}
-
-/// Epoch milliseconds `ms` as a local time in `tz` (`None` past chrono's
-/// range, which no valid event time is).
-fn local(ms: i64, tz: Tz) -> Option<DateTime<Tz>> {
-    DateTime::from_timestamp_millis(ms).map(|d| d.with_timezone(&tz))
 }
 
 impl Value<'_> {
