@@ -3,11 +3,11 @@
 //!
 //! A zone's offset changes a few times a year, but finding it means a
 //! search of the zone's transitions and a calendar date for every call:
-//! about a tenth of a feature table's building. So the offset is looked up
-//! once per minute of UTC time and kept (per thread: a table is built in
-//! time order, a minute's calls one after another); a minute whose two
-//! ends have different offsets (a transition inside it) is worked out call
-//! by call, as before.
+//! a fifth of the instructions that build a feature table's columns. So
+//! the offset is looked up once per minute of UTC time and kept (per
+//! thread: a table is built in time order, a minute's calls one after
+//! another); a minute whose two ends have different offsets (a transition
+//! inside it) is worked out call by call, as before.
 
 use std::cell::Cell;
 
