@@ -720,19 +720,10 @@ async fn owning_all_within(port: u16, within: Duration) -> bool {
 /// Waits until the consumer whose metrics are on `port` owns every
 /// partition; fails, naming `who`, after `within`.
 async fn until_owning_all(port: u16, within: Duration, who: &str) {
-    let deadline = Instant::now() + within;
-    let owns_all = || {
-        common::http_get(port, "/metrics").is_some_and(|m| {
-            metric_sum(&m, "callguard_assigned_partitions") == f64::from(PARTITIONS)
-        })
-    };
-    while !owns_all() {
-        assert!(
-            Instant::now() < deadline,
-            "{who} did not own all {PARTITIONS} partitions within {within:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(
+        owning_all_within(port, within).await,
+        "{who} did not own all {PARTITIONS} partitions within {within:?}"
+    );
 }
 
 impl Crash<'_> {
