@@ -332,7 +332,7 @@ impl CallerState {
                     continue;
                 }
                 let callee = own.filter(|_| by_callee);
-                let s = slot(&mut self.open, rule).rejects_until(t, n, callee);
+                let s = slot(&mut self.rare_mut().open, rule).rejects_until(t, n, callee);
                 if let Some(s) = s.and_then(|s| profiled(rule, s)) {
                     last = last.max(s);
                 }
@@ -340,14 +340,14 @@ impl CallerState {
             }
             if rule.sum.is_some() {
                 let shape = super::Shape::of(rule, rules.grace_ms);
-                let s = slot(&mut self.sums, rule).rejects_until(shape, t, n);
+                let s = slot(&mut self.rare_mut().sums, rule).rejects_until(shape, t, n);
                 if let Some(s) = s.and_then(|s| profiled(rule, s)) {
                     last = last.max(s);
                 }
                 continue;
             }
             if rule.key == RuleKey::CallerCallee {
-                let pair = own.and_then(|c| slot(&mut self.pairs, rule).get(c));
+                let pair = own.and_then(|c| slot(&mut self.rare_mut().pairs, rule).get(c));
                 let s = pair.and_then(|p| pair_rejects_until(rule, p, t, l_new, rules));
                 if let Some(s) = s.and_then(|s| profiled(rule, s)) {
                     last = last.max(s);
@@ -356,17 +356,19 @@ impl CallerState {
             }
             let rejects_until = match rule.kind {
                 WindowKind::Sliding if rule.own_log() => {
-                    sliding_rejects_until(slot(&mut self.own_logs, rule), w, n, t)
+                    sliding_rejects_until(slot(&mut self.rare_mut().own_logs, rule), w, n, t)
                 }
                 WindowKind::Sliding => sliding_rejects_until(&self.log, w, n, t),
-                WindowKind::TokenBucket => match (*slot(&mut self.buckets, rule), rule.rate) {
-                    (Some(tat), Some(rate)) => tat
-                        .rejects_until(t, rate, n)
-                        .map(|s| s.min(expires.saturating_sub(1))),
-                    _ => None,
-                },
+                WindowKind::TokenBucket => {
+                    match (*slot(&mut self.rare_mut().buckets, rule), rule.rate) {
+                        (Some(tat), Some(rate)) => tat
+                            .rejects_until(t, rate, n)
+                            .map(|s| s.min(expires.saturating_sub(1))),
+                        _ => None,
+                    }
+                }
                 WindowKind::DistinctCallees => own.and_then(|own| {
-                    slot(&mut self.distinct, rule)
+                    slot(&mut self.rare_mut().distinct, rule)
                         .rejects_until(own, t, w, n)
                         .map(|s| s.min(expires.saturating_sub(1)))
                 }),

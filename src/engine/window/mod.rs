@@ -215,19 +215,14 @@ impl LetGo {
     }
 }
 
-/// All window state of one caller.
+/// The part of a caller's state that most rule sets never fill: rules
+/// with a log of their own, token buckets, distinct callees per rule,
+/// pairs, calls held open, sums, ends before their calls. Apart, behind
+/// one pointer, so that a caller under the usual rules (fixed, sliding
+/// and approximate windows) keeps its state in a few cache lines: every
+/// call reads the whole state, and a flood's callers are many.
 #[derive(Debug, Clone, Default)]
-pub struct CallerState {
-    latest: Option<i64>,
-    /// Sorted event times of recorded events (shared by all sliding rules);
-    /// a deque, as calls in time order append at the back and trim the front.
-    log: VecDeque<i64>,
-    /// Per fixed rule, by identity (name, window): bucket → recorded count.
-    /// Keyed by identity, as the Redis keys are, so a reload that changes a
-    /// rule's window never reads counters kept for the old one.
-    fixed: Vec<(RuleId, BTreeMap<i64, u64>)>,
-    /// Per sliding-approx rule, by identity: its counters.
-    approx: Vec<(RuleId, Approx)>,
+struct Rare {
     /// Per sliding rule that sees only some calls, by identity: its own
     /// sorted log of recorded times.
     own_logs: Vec<(RuleId, VecDeque<i64>)>,
@@ -244,6 +239,113 @@ pub struct CallerState {
     sums: Vec<(RuleId, Sums)>,
     /// Ends that came before their calls, for the idempotency horizon.
     pending_ends: PendingEnds,
+}
+
+impl Rare {
+    /// No call is held open or waits for its end, and no end came before
+    /// its call.
+    fn holds_no_calls(&self) -> bool {
+        self.pending_ends.is_empty()
+            && self.open.iter().all(|(_, calls)| calls.len() == 0)
+            && self.sums.iter().all(|(_, s)| s.is_empty())
+    }
+
+    /// Closes the call that `ev` ends (with `talk` ms of talk) in every
+    /// concurrent rule that holds it, and in every sum rule that waits for
+    /// it; whether any did.
+    fn end_call(&mut self, rules: &RuleSet, ev: &CallEvent, talk: i64) -> bool {
+        let mut held = false;
+        for (_, calls) in &mut self.open {
+            held |= calls.end(&ev.call_id, ev.ts_ms);
+        }
+        for rule in rules.rules.iter() {
+            let Some(sum) = &rule.sum else { continue };
+            let Some(sums) = existing_slot(&mut self.sums, rule) else {
+                continue;
+            };
+            let Some(ended) = sums.end(&ev.call_id, ev.ts_ms, sum.max_duration_ms) else {
+                continue;
+            };
+            held = true;
+            if let Some((at, price)) = ended {
+                sums.add(at, sum.amount(price, talk));
+            }
+        }
+        held
+    }
+
+    /// [`CallerState::trim`] for this part.
+    fn trim(&mut self, rules: &RuleSet, h: &Horizons) {
+        let (horizon, dedup_horizon, l_new) = (h.retention, h.dedup, h.latest);
+        for (_, log) in &mut self.own_logs {
+            let cut = log.iter().take_while(|&&x| x <= horizon).count();
+            log.drain(..cut);
+        }
+        for (_, callees) in &mut self.distinct {
+            callees.trim(horizon);
+        }
+        // A call closed more than the grace ago matters only to a late
+        // call, whose count sees what is kept: dropped (so a busy trunk
+        // keeps its open calls, not every call of the last max_duration).
+        let closed = l_new.saturating_sub(rules.grace_ms);
+        for (_, calls) in &mut self.open {
+            calls.trim(closed);
+        }
+        self.pending_ends.trim(dedup_horizon);
+        self.trim_sums(rules, l_new);
+        let grace = rules.grace_ms;
+        for (id, pairs) in &mut self.pairs {
+            let w = id.window_ms;
+            pairs.trim(horizon, |p| {
+                let cut = p.log.iter().take_while(|&&x| x <= horizon).count();
+                p.log.drain(..cut);
+                p.fixed.retain(|&b, _| bucket_end(b, w, grace) > l_new);
+            });
+        }
+    }
+
+    /// Drops what no call at or after `L' - grace` can see from every sum
+    /// rule's state, and the state of sum rules no longer in the set.
+    fn trim_sums(&mut self, rules: &RuleSet, l_new: i64) {
+        if self.sums.is_empty() {
+            return;
+        }
+        let mut kept = Vec::with_capacity(self.sums.len());
+        for rule in &rules.rules {
+            let Some(sum) = &rule.sum else { continue };
+            let Some(at) = self.sums.iter().position(|(id, _)| {
+                id.name == rule.name
+                    && id.window_ms == rule.window_ms
+                    && id.max_duration_ms == sum.max_duration_ms
+            }) else {
+                continue;
+            };
+            let (id, mut sums) = self.sums.swap_remove(at);
+            sums.trim(Shape::of(rule, rules.grace_ms), sum.max_duration_ms, l_new);
+            if !sums.is_empty() {
+                kept.push((id, sums));
+            }
+        }
+        self.sums = kept;
+    }
+}
+
+/// All window state of one caller.
+#[derive(Debug, Clone, Default)]
+pub struct CallerState {
+    latest: Option<i64>,
+    /// Sorted event times of recorded events (shared by all sliding rules);
+    /// a deque, as calls in time order append at the back and trim the front.
+    log: VecDeque<i64>,
+    /// Per fixed rule, by identity (name, window): bucket → recorded count.
+    /// Keyed by identity, as the Redis keys are, so a reload that changes a
+    /// rule's window never reads counters kept for the old one.
+    fixed: Vec<(RuleId, BTreeMap<i64, u64>)>,
+    /// Per sliding-approx rule, by identity: its counters.
+    approx: Vec<(RuleId, Approx)>,
+    /// The state of the rule kinds most rule sets leave out and of calls
+    /// that last (see [`Rare`]); `None` until one of them keeps something.
+    rare: Option<Box<Rare>>,
     /// Idempotency: call id → the verdict it got.
     /// (Boxed: a table of a few entries holds its spare room in pointers,
     /// not in whole verdicts.)
@@ -261,6 +363,12 @@ impl CallerState {
     /// The caller's latest event time.
     pub fn latest(&self) -> Option<i64> {
         self.latest
+    }
+
+    /// The rarer rules' part of the state, made (empty) on first use: by
+    /// a rule of those kinds, or an end before its call.
+    fn rare_mut(&mut self) -> &mut Rare {
+        self.rare.get_or_insert_with(Box::default)
     }
 
     /// Whether a store may let the caller go when the newest event time it
@@ -285,19 +393,17 @@ impl CallerState {
         if self.latest.is_some_and(|l| l > cut.windows) {
             return false;
         }
-        let windows_only = self.seen.is_empty()
-            && self.pending_ends.is_empty()
-            && self.open.iter().all(|(_, calls)| calls.len() == 0)
-            && self.sums.iter().all(|(_, s)| s.is_empty());
+        let rare = self.rare.as_deref();
+        let windows_only = self.seen.is_empty() && rare.is_none_or(Rare::holds_no_calls);
         let before = if windows_only {
             cut.windows
         } else {
             cut.records
         };
-        let pending = self.pending_ends.newest();
-        let sums = self
-            .sums
-            .iter()
+        let pending = rare.and_then(|r| r.pending_ends.newest());
+        let sums = rare
+            .into_iter()
+            .flat_map(|r| r.sums.iter())
             .filter_map(|(id, s)| s.kept_until(id.window_ms, id.max_duration_ms))
             .max();
         let kept = [self.latest, pending, sums].into_iter().flatten().max();
@@ -430,7 +536,10 @@ impl CallerState {
     /// (the contract's retry-after), from the state after the call at `t`.
     /// Drops, per rule keyed by caller and callee, the pairs past the cap.
     fn cap_pairs(&mut self, rules: &RuleSet) {
-        for (_, pairs) in &mut self.pairs {
+        let Some(rare) = self.rare.as_deref_mut() else {
+            return;
+        };
+        for (_, pairs) in &mut rare.pairs {
             pairs.cap(rules.max_distinct_callees());
         }
     }
@@ -466,13 +575,7 @@ impl CallerState {
             log,
             fixed,
             approx,
-            own_logs,
-            buckets,
-            distinct,
-            pairs,
-            open,
-            sums: _,
-            pending_ends: _,
+            rare,
             seen: _,
             seen_by_ts: _,
             callees,
@@ -482,12 +585,23 @@ impl CallerState {
         log.shrink_to(KEPT_CAPACITY);
         fixed.clear();
         approx.clear();
-        own_logs.clear();
-        buckets.clear();
-        distinct.clear();
-        pairs.clear();
-        open.clear();
         callees.clear();
+        if let Some(rare) = rare.as_deref_mut() {
+            let Rare {
+                own_logs,
+                buckets,
+                distinct,
+                pairs,
+                open,
+                sums: _,
+                pending_ends: _,
+            } = rare;
+            own_logs.clear();
+            buckets.clear();
+            distinct.clear();
+            pairs.clear();
+            open.clear();
+        }
     }
 
     /// Empties the state whole, as a new caller's (`CallerState::default()`),
@@ -498,14 +612,15 @@ impl CallerState {
     pub fn reset(&mut self) {
         self.start_afresh();
         let CallerState {
-            sums,
-            pending_ends,
+            rare,
             seen,
             seen_by_ts,
             ..
         } = self;
-        sums.clear();
-        *pending_ends = PendingEnds::default();
+        if let Some(rare) = rare.as_deref_mut() {
+            rare.sums.clear();
+            rare.pending_ends = PendingEnds::default();
+        }
         seen.clear();
         seen.shrink_to(KEPT_CAPACITY);
         seen_by_ts.clear();
@@ -534,7 +649,7 @@ impl CallerState {
         }
         if rule.sum.is_some() {
             let shape = Shape::of(rule, rules.grace_ms);
-            return slot(&mut self.sums, rule).count(shape, t, l_new);
+            return slot(&mut self.rare_mut().sums, rule).count(shape, t, l_new);
         }
         if rule.key == RuleKey::CallerCallee {
             return match ev.callee.as_deref().filter(|c| !c.is_empty()) {
@@ -542,28 +657,31 @@ impl CallerState {
                 // Past the retention: counts 1, touches nothing.
                 Some(_) if t <= h.retention => 1,
                 Some(callee) => {
-                    let pair = slot(&mut self.pairs, rule).touch(callee, t);
+                    let pair = slot(&mut self.rare_mut().pairs, rule).touch(callee, t);
                     pair_count(rule, pair, t, h, rules.grace_ms)
                 }
             };
         }
         match rule.kind {
             WindowKind::Sliding if rule.own_log() => {
-                sliding_count(slot(&mut self.own_logs, rule), t, w)
+                sliding_count(slot(&mut self.rare_mut().own_logs, rule), t, w)
             }
             WindowKind::Sliding => sliding_count(&self.log, t, w),
             // A call at or below the horizon is past the retention: it
             // counts 1 and is not recorded (as in the other kinds).
             WindowKind::TokenBucket => match rule.rate {
                 Some(rate) if t > h.retention => {
-                    Tat::next(*slot(&mut self.buckets, rule), t, rate).level(t, rate)
+                    Tat::next(*slot(&mut self.rare_mut().buckets, rule), t, rate).level(t, rate)
                 }
                 _ => 1,
             },
             WindowKind::DistinctCallees => match ev.callee.as_deref().filter(|c| !c.is_empty()) {
-                Some(own) => {
-                    slot(&mut self.distinct, rule).count(own, t, w, rules.max_distinct_callees())
-                }
+                Some(own) => slot(&mut self.rare_mut().distinct, rule).count(
+                    own,
+                    t,
+                    w,
+                    rules.max_distinct_callees(),
+                ),
                 None => 0,
             },
             WindowKind::Fixed => {
@@ -602,7 +720,7 @@ impl CallerState {
         if ev.ts_ms <= h.retention {
             return 1;
         }
-        slot(&mut self.open, rule).count(ev.ts_ms, callee.filter(|_| by_callee))
+        slot(&mut self.rare_mut().open, rule).count(ev.ts_ms, callee.filter(|_| by_callee))
     }
 
     /// Holds an allowed call (shadow rejects included: they connect) open
@@ -623,12 +741,12 @@ impl CallerState {
                 continue;
             }
             if !taken {
-                end = self.pending_ends.take(&ev.call_id);
+                end = self.rare_mut().pending_ends.take(&ev.call_id);
                 taken = true;
             }
             if let Some(sum) = &rule.sum {
                 let price = sum.price(ev.callee_for_filters());
-                let sums = slot(&mut self.sums, rule);
+                let sums = slot(&mut self.rare_mut().sums, rule);
                 match end {
                     Some((e, talk)) if e < ev.ts_ms.saturating_add(sum.max_duration_ms) => {
                         sums.add(e.max(ev.ts_ms), sum.amount(price, talk));
@@ -644,7 +762,13 @@ impl CallerState {
                 .callee
                 .as_deref()
                 .filter(|_| rule.key == RuleKey::CallerCallee);
-            slot(&mut self.open, rule).open(&ev.call_id, callee, ev.ts_ms, end, rule.window_ms);
+            slot(&mut self.rare_mut().open, rule).open(
+                &ev.call_id,
+                callee,
+                ev.ts_ms,
+                end,
+                rule.window_ms,
+            );
         }
     }
 
@@ -656,27 +780,16 @@ impl CallerState {
         if !rules.caller_uses_ends() {
             return;
         }
-        let mut held = false;
-        for (_, calls) in &mut self.open {
-            held |= calls.end(&ev.call_id, ev.ts_ms);
-        }
         let talk = ev.talk_ms.unwrap_or(0);
-        for rule in rules.rules.iter() {
-            let Some(sum) = &rule.sum else { continue };
-            let Some(sums) = existing_slot(&mut self.sums, rule) else {
-                continue;
-            };
-            let Some(ended) = sums.end(&ev.call_id, ev.ts_ms, sum.max_duration_ms) else {
-                continue;
-            };
-            held = true;
-            if let Some((at, price)) = ended {
-                sums.add(at, sum.amount(price, talk));
-            }
-        }
+        let held = self
+            .rare
+            .as_deref_mut()
+            .is_some_and(|rare| rare.end_call(rules, ev, talk));
         if !held && !self.seen.contains_key(&ev.call_id) {
             let talk = if rules.has_sums() { talk } else { 0 };
-            self.pending_ends.note(&ev.call_id, ev.ts_ms, talk);
+            self.rare_mut()
+                .pending_ends
+                .note(&ev.call_id, ev.ts_ms, talk);
         }
     }
 
@@ -707,25 +820,29 @@ impl CallerState {
                     .as_deref()
                     .filter(|c| !c.is_empty() && t > h.retention)
                 {
-                    let pair = slot(&mut self.pairs, rule).touch(callee, t);
+                    let pair = slot(&mut self.rare_mut().pairs, rule).touch(callee, t);
                     pair_record(rule, pair, t, h, rules.grace_ms);
                 }
                 continue;
             }
             match rule.kind {
                 WindowKind::Sliding if rule.own_log() => {
-                    insert_sorted(slot(&mut self.own_logs, rule), t, |&x| x <= t);
+                    insert_sorted(slot(&mut self.rare_mut().own_logs, rule), t, |&x| x <= t);
                 }
                 WindowKind::Sliding => {}
                 WindowKind::TokenBucket => {
                     if let Some(rate) = rule.rate.filter(|_| t > h.retention) {
-                        let tat = slot(&mut self.buckets, rule);
+                        let tat = slot(&mut self.rare_mut().buckets, rule);
                         *tat = Some(Tat::next(*tat, t, rate));
                     }
                 }
                 WindowKind::DistinctCallees => {
                     if let Some(own) = ev.callee.as_deref().filter(|c| !c.is_empty()) {
-                        slot(&mut self.distinct, rule).record(own, t, rules.max_distinct_callees());
+                        slot(&mut self.rare_mut().distinct, rule).record(
+                            own,
+                            t,
+                            rules.max_distinct_callees(),
+                        );
                     }
                 }
                 WindowKind::Fixed => {
@@ -747,31 +864,6 @@ impl CallerState {
         }
     }
 
-    /// Drops what no call at or after `L' - grace` can see from every sum
-    /// rule's state, and the state of sum rules no longer in the set.
-    fn trim_sums(&mut self, rules: &RuleSet, l_new: i64) {
-        if self.sums.is_empty() {
-            return;
-        }
-        let mut kept = Vec::with_capacity(self.sums.len());
-        for rule in &rules.rules {
-            let Some(sum) = &rule.sum else { continue };
-            let Some(at) = self.sums.iter().position(|(id, _)| {
-                id.name == rule.name
-                    && id.window_ms == rule.window_ms
-                    && id.max_duration_ms == sum.max_duration_ms
-            }) else {
-                continue;
-            };
-            let (id, mut sums) = self.sums.swap_remove(at);
-            sums.trim(Shape::of(rule, rules.grace_ms), sum.max_duration_ms, l_new);
-            if !sums.is_empty() {
-                kept.push((id, sums));
-            }
-        }
-        self.sums = kept;
-    }
-
     /// Raises the callee's latest call time to `t` (never lowers it); a new
     /// callee is kept only while fewer than `cap` are.
     fn note_callee(&mut self, callee: &str, t: i64, cap: u64) {
@@ -790,30 +882,8 @@ impl CallerState {
             let w = id.window_ms;
             map.retain(|&b, _| bucket_end(b, w, rules.grace_ms) > l_new);
         }
-        for (_, log) in &mut self.own_logs {
-            let cut = log.iter().take_while(|&&x| x <= horizon).count();
-            log.drain(..cut);
-        }
-        for (_, callees) in &mut self.distinct {
-            callees.trim(horizon);
-        }
-        // A call closed more than the grace ago matters only to a late
-        // call, whose count sees what is kept: dropped (so a busy trunk
-        // keeps its open calls, not every call of the last max_duration).
-        let closed = l_new.saturating_sub(rules.grace_ms);
-        for (_, calls) in &mut self.open {
-            calls.trim(closed);
-        }
-        self.pending_ends.trim(dedup_horizon);
-        self.trim_sums(rules, l_new);
-        let grace = rules.grace_ms;
-        for (id, pairs) in &mut self.pairs {
-            let w = id.window_ms;
-            pairs.trim(horizon, |p| {
-                let cut = p.log.iter().take_while(|&&x| x <= horizon).count();
-                p.log.drain(..cut);
-                p.fixed.retain(|&b, _| bucket_end(b, w, grace) > l_new);
-            });
+        if let Some(rare) = self.rare.as_deref_mut() {
+            rare.trim(rules, h);
         }
         self.callees.trim(horizon);
         while self
@@ -1031,6 +1101,38 @@ mod tests {
         assert_eq!(v.record.retry_after_ms, None);
     }
 
+    /// Under the usual rules (fixed, sliding, approximate), with callees,
+    /// ends (no rule holds calls open) and redeliveries, a caller's state
+    /// never makes the rarer rules' part: it stays in a few cache lines.
+    #[test]
+    fn usual_rules_leave_the_rarer_part_out() {
+        let rules = RuleSet::from_toml(
+            "[[rule]]\nname = \"burst\"\nkind = \"fixed\"\nwindow = \"1s\"\nlimit = 2\n\
+             [[rule]]\nname = \"minute\"\nkind = \"sliding\"\nwindow = \"60s\"\nlimit = 10\n\
+             [[rule]]\nname = \"hour\"\nkind = \"sliding-approx\"\nwindow = \"1h\"\nlimit = 200\n",
+        )
+        .unwrap();
+        let mut state = CallerState::default();
+        for i in 0..40i64 {
+            let ev = CallEvent {
+                callee: Some(format!("+3491{}", i % 12).into()),
+                ..call(&format!("c{}", i % 30), T0 + i * 700)
+            };
+            state.apply(&rules, &ev);
+            state.apply(
+                &rules,
+                &end(&format!("c{}", i % 30), T0 + i * 700 + 300, 300),
+            );
+        }
+        assert!(state.rare.is_none(), "{:?}", state.rare);
+        // The rest fits in four cache lines.
+        assert!(
+            size_of::<CallerState>() <= 256,
+            "{}",
+            size_of::<CallerState>()
+        );
+    }
+
     /// A state emptied by `reset` is a new caller's, whatever it held:
     /// every table of every kind of rule, idempotency records, calls open
     /// and waiting, ends before their calls, sums. (Compared as printed: a
@@ -1068,7 +1170,11 @@ mod tests {
         let new = format!("{:?}", CallerState::default());
         assert_ne!(format!("{used:?}"), new, "the script left state behind");
         used.reset();
+        // The rarer rules' part stays allocated, emptied, for the next caller.
+        let kept = used.rare.take().expect("the rarer part is kept");
+        assert_eq!(format!("{kept:?}"), format!("{:?}", Rare::default()));
         assert_eq!(format!("{used:?}"), new);
+        used.rare = Some(kept);
         let again: Vec<_> = script.iter().map(|e| used.apply(&rules, e)).collect();
         assert_eq!(format!("{again:?}"), format!("{fresh:?}"));
     }

@@ -175,13 +175,18 @@ impl CallerState {
     /// With `log` [`PackedLog::Outside`] the sliding log is left out (its
     /// store keeps it apart) and only its place there is written.
     pub fn pack(&self, out: &mut Vec<u8>, log: PackedLog) {
-        let sums_state = !self.sums.is_empty() || self.pending_ends.talks().any(|t| t != 0);
-        let open_state = sums_state || !(self.open.is_empty() && self.pending_ends.is_empty());
+        let rare = self.rare.as_deref();
+        let sums_state =
+            rare.is_some_and(|r| !r.sums.is_empty() || r.pending_ends.talks().any(|t| t != 0));
+        let open_state =
+            sums_state || rare.is_some_and(|r| !(r.open.is_empty() && r.pending_ends.is_empty()));
         let rule_state = open_state
-            || !(self.own_logs.is_empty()
-                && self.buckets.is_empty()
-                && self.distinct.is_empty()
-                && self.pairs.is_empty());
+            || rare.is_some_and(|r| {
+                !(r.own_logs.is_empty()
+                    && r.buckets.is_empty()
+                    && r.distinct.is_empty()
+                    && r.pairs.is_empty())
+            });
         out.push(if sums_state {
             PACK_FORMAT_SUMS
         } else if open_state {
@@ -237,17 +242,21 @@ impl CallerState {
             put_signed(out, base.wrapping_sub(ts));
             put_str(out, callee);
         }
-        if rule_state {
-            self.pack_rule_state(out, base);
-        }
+        let Some(rare) = rare.filter(|_| rule_state) else {
+            return;
+        };
+        rare.pack_rule_state(out, base);
         if open_state {
-            self.pack_open_state(out, base);
+            rare.pack_open_state(out, base);
         }
         if sums_state {
-            self.pack_sums_state(out, base);
+            rare.pack_sums_state(out, base);
         }
     }
+}
 
+/// The rarer rules' state, after the rest ([`CallerState::pack`]).
+impl Rare {
     /// The sum rules' state under [`PACK_FORMAT_SUMS`]: per rule (name,
     /// window, max duration) its waiting calls (id, start, price: 0 none,
     /// 1 then per minute and increment) and its ended ones (time, amount);
@@ -283,7 +292,7 @@ impl CallerState {
         }
     }
 
-    /// Reads what [`CallerState::pack_sums_state`] wrote.
+    /// Reads what [`Rare::pack_sums_state`] wrote.
     fn unpack_sums_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
         for _ in 0..r.len()? {
             let name = r.string()?.into();
@@ -345,7 +354,7 @@ impl CallerState {
         }
     }
 
-    /// Reads what [`CallerState::pack_open_state`] wrote.
+    /// Reads what [`Rare::pack_open_state`] wrote.
     fn unpack_open_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
         for _ in 0..r.len()? {
             let rule = r.rule_id()?;
@@ -435,7 +444,7 @@ impl CallerState {
         }
     }
 
-    /// Reads what [`CallerState::pack_rule_state`] wrote.
+    /// Reads what [`Rare::pack_rule_state`] wrote.
     fn unpack_rule_state(&mut self, r: &mut Unpacker<'_>, base: i64) -> Option<()> {
         for _ in 0..r.len()? {
             let id = r.rule_id()?;
@@ -476,7 +485,9 @@ impl CallerState {
         }
         Some(())
     }
+}
 
+impl CallerState {
     /// Reads a state written by [`CallerState::pack`] (without records),
     /// and where its log was; `None` if the bytes are not one. A log kept
     /// outside comes back empty: see [`CallerState::restore_log`].
@@ -543,13 +554,14 @@ impl CallerState {
         }
         state.callees = CalleeTimes::from_entries(callees);
         if format >= PACK_FORMAT_RULES {
-            state.unpack_rule_state(&mut r, base)?;
-        }
-        if format >= PACK_FORMAT_OPEN {
-            state.unpack_open_state(&mut r, base)?;
-        }
-        if format == PACK_FORMAT_SUMS {
-            state.unpack_sums_state(&mut r, base)?;
+            let rare = state.rare_mut();
+            rare.unpack_rule_state(&mut r, base)?;
+            if format >= PACK_FORMAT_OPEN {
+                rare.unpack_open_state(&mut r, base)?;
+            }
+            if format == PACK_FORMAT_SUMS {
+                rare.unpack_sums_state(&mut r, base)?;
+            }
         }
         r.0.is_empty().then_some((state, log))
     }
@@ -623,6 +635,25 @@ impl CallerState {
                 })
                 .sum::<usize>()
             + self.approx.len() * size_of::<(RuleId, Approx)>()
+            + self.seen.len()
+                * (size_of::<(CompactString, Box<Verdict>)>() + size_of::<Verdict>() + 16)
+            + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
+            + self.callees.approx_bytes()
+            + self.rare.as_deref().map_or(0, Rare::approx_bytes)
+    }
+
+    /// The call records the state keeps (call id and verdict), in no
+    /// particular order.
+    pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
+        self.seen.iter().map(|(id, v)| (id.as_str(), &**v))
+    }
+}
+
+impl Rare {
+    /// [`CallerState::approx_bytes`] for this part (its own size included).
+    fn approx_bytes(&self) -> usize {
+        use std::mem::size_of;
+        size_of::<Self>()
             + self
                 .own_logs
                 .iter()
@@ -641,10 +672,6 @@ impl CallerState {
                 .iter()
                 .map(|(_, c)| size_of::<(RuleId, Callees)>() + c.approx_bytes())
                 .sum::<usize>()
-            + self.seen.len()
-                * (size_of::<(CompactString, Box<Verdict>)>() + size_of::<Verdict>() + 16)
-            + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
-            + self.callees.approx_bytes()
             + self
                 .open
                 .iter()
@@ -656,12 +683,6 @@ impl CallerState {
                 .iter()
                 .map(|(_, s)| size_of::<(RuleId, Sums)>() + s.approx_bytes())
                 .sum::<usize>()
-    }
-
-    /// The call records the state keeps (call id and verdict), in no
-    /// particular order.
-    pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
-        self.seen.iter().map(|(id, v)| (id.as_str(), &**v))
     }
 }
 
@@ -748,11 +769,12 @@ mod tests {
             copy_at = packed;
         }
         // The rules with state of their own were packed and read back.
+        let rare = state.rare.as_deref().expect("the rarer rules' state");
         assert!(
-            !state.own_logs.is_empty()
-                && !state.buckets.is_empty()
-                && !state.distinct.is_empty()
-                && !state.pairs.is_empty()
+            !rare.own_logs.is_empty()
+                && !rare.buckets.is_empty()
+                && !rare.distinct.is_empty()
+                && !rare.pairs.is_empty()
         );
         for cut in 0..copy_at.len() {
             assert!(
@@ -822,7 +844,8 @@ mod tests {
         )
         .unwrap();
         let state = reads_back(&rules, PACK_FORMAT_SUMS);
-        assert!(!state.sums.is_empty() && !state.pending_ends.is_empty());
+        let rare = state.rare.as_deref().expect("the sums' state");
+        assert!(!rare.sums.is_empty() && !rare.pending_ends.is_empty());
     }
 
     /// Calls held open (ended or not) and ends that came before their
@@ -831,6 +854,7 @@ mod tests {
     fn open_calls_and_pending_ends_read_back() {
         let rules = RuleSet::from_args(None, &["ch:concurrent:20s:3".into()]).unwrap();
         let state = reads_back(&rules, PACK_FORMAT_OPEN);
-        assert!(!state.open.is_empty() && !state.pending_ends.is_empty());
+        let rare = state.rare.as_deref().expect("the open calls' state");
+        assert!(!rare.open.is_empty() && !rare.pending_ends.is_empty());
     }
 }
