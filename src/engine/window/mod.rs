@@ -88,6 +88,7 @@ mod bucket;
 mod callee_times;
 mod counting;
 mod distinct;
+mod kept;
 mod open;
 mod pack;
 mod pairs;
@@ -101,6 +102,7 @@ use counting::{
     bucket_end, insert_sorted, pair_count, pair_record, sliding_count, Approx, Horizons,
 };
 pub use distinct::Callees;
+use kept::Kept;
 pub use open::{OpenCalls, PendingEnds, MAX_PENDING_ENDS};
 pub use pack::PackedLog;
 pub(crate) use pack::{put_varint, take_varint};
@@ -346,10 +348,10 @@ pub struct CallerState {
     /// The state of the rule kinds most rule sets leave out and of calls
     /// that last (see [`Rare`]); `None` until one of them keeps something.
     rare: Option<Box<Rare>>,
-    /// Idempotency: call id → the verdict it got.
-    /// (Boxed: a table of a few entries holds its spare room in pointers,
-    /// not in whole verdicts.)
-    seen: HashMap<CompactString, Box<Verdict>>,
+    /// Idempotency: call id → the verdict it got, packed ([`Kept`]).
+    seen: HashMap<CompactString, Kept>,
+    /// Bytes of the packed verdicts in `seen`, for [`CallerState::approx_bytes`].
+    seen_bytes: usize,
     /// Idempotency index for trimming: call ids by (ts, insertion order).
     /// Sorted deques here and below: calls in time order append at the
     /// back and trim the front, and a sparse caller costs a few bytes, not
@@ -455,7 +457,7 @@ impl CallerState {
         let t = ev.ts_ms;
         let h = Horizons::new(rules, self.latest, t);
         if !unique {
-            if let Some(v) = self.redelivered(&ev.call_id, h.dedup) {
+            if let Some(v) = self.redelivered(ev, h.dedup) {
                 return v;
             }
         }
@@ -546,11 +548,16 @@ impl CallerState {
 
     /// The record a call id got before, if it is newer than the idempotency
     /// horizon: a redelivery, answered without changing anything.
-    fn redelivered(&self, call_id: &str, dedup_horizon: i64) -> Option<Verdict> {
-        let v = self.seen.get(call_id)?;
-        (v.record.ts_ms > dedup_horizon).then(|| Verdict {
+    fn redelivered(&self, ev: &CallEvent, dedup_horizon: i64) -> Option<Verdict> {
+        let kept = self.seen.get(&ev.call_id)?;
+        if kept.ts_ms() <= dedup_horizon {
+            return None;
+        }
+        // (The state is its caller's: the event's caller is the record's.)
+        let v = kept.verdict(&ev.call_id, &ev.caller)?;
+        Some(Verdict {
             duplicate: true,
-            ..Verdict::clone(v)
+            ..v
         })
     }
 
@@ -559,7 +566,17 @@ impl CallerState {
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
         grow_small(&mut self.seen_by_ts);
         self.seen_by_ts.insert(pos, (t, call_id.into()));
-        self.seen.insert(call_id.into(), Box::new(verdict.clone()));
+        self.keep_record(call_id.into(), verdict);
+    }
+
+    /// Puts `verdict` in the idempotency table under `call_id` (replacing
+    /// a record of the same id), counting its bytes.
+    fn keep_record(&mut self, call_id: CompactString, verdict: &Verdict) {
+        let kept = Kept::of(verdict);
+        self.seen_bytes += kept.len();
+        if let Some(old) = self.seen.insert(call_id, kept) {
+            self.seen_bytes -= old.len();
+        }
     }
 
     /// No window data older than the horizon can matter: start afresh
@@ -577,6 +594,7 @@ impl CallerState {
             approx,
             rare,
             seen: _,
+            seen_bytes: _,
             seen_by_ts: _,
             callees,
         } = self;
@@ -614,6 +632,7 @@ impl CallerState {
         let CallerState {
             rare,
             seen,
+            seen_bytes,
             seen_by_ts,
             ..
         } = self;
@@ -623,6 +642,7 @@ impl CallerState {
         }
         seen.clear();
         seen.shrink_to(KEPT_CAPACITY);
+        *seen_bytes = 0;
         seen_by_ts.clear();
         seen_by_ts.shrink_to(KEPT_CAPACITY);
     }
@@ -897,9 +917,11 @@ impl CallerState {
             if self
                 .seen
                 .get(&id)
-                .is_some_and(|v| v.record.ts_ms <= dedup_horizon)
+                .is_some_and(|v| v.ts_ms() <= dedup_horizon)
             {
-                self.seen.remove(&id);
+                if let Some(old) = self.seen.remove(&id) {
+                    self.seen_bytes -= old.len();
+                }
                 if let Some(j) = journal.as_deref_mut() {
                     j.dropped_records.push(id);
                 }

@@ -62,7 +62,8 @@ pub(crate) fn take_varint(input: &[u8]) -> Option<(u64, &[u8])> {
     None
 }
 
-fn put_signed(out: &mut Vec<u8>, v: i64) {
+/// Writes `v` zigzagged (small magnitudes, either sign, in few bytes).
+pub(super) fn put_signed(out: &mut Vec<u8>, v: i64) {
     put_varint(out, ((v << 1) ^ (v >> 63)) as u64);
 }
 
@@ -77,28 +78,29 @@ fn put_opt(out: &mut Vec<u8>, v: Option<i64>) {
     }
 }
 
-fn put_str(out: &mut Vec<u8>, s: &str) {
+/// Writes `s`'s length, then its bytes.
+pub(super) fn put_str(out: &mut Vec<u8>, s: &str) {
     put_varint(out, s.len() as u64);
     out.extend_from_slice(s.as_bytes());
 }
 
 /// Reads what [`CallerState::pack`] wrote; every read fails on truncation.
-struct Unpacker<'a>(&'a [u8]);
+pub(super) struct Unpacker<'a>(pub(super) &'a [u8]);
 
 impl Unpacker<'_> {
-    fn byte(&mut self) -> Option<u8> {
+    pub(super) fn byte(&mut self) -> Option<u8> {
         let (&b, rest) = self.0.split_first()?;
         self.0 = rest;
         Some(b)
     }
 
-    fn varint(&mut self) -> Option<u64> {
+    pub(super) fn varint(&mut self) -> Option<u64> {
         let (v, rest) = take_varint(self.0)?;
         self.0 = rest;
         Some(v)
     }
 
-    fn signed(&mut self) -> Option<i64> {
+    pub(super) fn signed(&mut self) -> Option<i64> {
         let z = self.varint()?;
         Some(((z >> 1) as i64) ^ -((z & 1) as i64))
     }
@@ -112,18 +114,25 @@ impl Unpacker<'_> {
         }
     }
 
-    fn len(&mut self) -> Option<usize> {
+    pub(super) fn len(&mut self) -> Option<usize> {
         let n = usize::try_from(self.varint()?).ok()?;
         // Every element takes at least one byte: a length beyond what is
         // left is corrupt, and must not reserve memory.
         (n <= self.0.len()).then_some(n)
     }
 
-    fn string(&mut self) -> Option<&str> {
+    pub(super) fn string(&mut self) -> Option<&str> {
         let n = self.len()?;
         let (s, rest) = self.0.split_at(n);
         self.0 = rest;
         std::str::from_utf8(s).ok()
+    }
+
+    /// The next `N` bytes as they are.
+    pub(super) fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (a, rest) = self.0.split_first_chunk::<N>()?;
+        self.0 = rest;
+        Some(*a)
     }
 
     fn pair(&mut self, base: i64) -> Option<Pair> {
@@ -584,7 +593,7 @@ impl CallerState {
         let t = verdict.record.ts_ms;
         let pos = self.seen_by_ts.partition_point(|(ts, _)| *ts <= t);
         self.seen_by_ts.insert(pos, (t, call_id.into()));
-        self.seen.insert(call_id.into(), Box::new(verdict));
+        self.keep_record(call_id.into(), &verdict);
     }
 
     /// Takes back many records at once, as [`CallerState::restore_record`]
@@ -596,7 +605,7 @@ impl CallerState {
         for (call_id, verdict) in records {
             self.seen_by_ts
                 .push_back((verdict.record.ts_ms, call_id.clone()));
-            self.seen.insert(call_id, Box::new(verdict));
+            self.keep_record(call_id, &verdict);
         }
         // Stable: records of the same time keep their order.
         self.seen_by_ts.make_contiguous().sort_by_key(|(ts, _)| *ts);
@@ -623,8 +632,9 @@ impl CallerState {
         // A hash table entry costs about its key and value plus a control
         // byte and the table's spare room; a tree entry about twice its
         // pair. Counted from lengths only (constant time: it runs for
-        // every caller of every batch), so text kept on the heap beyond a
-        // record's inline strings is not counted.
+        // every caller of every batch, and the packed records' bytes are
+        // kept as a sum), so text a call id keeps on the heap beyond its
+        // inline 24 bytes is not counted.
         size_of::<Self>()
             + self.log.len() * size_of::<i64>()
             + self
@@ -635,17 +645,20 @@ impl CallerState {
                 })
                 .sum::<usize>()
             + self.approx.len() * size_of::<(RuleId, Approx)>()
-            + self.seen.len()
-                * (size_of::<(CompactString, Box<Verdict>)>() + size_of::<Verdict>() + 16)
+            + self.seen.len() * (size_of::<(CompactString, Kept)>() + 16)
+            + self.seen_bytes
             + self.seen_by_ts.len() * size_of::<(i64, CompactString)>()
             + self.callees.approx_bytes()
             + self.rare.as_deref().map_or(0, Rare::approx_bytes)
     }
 
     /// The call records the state keeps (call id and verdict), in no
-    /// particular order.
-    pub fn records(&self) -> impl Iterator<Item = (&str, &Verdict)> {
-        self.seen.iter().map(|(id, v)| (id.as_str(), &**v))
+    /// particular order; `caller` is the state's caller (the records keep
+    /// it once, there).
+    pub fn records<'a>(&'a self, caller: &'a str) -> impl Iterator<Item = (&'a str, Verdict)> {
+        self.seen
+            .iter()
+            .filter_map(move |(id, v)| Some((id.as_str(), v.verdict(id, caller)?)))
     }
 }
 

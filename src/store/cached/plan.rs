@@ -145,7 +145,7 @@ pub(super) fn decide_caller<'a>(
     let cached = &mut *p.cached;
     let (records_op, sets, dels) = records_write(
         plan,
-        &cached.state,
+        (p.caller, &cached.state),
         (&mut cached.records, &mut cached.stale),
         made,
         &mut journal,
@@ -181,7 +181,7 @@ pub(super) fn decide_caller<'a>(
 /// fields to set and to delete.
 fn records_write(
     plan: &Plan,
-    state: &CallerState,
+    (caller, state): (&str, &CallerState),
     (records, stale): (&mut Records, &mut Vec<CompactString>),
     mut made: Vec<(CompactString, String)>,
     journal: &mut Journal,
@@ -208,7 +208,7 @@ fn records_write(
         }
         Records::Apart if state.record_count() <= plan.records_apart_above / 4 => {
             let all = state
-                .records()
+                .records(caller)
                 .map(|(id, v)| (CompactString::from(id), v.to_reply()))
                 .collect();
             *records = Records::Inline(all);
