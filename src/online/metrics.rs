@@ -102,6 +102,9 @@ pub struct Metrics {
     /// Cached store: callers dropped from memory to keep within
     /// --cached-callers and --cached-mib.
     pub cache_evictions: Counter,
+    /// Cached store: calls decided and written while the batch before
+    /// them was committed.
+    pub cache_decided_ahead: Counter,
     /// Cached store: callers in memory now.
     pub cache_callers: Gauge,
     /// Cached store: about how many bytes they take.
@@ -214,6 +217,7 @@ impl Metrics {
             store_conflicts: Counter::default(),
             cache_lookups: Family::default(),
             cache_rereads: Counter::default(),
+            cache_decided_ahead: Counter::default(),
             cache_evictions: Counter::default(),
             cache_callers: Gauge::default(),
             cache_bytes: Gauge::default(),
@@ -339,6 +343,11 @@ impl Metrics {
             "cache_rereads",
             "Cached store: callers not in memory whose state Redis had, read back before deciding",
             self.cache_rereads.clone(),
+        );
+        r.register(
+            "cache_decided_ahead",
+            "Cached store: calls decided and written while the batch before them was committed",
+            self.cache_decided_ahead.clone(),
         );
         r.register(
             "cache_evictions",
@@ -543,6 +552,8 @@ impl Metrics {
             .inc_by(now.rereads.saturating_sub(before.rereads));
         self.cache_evictions
             .inc_by(now.evictions.saturating_sub(before.evictions));
+        self.cache_decided_ahead
+            .inc_by(now.decided_ahead.saturating_sub(before.decided_ahead));
         self.cache_callers.set(now.callers as i64);
         self.cache_bytes.set(now.bytes as i64);
     }

@@ -251,7 +251,15 @@ impl<S: WindowStore> Gated<S> {
         let gated = self.gate(rules, events, newest_next).await?;
         let batch = gated.as_deref().unwrap_or(events);
         let Some(n) = next.peek().filter(|n| n.rules.has_aggregates()) else {
-            let mut verdicts = self.inner.apply_batch_partial(rules, batch).await?;
+            // Without a gate's part ahead, the store may decide the next
+            // batch ahead itself (it leaves one under such rules alone).
+            let mut verdicts = match gated {
+                None => {
+                    let inner = self.inner.apply_batch_partial_ahead(rules, batch, next);
+                    inner.await?
+                }
+                Some(_) => self.inner.apply_batch_partial(rules, batch).await?,
+            };
             let stats = &mut self.pooled;
             self.pools.apply(rules, batch, &mut verdicts, stats).await?;
             return Ok(verdicts);

@@ -113,6 +113,9 @@ pub struct CacheStats {
     pub rereads: u64,
     /// Callers dropped from memory to keep within its bounds.
     pub evictions: u64,
+    /// Calls decided and written while the batch before them was
+    /// committed (the consumer had their batch already).
+    pub decided_ahead: u64,
     /// Callers held now.
     pub callers: u64,
     /// About how many bytes they take now (their windows, records and
@@ -304,6 +307,19 @@ impl WindowStore for AnyStore {
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
         match self {
             AnyStore::Cached(s) => s.apply_batch_partial(rules, events).await,
+            AnyStore::Memory(s) => s.apply_batch_partial(rules, events).await,
+            AnyStore::Redis(s) => s.apply_batch_partial(rules, events).await,
+        }
+    }
+
+    async fn apply_batch_partial_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        next: &mut dyn Upcoming,
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        match self {
+            AnyStore::Cached(s) => s.apply_batch_partial_ahead(rules, events, next).await,
             AnyStore::Memory(s) => s.apply_batch_partial(rules, events).await,
             AnyStore::Redis(s) => s.apply_batch_partial(rules, events).await,
         }

@@ -15,7 +15,7 @@ use callguard::engine::rules::RuleSet;
 use callguard::store::cached::{CachedStore, SCAN_COUNT, SETTLED_AFTER, TRIM_COUNT};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::{RedisConfig, RedisStore};
-use callguard::store::WindowStore;
+use callguard::store::{Next, WindowStore};
 use common::scenarios::T0;
 use common::{ev, raw_command, RedisCluster, RedisServer};
 
@@ -802,4 +802,168 @@ async fn instances_starting_at_once_on_a_fresh_prefix_all_start() {
             }
         }
     }
+}
+
+/// The batch after this one, as the consumer tells it to the store.
+fn then<'a>(rules: &'a RuleSet, events: &'a [CallEvent]) -> Option<Next<'a>> {
+    Some(Next { rules, events })
+}
+
+/// A batch whose callers are not in the batch before is decided and
+/// written while that one commits, and handed out only in its turn: a
+/// retry of part of the batch before, in between, leaves it alone, and its
+/// calls come out as memory decides them, not as redeliveries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_decided_ahead_is_handed_out_in_its_turn() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let mut a = cached(vec![server.url()], "ahead:").await;
+    let mut con = server.connection();
+    let (x, y, z) = ("+34911000001", "+34911000002", "+34911000003");
+    let first = [ev(x, "x1", T0), ev(y, "y1", T0)];
+    let second = [
+        ev(x, "x2", T0 + 1),
+        ev(z, "z1", T0 + 1),
+        ev(z, "z2", T0 + 2),
+        ev(z, "z3", T0 + 3),
+    ];
+    let mut got = a
+        .apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
+        .await
+        .unwrap();
+    // z's calls are written before their batch is asked for.
+    let written: bool = redis::cmd("EXISTS")
+        .arg(a.state_key(z))
+        .query(&mut con)
+        .unwrap();
+    assert!(written, "nothing was decided ahead");
+    assert_eq!(a.calls_decided_ahead(), 0);
+    // A retry of part of the first batch (the failure policy's), a
+    // redelivery: the batch decided ahead is kept for its turn.
+    let retry = a.apply_batch(&rules, &first[1..]).await.unwrap();
+    assert!(retry[0].duplicate);
+    got.extend(a.apply_batch_partial(&rules, &second).await.unwrap());
+    let got: Vec<Verdict> = got.into_iter().map(Option::unwrap).collect();
+    assert_eq!(got, memory_run(&rules, &[&first, &second]).await);
+    assert!(got.iter().all(|v| !v.duplicate));
+    assert_eq!(
+        got[5].record.decision,
+        callguard::engine::record::Decision::Reject
+    );
+    // z's three calls came decided ahead; x's was decided in its turn.
+    assert_eq!(a.calls_decided_ahead(), 3);
+    assert_eq!(a.stats().cache.decided_ahead, 3);
+}
+
+/// A caller decided ahead on a state another writer had changed is refused
+/// like any write: its calls are decided in their batch's turn, on the
+/// state Redis returned, as memory decides them; the batch's other callers
+/// stand as decided ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_decided_ahead_on_a_changed_state_is_decided_in_its_turn() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let urls = vec![server.url()];
+    let (mut a, mut b) = (
+        cached(urls.clone(), "stale:").await,
+        cached(urls, "stale:").await,
+    );
+    let (x, z, w) = ("+34911000001", "+34911000003", "+34911000004");
+    let zs = [ev(z, "z1", T0), ev(z, "z2", T0 + 1)];
+    a.apply_batch(&rules, &zs[..1]).await.unwrap();
+    // Another writer's call of z: a's cached z is behind.
+    b.apply_batch(&rules, &zs[1..]).await.unwrap();
+    let first = [ev(x, "x1", T0 + 2)];
+    let second = [ev(z, "z3", T0 + 3), ev(w, "w1", T0 + 3)];
+    let conflicts = a.conflicts();
+    let mut got = a
+        .apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
+        .await
+        .unwrap();
+    assert_eq!(
+        a.conflicts(),
+        conflicts + 1,
+        "z's write ahead was not refused"
+    );
+    got.extend(a.apply_batch_partial(&rules, &second).await.unwrap());
+    let got: Vec<Verdict> = got.into_iter().map(Option::unwrap).collect();
+    let expected = memory_run(&rules, &[&zs, &first, &second]).await;
+    assert_eq!(got, expected[2..]);
+    // z3 is z's third call: rejected, as Redis's state says.
+    assert_eq!(got[1].record.counts[0], 3);
+    assert_eq!(a.calls_decided_ahead(), 1);
+}
+
+/// A batch decided ahead and then let go (a revoke, a crash before its
+/// turn) was written, not produced: read again, in other batches and by
+/// another instance, its calls get their records back as redeliveries, and
+/// the next call counts each of them once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_decided_ahead_and_let_go_gets_its_records_back() {
+    let server = RedisServer::start(&[]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let urls = vec![server.url()];
+    let (x, z) = ("+34911000001", "+34911000003");
+    let first = [ev(x, "x1", T0)];
+    let second = [
+        ev(z, "z1", T0 + 1),
+        ev(z, "z2", T0 + 2),
+        ev(z, "z3", T0 + 3),
+    ];
+    {
+        let mut a = cached(urls.clone(), "letgo:").await;
+        a.apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
+            .await
+            .unwrap();
+    }
+    let mut c = cached(urls, "letgo:").await;
+    let again = [second.to_vec(), vec![ev(z, "z4", T0 + 4)]].concat();
+    let mut got = c.apply_batch(&rules, &again[..2]).await.unwrap();
+    got.extend(c.apply_batch(&rules, &again[2..]).await.unwrap());
+    let expected = memory_run(&rules, &[&first, &again]).await;
+    for (i, (g, x)) in got.iter().zip(&expected[1..]).enumerate() {
+        assert_eq!(g.record, x.record, "call {}", again[i].call_id);
+    }
+    assert_eq!(
+        got.iter().map(|v| v.duplicate).collect::<Vec<_>>(),
+        [true, true, true, false]
+    );
+    assert_eq!(got[3].record.counts[0], 4);
+}
+
+/// A round Redis fails while a batch is decided ahead: the callers decided
+/// ahead are not cached (Redis may not have them), but a local fallback
+/// still starts from their state, as for the batch's own callers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_round_keeps_the_states_decided_ahead_for_a_fallback() {
+    let server = RedisServer::start(&[
+        "--user", "cg", "on", ">s3cret", "~cg:*", "+@all", "--user", "admin", "on", ">adm1n", "~*",
+        "+@all", "--user", "default", "off",
+    ]);
+    let rules = RuleSet::from_args(None, &["s:sliding:60s:2".into()]).unwrap();
+    let url = format!("redis://cg:s3cret@127.0.0.1:{}", server.port);
+    let mut a = cached(vec![url], "cg:").await;
+    let (x, z) = ("+34911000001", "+34911000003");
+    a.apply_batch(&rules, &[ev(x, "x0", T0), ev(z, "z1", T0)])
+        .await
+        .unwrap();
+    // From now on only the mode key may be written: every commit fails.
+    let admin =
+        redis::Client::open(format!("redis://admin:adm1n@127.0.0.1:{}", server.port)).unwrap();
+    let mut con = admin.get_connection().unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("cg")
+        .arg("resetkeys")
+        .arg("~cg:mode")
+        .query(&mut con)
+        .unwrap();
+    let first = [ev(x, "x1", T0 + 1)];
+    let second = [ev(z, "z2", T0 + 2)];
+    a.apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
+        .await
+        .expect_err("the commits were refused");
+    let state = a.cached_state(z).expect("z's state decided ahead was lost");
+    assert_eq!(state.latest(), Some(T0 + 2));
+    assert_eq!(a.cached_state(x).and_then(|s| s.latest()), Some(T0 + 1));
 }

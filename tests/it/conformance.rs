@@ -16,7 +16,7 @@ use callguard::store::gated::{Gated, Ledger};
 use callguard::store::memory::MemoryStore;
 use callguard::store::redis::aggregate::lease::RedisLedger;
 use callguard::store::redis::{RedisConfig, RedisStore};
-use callguard::store::{AnyStore, WindowStore};
+use callguard::store::{AnyStore, Next, WindowStore};
 use common::scenarios::{self, T0};
 use common::{ev, random, raw_command, RedisCluster, RedisServer};
 
@@ -72,7 +72,9 @@ async fn memory_run(rules: &RuleSet, events: &[CallEvent]) -> Vec<Verdict> {
     m.apply_batch(rules, events).await.unwrap()
 }
 
-/// Runs `events` through Redis in batches of `batch` and compares with memory.
+/// Runs `events` through Redis in batches of `batch`, each told the batch
+/// after it as the consumer tells it (the cached store decides that one's
+/// other callers ahead, while it commits), and compares with memory.
 async fn assert_same<S: WindowStore>(
     redis: &mut S,
     rules: &RuleSet,
@@ -82,8 +84,18 @@ async fn assert_same<S: WindowStore>(
 ) -> Vec<Verdict> {
     let expected = memory_run(rules, events).await;
     let mut got = Vec::new();
-    for chunk in events.chunks(batch) {
-        got.extend(redis.apply_batch(rules, chunk).await.unwrap());
+    let chunks: Vec<&[CallEvent]> = events.chunks(batch).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let mut next = chunks.get(i + 1).map(|&events| Next { rules, events });
+        let verdicts = redis
+            .apply_batch_partial_ahead(rules, chunk, &mut next)
+            .await
+            .unwrap();
+        got.extend(
+            verdicts
+                .into_iter()
+                .map(|v| v.expect("one writer: every call decided")),
+        );
     }
     assert_eq!(got.len(), expected.len());
     for (i, (g, x)) in got.iter().zip(&expected).enumerate() {
@@ -111,7 +123,7 @@ async fn scenario_suite(urls: Vec<String>) {
 }
 
 async fn random_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
-    let mut most_callees = 0;
+    let (mut most_callees, mut decided_ahead) = (0, 0);
     for mode in MODES {
         for seed in seeds.clone() {
             let (rules, events) = random::case(seed, 600, 6);
@@ -126,8 +138,23 @@ async fn random_suite(urls: Vec<String>, seeds: std::ops::Range<u64>) {
             .await;
             let most = got.iter().filter_map(|v| v.distinct_callees).max();
             most_callees = most_callees.max(most.unwrap_or(0));
+            if let Mode::Cached = mode {
+                // Batches of five, most of whose callers are not in the
+                // batch before: decided ahead while it commits.
+                let mut redis = open(mode, urls.clone(), &format!("ra{seed}:")).await;
+                let what = format!("ahead: seed {seed}, rules {rules:?}");
+                assert_same(&mut redis, &rules, &events, 5, &what).await;
+                if let AnyStore::Cached(c) = &redis {
+                    decided_ahead += c.calls_decided_ahead();
+                }
+            }
         }
     }
+    let runs = seeds.end - seeds.start;
+    assert!(
+        decided_ahead > runs * 100,
+        "{decided_ahead} calls decided ahead in {runs} runs of 600"
+    );
     // Some caller had more callees in its window than a caller's state
     // lists inline (eight): the table form went through every store too.
     assert!(most_callees > 8, "at most {most_callees} distinct callees");

@@ -5,14 +5,36 @@ use redis::Value;
 
 use super::wire::{bulk, distinct_fields, refusals, scanned, self_contained, unexpected};
 use super::wire::{Committed, Found, Refused, Write};
-use super::{wire, CachedStore, CALLERS_PER_CALL, SCAN_COUNT};
-use crate::store::redis::Conn;
+use super::{wire, CALLERS_PER_CALL, SCAN_COUNT};
+use crate::store::redis::{Conn, RedisConfig};
 
-impl CachedStore {
+/// What a commit needs of the store: its connection, configuration and
+/// script. Borrowed apart from the cache, so that a batch can take callers
+/// out of the cache while its commits are in flight (see `ahead.rs`).
+#[derive(Clone, Copy)]
+pub(super) struct Committer<'s> {
+    pub(super) conn: &'s Conn,
+    pub(super) config: &'s RedisConfig,
+    pub(super) sha: &'s str,
+}
+
+impl Committer<'_> {
+    fn state_key(&self, caller: &str) -> String {
+        self.config.caller_key(caller, ":s")
+    }
+
+    fn records_key(&self, caller: &str) -> String {
+        self.config.caller_key(caller, ":r")
+    }
+
+    fn log_key(&self, caller: &str) -> String {
+        self.config.caller_key(caller, ":l")
+    }
+
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
     /// concurrently) and returns them with those that were refused.
     pub(super) async fn commit<'a>(
-        &self,
+        self,
         writes: Vec<Write<'a>>,
     ) -> Result<Committed<'a>, redis::RedisError> {
         let groups = self
@@ -59,7 +81,7 @@ impl CachedStore {
         let mut pipe = redis::Pipeline::with_capacity(calls.len() + plain.len());
         pipe.ignore_errors();
         for ws in &calls {
-            pipe.add_command(wire::invocation(&self.config, &self.sha, ws, false));
+            pipe.add_command(wire::invocation(self.config, self.sha, ws, false));
         }
         let mut key = String::new();
         for &i in &plain {
@@ -94,7 +116,7 @@ impl CachedStore {
             let reply = match replies.next() {
                 Some(Value::ServerError(e)) if e.code() == "NOSCRIPT" => {
                     let mut again = redis::pipe();
-                    again.add_command(wire::invocation(&self.config, &self.sha, ws, true));
+                    again.add_command(wire::invocation(self.config, self.sha, ws, true));
                     conn.query(&again, timeout).await?.pop()
                 }
                 reply => reply,

@@ -35,7 +35,9 @@
 
 use futures::StreamExt;
 
+use ahead::{AheadOutcome, DecidedAhead};
 use cache::{Cache, Records, TtlPlan};
+use commit::Committer;
 use plan::{Pending, Plan};
 use wire::load;
 use wire::{Committed, Found, Write};
@@ -46,8 +48,9 @@ use crate::engine::rules::RuleSet;
 use crate::error::StoreError;
 use crate::store::redis::conn::ModeClaim;
 use crate::store::redis::{classify, Conn, RedisConfig};
-use crate::store::{CacheStats, StoreStats, WindowStore, CONTENDED};
+use crate::store::{CacheStats, StoreStats, Upcoming, WindowStore, CONTENDED};
 
+mod ahead;
 mod cache;
 mod commit;
 mod plan;
@@ -148,15 +151,23 @@ pub struct CachedStore {
     /// The callers of the last batch Redis failed, as decided in it (see
     /// [`WindowStore::cached_state`]).
     seeds: foldhash::HashMap<compact_str::CompactString, crate::engine::window::CallerState>,
+    /// Callers decided ahead in a round Redis failed, as decided: for a
+    /// local fallback, before `seeds` (they are not cached).
+    ahead_seeds: foldhash::HashMap<compact_str::CompactString, crate::engine::window::CallerState>,
+    /// The batch decided ahead, until it is asked for (see `ahead.rs`).
+    ahead: Option<DecidedAhead>,
+    /// Whether batches are decided ahead (see [`CachedStore::with_ahead`]).
+    ahead_enabled: bool,
+    /// Calls whose verdicts were decided ahead and then asked for.
+    calls_ahead: u64,
     /// Newest event time seen: callers idle past the idempotency horizon
     /// leave the cache first.
     watermark: i64,
-    /// Commits refused because another writer had changed the caller.
-    conflicts: u64,
-    /// Writes refused because a caller believed new existed (a first
+    /// Commits refused because another writer had changed the caller,
+    /// and writes refused because a caller believed new existed (a first
     /// sight after a restart, a rebalance or an eviction): misses, not
     /// conflicts.
-    misses: u64,
+    counts: Counts,
     /// The prefix's mode claim (see [`crate::store::redis::CLAIM_EVERY`]).
     claim: ModeClaim,
     /// See [`DEFAULT_MAX_ROUNDS`].
@@ -173,7 +184,7 @@ impl std::fmt::Debug for CachedStore {
         f.debug_struct("CachedStore")
             .field("config", &self.config)
             .field("cached_callers", &self.cache.len())
-            .field("conflicts", &self.conflicts)
+            .field("counts", &self.counts)
             .finish_non_exhaustive()
     }
 }
@@ -197,9 +208,12 @@ impl CachedStore {
             config,
             cache: Cache::new(max_callers, DEFAULT_CACHED_BYTES),
             seeds: foldhash::HashMap::default(),
+            ahead_seeds: foldhash::HashMap::default(),
+            ahead: None,
+            ahead_enabled: true,
+            calls_ahead: 0,
             watermark: i64::MIN,
-            conflicts: 0,
-            misses: 0,
+            counts: Counts::default(),
             claim: ModeClaim::now(),
             max_rounds: DEFAULT_MAX_ROUNDS,
             partial_reads_after: 1,
@@ -257,13 +271,27 @@ impl CachedStore {
     /// Commits refused so far because another writer had changed the
     /// caller (each was decided again on the current state).
     pub fn conflicts(&self) -> u64 {
-        self.conflicts
+        self.counts.conflicts
     }
 
     /// Writes refused so far because a caller believed new existed (its
     /// state was then read, and its calls decided on it).
     pub fn misses(&self) -> u64 {
-        self.misses
+        self.counts.misses
+    }
+
+    /// Decides the batch after the one being committed, when the consumer
+    /// has it, while that one's commits are in flight (default on; only
+    /// with records kept, see `ahead.rs`). Off: one batch at a time.
+    pub fn with_ahead(mut self, on: bool) -> Self {
+        self.ahead_enabled = on;
+        self
+    }
+
+    /// Calls whose verdicts were decided ahead, while the batch before
+    /// them was committed, and then asked for.
+    pub fn calls_decided_ahead(&self) -> u64 {
+        self.calls_ahead
     }
 
     /// Callers held in memory.
@@ -279,6 +307,7 @@ impl CachedStore {
     /// Forgets every cached caller (the next call of each re-reads Redis).
     pub fn clear_cache(&mut self) {
         self.cache.clear();
+        self.ahead = None;
     }
 
     /// The key of a caller's records kept apart, `<prefix>{<caller>}:r`.
@@ -302,37 +331,57 @@ impl CachedStore {
     /// a failure their next call re-reads Redis, whatever part of the
     /// writes landed. A caller still refused after the last round is left
     /// undecided (`None` for its calls; nothing of them was written).
+    ///
+    /// With a batch after it in `next`, that batch's other callers are
+    /// decided and committed while this one's first round is in flight
+    /// ([`ahead::decide`]); it comes back with the verdicts, for when that
+    /// batch is asked for.
     async fn try_batch(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
-    ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        next: &mut dyn Upcoming,
+    ) -> Result<(Vec<Option<Verdict>>, Option<DecidedAhead>), StoreError> {
         self.cache.tick();
-        let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
-        let mut pending: Vec<Pending<'_>> = Vec::new();
-        for (i, ev) in events.iter().enumerate() {
-            self.watermark = self.watermark.max(ev.ts_ms);
-            let at = *index.entry(ev.caller.as_str()).or_insert_with(|| {
-                pending.push(Pending {
-                    caller: ev.caller.as_str(),
-                    events: Vec::new(),
-                    cached: self.cache.take(ev.caller.as_str()),
-                    refused: 0,
-                    read_back: false,
-                });
-                pending.len() - 1
-            });
-            pending[at].events.push(i);
-        }
+        let (index, mut pending) = gather(&mut self.cache, events, None);
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         self.seeds.clear();
+        let mut looking = self.looks_ahead().then_some(next);
+        let (mut decided_ahead, mut ahead_failed) = (None, false);
         for _ in 0..self.max_rounds {
-            let outcomes = match self
-                .round(rules, events, &mut pending, &todo, &mut verdicts, ttl)
-                .await
-            {
+            let rounds = Rounds {
+                committer: Committer {
+                    conn: &self.conn,
+                    config: &self.config,
+                    sha: &self.sha,
+                },
+                plan: &self.plan,
+                partial_reads_after: self.partial_reads_after,
+            };
+            let (on_sent, sent) = tokio::sync::oneshot::channel();
+            let current = round(
+                rounds,
+                rules,
+                events,
+                &mut pending,
+                &todo,
+                &mut verdicts,
+                ttl,
+                Some(on_sent),
+            );
+            let outcomes = match looking.take() {
+                None => current.await,
+                Some(next) => {
+                    let ahead = ahead::decide(rounds, &mut self.cache, &index, next, sent);
+                    let (outcomes, ahead) = futures::join!(current, ahead);
+                    ahead_failed = matches!(ahead, AheadOutcome::Failed(_));
+                    decided_ahead = self.ahead_done(ahead);
+                    outcomes
+                }
+            };
+            let outcomes = match outcomes {
                 Ok(outcomes) => outcomes,
                 Err(e) => {
                     // Redis failed: the callers taken out are kept apart
@@ -344,45 +393,7 @@ impl CachedStore {
                     return Err(classify(e));
                 }
             };
-            let mut next = Vec::new();
-            for Committed { writes, refused } in outcomes {
-                let mut refused_set = vec![false; writes.len()];
-                for r in refused {
-                    refused_set[r.write] = true;
-                    let w = &writes[r.write];
-                    // A caller it had never seen is a miss, not a conflict.
-                    match w.expected {
-                        Some(_) => self.conflicts += 1,
-                        None => self.misses += 1,
-                    }
-                    let p = &mut pending[w.pending];
-                    p.refused += 1;
-                    p.read_back = r.read.is_some();
-                    if let Some(Found {
-                        value,
-                        hash,
-                        log,
-                        partial,
-                    }) = r.read
-                    {
-                        *p.cached = load(p.caller, value, hash, log)?;
-                        if partial && matches!(p.cached.records, Records::Apart) {
-                            p.cached.records = Records::Partial;
-                        }
-                    }
-                    next.push(w.pending);
-                }
-                for (write, _) in writes.iter().zip(refused_set).filter(|(_, r)| !r) {
-                    let cached = &mut pending[write.pending].cached;
-                    cached.version = Some(write.version);
-                    cached.log = write.log;
-                    if write.ttl_ms.is_some() {
-                        cached.ttl_until = Some(ttl.until());
-                    }
-                }
-            }
-            next.sort_unstable();
-            todo = next;
+            todo = settle(outcomes, &mut pending, ttl, &mut self.counts)?;
             if todo.is_empty() {
                 break;
             }
@@ -394,74 +405,221 @@ impl CachedStore {
                 verdicts[i] = None;
             }
         }
-        let mut contended = todo.into_iter().peekable();
-        for (at, mut p) in pending.into_iter().enumerate() {
-            // A contended caller's state is kept when it is the one Redis
-            // returned with the last refusal, under its version: its calls,
-            // tried again in a later batch, are decided on it and can land
-            // at the first round. When Redis returned nothing (it was written
-            // again while read), the state holds decisions never written: it
-            // is dropped, and its next call reads Redis again.
-            let is_contended = contended.next_if_eq(&at).is_some();
-            if (is_contended && !p.read_back) || settled(&mut p) {
-                continue;
-            }
-            self.cache.put(p.caller, p.cached);
+        put_back(&mut self.cache, pending, todo);
+        if !ahead_failed {
+            // (States decided ahead in a round Redis failed stay for a
+            // fallback until a later batch commits.)
+            self.ahead_seeds.clear();
         }
         self.cache
             .evict(self.watermark.saturating_sub(rules.dedup_ms()));
-        Ok(verdicts)
+        Ok((verdicts, decided_ahead))
     }
 
-    /// One round: decides the callers `todo` of `pending` and commits
-    /// what changed, a group of callers ([`group_size`]) per script call.
-    /// Each group is sent as soon as it is decided, so Redis runs one
-    /// group's commit while the next is decided.
-    async fn round<'a>(
-        &self,
-        rules: &RuleSet,
-        events: &[CallEvent],
-        pending: &mut [Pending<'a>],
-        todo: &[usize],
-        verdicts: &mut [Option<Verdict>],
-        ttl: TtlPlan,
-    ) -> Result<Vec<Committed<'a>>, redis::RedisError> {
-        let mut inflight = futures::stream::FuturesOrdered::new();
-        let mut outcomes = Vec::new();
-        for group in todo.chunks(group_size(todo.len())) {
-            let writes: Vec<Write> = group
-                .iter()
-                .map(|&at| {
-                    let mut w = plan::decide_caller(
-                        &self.plan,
-                        rules,
-                        events,
-                        (at, &mut pending[at]),
-                        verdicts,
-                        ttl,
-                    );
-                    w.read_ids = read_some(&pending[at], events, self.partial_reads_after);
-                    w
-                })
-                .collect();
-            inflight.push_back(self.commit(writes));
-            // Start sending it (and let the connection's task write it).
-            if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
-                outcomes.push(out?);
+    /// Whether batches are decided ahead: only with records kept, which
+    /// make a call decided ahead and then read again (a batch let go on a
+    /// revoke, a crash) get its first decision back.
+    fn looks_ahead(&self) -> bool {
+        self.ahead_enabled && self.plan.idempotency
+    }
+
+    /// Takes in what deciding ahead did: its counts, and the states it
+    /// decided when Redis failed (for a local fallback); the verdicts, if
+    /// any.
+    fn ahead_done(&mut self, outcome: AheadOutcome) -> Option<DecidedAhead> {
+        match outcome {
+            AheadOutcome::Nothing => None,
+            AheadOutcome::Decided(decided, counts) => {
+                self.counts.add(counts);
+                Some(decided)
             }
-            tokio::task::yield_now().await;
+            AheadOutcome::Failed(states) => {
+                self.ahead_seeds.extend(states);
+                None
+            }
         }
-        while let Some(out) = inflight.next().await {
+    }
+}
+
+/// The callers of `events` in order of first appearance, each taken out
+/// of `cache` with the indices of its events, and where each is; with
+/// `skip`, callers in it are left out (and in the cache).
+fn gather<'a>(
+    cache: &mut Cache,
+    events: &'a [CallEvent],
+    skip: Option<&foldhash::HashMap<&str, usize>>,
+) -> (foldhash::HashMap<&'a str, usize>, Vec<Pending<'a>>) {
+    let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
+    let mut pending: Vec<Pending<'_>> = Vec::new();
+    for (i, ev) in events.iter().enumerate() {
+        let caller = ev.caller.as_str();
+        if skip.is_some_and(|s| s.contains_key(caller)) {
+            continue;
+        }
+        let at = *index.entry(caller).or_insert_with(|| {
+            pending.push(Pending {
+                caller,
+                events: Vec::new(),
+                cached: cache.take(caller),
+                refused: 0,
+                read_back: false,
+            });
+            pending.len() - 1
+        });
+        pending[at].events.push(i);
+    }
+    (index, pending)
+}
+
+/// Commits refused and writes refused as misses (a caller believed new
+/// that existed).
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct Counts {
+    conflicts: u64,
+    misses: u64,
+}
+
+impl Counts {
+    fn add(&mut self, other: Counts) {
+        self.conflicts += other.conflicts;
+        self.misses += other.misses;
+    }
+}
+
+/// Takes in a round's commits: a written caller's new version, log and
+/// TTL; a refused one's state read back (counted as a conflict, or a miss
+/// if it was believed new). Returns the refused callers, in order, to
+/// decide again.
+fn settle<'a>(
+    outcomes: Vec<Committed<'a>>,
+    pending: &mut [Pending<'a>],
+    ttl: TtlPlan,
+    counts: &mut Counts,
+) -> Result<Vec<usize>, StoreError> {
+    let mut next = Vec::new();
+    for Committed { writes, refused } in outcomes {
+        let mut refused_set = vec![false; writes.len()];
+        for r in refused {
+            refused_set[r.write] = true;
+            let w = &writes[r.write];
+            // A caller it had never seen is a miss, not a conflict.
+            match w.expected {
+                Some(_) => counts.conflicts += 1,
+                None => counts.misses += 1,
+            }
+            let p = &mut pending[w.pending];
+            p.refused += 1;
+            p.read_back = r.read.is_some();
+            if let Some(Found {
+                value,
+                hash,
+                log,
+                partial,
+            }) = r.read
+            {
+                *p.cached = load(p.caller, value, hash, log)?;
+                if partial && matches!(p.cached.records, Records::Apart) {
+                    p.cached.records = Records::Partial;
+                }
+            }
+            next.push(w.pending);
+        }
+        for (write, _) in writes.iter().zip(refused_set).filter(|(_, r)| !r) {
+            let cached = &mut pending[write.pending].cached;
+            cached.version = Some(write.version);
+            cached.log = write.log;
+            if write.ttl_ms.is_some() {
+                cached.ttl_until = Some(ttl.until());
+            }
+        }
+    }
+    next.sort_unstable();
+    Ok(next)
+}
+
+/// Puts a batch's callers back into `cache`, but for those `contended`
+/// (refused in its last round, in order) whose state is not Redis's, and
+/// those known in part that have [`settled`].
+fn put_back(cache: &mut Cache, pending: Vec<Pending<'_>>, contended: Vec<usize>) {
+    let mut contended = contended.into_iter().peekable();
+    for (at, mut p) in pending.into_iter().enumerate() {
+        // A contended caller's state is kept when it is the one Redis
+        // returned with the last refusal, under its version: its calls,
+        // tried again in a later batch, are decided on it and can land
+        // at the first round. When Redis returned nothing (it was written
+        // again while read), the state holds decisions never written: it
+        // is dropped, and its next call reads Redis again.
+        let is_contended = contended.next_if_eq(&at).is_some();
+        if (is_contended && !p.read_back) || settled(&mut p) {
+            continue;
+        }
+        cache.put(p.caller, p.cached);
+    }
+}
+
+/// What a round needs of the store, borrowed apart from its cache.
+#[derive(Clone, Copy)]
+pub(super) struct Rounds<'s> {
+    committer: Committer<'s>,
+    plan: &'s Plan,
+    partial_reads_after: u32,
+}
+
+/// One round: decides the callers `todo` of `pending` and commits
+/// what changed, a group of callers ([`group_size`]) per script call.
+/// Each group is sent as soon as it is decided, so Redis runs one
+/// group's commit while the next is decided. Once every group is sent,
+/// `on_sent` is told (the batch after may then be decided ahead).
+#[allow(clippy::too_many_arguments)]
+async fn round<'a>(
+    rounds: Rounds<'_>,
+    rules: &RuleSet,
+    events: &[CallEvent],
+    pending: &mut [Pending<'a>],
+    todo: &[usize],
+    verdicts: &mut [Option<Verdict>],
+    ttl: TtlPlan,
+    on_sent: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<Vec<Committed<'a>>, redis::RedisError> {
+    let mut inflight = futures::stream::FuturesOrdered::new();
+    let mut outcomes = Vec::new();
+    for group in todo.chunks(group_size(todo.len())) {
+        let writes: Vec<Write> = group
+            .iter()
+            .map(|&at| {
+                let mut w = plan::decide_caller(
+                    rounds.plan,
+                    rules,
+                    events,
+                    (at, &mut pending[at]),
+                    verdicts,
+                    ttl,
+                );
+                w.read_ids = read_some(&pending[at], events, rounds.partial_reads_after);
+                w
+            })
+            .collect();
+        inflight.push_back(rounds.committer.commit(writes));
+        // Start sending it (and let the connection's task write it).
+        if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
             outcomes.push(out?);
         }
-        Ok(outcomes)
+        tokio::task::yield_now().await;
     }
+    if let Some(tell) = on_sent {
+        let _ = tell.send(());
+    }
+    while let Some(out) = inflight.next().await {
+        outcomes.push(out?);
+    }
+    Ok(outcomes)
 }
 
 impl WindowStore for CachedStore {
     fn cached_state(&self, caller: &str) -> Option<crate::engine::window::CallerState> {
         self.cache
             .peek(caller)
+            .or_else(|| self.ahead_seeds.get(caller))
             .or_else(|| self.seeds.get(caller))
             .cloned()
     }
@@ -469,12 +627,13 @@ impl WindowStore for CachedStore {
     fn stats(&self) -> StoreStats {
         let (lookups, hits, evictions) = self.cache.counts();
         StoreStats {
-            conflicts: self.conflicts,
+            conflicts: self.counts.conflicts,
             data_losses: self.claim.lost,
             cache: CacheStats {
                 lookups,
                 hits,
-                rereads: self.misses,
+                rereads: self.counts.misses,
+                decided_ahead: self.calls_ahead,
                 evictions,
                 callers: self.cache.len() as u64,
                 bytes: self.cache.bytes() as u64,
@@ -505,15 +664,24 @@ impl WindowStore for CachedStore {
         rules: &RuleSet,
         events: &[CallEvent],
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
+        self.apply_batch_partial_ahead(rules, events, &mut ()).await
+    }
+
+    async fn apply_batch_partial_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        next: &mut dyn Upcoming,
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
         // Without a concurrent or sum rule an end changes nothing:
         // answered here, never sent to Redis. With one, it is applied to
         // its caller's state like an attempt.
-        match crate::store::attempts_of(events).filter(|_| !rules.caller_uses_ends()) {
-            Some(attempts) => {
-                let decided = self.apply_events(rules, &attempts).await?;
+        match ahead::to_store(rules, events) {
+            std::borrow::Cow::Owned(attempts) => {
+                let decided = self.apply_events(rules, &attempts, next).await?;
                 Ok(crate::store::with_ends(rules, events, decided, Some))
             }
-            None => self.apply_events(rules, events).await,
+            std::borrow::Cow::Borrowed(_) => self.apply_events(rules, events, next).await,
         }
     }
 }
@@ -525,6 +693,7 @@ impl CachedStore {
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
+        next: &mut dyn Upcoming,
     ) -> Result<Vec<Option<Verdict>>, StoreError> {
         if events.is_empty() {
             return Ok(Vec::new());
@@ -535,9 +704,62 @@ impl CachedStore {
             .await?;
         let (n, timeout) = (self.config.wait_replicas, self.config.timeout);
         let since = self.conn.batch_start(n).await?;
-        let verdicts = self.try_batch(rules, events).await?;
+        for ev in events {
+            self.watermark = self.watermark.max(ev.ts_ms);
+        }
+        let (verdicts, ahead) = match self.ahead.take() {
+            Some(done) if done.fits(rules, events) => {
+                self.finish_ahead(rules, events, done, next).await?
+            }
+            kept => {
+                // Not the batch decided ahead (a retry of part of the one
+                // before, under the failure policy): that one is kept for
+                // when it comes, unless past the idempotency horizon.
+                self.ahead = kept.filter(|d| d.newest() > self.watermark - rules.dedup_ms());
+                self.try_batch(rules, events, next).await?
+            }
+        };
         self.conn.wait_replicas(n, timeout, since).await?;
+        if ahead.is_some() {
+            self.ahead = ahead;
+        }
         Ok(verdicts)
+    }
+
+    /// The batch decided ahead, asked for: its calls decided then stand
+    /// (they are written); the others (callers of the batch before, and
+    /// callers refused then) are decided now, as a batch of their own.
+    /// On a failure it is kept for the retry.
+    async fn finish_ahead(
+        &mut self,
+        rules: &RuleSet,
+        events: &[CallEvent],
+        done: DecidedAhead,
+        next: &mut dyn Upcoming,
+    ) -> Result<(Vec<Option<Verdict>>, Option<DecidedAhead>), StoreError> {
+        let rest: Vec<usize> = (0..events.len())
+            .filter(|&i| done.verdicts[i].is_none())
+            .collect();
+        let early = (events.len() - rest.len()) as u64;
+        if rest.is_empty() {
+            self.calls_ahead += early;
+            return Ok((done.verdicts, None));
+        }
+        let sub: Vec<CallEvent> = rest.iter().map(|&i| events[i].clone()).collect();
+        match self.try_batch(rules, &sub, next).await {
+            Ok((got, after)) => {
+                let mut verdicts = done.verdicts;
+                for (&i, v) in rest.iter().zip(got) {
+                    verdicts[i] = v;
+                }
+                self.calls_ahead += early;
+                Ok((verdicts, after))
+            }
+            Err(e) => {
+                self.ahead = Some(done);
+                Err(e)
+            }
+        }
     }
 }
 
