@@ -90,6 +90,7 @@ batches() {
   { curl -s "127.0.0.1:$mport/metrics" || true; } | awk '
     /^callguard_batch_size_sum/ {bs = $NF} /^callguard_batch_size_count/ {bn = $NF}
     /^callguard_store_latency_seconds_sum/ {ls = $NF} /^callguard_store_latency_seconds_count/ {ln = $NF}
+    /^callguard_cache_decided_ahead_total/ {ahead = $NF}
     /^callguard_store_latency_seconds_bucket/ {
       le = $1; sub(/.*le="/, "", le); sub(/".*/, "", le); n++; les[n] = le; cum[n] = $NF }
     END {
@@ -97,7 +98,7 @@ batches() {
       p99 = "+Inf"
       for (i = 1; i <= n; i++) if (cum[i] >= 0.99 * ln) { p99 = les[i]; break }
       if (p99 != "+Inf") p99 = sprintf("%.1f", p99 * 1000)
-      printf "%d batches of %.0f events on average; store time per batch mean %.2f ms, p99 <= %s ms\n", bn, bs / bn, ls / ln * 1000, p99 }'
+      printf "%d batches of %.0f events on average; store time per batch mean %.2f ms, p99 <= %s ms; %d calls decided ahead\n", bn, bs / bn, ls / ln * 1000, p99, ahead }'
 }
 # p50/p90/p99 in ms of consume's histogram NAME (interpolated inside its
 # buckets, as Prometheus's histogram_quantile does).

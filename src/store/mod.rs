@@ -173,6 +173,13 @@ pub trait Upcoming: Send {
     /// before it is committed. (A batch retried in between is decided
     /// again, and the next one with it.)
     fn peek(&mut self) -> Option<Next<'_>>;
+
+    /// Resolves once [`Upcoming::peek`] has a batch to give (at once if it
+    /// has one), so a store may wait for the next batch while it commits
+    /// this one. By default, never: no batch comes.
+    fn arrival(&mut self) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(std::future::pending())
+    }
 }
 
 /// No batch after this one (or none worth waiting for).

@@ -809,6 +809,19 @@ fn then<'a>(rules: &'a RuleSet, events: &'a [CallEvent]) -> Option<Next<'a>> {
     Some(Next { rules, events })
 }
 
+/// Waits (at most 10 s) until `key` exists: a commit sent ahead lands
+/// after the store call that sent it has returned.
+async fn until_exists(con: &mut redis::Connection, key: &str) {
+    for _ in 0..1_000 {
+        let there: bool = redis::cmd("EXISTS").arg(key).query(con).unwrap();
+        if there {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{key} was never written");
+}
+
 /// A batch whose callers are not in the batch before is decided and
 /// written while that one commits, and handed out only in its turn: a
 /// retry of part of the batch before, in between, leaves it alone, and its
@@ -832,11 +845,7 @@ async fn a_batch_decided_ahead_is_handed_out_in_its_turn() {
         .await
         .unwrap();
     // z's calls are written before their batch is asked for.
-    let written: bool = redis::cmd("EXISTS")
-        .arg(a.state_key(z))
-        .query(&mut con)
-        .unwrap();
-    assert!(written, "nothing was decided ahead");
+    until_exists(&mut con, &a.state_key(z)).await;
     assert_eq!(a.calls_decided_ahead(), 0);
     // A retry of part of the first batch (the failure policy's), a
     // redelivery: the batch decided ahead is kept for its turn.
@@ -880,12 +889,12 @@ async fn a_caller_decided_ahead_on_a_changed_state_is_decided_in_its_turn() {
         .apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
         .await
         .unwrap();
+    got.extend(a.apply_batch_partial(&rules, &second).await.unwrap());
     assert_eq!(
         a.conflicts(),
         conflicts + 1,
         "z's write ahead was not refused"
     );
-    got.extend(a.apply_batch_partial(&rules, &second).await.unwrap());
     let got: Vec<Verdict> = got.into_iter().map(Option::unwrap).collect();
     let expected = memory_run(&rules, &[&zs, &first, &second]).await;
     assert_eq!(got, expected[2..]);
@@ -910,11 +919,16 @@ async fn a_batch_decided_ahead_and_let_go_gets_its_records_back() {
         ev(z, "z2", T0 + 2),
         ev(z, "z3", T0 + 3),
     ];
+    let mut con = server.connection();
     {
         let mut a = cached(urls.clone(), "letgo:").await;
         a.apply_batch_partial_ahead(&rules, &first, &mut then(&rules, &second))
             .await
             .unwrap();
+        // (A crash before the commits sent ahead land loses them: the
+        // calls are then decided anew when read again, as they were
+        // never written.)
+        until_exists(&mut con, &a.state_key(z)).await;
     }
     let mut c = cached(urls, "letgo:").await;
     let again = [second.to_vec(), vec![ev(z, "z4", T0 + 4)]].concat();
@@ -933,7 +947,8 @@ async fn a_batch_decided_ahead_and_let_go_gets_its_records_back() {
 
 /// A round Redis fails while a batch is decided ahead: the callers decided
 /// ahead are not cached (Redis may not have them), but a local fallback
-/// still starts from their state, as for the batch's own callers.
+/// still starts from their state, as for the batch's own callers, both
+/// while their commits are in flight and once they have failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_round_keeps_the_states_decided_ahead_for_a_fallback() {
     let server = RedisServer::start(&[
@@ -966,4 +981,11 @@ async fn a_failed_round_keeps_the_states_decided_ahead_for_a_fallback() {
     let state = a.cached_state(z).expect("z's state decided ahead was lost");
     assert_eq!(state.latest(), Some(T0 + 2));
     assert_eq!(a.cached_state(x).and_then(|s| s.latest()), Some(T0 + 1));
+    // The next batch lands the failed commits, and fails too.
+    let third = [ev(x, "x2", T0 + 3)];
+    a.apply_batch_partial(&rules, &third)
+        .await
+        .expect_err("the commits were refused");
+    let state = a.cached_state(z).expect("z's state decided ahead was lost");
+    assert_eq!(state.latest(), Some(T0 + 2));
 }

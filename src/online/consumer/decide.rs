@@ -161,6 +161,19 @@ impl Upcoming for Queued<'_> {
             events: &j.events,
         })
     }
+
+    fn arrival(&mut self) -> Pin<Box<dyn Future<Output = ()> + Send + '_>> {
+        Box::pin(async move {
+            if self.job.is_none() {
+                // (Cancel-safe: a job received is kept, none is lost.)
+                match self.rx.recv().await {
+                    Some(job) => *self.job = Some(job),
+                    // The loop is gone: no batch will come.
+                    None => std::future::pending().await,
+                }
+            }
+        })
+    }
 }
 
 /// Decides a batch under the failure policy; `None` if shutdown came while

@@ -1,13 +1,16 @@
 //! Deciding the next batch while this one commits.
 //!
-//! A batch's last wait is for its commits. When the consumer already has
-//! the batch after it ([`Upcoming`]), the callers of that batch who are
-//! not in this one are decided on their cached state and committed on the
-//! same connection, while this batch's commits are in flight: when that
-//! batch is asked for, those calls are decided and written, and only the
-//! callers of this batch (and any refused) are left to decide. A caller's
-//! calls are decided on its own state alone, so this gives each call the
-//! verdict it would get one batch at a time.
+//! A batch's last wait is for its commits. When the consumer has the batch
+//! after it ([`Upcoming`]), now or by the time this batch's commits come
+//! back, the callers of that batch who are not in this one are decided on
+//! their cached state, and their commits are sent on the same connection
+//! behind this batch's: this batch returns when its own commits are back,
+//! and those land while the consumer produces its records. When the next
+//! batch is asked for, its calls decided ahead are ready, and only the
+//! callers it shares with the batch before (and any whose commit another
+//! writer refused) are left to decide. A caller's calls are decided on its
+//! own state alone, so this gives each call the verdict it would get one
+//! batch at a time.
 //!
 //! The effects stay exactly once. The verdicts are kept in the store and
 //! handed out only when their batch is asked for, after the batch before
@@ -23,8 +26,12 @@ use std::borrow::Cow;
 use compact_str::CompactString;
 use tokio::sync::oneshot;
 
+use tokio::task::JoinHandle;
+
 use super::cache::{Cache, TtlPlan};
-use super::{gather, put_back, round, settle, Counts, Rounds};
+use super::plan::Pending;
+use super::wire::Committed;
+use super::{decide_group, gather, group_size, put_back, settle, Counts, Rounds};
 use crate::engine::event::CallEvent;
 use crate::engine::record::Verdict;
 use crate::engine::rules::RuleSet;
@@ -59,15 +66,66 @@ impl DecidedAhead {
     }
 }
 
-/// What deciding ahead came to.
-pub(super) enum AheadOutcome {
-    /// Nothing was decided: no batch after, or none of its callers could be.
-    Nothing,
-    /// Decided, with the round's conflicts and misses.
-    Decided(DecidedAhead, Counts),
-    /// Redis failed: the states as decided (not cached, Redis may or may
-    /// not have them), for a local fallback.
-    Failed(Vec<(CompactString, CallerState)>),
+/// A batch decided ahead whose commits were sent and may not be back.
+pub(super) struct InFlight {
+    version: String,
+    events: Vec<CallEvent>,
+    verdicts: Vec<Option<Verdict>>,
+    /// Its callers decided, out of the cache until the commits land.
+    pending: Vec<Pending>,
+    commits: Vec<JoinHandle<Result<Committed, redis::RedisError>>>,
+    ttl: TtlPlan,
+}
+
+impl InFlight {
+    /// The state of `caller` as decided here, if it is one of its callers
+    /// (for a local fallback while it is out of the cache).
+    pub(super) fn state_of(&self, caller: &str) -> Option<&CallerState> {
+        self.pending
+            .iter()
+            .find(|p| p.caller == caller)
+            .map(|p| &p.cached.state)
+    }
+
+    /// Waits for its commits and puts its callers back into `cache` (as
+    /// a batch's round does: a refused caller with the state Redis
+    /// returned, its calls then left to decide in their turn), counting
+    /// its conflicts and misses. If Redis failed any of them: its
+    /// callers' states as decided, none of them cached.
+    pub(super) async fn land(
+        mut self,
+        cache: &mut Cache,
+        counts: &mut Counts,
+    ) -> Result<DecidedAhead, Vec<(CompactString, CallerState)>> {
+        let mut outcomes = Vec::with_capacity(self.commits.len());
+        let mut failed = false;
+        for commit in self.commits.drain(..) {
+            match commit.await {
+                Ok(Ok(outcome)) => outcomes.push(outcome),
+                _ => failed = true,
+            }
+        }
+        let settled = match failed {
+            true => None,
+            false => settle(outcomes, &mut self.pending, self.ttl, counts).ok(),
+        };
+        let Some(refused) = settled else {
+            let states = self.pending.into_iter();
+            return Err(states.map(|p| (p.caller, p.cached.state)).collect());
+        };
+        for &p in &refused {
+            // Refused: decided again when its batch is asked for.
+            for &i in &self.pending[p].events {
+                self.verdicts[i] = None;
+            }
+        }
+        put_back(cache, self.pending, refused);
+        Ok(DecidedAhead {
+            version: self.version,
+            events: self.events,
+            verdicts: self.verdicts,
+        })
+    }
 }
 
 /// The events of a batch the store decides: without a concurrent or sum
@@ -79,65 +137,58 @@ pub(super) fn to_store<'e>(rules: &RuleSet, events: &'e [CallEvent]) -> Cow<'e, 
     }
 }
 
-/// Once this batch's round has sent its commits (`sent`), decides and
-/// commits the batch after (`next`, if it has come) but for the callers
-/// of this one (`current`), taken out of `cache`, and puts them back.
+/// Once this batch's round has sent its commits (`sent`), decides the
+/// batch after (`next`: there now, or arriving before this batch's
+/// commits are back, `done`) but for the callers of this one (`current`),
+/// taken out of `cache`, and sends their commits.
 pub(super) async fn decide(
     rounds: Rounds<'_>,
     cache: &mut Cache,
     current: &foldhash::HashMap<&str, usize>,
     next: &mut dyn Upcoming,
     sent: oneshot::Receiver<()>,
-) -> AheadOutcome {
-    if sent.await.is_err() {
-        // This batch's round failed before it had sent them all.
-        return AheadOutcome::Nothing;
+    done: oneshot::Receiver<()>,
+) -> Option<InFlight> {
+    // (An error: this batch's round failed before it had sent them all.)
+    sent.await.ok()?;
+    if next.peek().is_none() {
+        tokio::select! {
+            biased;
+            _ = done => return None,
+            _ = next.arrival() => {}
+        }
     }
-    let Some(n) = next.peek().filter(|n| !n.rules.has_aggregates()) else {
-        return AheadOutcome::Nothing;
-    };
+    let n = next.peek().filter(|n| !n.rules.has_aggregates())?;
     let rules = n.rules;
-    let events = to_store(rules, n.events);
+    let events = to_store(rules, n.events).into_owned();
     let (_, mut pending) = gather(cache, &events, Some(current));
     if pending.is_empty() {
-        return AheadOutcome::Nothing;
+        return None;
     }
-    let ttl = TtlPlan::new(rounds.committer.config, rules);
+    let ttl = TtlPlan::new(&rounds.committer.config, rules);
     let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
     let todo: Vec<usize> = (0..pending.len()).collect();
-    let committed = round(
-        rounds,
-        rules,
-        &events,
-        &mut pending,
-        &todo,
-        &mut verdicts,
-        ttl,
-        None,
-    )
-    .await;
-    let mut counts = Counts::default();
-    let refused = match committed.map(|outcomes| settle(outcomes, &mut pending, ttl, &mut counts)) {
-        Ok(Ok(refused)) => refused,
-        _ => {
-            let states = pending
-                .into_iter()
-                .map(|p| (CompactString::from(p.caller), p.cached.state))
-                .collect();
-            return AheadOutcome::Failed(states);
-        }
-    };
-    for &p in &refused {
-        // Refused: decided again when its batch is asked for.
-        for &i in &pending[p].events {
-            verdicts[i] = None;
-        }
-    }
-    put_back(cache, pending, refused);
-    let decided = DecidedAhead {
+    let commits = todo
+        .chunks(group_size(todo.len()))
+        .map(|group| {
+            let writes = decide_group(
+                rounds,
+                rules,
+                &events,
+                &mut pending,
+                group,
+                &mut verdicts,
+                ttl,
+            );
+            tokio::spawn(rounds.committer.clone().commit(writes))
+        })
+        .collect();
+    Some(InFlight {
         version: rules.version().to_string(),
-        events: events.into_owned(),
+        events,
         verdicts,
-    };
-    AheadOutcome::Decided(decided, counts)
+        pending,
+        commits,
+        ttl,
+    })
 }

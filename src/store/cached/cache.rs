@@ -187,7 +187,7 @@ impl Cache {
     }
 
     /// Puts `caller` back, used now.
-    pub(super) fn put(&mut self, caller: &str, mut c: Box<Cached>) {
+    pub(super) fn put(&mut self, caller: impl Into<CompactString>, mut c: Box<Cached>) {
         c.used = self.clock;
         c.bytes = c.approx_bytes();
         self.bytes += c.bytes;

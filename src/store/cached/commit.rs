@@ -6,19 +6,22 @@ use redis::Value;
 use super::wire::{bulk, distinct_fields, refusals, scanned, self_contained, unexpected};
 use super::wire::{Committed, Found, Refused, Write};
 use super::{wire, CALLERS_PER_CALL, SCAN_COUNT};
+use std::sync::Arc;
+
 use crate::store::redis::{Conn, RedisConfig};
 
 /// What a commit needs of the store: its connection, configuration and
-/// script. Borrowed apart from the cache, so that a batch can take callers
-/// out of the cache while its commits are in flight (see `ahead.rs`).
-#[derive(Clone, Copy)]
-pub(super) struct Committer<'s> {
-    pub(super) conn: &'s Conn,
-    pub(super) config: &'s RedisConfig,
-    pub(super) sha: &'s str,
+/// script, owned (cheap to clone), so that a commit can go on while the
+/// store takes callers out of its cache, and after the store call that
+/// sent it has returned (see `ahead.rs`).
+#[derive(Clone)]
+pub(super) struct Committer {
+    pub(super) conn: Conn,
+    pub(super) config: Arc<RedisConfig>,
+    pub(super) sha: Arc<str>,
 }
 
-impl Committer<'_> {
+impl Committer {
     fn state_key(&self, caller: &str) -> String {
         self.config.caller_key(caller, ":s")
     }
@@ -33,13 +36,10 @@ impl Committer<'_> {
 
     /// Sends the writes (one pipeline; one per hash slot on a Cluster, run
     /// concurrently) and returns them with those that were refused.
-    pub(super) async fn commit<'a>(
-        self,
-        writes: Vec<Write<'a>>,
-    ) -> Result<Committed<'a>, redis::RedisError> {
+    pub(super) async fn commit(self, writes: Vec<Write>) -> Result<Committed, redis::RedisError> {
         let groups = self
             .conn
-            .groups(writes.len(), |i| self.state_key(writes[i].caller));
+            .groups(writes.len(), |i| self.state_key(&writes[i].caller));
         let calls = groups
             .into_iter()
             .map(|group| self.commit_group(&writes, group));
@@ -67,7 +67,7 @@ impl Committer<'_> {
     /// writes and other calls of the pipeline stand as written.
     async fn commit_group(
         &self,
-        writes: &[Write<'_>],
+        writes: &[Write],
         group: Vec<usize>,
     ) -> Result<Vec<Refused>, redis::RedisError> {
         let timeout = self.config.timeout * 2;
@@ -81,12 +81,12 @@ impl Committer<'_> {
         let mut pipe = redis::Pipeline::with_capacity(calls.len() + plain.len());
         pipe.ignore_errors();
         for ws in &calls {
-            pipe.add_command(wire::invocation(self.config, self.sha, ws, false));
+            pipe.add_command(wire::invocation(&self.config, &self.sha, ws, false));
         }
         let mut key = String::new();
         for &i in &plain {
             let w = &writes[i];
-            self.config.write_tagged(&mut key, "", w.caller, ":s");
+            self.config.write_tagged(&mut key, "", &w.caller, ":s");
             // Sized up front: seven arguments, the key, the string and
             // 20 bytes of flags and TTL (growing them was five
             // reallocations per new caller).
@@ -116,7 +116,7 @@ impl Committer<'_> {
             let reply = match replies.next() {
                 Some(Value::ServerError(e)) if e.code() == "NOSCRIPT" => {
                     let mut again = redis::pipe();
-                    again.add_command(wire::invocation(self.config, self.sha, ws, true));
+                    again.add_command(wire::invocation(&self.config, &self.sha, ws, true));
                     conn.query(&again, timeout).await?.pop()
                 }
                 reply => reply,
@@ -162,17 +162,17 @@ impl Committer<'_> {
     /// key), and its log kept apart: three replies per caller, in order.
     fn read_pipe(
         &self,
-        writes: &[Write<'_>],
+        writes: &[Write],
         which: &[usize],
-        records: impl Fn(&Write<'_>, String) -> redis::Cmd,
+        records: impl Fn(&Write, String) -> redis::Cmd,
     ) -> redis::Pipeline {
         let mut pipe = redis::pipe();
         pipe.atomic();
         for &i in which {
             let w = &writes[i];
-            pipe.cmd("GET").arg(self.state_key(w.caller));
-            pipe.add_command(records(w, self.records_key(w.caller)));
-            pipe.cmd("GET").arg(self.log_key(w.caller));
+            pipe.cmd("GET").arg(self.state_key(&w.caller));
+            pipe.add_command(records(w, self.records_key(&w.caller)));
+            pipe.cmd("GET").arg(self.log_key(&w.caller));
         }
         pipe
     }
@@ -185,7 +185,7 @@ impl Committer<'_> {
     async fn read_back_some(
         &self,
         conn: &mut Conn,
-        writes: &[Write<'_>],
+        writes: &[Write],
         which: Vec<usize>,
     ) -> Result<Vec<Refused>, redis::RedisError> {
         let pipe = self.read_pipe(writes, &which, |w, records| {
@@ -235,7 +235,7 @@ impl Committer<'_> {
     async fn read_back(
         &self,
         conn: &mut Conn,
-        writes: &[Write<'_>],
+        writes: &[Write],
         which: Vec<usize>,
     ) -> Result<Vec<Refused>, redis::RedisError> {
         let pipe = self.read_pipe(writes, &which, |_, records| {
@@ -255,7 +255,7 @@ impl Committer<'_> {
             let value = bulk(value)?;
             let (mut cursor, mut hash) = scanned(scan)?;
             if cursor != 0 {
-                let records = self.records_key(writes[write].caller);
+                let records = self.records_key(&writes[write].caller);
                 while cursor != 0 {
                     let mut pipe = redis::pipe();
                     pipe.cmd("HSCAN")
@@ -270,7 +270,7 @@ impl Committer<'_> {
                 }
                 let mut pipe = redis::pipe();
                 pipe.cmd("GETRANGE")
-                    .arg(self.state_key(writes[write].caller))
+                    .arg(self.state_key(&writes[write].caller))
                     .arg(0)
                     .arg(7);
                 let now = bulk(

@@ -35,7 +35,9 @@
 
 use futures::StreamExt;
 
-use ahead::{AheadOutcome, DecidedAhead};
+use std::sync::Arc;
+
+use ahead::{DecidedAhead, InFlight};
 use cache::{Cache, Records, TtlPlan};
 use commit::Committer;
 use plan::{Pending, Plan};
@@ -145,8 +147,8 @@ impl CacheLimit {
 /// Window state decided in process and kept in Redis under a version check.
 pub struct CachedStore {
     conn: Conn,
-    sha: String,
-    config: RedisConfig,
+    sha: Arc<str>,
+    config: Arc<RedisConfig>,
     cache: Cache,
     /// The callers of the last batch Redis failed, as decided in it (see
     /// [`WindowStore::cached_state`]).
@@ -154,10 +156,11 @@ pub struct CachedStore {
     /// Callers decided ahead in a round Redis failed, as decided: for a
     /// local fallback, before `seeds` (they are not cached).
     ahead_seeds: foldhash::HashMap<compact_str::CompactString, crate::engine::window::CallerState>,
-    /// The batch decided ahead, until it is asked for (see `ahead.rs`).
+    /// The batch decided ahead whose commits were sent, until it lands
+    /// (at the next batch: see `ahead.rs`).
+    in_flight: Option<InFlight>,
+    /// The batch decided ahead and landed, until it is asked for.
     ahead: Option<DecidedAhead>,
-    /// Whether batches are decided ahead (see [`CachedStore::with_ahead`]).
-    ahead_enabled: bool,
     /// Calls whose verdicts were decided ahead and then asked for.
     calls_ahead: u64,
     /// Newest event time seen: callers idle past the idempotency horizon
@@ -204,13 +207,13 @@ impl CachedStore {
         };
         Ok(CachedStore {
             conn,
-            sha,
-            config,
+            sha: sha.into(),
+            config: Arc::new(config),
             cache: Cache::new(max_callers, DEFAULT_CACHED_BYTES),
             seeds: foldhash::HashMap::default(),
             ahead_seeds: foldhash::HashMap::default(),
+            in_flight: None,
             ahead: None,
-            ahead_enabled: true,
             calls_ahead: 0,
             watermark: i64::MIN,
             counts: Counts::default(),
@@ -280,14 +283,6 @@ impl CachedStore {
         self.counts.misses
     }
 
-    /// Decides the batch after the one being committed, when the consumer
-    /// has it, while that one's commits are in flight (default on; only
-    /// with records kept, see `ahead.rs`). Off: one batch at a time.
-    pub fn with_ahead(mut self, on: bool) -> Self {
-        self.ahead_enabled = on;
-        self
-    }
-
     /// Calls whose verdicts were decided ahead, while the batch before
     /// them was committed, and then asked for.
     pub fn calls_decided_ahead(&self) -> u64 {
@@ -307,6 +302,7 @@ impl CachedStore {
     /// Forgets every cached caller (the next call of each re-reads Redis).
     pub fn clear_cache(&mut self) {
         self.cache.clear();
+        self.in_flight = None;
         self.ahead = None;
     }
 
@@ -332,31 +328,31 @@ impl CachedStore {
     /// writes landed. A caller still refused after the last round is left
     /// undecided (`None` for its calls; nothing of them was written).
     ///
-    /// With a batch after it in `next`, that batch's other callers are
-    /// decided and committed while this one's first round is in flight
-    /// ([`ahead::decide`]); it comes back with the verdicts, for when that
-    /// batch is asked for.
+    /// With a batch after it in `next` (now, or arriving while this one's
+    /// first round is in flight), that batch's other callers are decided
+    /// and their commits sent meanwhile ([`ahead::decide`]); they land
+    /// with the next batch asked for.
     async fn try_batch(
         &mut self,
         rules: &RuleSet,
         events: &[CallEvent],
         next: &mut dyn Upcoming,
-    ) -> Result<(Vec<Option<Verdict>>, Option<DecidedAhead>), StoreError> {
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
         self.cache.tick();
         let (index, mut pending) = gather(&mut self.cache, events, None);
         let ttl = TtlPlan::new(&self.config, rules);
         let mut verdicts: Vec<Option<Verdict>> = vec![None; events.len()];
         let mut todo: Vec<usize> = (0..pending.len()).collect();
         self.seeds.clear();
+        let committer = Committer {
+            conn: self.conn.clone(),
+            config: self.config.clone(),
+            sha: self.sha.clone(),
+        };
         let mut looking = self.looks_ahead().then_some(next);
-        let (mut decided_ahead, mut ahead_failed) = (None, false);
         for _ in 0..self.max_rounds {
             let rounds = Rounds {
-                committer: Committer {
-                    conn: &self.conn,
-                    config: &self.config,
-                    sha: &self.sha,
-                },
+                committer: &committer,
                 plan: &self.plan,
                 partial_reads_after: self.partial_reads_after,
             };
@@ -374,10 +370,15 @@ impl CachedStore {
             let outcomes = match looking.take() {
                 None => current.await,
                 Some(next) => {
-                    let ahead = ahead::decide(rounds, &mut self.cache, &index, next, sent);
+                    let (on_done, done) = tokio::sync::oneshot::channel();
+                    let current = async {
+                        let outcomes = current.await;
+                        let _ = on_done.send(());
+                        outcomes
+                    };
+                    let ahead = ahead::decide(rounds, &mut self.cache, &index, next, sent, done);
                     let (outcomes, ahead) = futures::join!(current, ahead);
-                    ahead_failed = matches!(ahead, AheadOutcome::Failed(_));
-                    decided_ahead = self.ahead_done(ahead);
+                    self.in_flight = ahead;
                     outcomes
                 }
             };
@@ -388,7 +389,7 @@ impl CachedStore {
                     // (not cached: their next call reads Redis again) for
                     // a local fallback to start from.
                     for p in pending {
-                        self.seeds.insert(p.caller.into(), p.cached.state);
+                        self.seeds.insert(p.caller, p.cached.state);
                     }
                     return Err(classify(e));
                 }
@@ -406,37 +407,29 @@ impl CachedStore {
             }
         }
         put_back(&mut self.cache, pending, todo);
-        if !ahead_failed {
-            // (States decided ahead in a round Redis failed stay for a
-            // fallback until a later batch commits.)
-            self.ahead_seeds.clear();
-        }
         self.cache
             .evict(self.watermark.saturating_sub(rules.dedup_ms()));
-        Ok((verdicts, decided_ahead))
+        Ok(verdicts)
     }
 
     /// Whether batches are decided ahead: only with records kept, which
     /// make a call decided ahead and then read again (a batch let go on a
     /// revoke, a crash) get its first decision back.
     fn looks_ahead(&self) -> bool {
-        self.ahead_enabled && self.plan.idempotency
+        self.plan.idempotency
     }
 
-    /// Takes in what deciding ahead did: its counts, and the states it
-    /// decided when Redis failed (for a local fallback); the verdicts, if
-    /// any.
-    fn ahead_done(&mut self, outcome: AheadOutcome) -> Option<DecidedAhead> {
-        match outcome {
-            AheadOutcome::Nothing => None,
-            AheadOutcome::Decided(decided, counts) => {
-                self.counts.add(counts);
-                Some(decided)
-            }
-            AheadOutcome::Failed(states) => {
-                self.ahead_seeds.extend(states);
-                None
-            }
+    /// Waits for the commits of the batch decided ahead, if any, and takes
+    /// them in: its callers back into the cache, its verdicts kept for its
+    /// turn. If Redis failed them, its callers stay out of the cache (Redis
+    /// may or may not have them), their states kept for a local fallback.
+    async fn land_ahead(&mut self) {
+        let Some(flight) = self.in_flight.take() else {
+            return;
+        };
+        match flight.land(&mut self.cache, &mut self.counts).await {
+            Ok(decided) => self.ahead = Some(decided),
+            Err(states) => self.ahead_seeds.extend(states),
         }
     }
 }
@@ -448,9 +441,9 @@ fn gather<'a>(
     cache: &mut Cache,
     events: &'a [CallEvent],
     skip: Option<&foldhash::HashMap<&str, usize>>,
-) -> (foldhash::HashMap<&'a str, usize>, Vec<Pending<'a>>) {
+) -> (foldhash::HashMap<&'a str, usize>, Vec<Pending>) {
     let mut index: foldhash::HashMap<&str, usize> = foldhash::HashMap::default();
-    let mut pending: Vec<Pending<'_>> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
     for (i, ev) in events.iter().enumerate() {
         let caller = ev.caller.as_str();
         if skip.is_some_and(|s| s.contains_key(caller)) {
@@ -458,7 +451,7 @@ fn gather<'a>(
         }
         let at = *index.entry(caller).or_insert_with(|| {
             pending.push(Pending {
-                caller,
+                caller: ev.caller.clone(),
                 events: Vec::new(),
                 cached: cache.take(caller),
                 refused: 0,
@@ -479,20 +472,13 @@ pub(super) struct Counts {
     misses: u64,
 }
 
-impl Counts {
-    fn add(&mut self, other: Counts) {
-        self.conflicts += other.conflicts;
-        self.misses += other.misses;
-    }
-}
-
 /// Takes in a round's commits: a written caller's new version, log and
 /// TTL; a refused one's state read back (counted as a conflict, or a miss
 /// if it was believed new). Returns the refused callers, in order, to
 /// decide again.
-fn settle<'a>(
-    outcomes: Vec<Committed<'a>>,
-    pending: &mut [Pending<'a>],
+fn settle(
+    outcomes: Vec<Committed>,
+    pending: &mut [Pending],
     ttl: TtlPlan,
     counts: &mut Counts,
 ) -> Result<Vec<usize>, StoreError> {
@@ -517,7 +503,7 @@ fn settle<'a>(
                 partial,
             }) = r.read
             {
-                *p.cached = load(p.caller, value, hash, log)?;
+                *p.cached = load(&p.caller, value, hash, log)?;
                 if partial && matches!(p.cached.records, Records::Apart) {
                     p.cached.records = Records::Partial;
                 }
@@ -540,7 +526,7 @@ fn settle<'a>(
 /// Puts a batch's callers back into `cache`, but for those `contended`
 /// (refused in its last round, in order) whose state is not Redis's, and
 /// those known in part that have [`settled`].
-fn put_back(cache: &mut Cache, pending: Vec<Pending<'_>>, contended: Vec<usize>) {
+fn put_back(cache: &mut Cache, pending: Vec<Pending>, contended: Vec<usize>) {
     let mut contended = contended.into_iter().peekable();
     for (at, mut p) in pending.into_iter().enumerate() {
         // A contended caller's state is kept when it is the one Redis
@@ -560,7 +546,7 @@ fn put_back(cache: &mut Cache, pending: Vec<Pending<'_>>, contended: Vec<usize>)
 /// What a round needs of the store, borrowed apart from its cache.
 #[derive(Clone, Copy)]
 pub(super) struct Rounds<'s> {
-    committer: Committer<'s>,
+    committer: &'s Committer,
     plan: &'s Plan,
     partial_reads_after: u32,
 }
@@ -571,54 +557,76 @@ pub(super) struct Rounds<'s> {
 /// group's commit while the next is decided. Once every group is sent,
 /// `on_sent` is told (the batch after may then be decided ahead).
 #[allow(clippy::too_many_arguments)]
-async fn round<'a>(
+async fn round(
     rounds: Rounds<'_>,
     rules: &RuleSet,
     events: &[CallEvent],
-    pending: &mut [Pending<'a>],
+    pending: &mut [Pending],
     todo: &[usize],
     verdicts: &mut [Option<Verdict>],
     ttl: TtlPlan,
     on_sent: Option<tokio::sync::oneshot::Sender<()>>,
-) -> Result<Vec<Committed<'a>>, redis::RedisError> {
+) -> Result<Vec<Committed>, redis::RedisError> {
     let mut inflight = futures::stream::FuturesOrdered::new();
     let mut outcomes = Vec::new();
-    for group in todo.chunks(group_size(todo.len())) {
-        let writes: Vec<Write> = group
-            .iter()
-            .map(|&at| {
-                let mut w = plan::decide_caller(
-                    rounds.plan,
-                    rules,
-                    events,
-                    (at, &mut pending[at]),
-                    verdicts,
-                    ttl,
-                );
-                w.read_ids = read_some(&pending[at], events, rounds.partial_reads_after);
-                w
-            })
-            .collect();
-        inflight.push_back(rounds.committer.commit(writes));
-        // Start sending it (and let the connection's task write it).
-        if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
-            outcomes.push(out?);
+    let sending = async {
+        for group in todo.chunks(group_size(todo.len())) {
+            let writes = decide_group(rounds, rules, events, pending, group, verdicts, ttl);
+            inflight.push_back(rounds.committer.clone().commit(writes));
+            // Start sending it (and let the connection's task write it).
+            if let std::task::Poll::Ready(Some(out)) = futures::poll!(inflight.next()) {
+                outcomes.push(out?);
+            }
+            tokio::task::yield_now().await;
         }
-        tokio::task::yield_now().await;
-    }
+        Ok::<(), redis::RedisError>(())
+    };
+    let sent = sending.await;
+    // (Told also when a commit failed before all were sent: deciding is
+    // over either way.)
     if let Some(tell) = on_sent {
         let _ = tell.send(());
     }
+    sent?;
     while let Some(out) = inflight.next().await {
         outcomes.push(out?);
     }
     Ok(outcomes)
 }
 
+/// Decides the callers `group` of `pending` and plans their writes.
+#[allow(clippy::too_many_arguments)]
+fn decide_group(
+    rounds: Rounds<'_>,
+    rules: &RuleSet,
+    events: &[CallEvent],
+    pending: &mut [Pending],
+    group: &[usize],
+    verdicts: &mut [Option<Verdict>],
+    ttl: TtlPlan,
+) -> Vec<Write> {
+    group
+        .iter()
+        .map(|&at| {
+            let mut w = plan::decide_caller(
+                rounds.plan,
+                rules,
+                events,
+                (at, &mut pending[at]),
+                verdicts,
+                ttl,
+            );
+            w.read_ids = read_some(&pending[at], events, rounds.partial_reads_after);
+            w
+        })
+        .collect()
+}
+
 impl WindowStore for CachedStore {
     fn cached_state(&self, caller: &str) -> Option<crate::engine::window::CallerState> {
         self.cache
             .peek(caller)
+            .or_else(|| self.in_flight.as_ref().and_then(|f| f.state_of(caller)))
             .or_else(|| self.ahead_seeds.get(caller))
             .or_else(|| self.seeds.get(caller))
             .cloned()
@@ -707,7 +715,8 @@ impl CachedStore {
         for ev in events {
             self.watermark = self.watermark.max(ev.ts_ms);
         }
-        let (verdicts, ahead) = match self.ahead.take() {
+        self.land_ahead().await;
+        let verdicts = match self.ahead.take() {
             Some(done) if done.fits(rules, events) => {
                 self.finish_ahead(rules, events, done, next).await?
             }
@@ -720,9 +729,9 @@ impl CachedStore {
             }
         };
         self.conn.wait_replicas(n, timeout, since).await?;
-        if ahead.is_some() {
-            self.ahead = ahead;
-        }
+        // (States decided ahead in a round Redis failed are kept for a
+        // fallback until a batch commits.)
+        self.ahead_seeds.clear();
         Ok(verdicts)
     }
 
@@ -736,24 +745,24 @@ impl CachedStore {
         events: &[CallEvent],
         done: DecidedAhead,
         next: &mut dyn Upcoming,
-    ) -> Result<(Vec<Option<Verdict>>, Option<DecidedAhead>), StoreError> {
+    ) -> Result<Vec<Option<Verdict>>, StoreError> {
         let rest: Vec<usize> = (0..events.len())
             .filter(|&i| done.verdicts[i].is_none())
             .collect();
         let early = (events.len() - rest.len()) as u64;
         if rest.is_empty() {
             self.calls_ahead += early;
-            return Ok((done.verdicts, None));
+            return Ok(done.verdicts);
         }
         let sub: Vec<CallEvent> = rest.iter().map(|&i| events[i].clone()).collect();
         match self.try_batch(rules, &sub, next).await {
-            Ok((got, after)) => {
+            Ok(got) => {
                 let mut verdicts = done.verdicts;
                 for (&i, v) in rest.iter().zip(got) {
                     verdicts[i] = v;
                 }
                 self.calls_ahead += early;
-                Ok((verdicts, after))
+                Ok(verdicts)
             }
             Err(e) => {
                 self.ahead = Some(done);
@@ -774,7 +783,7 @@ pub const SETTLED_AFTER: u32 = 64;
 /// Whether `p`, known in part, has now been written at the first try
 /// [`SETTLED_AFTER`] batches in a row (no other writer seen): then it is
 /// not kept. Counts that streak.
-fn settled(p: &mut Pending<'_>) -> bool {
+fn settled(p: &mut Pending) -> bool {
     if !matches!(p.cached.records, Records::Partial) {
         return false;
     }
@@ -799,7 +808,7 @@ fn settled(p: &mut Pending<'_>) -> bool {
 /// left undecided after every round; read in part, in one round trip,
 /// the next commit nearly always lands.
 fn read_some(
-    p: &Pending<'_>,
+    p: &Pending,
     events: &[CallEvent],
     after: u32,
 ) -> Option<Vec<compact_str::CompactString>> {

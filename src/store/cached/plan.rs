@@ -26,8 +26,8 @@ pub(super) struct Plan {
 }
 
 /// One caller's part of a batch while it is being decided.
-pub(super) struct Pending<'a> {
-    pub(super) caller: &'a str,
+pub(super) struct Pending {
+    pub(super) caller: CompactString,
     /// Indices of its events in the batch, in order.
     pub(super) events: Vec<usize>,
     /// Boxed, so the cache's table holds a pointer per caller: growing it
@@ -98,14 +98,14 @@ pub(super) fn log_write(
 /// changes no state), the write only checks that the caller's version
 /// is still the one cached, and writes nothing: the caller keeps its
 /// version, and a cache another writer made stale is still caught.
-pub(super) fn decide_caller<'a>(
+pub(super) fn decide_caller(
     plan: &Plan,
     rules: &RuleSet,
     events: &[CallEvent],
-    (at, p): (usize, &mut Pending<'a>),
+    (at, p): (usize, &mut Pending),
     verdicts: &mut [Option<Verdict>],
     ttl: TtlPlan,
-) -> Write<'a> {
+) -> Write {
     let idem = plan.idempotency;
     let mut journal = Journal::default();
     let old_len = p.cached.state.log().len();
@@ -140,12 +140,12 @@ pub(super) fn decide_caller<'a>(
         verdicts[i] = Some(v);
     }
     if !changed {
-        return Write::check(p.caller, at, &p.cached);
+        return Write::check(p.caller.clone(), at, &p.cached);
     }
     let cached = &mut *p.cached;
     let (records_op, sets, dels) = records_write(
         plan,
-        (p.caller, &cached.state),
+        (&p.caller, &cached.state),
         (&mut cached.records, &mut cached.stale),
         made,
         &mut journal,
@@ -159,7 +159,7 @@ pub(super) fn decide_caller<'a>(
     // or records moved out get it again.
     let must_set_ttl = matches!(log_op, LogOp::Set(_)) || records_op == RecordsOp::Replace;
     Write {
-        caller: p.caller,
+        caller: p.caller.clone(),
         pending: at,
         check: false,
         expected: p.cached.version,

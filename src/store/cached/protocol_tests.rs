@@ -86,7 +86,7 @@ fn cases() -> Vec<Case> {
 }
 
 /// The write of `case` for `caller`.
-fn write_of(case: Case, caller: &str, pending: usize) -> Write<'_> {
+fn write_of(case: Case, caller: &str, pending: usize) -> Write {
     let log_op = match case.log {
         b'K' => LogOp::Keep,
         b'A' => LogOp::Append(b"appended".to_vec()),
@@ -107,7 +107,7 @@ fn write_of(case: Case, caller: &str, pending: usize) -> Write<'_> {
     };
     let with_records = matches!(records_op, RecordsOp::Hash | RecordsOp::Replace);
     Write {
-        caller,
+        caller: caller.into(),
         pending,
         check: case.check,
         expected,

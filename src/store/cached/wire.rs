@@ -39,8 +39,8 @@ impl RecordsOp {
 
 /// What one caller's commit writes (its keys are written into the call
 /// from the caller, see [`invocation`]).
-pub(super) struct Write<'a> {
-    pub(super) caller: &'a str,
+pub(super) struct Write {
+    pub(super) caller: CompactString,
     /// Its caller's place in the batch's list of callers.
     pub(super) pending: usize,
     /// Only check that the caller's version is `expected`; write nothing.
@@ -65,7 +65,7 @@ pub(super) struct Write<'a> {
     pub(super) read_ids: Option<Vec<CompactString>>,
 }
 
-impl<'a> Write<'a> {
+impl Write {
     /// The keys its commit declares, in `lua/commit.lua`'s order, as
     /// (head, tail) of `<prefix><head>{<caller>}<tail>`: the state string,
     /// then the log, the records hash and the block key when it touches
@@ -83,7 +83,7 @@ impl<'a> Write<'a> {
 
     /// A write of nothing that only checks that the caller's version is
     /// still `cached`'s (its calls in the batch were all decided before).
-    pub(super) fn check(caller: &'a str, pending: usize, cached: &Cached) -> Self {
+    pub(super) fn check(caller: CompactString, pending: usize, cached: &Cached) -> Self {
         Write {
             caller,
             pending,
@@ -145,8 +145,8 @@ pub(super) struct Found {
 }
 
 /// A group of writes sent, and those of them that were refused.
-pub(super) struct Committed<'a> {
-    pub(super) writes: Vec<Write<'a>>,
+pub(super) struct Committed {
+    pub(super) writes: Vec<Write>,
     pub(super) refused: Vec<Refused>,
 }
 
@@ -199,7 +199,7 @@ pub(super) fn time_bytes<'a>(times: impl Iterator<Item = &'a i64>) -> Vec<u8> {
 pub(super) fn invocation(
     config: &RedisConfig,
     sha: &str,
-    writes: &[&Write<'_>],
+    writes: &[&Write],
     text: bool,
 ) -> redis::Cmd {
     let keys: usize = writes.iter().map(|w| w.key_parts().count()).sum();
@@ -217,7 +217,7 @@ pub(super) fn invocation(
     let mut key = String::new();
     for w in writes {
         for (head, tail) in w.key_parts() {
-            config.write_tagged(&mut key, head, w.caller, tail);
+            config.write_tagged(&mut key, head, &w.caller, tail);
             cmd.arg(key.as_str());
         }
     }
