@@ -294,7 +294,7 @@ mod tests {
         for i in 0..9 {
             cache.tick();
             cache.put(
-                &format!("c{i}"),
+                format!("c{i}"),
                 entry(&rules, &format!("c{i}"), 1, 1_000_000),
             );
         }
@@ -322,7 +322,7 @@ mod tests {
             cache.tick();
             // c4 is the most recently used but idle.
             let latest = if i == 4 { 10 } else { 1_000_000 };
-            cache.put(&format!("c{i}"), entry(&rules, &format!("c{i}"), 1, latest));
+            cache.put(format!("c{i}"), entry(&rules, &format!("c{i}"), 1, latest));
         }
         cache.evict(100);
         // The idle one, then the least recently used down to 3.
