@@ -254,4 +254,11 @@ mod tests {
         );
         assert_eq!(linger(&["--batch-linger-us", "0"]), Duration::ZERO);
     }
+
+    #[test]
+    fn deciding_ahead_is_off_unless_asked_for() {
+        let ahead = |args: &[&str]| consume(args).online.store.redis_config().decide_ahead;
+        assert!(!ahead(&[]));
+        assert!(ahead(&["--decide-ahead"]));
+    }
 }

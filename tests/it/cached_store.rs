@@ -25,6 +25,7 @@ fn config(urls: Vec<String>, prefix: &str, idempotency: bool) -> RedisConfig {
         urls,
         key_prefix: prefix.to_string(),
         idempotency,
+        decide_ahead: true,
         timeout: Duration::from_secs(5),
         ttl_slack: Duration::ZERO,
         tls_ca: None,

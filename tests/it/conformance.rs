@@ -26,6 +26,7 @@ fn config(urls: Vec<String>, prefix: &str) -> RedisConfig {
         urls,
         key_prefix: prefix.to_string(),
         idempotency: true,
+        decide_ahead: true,
         timeout: Duration::from_secs(5),
         ttl_slack: Duration::ZERO,
         tls_ca: None,

@@ -139,6 +139,7 @@ async fn start_in_process_with(
 ) -> Running {
     let redis_config = RedisConfig {
         urls: vec![redis_url.to_string()],
+        decide_ahead: true,
         ..RedisConfig::default()
     };
     let store = AnyStore::connect_redis(

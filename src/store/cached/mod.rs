@@ -412,11 +412,12 @@ impl CachedStore {
         Ok(verdicts)
     }
 
-    /// Whether batches are decided ahead: only with records kept, which
+    /// Whether batches are decided ahead: when asked for
+    /// ([`RedisConfig::decide_ahead`]), and only with records kept, which
     /// make a call decided ahead and then read again (a batch let go on a
     /// revoke, a crash) get its first decision back.
     fn looks_ahead(&self) -> bool {
-        self.plan.idempotency
+        self.config.decide_ahead && self.plan.idempotency
     }
 
     /// Waits for the commits of the batch decided ahead, if any, and takes

@@ -48,6 +48,10 @@ pub struct RedisConfig {
     /// reason with a TTL of the retry-after, in the same script call, so a
     /// switch can refuse the caller's next calls with one `EXISTS`.
     pub block_keys: bool,
+    /// With the cached store under `consume`: decide the next batch's other
+    /// callers while this batch's commits are in flight (see
+    /// `store::cached`'s `ahead.rs`; needs `idempotency`). Off by default.
+    pub decide_ahead: bool,
     /// Find the primary through Redis Sentinel and follow it across
     /// failovers; `urls` then only lend the primary their user, password,
     /// database and TLS (their host is not used).
@@ -88,6 +92,7 @@ impl std::fmt::Debug for RedisConfig {
             .field("ttl_slack", &self.ttl_slack)
             .field("tls_ca", &self.tls_ca)
             .field("block_keys", &self.block_keys)
+            .field("decide_ahead", &self.decide_ahead)
             .field("sentinel", &self.sentinel)
             .field("wait_replicas", &self.wait_replicas)
             .finish()
@@ -147,6 +152,7 @@ impl Default for RedisConfig {
             ttl_slack: Duration::from_secs(DEFAULT_TTL_SLACK_S),
             tls_ca: None,
             block_keys: false,
+            decide_ahead: false,
             sentinel: None,
             wait_replicas: 0,
         }
