@@ -725,7 +725,8 @@ impl CachedStore {
                 // Not the batch decided ahead (a retry of part of the one
                 // before, under the failure policy): that one is kept for
                 // when it comes, unless past the idempotency horizon.
-                self.ahead = kept.filter(|d| d.newest() > self.watermark - rules.dedup_ms());
+                self.ahead =
+                    kept.filter(|d| d.newest() > self.watermark.saturating_sub(rules.dedup_ms()));
                 self.try_batch(rules, events, next).await?
             }
         };
