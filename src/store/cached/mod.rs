@@ -356,20 +356,32 @@ impl CachedStore {
                 plan: &self.plan,
                 partial_reads_after: self.partial_reads_after,
             };
-            let (on_sent, sent) = tokio::sync::oneshot::channel();
-            let current = round(
-                rounds,
-                rules,
-                events,
-                &mut pending,
-                &todo,
-                &mut verdicts,
-                ttl,
-                Some(on_sent),
-            );
             let outcomes = match looking.take() {
-                None => current.await,
+                None => {
+                    round(
+                        rounds,
+                        rules,
+                        events,
+                        &mut pending,
+                        &todo,
+                        &mut verdicts,
+                        ttl,
+                        None,
+                    )
+                    .await
+                }
                 Some(next) => {
+                    let (on_sent, sent) = tokio::sync::oneshot::channel();
+                    let current = round(
+                        rounds,
+                        rules,
+                        events,
+                        &mut pending,
+                        &todo,
+                        &mut verdicts,
+                        ttl,
+                        Some(on_sent),
+                    );
                     let (on_done, done) = tokio::sync::oneshot::channel();
                     let current = async {
                         let outcomes = current.await;
