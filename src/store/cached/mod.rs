@@ -356,32 +356,28 @@ impl CachedStore {
                 plan: &self.plan,
                 partial_reads_after: self.partial_reads_after,
             };
-            let outcomes = match looking.take() {
-                None => {
-                    round(
-                        rounds,
-                        rules,
-                        events,
-                        &mut pending,
-                        &todo,
-                        &mut verdicts,
-                        ttl,
-                        None,
-                    )
-                    .await
-                }
-                Some(next) => {
+            // Only a round that looks ahead tells when its groups are sent.
+            let looks = looking.take();
+            let (on_sent, sent) = match looks {
+                Some(_) => {
                     let (on_sent, sent) = tokio::sync::oneshot::channel();
-                    let current = round(
-                        rounds,
-                        rules,
-                        events,
-                        &mut pending,
-                        &todo,
-                        &mut verdicts,
-                        ttl,
-                        Some(on_sent),
-                    );
+                    (Some(on_sent), Some(sent))
+                }
+                None => (None, None),
+            };
+            let current = round(
+                rounds,
+                rules,
+                events,
+                &mut pending,
+                &todo,
+                &mut verdicts,
+                ttl,
+                on_sent,
+            );
+            let outcomes = match looks.zip(sent) {
+                None => current.await,
+                Some((next, sent)) => {
                     let (on_done, done) = tokio::sync::oneshot::channel();
                     let current = async {
                         let outcomes = current.await;
